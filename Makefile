@@ -1,0 +1,41 @@
+# tensorswap: the two set-up commands are `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP_CORE := $(VENV)/.installed-core
+STAMP_DEV := $(VENV)/.installed-dev
+
+.PHONY: demo test check bench format clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP_CORE): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[demo]'
+	touch $@
+
+$(STAMP_DEV): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@ $(STAMP_CORE)
+
+demo: $(STAMP_CORE)
+	$(VENV)/bin/tensorswap demo
+
+test: $(STAMP_DEV)
+	$(PY) -m pytest
+
+check: $(STAMP_DEV)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
+
+format: $(STAMP_DEV)
+	$(VENV)/bin/ruff check --fix src tests benchmarks
+	$(VENV)/bin/ruff format src tests benchmarks
+
+bench: $(STAMP_DEV)
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,231 @@
+"""The tensorswap error tree: one root, a branch per layer, precise leaves.
+
+::
+
+    TensorSwapError
+    ├── CodecError                 (codec: encode/decode of tensor blocks and legacy formats)
+    │   ├── UnsupportedDtype       (also ValueError)
+    │   ├── TruncatedData          a length or count points past the end of the buffer
+    │   ├── InvalidMagic           the bytes are not the format they claim to be
+    │   ├── MalformedBlock         structurally broken Arrow IPC / metadata
+    │   └── ShapeMismatch          (also ValueError)
+    ├── CidError                   (cid)
+    │   ├── InvalidCid             (also ValueError) a string or bytes that is no CID we read
+    │   └── HashMismatch           bytes do not hash to the CID they were given under
+    ├── StoreError                 (store)
+    │   ├── BlockNotFound          (also KeyError)
+    │   └── CorruptBlock           a stored block no longer matches its CID
+    ├── AggregationError           (aggregate) (also ValueError)
+    │   ├── EmptyInput
+    │   ├── ShapeMismatch          (the codec leaf is shared: same facts, same name)
+    │   ├── DtypeMismatch
+    │   └── NonFiniteValues
+    ├── WireError                  (wire)
+    ├── RoundsError                (rounds)
+    ├── DeltaError                 (delta)
+    └── FlowError                  (flow)
+
+Layer packages define further leaves next to their raisers, always under the branch of
+their layer. Lower-level exceptions (pyarrow, zmq, OSError) are translated at the layer
+boundary with ``raise ... from exc``. Every error carries its facts as attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TensorSwapError(Exception):
+    """Root of every error tensorswap raises on purpose."""
+
+
+# ── codec ────────────────────────────────────────────────────────────────────
+class CodecError(TensorSwapError):
+    """Encoding or decoding a tensor block failed."""
+
+
+class UnsupportedDtype(CodecError, ValueError):
+    """A dtype that the chosen encoding cannot carry."""
+
+    def __init__(self, dtype: object, supported: Sequence[str] = ()) -> None:
+        self.dtype = str(dtype)
+        self.supported = tuple(supported)
+        extra = f"; supported: {', '.join(self.supported)}" if self.supported else ""
+        super().__init__(f"unsupported dtype {self.dtype!r}{extra}")
+
+
+class TruncatedData(CodecError):
+    """A length or count read from the bytes points past the end of the buffer."""
+
+    def __init__(self, what: str, needed: int, available: int) -> None:
+        self.what = what
+        self.needed = needed
+        self.available = available
+        super().__init__(
+            f"truncated data reading {what}: needed {needed} bytes, {available} available"
+        )
+
+
+class InvalidMagic(CodecError):
+    """The bytes do not start with the magic of the format they are decoded as."""
+
+    def __init__(self, format_name: str, expected: bytes, found: bytes) -> None:
+        self.format_name = format_name
+        self.expected = expected
+        self.found = found
+        super().__init__(f"invalid magic for {format_name}: expected {expected!r}, got {found!r}")
+
+
+class MalformedBlock(CodecError):
+    """Structurally broken input: bad Arrow IPC, missing column, inconsistent metadata."""
+
+
+class ShapeMismatch(CodecError, ValueError):
+    """Two shapes that must agree do not (raised by the codec and by aggregation)."""
+
+    def __init__(
+        self, expected: Sequence[int], got: Sequence[int], context: str = "", *, what: str = ""
+    ) -> None:
+        self.expected = tuple(int(d) for d in expected)
+        self.got = tuple(int(d) for d in got)
+        self.context = context
+        where = f" ({context})" if context else ""
+        msg = what or f"shape mismatch{where}: expected {list(self.expected)}, got {list(self.got)}"
+        super().__init__(msg)
+
+
+# ── cid ──────────────────────────────────────────────────────────────────────
+class CidError(TensorSwapError):
+    """Parsing, building or verifying a content identifier failed."""
+
+
+class InvalidCid(CidError, ValueError):
+    """A string or byte string that is not a CID tensorswap understands."""
+
+    def __init__(self, value: object, reason: str) -> None:
+        self.value = value
+        self.reason = reason
+        shown = value if isinstance(value, str) else repr(value)
+        if isinstance(shown, str) and len(shown) > 80:
+            shown = shown[:77] + "..."
+        super().__init__(f"invalid CID {shown}: {reason}")
+
+
+class HashMismatch(CidError):
+    """Bytes do not hash to the CID they were presented under."""
+
+    def __init__(self, cid: object, actual: object, context: str = "") -> None:
+        self.cid = cid
+        self.actual = actual
+        self.context = context
+        where = f" ({context})" if context else ""
+        super().__init__(f"content does not match CID {cid}{where}: it hashes to {actual}")
+
+
+# ── store ────────────────────────────────────────────────────────────────────
+class StoreError(TensorSwapError):
+    """A block store operation failed."""
+
+
+class BlockNotFound(StoreError, KeyError):
+    """The store does not hold the requested block."""
+
+    def __init__(self, cid: object) -> None:
+        self.cid = cid
+        super().__init__(f"block not found: {cid}")
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message
+        return str(self.args[0])
+
+
+class CorruptBlock(StoreError):
+    """A stored block no longer matches its CID; its bytes are never returned."""
+
+    def __init__(self, cid: object, path: object = None, detail: str = "") -> None:
+        self.cid = cid
+        self.path = path
+        self.detail = detail
+        where = f" at {path}" if path is not None else ""
+        more = f": {detail}" if detail else ""
+        super().__init__(f"corrupt block {cid}{where}{more}")
+
+
+# ── aggregate ────────────────────────────────────────────────────────────────
+class AggregationError(TensorSwapError, ValueError):
+    """Contributions could not be aggregated; nothing was computed."""
+
+
+class EmptyInput(AggregationError):
+    """No contributions were given."""
+
+    def __init__(self, what: str = "No gradient blocks provided") -> None:
+        super().__init__(what)
+
+
+class AggregateShapeMismatch(AggregationError, ShapeMismatch):
+    """Contributions disagree on a shape."""
+
+
+class DtypeMismatch(AggregationError):
+    """Contributions disagree on a dtype."""
+
+    def __init__(self, expected: object, got: object, context: str = "") -> None:
+        self.expected = str(expected)
+        self.got = str(got)
+        self.context = context
+        where = f" ({context})" if context else ""
+        super().__init__(f"dtype mismatch{where}: expected {self.expected}, got {self.got}")
+
+
+class NonFiniteValues(AggregationError):
+    """A contribution holds NaN or infinite values."""
+
+    def __init__(self, index: int, count: int, context: str = "") -> None:
+        self.index = index
+        self.count = count
+        self.context = context
+        where = f" ({context})" if context else ""
+        super().__init__(f"contribution {index} has {count} non-finite values{where}")
+
+
+# ── higher layers: their leaves live next to their raisers ───────────────────
+class WireError(TensorSwapError):
+    """Sending or receiving frames or blocks failed."""
+
+
+class RoundsError(TensorSwapError):
+    """A coordinator round operation failed."""
+
+
+class DeltaError(TensorSwapError):
+    """Building, verifying, sending or applying a weight-delta fragment failed."""
+
+
+class FlowError(TensorSwapError):
+    """Encoding, validating or exchanging a typed training message failed."""
+
+
+__all__ = [
+    "AggregateShapeMismatch",
+    "AggregationError",
+    "BlockNotFound",
+    "CidError",
+    "CodecError",
+    "CorruptBlock",
+    "DeltaError",
+    "DtypeMismatch",
+    "EmptyInput",
+    "FlowError",
+    "HashMismatch",
+    "InvalidCid",
+    "InvalidMagic",
+    "MalformedBlock",
+    "NonFiniteValues",
+    "RoundsError",
+    "ShapeMismatch",
+    "StoreError",
+    "TensorSwapError",
+    "TruncatedData",
+    "UnsupportedDtype",
+    "WireError",
+]
