@@ -13,7 +13,11 @@ from tensorswap.errors import TensorSwapError
 # so `tensorswap --help` stays fast and a missing optional extra only breaks its own command.
 _COMMANDS: dict[str, tuple[str, str, str]] = {
     "cid": ("tensorswap.cli.cid_cmd", "cid", "Print the CIDv1 of a file's bytes."),
-    "inspect": ("tensorswap.cli.inspect_cmd", "inspect", "Describe an encoded tensor file as JSON."),
+    "inspect": (
+        "tensorswap.cli.inspect_cmd",
+        "inspect",
+        "Describe a tensor file as JSON.",
+    ),
     "demo": ("tensorswap.cli.demo_cmd", "demo", "Run the built-in end-to-end job."),
     "flow": ("tensorswap.cli.flow_cmd", "flow", "Typed training messages over ZeroMQ."),
     "delta": ("tensorswap.cli.delta_cmd", "delta", "Weight-delta fragments over TCP (axiom DWE)."),
