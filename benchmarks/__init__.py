@@ -1,0 +1,1 @@
+"""tensorswap benchmarks: each module prints ratios against baselines measured in the same run."""

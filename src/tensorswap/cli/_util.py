@@ -1,0 +1,48 @@
+"""Small helpers shared by CLI commands: reading files without copies, host:port parsing."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+
+
+@contextlib.contextmanager
+def mapped(path: str | Path) -> Iterator[memoryview]:
+    """The file's bytes as a read-only memoryview over an mmap (empty files give b'')."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below, after the mapping
+    except OSError as exc:
+        raise click.FileError(str(path), hint=exc.strerror or str(exc)) from exc
+    with f:
+        size = Path(path).stat().st_size
+        if size == 0:
+            yield memoryview(b"")
+            return
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        view = memoryview(mm)
+        try:
+            yield view
+        finally:
+            view.release()
+            with contextlib.suppress(BufferError):
+                # A caller still holding a derived view keeps the mapping alive; let GC close it.
+                mm.close()
+
+
+def parse_host_port(text: str, *, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[::1]:PORT`` for IPv6, ``:PORT`` for the default host)."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep:
+        raise click.BadParameter(f"expected HOST:PORT, got {text!r}")
+    host = host.strip("[]") or default_host
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise click.BadParameter(f"port must be a number, got {port_text!r}") from None
+    if not 0 <= port <= 65535:
+        raise click.BadParameter(f"port must be in 0..65535, got {port}")
+    return host, port
