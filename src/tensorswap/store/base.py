@@ -1,0 +1,138 @@
+"""The BlockStore interface: immutable blocks addressed by their CID."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Self
+
+from tensorswap.cid import Cid, HashFunction, Multicodec
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["BlockStore", "StoreSize", "byte_view"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSize:
+    """How much a store holds: number of blocks and their total length in bytes."""
+
+    blocks: int
+    nbytes: int
+
+
+def byte_view(data: Buffer) -> memoryview:
+    """A flat, unsigned-byte memoryview over ``data`` without copying (C-contiguous only)."""
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    if view.format == "B" and view.ndim == 1:
+        return view
+    return view.cast("B")
+
+
+class BlockStore(ABC):
+    """A set of immutable blocks keyed by CID; every implementation passes one conformance suite.
+
+    Guarantees common to all stores:
+
+    - ``put`` is idempotent: storing the same bytes twice keeps one block and returns one CID.
+    - A block is either fully visible or absent; readers never see a partial block.
+    - ``get`` returns a read-only, flat memoryview of the block's bytes without copying them,
+      and never returns bytes that do not hash to the CID asked for (see each store for how).
+    - All methods are safe to call from several threads at once.
+    """
+
+    def put(
+        self,
+        data: Buffer,
+        *,
+        codec: Multicodec = Multicodec.RAW,
+        hash: HashFunction = HashFunction.BLAKE3,
+        adopt: bool = False,
+    ) -> Cid:
+        """Store ``data`` (any C-contiguous buffer) and return its CID.
+
+        ``adopt=True`` promises that the caller will never write to ``data`` again, so a store
+        may keep a reference to it instead of copying (the memory store does).
+        """
+        view = byte_view(data)
+        cid = Cid.of(view, codec=codec, hash=hash)
+        self._store(cid, view, adopt)
+        return cid
+
+    def put_verified(self, cid: Cid, data: Buffer, *, adopt: bool = False) -> Cid:
+        """Store ``data`` under ``cid`` after checking that it hashes to it.
+
+        Raises HashMismatch (and stores nothing) when it does not. Use this for blocks that
+        arrive from a peer together with the CID they claim.
+        """
+        view = byte_view(data)
+        cid.verify(view, "put_verified")
+        self._store(cid, view, adopt)
+        return cid
+
+    @abstractmethod
+    def _store(self, cid: Cid, data: memoryview, adopt: bool) -> None:
+        """Store ``data`` under ``cid``; the caller has already checked that they match."""
+
+    @abstractmethod
+    def get(self, cid: Cid, *, verify: bool | None = None) -> memoryview:
+        """The block's bytes as a read-only, 1-D, unsigned-byte memoryview (zero-copy).
+
+        Raises BlockNotFound (also a KeyError) when the store lacks the block. ``verify``
+        overrides the store's default re-hashing of the bytes on read where a store does it.
+        """
+
+    @abstractmethod
+    def has(self, cid: Cid) -> bool:
+        """Whether the store holds the block."""
+
+    @abstractmethod
+    def delete(self, cid: Cid) -> bool:
+        """Remove the block; True if it was there, False if it already was not.
+
+        Views returned earlier by ``get`` stay valid: deleting never invalidates memory in use.
+        """
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Cid]:
+        """The CIDs of all blocks held (no particular order; a snapshot or a live scan)."""
+
+    @abstractmethod
+    def size(self) -> StoreSize:
+        """Number of blocks and their total length in bytes."""
+
+    def iterate(self) -> Iterator[Cid]:
+        """Same as ``iter(store)``."""
+        return iter(self)
+
+    def missing(self, cids: Iterable[Cid]) -> list[Cid]:
+        """The CIDs of ``cids`` that this store lacks, each once, in first-seen order."""
+        seen: set[Cid] = set()
+        lacking: list[Cid] = []
+        for cid in cids:
+            if cid in seen:
+                continue
+            seen.add(cid)
+            if not self.has(cid):
+                lacking.append(cid)
+        return lacking
+
+    def __contains__(self, cid: object) -> bool:
+        return isinstance(cid, Cid) and self.has(cid)
+
+    def close(self) -> None:  # noqa: B027 (optional hook: stores without resources keep it)
+        """Release what the store holds open; views returned by ``get`` stay valid."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

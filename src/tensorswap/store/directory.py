@@ -1,0 +1,287 @@
+"""DirectoryStore: a file per block in sharded directories, written atomically, read by mmap."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from tensorswap.cid import Cid
+from tensorswap.errors import BlockNotFound, CorruptBlock, InvalidCid, StoreError
+from tensorswap.store.base import BlockStore, StoreSize
+
+__all__ = ["FORMAT_LINE", "DirectoryStore"]
+
+FORMAT_LINE = b"tensorswap-blockstore 1\n"
+"""Contents of ``<root>/FORMAT``; a directory holding anything else is refused."""
+
+_TMP_SUFFIX = ".tmp"
+_WRITE_STEP = 1 << 30  # os.write moves at most ~2 GiB per call on Linux; write in 1 GiB steps
+_HEX = frozenset("0123456789abcdef")
+
+
+class DirectoryStore(BlockStore):
+    """Blocks as files ``<root>/blocks/<d0>/<d1>/<cid>``, ``d0 d1`` = first two digest bytes in hex.
+
+    - Writes go to a temp file ``.<cid>.<random>.tmp`` in the block's own directory, which is
+      then renamed over the final name (``os.replace``), so a block is visible whole or not at
+      all; a crash leaves at most a temp file, which every listing ignores and
+      ``remove_temp_files`` (also run by garbage collection) deletes.
+    - ``fsync=True`` syncs the file before the rename and the directory after it, so a put
+      that returned survives a power loss.
+    - ``get`` maps the file read-only (``mmap``) and, unless verification is turned off,
+      re-hashes it before returning. A block that no longer matches its CID raises
+      CorruptBlock naming the CID and the path, its bytes are never returned, and the file is
+      moved to ``<root>/quarantine/`` so that ``has`` turns False and the block can be put
+      (fetched) again.
+    - Lifetime: the returned memoryview owns the mapping. It stays valid (also after the
+      block is deleted, since POSIX keeps an unlinked file's pages) until the view and every
+      object built on it (numpy arrays, slices) are garbage collected; then the mapping is
+      unmapped. Nothing needs closing. Files are never modified in place by the store; a
+      process that truncates a block file behind its back makes access to a live view fault.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        fsync: bool = False,
+        verify_reads: bool = True,
+        create: bool = True,
+    ) -> None:
+        self.root = Path(root)
+        self.fsync = fsync
+        self.verify_reads = verify_reads
+        self._blocks = os.path.join(self.root, "blocks")
+        self._quarantine = os.path.join(self.root, "quarantine")
+        fmt = self.root / "FORMAT"
+        try:
+            if fmt.exists():
+                found = fmt.read_bytes()
+                if found != FORMAT_LINE:
+                    raise StoreError(
+                        f"{self.root} is not a tensorswap block store: FORMAT={found!r}"
+                    )
+            elif not create:
+                raise StoreError(f"no block store at {self.root} (and create=False)")
+            else:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._write_file_atomic(str(fmt), memoryview(FORMAT_LINE))
+            os.makedirs(self._blocks, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot open block store at {self.root}: {exc}") from exc
+
+    # ── paths ────────────────────────────────────────────────────────────────
+    def path_of(self, cid: Cid) -> str:
+        """Where the block with this CID lives (whether or not it is there)."""
+        d = cid.digest
+        return os.path.join(self._blocks, f"{d[0]:02x}", f"{d[1]:02x}", str(cid))
+
+    # ── writing ──────────────────────────────────────────────────────────────
+    def _store(self, cid: Cid, data: memoryview, adopt: bool) -> None:
+        path = self.path_of(cid)
+        try:
+            if os.stat(path).st_size == data.nbytes:
+                return  # already held (idempotent put); damage is caught and quarantined on read
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StoreError(f"cannot stat {path}: {exc}") from exc
+        try:
+            self._makedirs(os.path.dirname(path))
+            self._write_file_atomic(path, data)
+        except OSError as exc:
+            raise StoreError(f"cannot write block {cid} to {path}: {exc}") from exc
+
+    def _makedirs(self, directory: str) -> None:
+        if os.path.isdir(directory):
+            return
+        parent = os.path.dirname(directory)
+        self._makedirs(parent)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory)
+            if self.fsync:
+                _fsync_dir(parent)
+
+    def _write_file_atomic(self, path: str, data: memoryview) -> None:
+        directory, name = os.path.split(path)
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}{_TMP_SUFFIX}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                done = 0
+                total = data.nbytes
+                while done < total:
+                    done += os.write(fd, data[done : done + _WRITE_STEP])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        if self.fsync:
+            _fsync_dir(directory)
+
+    # ── reading ──────────────────────────────────────────────────────────────
+    def get(self, cid: Cid, *, verify: bool | None = None) -> memoryview:
+        """The block's bytes, memory-mapped, re-hashed first unless verification is off.
+
+        ``verify=None`` uses the store's ``verify_reads`` (default True); ``verify=False`` is
+        for trusted hot paths that have just checked the block. Raises BlockNotFound,
+        CorruptBlock (the bytes are not returned) or StoreError for other OS failures.
+        """
+        path = self.path_of(cid)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise BlockNotFound(cid) from None
+        except OSError as exc:
+            raise StoreError(f"cannot open block {cid} at {path}: {exc}") from exc
+        mapping: mmap.mmap | None = None
+        try:
+            stat = os.fstat(fd)
+            if stat.st_size:
+                mapping = mmap.mmap(fd, stat.st_size, access=mmap.ACCESS_READ)
+                view = memoryview(mapping)
+            else:
+                view = memoryview(b"")
+        except OSError as exc:
+            raise StoreError(f"cannot map block {cid} at {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+        if (self.verify_reads if verify is None else verify) and not cid.matches(view):
+            actual = Cid.of(view, codec=cid.codec, hash=cid.hash)
+            view.release()
+            if mapping is not None:
+                with contextlib.suppress(BufferError):
+                    mapping.close()
+            moved = self._quarantine_file(path, stat)
+            detail = f"content hashes to {actual} ({stat.st_size} bytes)"
+            raise CorruptBlock(cid, path, detail + (f"; moved to {moved}" if moved else ""))
+        return view
+
+    def _quarantine_file(self, path: str, seen: os.stat_result) -> str | None:
+        """Move a corrupt file aside unless it was replaced meanwhile; where it went, or None."""
+        try:
+            now = os.stat(path)
+            if (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
+                return None  # a writer replaced it with a fresh copy; leave that one alone
+            os.makedirs(self._quarantine, exist_ok=True)
+            target = os.path.join(
+                self._quarantine, f"{os.path.basename(path)}.{secrets.token_hex(4)}"
+            )
+            os.replace(path, target)
+        except OSError:
+            return None
+        return target
+
+    def has(self, cid: Cid) -> bool:
+        return os.path.isfile(self.path_of(cid))
+
+    def delete(self, cid: Cid) -> bool:
+        path = self.path_of(cid)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreError(f"cannot delete block {cid} at {path}: {exc}") from exc
+        if self.fsync:
+            _fsync_dir(os.path.dirname(path))
+        return True
+
+    # ── listing ──────────────────────────────────────────────────────────────
+    def _scan(self) -> Iterator[tuple[Cid, os.DirEntry[str]]]:
+        """Every block file with its CID, shard by shard; temp and foreign files skipped."""
+        for top in _list_dir(self._blocks):
+            if not _is_shard(top):
+                continue
+            for sub in _list_dir(top.path):
+                if not _is_shard(sub):
+                    continue
+                for entry in _list_dir(sub.path):
+                    if entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
+                        continue
+                    try:
+                        cid = Cid.parse(entry.name)
+                    except InvalidCid:
+                        continue
+                    if (f"{cid.digest[0]:02x}", f"{cid.digest[1]:02x}") == (top.name, sub.name):
+                        yield cid, entry
+
+    def __iter__(self) -> Iterator[Cid]:
+        """A live scan of the shards: blocks added or removed meanwhile may or may not appear."""
+        return (cid for cid, _ in self._scan())
+
+    def size(self) -> StoreSize:
+        """Counted by scanning the directory tree (cost grows with the number of blocks)."""
+        blocks = nbytes = 0
+        for _, entry in self._scan():
+            try:
+                nbytes += entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+            blocks += 1
+        return StoreSize(blocks, nbytes)
+
+    def temp_files(self) -> list[str]:
+        """Paths of temp files left in the shards (writes in progress or abandoned by a crash)."""
+        found: list[str] = []
+        for top in _list_dir(self._blocks):
+            if _is_shard(top):
+                for sub in _list_dir(top.path):
+                    if _is_shard(sub):
+                        found.extend(
+                            e.path
+                            for e in _list_dir(sub.path)
+                            if e.name.startswith(".") and e.name.endswith(_TMP_SUFFIX)
+                        )
+        return found
+
+    def remove_temp_files(self, older_than: float = 3600.0) -> int:
+        """Delete temp files last modified more than ``older_than`` seconds ago; how many.
+
+        The age limit spares writes still in progress in other threads or processes.
+        """
+        removed = 0
+        limit = time.time() - older_than
+        for path in self.temp_files():
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_mtime <= limit:
+                    os.unlink(path)
+                    removed += 1
+        return removed
+
+    def __repr__(self) -> str:
+        return f"DirectoryStore({str(self.root)!r}, fsync={self.fsync})"
+
+
+def _list_dir(path: str) -> list[os.DirEntry[str]]:
+    """Entries of a directory, the scandir handle closed before returning (no ResourceWarning)."""
+    try:
+        with os.scandir(path) as it:
+            return sorted(it, key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise StoreError(f"cannot list {path}: {exc}") from exc
+
+
+def _is_shard(entry: os.DirEntry[str]) -> bool:
+    name = entry.name
+    return len(name) == 2 and _HEX.issuperset(name) and entry.is_dir(follow_symlinks=False)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

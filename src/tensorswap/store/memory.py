@@ -1,0 +1,72 @@
+"""MemoryStore: blocks held in process memory, for tests, caches and the embedded demo."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from tensorswap.cid import Cid
+from tensorswap.errors import BlockNotFound, CorruptBlock
+from tensorswap.store.base import BlockStore, StoreSize
+
+__all__ = ["MemoryStore"]
+
+
+class MemoryStore(BlockStore):
+    """Blocks in a dict keyed by CID.
+
+    Bytes are hashed once, when they are put; ``get`` hands out read-only views of the held
+    buffer without copying and without re-hashing (the memory cannot change behind our back
+    unless a caller broke its ``adopt=True`` promise). ``put`` copies the data into an
+    immutable ``bytes`` unless ``adopt=True``, in which case the caller's buffer itself is kept.
+    """
+
+    def __init__(self) -> None:
+        self._blocks: dict[Cid, memoryview] = {}
+        self._nbytes = 0
+        self._lock = threading.Lock()
+
+    def _store(self, cid: Cid, data: memoryview, adopt: bool) -> None:
+        with self._lock:
+            if cid in self._blocks:
+                return
+        held = data.toreadonly() if adopt else memoryview(bytes(data))
+        with self._lock:
+            if cid not in self._blocks:
+                self._blocks[cid] = held
+                self._nbytes += held.nbytes
+
+    def get(self, cid: Cid, *, verify: bool | None = None) -> memoryview:
+        """A fresh read-only view of the held bytes; re-hashed only when ``verify=True``."""
+        with self._lock:
+            held = self._blocks.get(cid)
+        if held is None:
+            raise BlockNotFound(cid)
+        view = held[:]  # a view of its own: a caller's release() must not break the store's
+        if verify and not cid.matches(view):
+            raise CorruptBlock(cid, None, "held bytes changed after put (adopted buffer written)")
+        return view
+
+    def has(self, cid: Cid) -> bool:
+        with self._lock:
+            return cid in self._blocks
+
+    def delete(self, cid: Cid) -> bool:
+        with self._lock:
+            view = self._blocks.pop(cid, None)
+            if view is None:
+                return False
+            self._nbytes -= view.nbytes
+            return True
+
+    def __iter__(self) -> Iterator[Cid]:
+        with self._lock:
+            return iter(list(self._blocks))
+
+    def size(self) -> StoreSize:
+        with self._lock:
+            return StoreSize(len(self._blocks), self._nbytes)
+
+    def __repr__(self) -> str:
+        size = self.size()
+        return f"MemoryStore(blocks={size.blocks}, nbytes={size.nbytes})"
