@@ -1,0 +1,111 @@
+"""The rounds layer's error leaves, all under ``RoundsError``; each carries its facts.
+
+::
+
+    RoundsError
+    ├── RoundNotFound           (also KeyError) no round with that id
+    ├── RoundAlreadyTerminal    (also RuntimeError) the round is Complete or Failed
+    ├── RoundClosed             (also RuntimeError) the round takes no more contributions
+    ├── DuplicateContribution   (also ValueError) this peer already contributed to this round
+    ├── UnknownUpdate           (also LookupError) the update CID is not in the store
+    ├── UpdateMismatch          (also ValueError) layer names, dtypes or shapes differ
+    ├── InvalidRoundSpec        (also ValueError) a round configuration that cannot work
+    └── RoundTimeout            (also TimeoutError) waiting for a round's result timed out
+"""
+
+from __future__ import annotations
+
+from tensorswap.errors import RoundsError
+
+__all__ = [
+    "DuplicateContribution",
+    "InvalidRoundSpec",
+    "RoundAlreadyTerminal",
+    "RoundClosed",
+    "RoundNotFound",
+    "RoundTimeout",
+    "RoundsError",
+    "UnknownUpdate",
+    "UpdateMismatch",
+]
+
+
+class RoundNotFound(RoundsError, KeyError):
+    """No round with this id exists (never started, or garbage-collected)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"Round not found: {key}")
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message
+        return str(self.args[0])
+
+
+class RoundAlreadyTerminal(RoundsError, RuntimeError):
+    """The round is already Complete or Failed; nothing about it can change any more."""
+
+    def __init__(self, key: str, status: str) -> None:
+        self.key = key
+        self.status = status
+        super().__init__(f"Round {key} is already terminal (status: {status})")
+
+
+class RoundClosed(RoundsError, RuntimeError):
+    """The round stopped collecting: all expected peers submitted, or aggregation began."""
+
+    def __init__(self, key: str, status: str, received: int, expected: int) -> None:
+        self.key = key
+        self.status = status
+        self.received = received
+        self.expected = expected
+        super().__init__(
+            f"Round {key} takes no more contributions (status: {status}, "
+            f"{received} of {expected} peers submitted)"
+        )
+
+
+class DuplicateContribution(RoundsError, ValueError):
+    """The peer already has an accepted contribution in this round; the first one stands."""
+
+    def __init__(self, key: str, peer: str) -> None:
+        self.key = key
+        self.peer = peer
+        super().__init__(f"peer {peer!r} already contributed to round {key}")
+
+
+class UnknownUpdate(RoundsError, LookupError):
+    """A contribution names an update CID the coordinator's store does not hold."""
+
+    def __init__(self, key: str, peer: str, cid: str, detail: str = "") -> None:
+        self.key = key
+        self.peer = peer
+        self.cid = cid
+        self.detail = detail
+        more = f": {detail}" if detail else ""
+        super().__init__(
+            f"update {cid} from peer {peer!r} for round {key} is not in the store{more}"
+        )
+
+
+class UpdateMismatch(RoundsError, ValueError):
+    """A contribution's layers (names, dtypes, shapes) differ from the round's."""
+
+    def __init__(self, key: str, peer: str, detail: str) -> None:
+        self.key = key
+        self.peer = peer
+        self.detail = detail
+        super().__init__(f"update from peer {peer!r} does not fit round {key}: {detail}")
+
+
+class InvalidRoundSpec(RoundsError, ValueError):
+    """A round configuration that cannot work (no peers, quorum above expected, ...)."""
+
+
+class RoundTimeout(RoundsError, TimeoutError):
+    """Waiting for a round to reach a terminal status took longer than allowed."""
+
+    def __init__(self, key: str, timeout: float, status: str) -> None:
+        self.key = key
+        self.timeout = timeout
+        self.status = status
+        super().__init__(f"round {key} not finished after {timeout:g} s (status: {status})")

@@ -1,0 +1,561 @@
+"""The round state machine: ids, statuses, contributions and the thread-safe RoundTracker."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import ClassVar, Protocol
+
+from tensorswap.rounds.errors import (
+    DuplicateContribution,
+    InvalidRoundSpec,
+    RoundAlreadyTerminal,
+    RoundClosed,
+    RoundNotFound,
+    RoundTimeout,
+    UpdateMismatch,
+)
+
+__all__ = [
+    "Aggregating",
+    "Collecting",
+    "Complete",
+    "Contribution",
+    "Failed",
+    "LayerSpec",
+    "Layout",
+    "Pending",
+    "RoundId",
+    "RoundInfo",
+    "RoundJournal",
+    "RoundSpec",
+    "RoundStatus",
+    "RoundTracker",
+    "layout_mismatch",
+    "status_from_dict",
+]
+
+MAX_ROUND = 2**64 - 1
+
+log = logging.getLogger(__name__)
+
+
+# ── ids ──────────────────────────────────────────────────────────────────────
+@dataclass(frozen=True, slots=True, order=True)
+class RoundId:
+    """A round: its number and the peer that initiated it; the key is ``"{round}-{initiator}"``."""
+
+    round: int
+    initiator: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.round, bool) or not isinstance(self.round, int):
+            raise TypeError(f"round must be an int, got {type(self.round).__name__}")
+        if not 0 <= self.round <= MAX_ROUND:
+            raise ValueError(f"round must be in [0, 2**64-1], got {self.round}")
+        if not isinstance(self.initiator, str) or not self.initiator:
+            raise ValueError(f"initiator must be a non-empty str, got {self.initiator!r}")
+
+    def as_key(self) -> str:
+        return f"{self.round}-{self.initiator}"
+
+    @classmethod
+    def parse_key(cls, key: str) -> RoundId:
+        """The inverse of ``as_key`` (the initiator may itself contain dashes)."""
+        number, sep, initiator = key.partition("-")
+        if not sep or not number.isdigit():
+            raise ValueError(f"not a round key ('<round>-<initiator>'): {key!r}")
+        return cls(int(number), initiator)
+
+    def __str__(self) -> str:
+        return self.as_key()
+
+
+# ── statuses: a small tagged union ───────────────────────────────────────────
+class _Status:
+    __slots__ = ()
+    name: ClassVar[str]
+    is_terminal: ClassVar[bool] = False
+
+    def to_dict(self) -> dict[str, object]:
+        """``{"status": name, **fields}``, JSON- and msgpack-ready."""
+        fields = {k: getattr(self, k) for k in getattr(self, "__slots__", ())}
+        return {"status": self.name, **fields}
+
+
+@dataclass(frozen=True, slots=True)
+class Pending(_Status):
+    """Started; no contribution yet."""
+
+    name: ClassVar[str] = "Pending"
+
+
+@dataclass(frozen=True, slots=True)
+class Collecting(_Status):
+    """Accepting contributions: ``received`` of ``expected`` peers have submitted."""
+
+    received: int
+    expected: int
+    name: ClassVar[str] = "Collecting"
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregating(_Status):
+    """Closed for contributions; the aggregate is being computed."""
+
+    name: ClassVar[str] = "Aggregating"
+
+
+@dataclass(frozen=True, slots=True)
+class Complete(_Status):
+    """Done: ``cid`` names the aggregated model update."""
+
+    cid: str
+    name: ClassVar[str] = "Complete"
+    is_terminal: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, slots=True)
+class Failed(_Status):
+    """Given up, for ``reason`` (e.g. ``"timeout: 3 of 8 peers"``)."""
+
+    reason: str
+    name: ClassVar[str] = "Failed"
+    is_terminal: ClassVar[bool] = True
+
+
+RoundStatus = Pending | Collecting | Aggregating | Complete | Failed
+
+
+def status_from_dict(data: Mapping[str, object]) -> RoundStatus:
+    """The inverse of ``RoundStatus.to_dict``; ValueError for anything else."""
+    name = data.get("status")
+    try:
+        if name == "Pending":
+            return Pending()
+        if name == "Collecting":
+            return Collecting(_as_int(data["received"]), _as_int(data["expected"]))
+        if name == "Aggregating":
+            return Aggregating()
+        if name == "Complete":
+            return Complete(str(data["cid"]))
+        if name == "Failed":
+            return Failed(str(data["reason"]))
+    except KeyError as exc:
+        raise ValueError(f"status {name!r} lacks field {exc}") from None
+    raise ValueError(f"unknown round status {name!r}")
+
+
+def _as_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an int, got {value!r}")
+    return value
+
+
+# ── layout of an update: names, dtypes, shapes ───────────────────────────────
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One named tensor of a model update as a round expects it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def to_list(self) -> list[object]:
+        return [self.name, self.dtype, list(self.shape)]
+
+    @classmethod
+    def from_list(cls, item: object) -> LayerSpec:
+        if not (isinstance(item, list | tuple) and len(item) == 3):
+            raise ValueError(f"layer spec must be [name, dtype, shape], got {item!r}")
+        name, dtype, shape = item
+        if not isinstance(shape, list | tuple):
+            raise ValueError(f"layer shape must be a list, got {shape!r}")
+        return cls(str(name), str(dtype), tuple(_as_int(d) for d in shape))
+
+
+Layout = tuple[LayerSpec, ...]
+
+
+def layout_mismatch(expected: Layout, got: Layout) -> str | None:
+    """None when the layouts agree, else one line naming the first difference."""
+    want = {layer.name: layer for layer in expected}
+    have = {layer.name: layer for layer in got}
+    if want.keys() != have.keys():
+        missing = sorted(want.keys() - have.keys())
+        extra = sorted(have.keys() - want.keys())
+        return f"layer names differ: missing {missing}, unexpected {extra}"
+    for name, layer in want.items():
+        other = have[name]
+        if layer.shape != other.shape:
+            return f"layer {name!r}: expected shape {list(layer.shape)}, got {list(other.shape)}"
+        if layer.dtype != other.dtype:
+            return f"layer {name!r}: expected dtype {layer.dtype}, got {other.dtype}"
+    return None
+
+
+# ── configuration, contributions, snapshots ──────────────────────────────────
+@dataclass(frozen=True, slots=True)
+class RoundSpec:
+    """How a round runs: peers expected, quorum at the deadline, deadline, aggregation strategy.
+
+    ``quorum`` (default: ``expected_peers``) is how many contributions a round needs when its
+    deadline passes to be aggregated rather than failed. ``timeout_s`` None means no deadline.
+    ``strategy`` names an aggregator of ``tensorswap.aggregate``; ``params`` are its options.
+    ``layout`` fixes the update's layers up front; when None the first contribution fixes it.
+    """
+
+    expected_peers: int
+    quorum: int | None = None
+    timeout_s: float | None = None
+    strategy: str = "fedavg"
+    params: Mapping[str, float] = field(default_factory=dict)
+    layout: Layout | None = None
+
+    def __post_init__(self) -> None:
+        expected = self.expected_peers
+        if isinstance(expected, bool) or not isinstance(expected, int) or expected < 1:
+            raise InvalidRoundSpec(f"expected_peers must be an int >= 1, got {expected!r}")
+        quorum = expected if self.quorum is None else self.quorum
+        if isinstance(quorum, bool) or not isinstance(quorum, int) or not 1 <= quorum <= expected:
+            raise InvalidRoundSpec(f"quorum must be an int in [1, {expected}], got {quorum!r}")
+        object.__setattr__(self, "quorum", quorum)
+        if self.timeout_s is not None and not (
+            isinstance(self.timeout_s, int | float) and math.isfinite(self.timeout_s)
+        ):
+            raise InvalidRoundSpec(f"timeout_s must be a finite number, got {self.timeout_s!r}")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise InvalidRoundSpec(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not isinstance(self.strategy, str) or not self.strategy:
+            raise InvalidRoundSpec(f"strategy must be a non-empty str, got {self.strategy!r}")
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        if self.layout is not None:
+            object.__setattr__(self, "layout", tuple(self.layout))
+
+    @property
+    def min_peers(self) -> int:
+        """The quorum as an int (never None after construction)."""
+        return self.quorum if self.quorum is not None else self.expected_peers
+
+
+@dataclass(frozen=True, slots=True)
+class Contribution:
+    """One peer's accepted contribution: the CID of its model update and its sample count."""
+
+    round_id: RoundId
+    peer: str
+    update_cid: str
+    num_samples: int = 0
+    nbytes: int = 0
+    submitted_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peer, str) or not self.peer:
+            raise ValueError(f"peer must be a non-empty str, got {self.peer!r}")
+        for what in ("num_samples", "nbytes"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RoundInfo:
+    """A consistent snapshot of one round."""
+
+    round_id: RoundId
+    spec: RoundSpec
+    status: RoundStatus
+    peers: tuple[str, ...]
+    nbytes: int
+    created_at: float
+    deadline: float | None
+    layout: Layout | None
+
+    @property
+    def received(self) -> int:
+        return len(self.peers)
+
+
+class RoundJournal(Protocol):
+    """Where a RoundTracker writes every change before it becomes visible (see ``persist``).
+
+    The tracker calls these under its own lock, one at a time; each call returns only once
+    the change is durable.
+    """
+
+    def load(self) -> list[tuple[RoundInfo, list[Contribution]]]: ...
+
+    def insert_round(self, info: RoundInfo) -> None: ...
+
+    def add_contribution(
+        self, contribution: Contribution, status: RoundStatus, layout: Layout | None
+    ) -> None: ...
+
+    def set_status(self, round_id: RoundId, status: RoundStatus) -> None: ...
+
+    def delete_rounds(self, round_ids: Iterable[RoundId]) -> None: ...
+
+
+class _Round:
+    __slots__ = ("contributions", "created_at", "deadline", "id", "layout", "spec", "status")
+
+    def __init__(self, info: RoundInfo, contributions: Iterable[Contribution] = ()) -> None:
+        self.id = info.round_id
+        self.spec = info.spec
+        self.status: RoundStatus = info.status
+        self.created_at = info.created_at
+        self.deadline = info.deadline
+        self.layout = info.layout
+        self.contributions: dict[str, Contribution] = {c.peer: c for c in contributions}
+
+    def snapshot(self) -> RoundInfo:
+        return RoundInfo(
+            self.id,
+            self.spec,
+            self.status,
+            tuple(self.contributions),
+            sum(c.nbytes for c in self.contributions.values()),
+            self.created_at,
+            self.deadline,
+            self.layout,
+        )
+
+
+Listener = Callable[[RoundId, RoundStatus], None]
+
+
+# ── the state machine ────────────────────────────────────────────────────────
+class RoundTracker:
+    """Tracks rounds and their contributions (the seed's BackwardPassCoordinator, tightened).
+
+    Guarantees:
+
+    - Every method is atomic and safe to call from several threads at once.
+    - With a journal, each change is durable in it before the method returns, and a tracker
+      built over the same journal later sees exactly the rounds and contributions it held.
+    - A peer contributes at most once per round; a round takes at most ``expected_peers``
+      contributions and none once it is Aggregating, Complete or Failed.
+    - Terminal statuses (Complete, Failed) never change again.
+    - Listeners are called after each status change, outside the lock, in change order per
+      thread; a listener that raises is not retried and does not undo the change.
+    """
+
+    def __init__(
+        self,
+        expected_peers: int = 1,
+        timeout_s: float | None = None,
+        *,
+        journal: RoundJournal | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.default_spec = RoundSpec(expected_peers, timeout_s=timeout_s)
+        self._journal = journal
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._rounds: dict[RoundId, _Round] = {}
+        self._listeners: list[Listener] = []
+        if journal is not None:
+            for info, contributions in journal.load():
+                self._rounds[info.round_id] = _Round(info, contributions)
+
+    @property
+    def timeout_s(self) -> float | None:
+        """The default round timeout (the seed's ``timeout_ms``, in seconds)."""
+        return self.default_spec.timeout_s
+
+    def subscribe(self, listener: Listener) -> None:
+        """Call ``listener(round_id, status)`` after every status change from now on."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    # ── lifecycle ────────────────────────────────────────────────────────────
+    def start(self, round_id: RoundId, spec: RoundSpec | None = None) -> bool:
+        """Start a round in Pending; False (and nothing changes) if it already exists."""
+        spec = spec or self.default_spec
+        with self._lock:
+            if round_id in self._rounds:
+                return False
+            now = self._clock()
+            deadline = None if spec.timeout_s is None else now + spec.timeout_s
+            info = RoundInfo(round_id, spec, Pending(), (), 0, now, deadline, spec.layout)
+            if self._journal is not None:
+                self._journal.insert_round(info)
+            self._rounds[round_id] = _Round(info)
+        self._notify(round_id, info.status)
+        return True
+
+    def check_submit(self, round_id: RoundId, peer: str) -> RoundInfo:
+        """Raise what ``submit`` would raise for this peer now; the round's snapshot otherwise.
+
+        Lets a caller refuse early, before validating a large update; ``submit`` checks again.
+        """
+        with self._lock:
+            entry = self._get(round_id)
+            self._check_open(entry, peer)
+            return entry.snapshot()
+
+    def submit(self, contribution: Contribution, *, layout: Layout | None = None) -> RoundStatus:
+        """Accept a contribution and return the new status (Collecting).
+
+        Raises RoundNotFound, RoundAlreadyTerminal, RoundClosed, DuplicateContribution, or
+        UpdateMismatch when ``layout`` (the update's layers) differs from the round's; the
+        first accepted layout becomes the round's when its spec fixed none.
+        """
+        key = contribution.round_id
+        with self._lock:
+            entry = self._get(key)
+            self._check_open(entry, contribution.peer)
+            new_layout = None
+            if layout is not None:
+                layout = tuple(layout)
+                if entry.layout is None:
+                    new_layout = layout
+                else:
+                    detail = layout_mismatch(entry.layout, layout)
+                    if detail is not None:
+                        raise UpdateMismatch(key.as_key(), contribution.peer, detail)
+            status = Collecting(len(entry.contributions) + 1, entry.spec.expected_peers)
+            if self._journal is not None:
+                self._journal.add_contribution(contribution, status, new_layout)
+            entry.contributions[contribution.peer] = contribution
+            entry.status = status
+            if new_layout is not None:
+                entry.layout = new_layout
+        self._notify(key, status)
+        return status
+
+    def begin_aggregation(self, round_id: RoundId) -> bool:
+        """Move a Pending or Collecting round to Aggregating; False if it is not in one of those.
+
+        The one caller that gets True owns the aggregation. Raises RoundNotFound.
+        """
+        with self._lock:
+            entry = self._get(round_id)
+            if not isinstance(entry.status, Pending | Collecting):
+                return False
+            self._set_status(entry, Aggregating())
+        self._notify(round_id, Aggregating())
+        return True
+
+    def mark_complete(self, round_id: RoundId, cid: str) -> bool:
+        """Set Complete(cid); False if the round does not exist. Raises RoundAlreadyTerminal."""
+        return self._finish(round_id, Complete(str(cid)))
+
+    def mark_failed(self, round_id: RoundId, reason: str) -> bool:
+        """Set Failed(reason); False if the round does not exist. Raises RoundAlreadyTerminal."""
+        return self._finish(round_id, Failed(str(reason)))
+
+    def _finish(self, round_id: RoundId, status: Complete | Failed) -> bool:
+        with self._lock:
+            entry = self._rounds.get(round_id)
+            if entry is None:
+                return False
+            if entry.status.is_terminal:
+                raise RoundAlreadyTerminal(round_id.as_key(), entry.status.name)
+            self._set_status(entry, status)
+        self._notify(round_id, status)
+        return True
+
+    def gc_before_round(self, round: int) -> int:
+        """Remove terminal rounds numbered below ``round``; how many were removed."""
+        with self._lock:
+            doomed = [
+                rid
+                for rid, entry in self._rounds.items()
+                if entry.status.is_terminal and rid.round < round
+            ]
+            if doomed and self._journal is not None:
+                self._journal.delete_rounds(doomed)
+            for rid in doomed:
+                del self._rounds[rid]
+            return len(doomed)
+
+    # ── queries ──────────────────────────────────────────────────────────────
+    def status(self, round_id: RoundId) -> RoundStatus | None:
+        """The round's status, or None if there is no such round."""
+        with self._lock:
+            entry = self._rounds.get(round_id)
+            return None if entry is None else entry.status
+
+    def info(self, round_id: RoundId) -> RoundInfo | None:
+        """A snapshot of the round, or None if there is no such round."""
+        with self._lock:
+            entry = self._rounds.get(round_id)
+            return None if entry is None else entry.snapshot()
+
+    def rounds(self) -> list[RoundInfo]:
+        """Snapshots of every round, ordered by round number then initiator."""
+        with self._lock:
+            return [self._rounds[rid].snapshot() for rid in sorted(self._rounds)]
+
+    def contributions(self, round_id: RoundId) -> list[Contribution]:
+        """The round's accepted contributions in acceptance order (empty if no such round)."""
+        with self._lock:
+            entry = self._rounds.get(round_id)
+            return [] if entry is None else list(entry.contributions.values())
+
+    def is_ready(self, round_id: RoundId) -> bool:
+        """True when every expected peer has submitted (False for an unknown round)."""
+        with self._lock:
+            entry = self._rounds.get(round_id)
+            return entry is not None and len(entry.contributions) >= entry.spec.expected_peers
+
+    def active_count(self) -> int:
+        """Rounds that are neither Complete nor Failed."""
+        with self._lock:
+            return sum(1 for entry in self._rounds.values() if not entry.status.is_terminal)
+
+    def wait(self, round_id: RoundId, timeout: float | None = None) -> RoundStatus:
+        """Block until the round is terminal and return its status (real time, not the clock).
+
+        Raises RoundNotFound if the round does not exist (or is collected while waiting),
+        RoundTimeout when ``timeout`` seconds pass first.
+        """
+        limit = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while True:
+                entry = self._get(round_id)
+                if entry.status.is_terminal:
+                    return entry.status
+                left = None if limit is None else limit - time.monotonic()
+                if left is not None and left <= 0:
+                    raise RoundTimeout(round_id.as_key(), timeout or 0.0, entry.status.name)
+                self._changed.wait(left)
+
+    # ── internals ────────────────────────────────────────────────────────────
+    def _get(self, round_id: RoundId) -> _Round:
+        entry = self._rounds.get(round_id)
+        if entry is None:
+            raise RoundNotFound(round_id.as_key())
+        return entry
+
+    def _check_open(self, entry: _Round, peer: str) -> None:
+        key = entry.id.as_key()
+        if entry.status.is_terminal:
+            raise RoundAlreadyTerminal(key, entry.status.name)
+        if peer in entry.contributions:
+            raise DuplicateContribution(key, peer)
+        received, expected = len(entry.contributions), entry.spec.expected_peers
+        if isinstance(entry.status, Aggregating) or received >= expected:
+            raise RoundClosed(key, entry.status.name, received, expected)
+
+    def _set_status(self, entry: _Round, status: RoundStatus) -> None:
+        if self._journal is not None:
+            self._journal.set_status(entry.id, status)
+        entry.status = status
+
+    def _notify(self, round_id: RoundId, status: RoundStatus) -> None:
+        with self._changed:
+            self._changed.notify_all()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(round_id, status)
+            except Exception:
+                log.exception("round listener %r failed on %s -> %s", listener, round_id, status)
