@@ -90,6 +90,14 @@ def test_has_and_contains(store: BlockStore) -> None:
     assert "not a cid" not in store
 
 
+def test_size_of(store: BlockStore) -> None:
+    cid = store.put(b"12345")
+    assert store.size_of(cid) == 5
+    assert store.size_of(store.put(b"")) == 0
+    with pytest.raises(BlockNotFound):
+        store.size_of(Cid.of(b"absent"))
+
+
 def test_delete(store: BlockStore) -> None:
     cid = store.put(b"doomed")
     keep = store.put(b"kept")

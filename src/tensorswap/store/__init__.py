@@ -2,6 +2,53 @@
 
 from tensorswap.store.base import BlockStore, StoreSize
 from tensorswap.store.directory import DirectoryStore
+from tensorswap.store.gc import GcResult, collect_garbage, reachable
+from tensorswap.store.manifest import (
+    DEFAULT_CHUNK_BYTES,
+    MANIFEST_MAGIC,
+    ChunkRef,
+    MalformedManifest,
+    Manifest,
+    ModelUpdate,
+    TensorManifest,
+    TensorRef,
+    UpdateManifest,
+    decode_manifest,
+    encode_manifest,
+    get_tensor,
+    get_update,
+    is_manifest,
+    manifest_closure,
+    put_tensor,
+    put_update,
+    read_manifest,
+)
 from tensorswap.store.memory import MemoryStore
 
-__all__ = ["BlockStore", "DirectoryStore", "MemoryStore", "StoreSize"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "MANIFEST_MAGIC",
+    "BlockStore",
+    "ChunkRef",
+    "DirectoryStore",
+    "GcResult",
+    "MalformedManifest",
+    "Manifest",
+    "MemoryStore",
+    "ModelUpdate",
+    "StoreSize",
+    "TensorManifest",
+    "TensorRef",
+    "UpdateManifest",
+    "collect_garbage",
+    "decode_manifest",
+    "encode_manifest",
+    "get_tensor",
+    "get_update",
+    "is_manifest",
+    "manifest_closure",
+    "put_tensor",
+    "put_update",
+    "reachable",
+    "read_manifest",
+]

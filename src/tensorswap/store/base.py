@@ -90,6 +90,10 @@ class BlockStore(ABC):
         """Whether the store holds the block."""
 
     @abstractmethod
+    def size_of(self, cid: Cid) -> int:
+        """The block's length in bytes, without reading it; BlockNotFound if absent."""
+
+    @abstractmethod
     def delete(self, cid: Cid) -> bool:
         """Remove the block; True if it was there, False if it already was not.
 

@@ -185,6 +185,15 @@ class DirectoryStore(BlockStore):
     def has(self, cid: Cid) -> bool:
         return os.path.isfile(self.path_of(cid))
 
+    def size_of(self, cid: Cid) -> int:
+        path = self.path_of(cid)
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            raise BlockNotFound(cid) from None
+        except OSError as exc:
+            raise StoreError(f"cannot stat block {cid} at {path}: {exc}") from exc
+
     def delete(self, cid: Cid) -> bool:
         path = self.path_of(cid)
         try:

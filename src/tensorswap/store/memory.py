@@ -51,6 +51,13 @@ class MemoryStore(BlockStore):
         with self._lock:
             return cid in self._blocks
 
+    def size_of(self, cid: Cid) -> int:
+        with self._lock:
+            held = self._blocks.get(cid)
+        if held is None:
+            raise BlockNotFound(cid)
+        return held.nbytes
+
     def delete(self, cid: Cid) -> bool:
         with self._lock:
             view = self._blocks.pop(cid, None)
