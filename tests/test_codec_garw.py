@@ -82,7 +82,7 @@ def test_empty_block() -> None:
 
 
 def test_values_from_list_and_multi_dim_array() -> None:
-    assert GarwBlock("", "", (2,), [1, 2], 0).values.dtype == np.float32
+    assert GarwBlock.from_values("", [1, 2], 0).values.dtype == np.float32
     block = GarwBlock("", "", (2, 2), np.arange(4, dtype=np.float32).reshape(2, 2), 0)
     assert block.values.tolist() == [0, 1, 2, 3]
 
