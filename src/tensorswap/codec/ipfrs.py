@@ -27,7 +27,9 @@ in the same order as arrow-rs 57.3 ``writer.rs``/``convert.rs``. Verified: the b
 those of a Rust program built from the flatbuffers 25.2.10 runtime and arrow-rs 57.3.1's
 generated code replaying ``FileWriter`` for these two columns (golden files in the tests),
 and pyarrow reads them. Not verified: a run of the ``arrow`` crate itself (crates.io was
-not reachable); arrow-rs versions 50 to 59 keep the same writer code paths for this schema.
+not reachable). Read, not run: arrow-rs 52 to 59 make the same calls for this schema;
+arrow-rs 51 and older pad the leading magic to 8 bytes, not 64, so their files differ in
+that padding and in the footer's block offset (ipfrs depends on arrow 57).
 
 Reading goes through pyarrow, which accepts the files of both writers (and any other Arrow
 IPC file with a Float32 ``value`` column). The seed's checks and messages are kept; pyarrow
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -291,16 +294,21 @@ def _layout(n: int) -> _Layout:
     )
 
 
-def _segments(values: np.ndarray) -> list[Any]:
-    """The file as a list of bytes-like pieces; the values are referenced, not copied."""
-    layout = _layout(values.size)
+def _segments(values: np.ndarray) -> Iterator[Any]:
+    """The file as bytes-like pieces, produced lazily; the values are referenced, not copied.
+
+    The layout (and so FieldOverflow) is computed before the first piece is asked for.
+    """
+    return _pieces(_layout(values.size), values)
+
+
+def _pieces(layout: _Layout, values: np.ndarray) -> Iterator[Any]:
     padding = bytes(layout.column_padding)
-    pieces: list[Any] = [layout.head, layout.validity]
-    for start in range(0, layout.n, _INDEX_CHUNK):
-        stop = min(start + _INDEX_CHUNK, layout.n)
-        pieces.append(np.arange(start, stop, dtype="<i4").data)
-    pieces += [padding, layout.validity, values.data.cast("B"), padding, layout.tail]
-    return pieces
+    yield layout.head
+    yield layout.validity
+    for start in range(0, layout.n, _INDEX_CHUNK):  # bounded scratch for the index column
+        yield np.arange(start, min(start + _INDEX_CHUNK, layout.n), dtype="<i4").data
+    yield from (padding, layout.validity, values.data.cast("B"), padding, layout.tail)
 
 
 def ipfrs_gradient_size(n: int) -> int:
@@ -344,12 +352,16 @@ def write_ipfrs_gradient(values: Any, file: str | os.PathLike[str] | BinaryIO) -
     return _write_all(pieces, file)
 
 
-def _write_all(pieces: list[Any], sink: BinaryIO) -> int:
+def _write_all(pieces: Iterator[Any], sink: BinaryIO) -> int:
     total = 0
     for piece in pieces:
         view = memoryview(piece).cast("B")
-        sink.write(view)
-        total += view.nbytes
+        while view.nbytes:  # raw (unbuffered) files may take less than they are given
+            done = sink.write(view)
+            if not done:  # 0, or None from a non-blocking raw file that would block
+                raise OSError(f"the sink accepted no bytes ({total} written so far)")
+            total += done
+            view = view[done:]
     return total
 
 
