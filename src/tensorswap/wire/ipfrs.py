@@ -1,0 +1,363 @@
+"""ipfrs-compatible gradient streams (seed 001): chunking, reassembly and the 16-byte frame."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Self
+
+import numpy as np
+
+from tensorswap.codec.garw import float32_vector
+from tensorswap.codec.ipfrs import decode_ipfrs_gradient, encode_ipfrs_gradient
+from tensorswap.errors import CodecError
+from tensorswap.wire._pipeline import prefetched
+from tensorswap.wire.errors import (
+    ChecksumMismatch,
+    ChunkIndexOutOfRange,
+    ConnectionFailed,
+    DuplicateChunk,
+    FrameTooLarge,
+    IncompleteStream,
+    InvalidChunkPayload,
+    PeerTimeout,
+    StreamEnded,
+    TotalChunksMismatch,
+    UnexpectedEof,
+)
+from tensorswap.wire.transport import Transport
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "FRAME_HEADER_SIZE",
+    "GradientChunk",
+    "GradientReassembler",
+    "GradientStreamSession",
+    "IpfrsFrameHeader",
+    "IpfrsLimits",
+    "chunk_count",
+    "crc32",
+]
+
+DEFAULT_CHUNK_SIZE = 65_536
+"""Values per chunk in ipfrs (65,536 float32, about 256 KiB of values)."""
+FRAME_HEADER_SIZE = 16
+_FRAME = struct.Struct("<IIII")
+_U32_MAX = 2**32 - 1
+
+StreamReader = asyncio.StreamReader | Transport
+StreamWriter = asyncio.StreamWriter | Transport
+
+
+def crc32(data: Buffer) -> int:
+    """CRC-32 (IEEE 802.3, as zlib and crc32fast compute it) of ``data``."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def chunk_count(n_values: int, chunk_size: int) -> int:
+    """Chunks for ``n_values``: ceiling division, and 1 for an empty gradient (ipfrs rule)."""
+    size = max(chunk_size, 1)
+    return max(1, -(-n_values // size))
+
+
+@dataclass(frozen=True, slots=True)
+class IpfrsLimits:
+    """Bounds on what a peer's frame headers may make the receiver allocate."""
+
+    max_payload_len: int = 64 * 1024 * 1024
+    """Largest chunk payload (the default 65,536-value chunk is about 512 KiB)."""
+    max_total_chunks: int = 1 << 20
+    """Largest total_chunks a stream may announce."""
+    max_total_bytes: int = 8 * 1024**3
+    """Largest sum of payload bytes of one stream."""
+
+
+@dataclass(frozen=True, slots=True)
+class IpfrsFrameHeader:
+    """``[chunk_index u32][total_chunks u32][payload_len u32][crc32 u32]``, little-endian."""
+
+    chunk_index: int
+    total_chunks: int
+    payload_len: int
+    checksum: int
+
+    def pack(self) -> bytes:
+        return _FRAME.pack(self.chunk_index, self.total_chunks, self.payload_len, self.checksum)
+
+    @classmethod
+    def unpack(cls, data: Buffer, limits: IpfrsLimits | None = None) -> Self:
+        """Parse 16 bytes; FrameTooLarge when payload_len or total_chunks exceed ``limits``."""
+        lim = limits or IpfrsLimits()
+        header = cls(*_FRAME.unpack(bytes(data)))
+        if header.payload_len > lim.max_payload_len:
+            raise FrameTooLarge("ipfrs payload_len", header.payload_len, lim.max_payload_len)
+        if header.total_chunks > lim.max_total_chunks:
+            raise FrameTooLarge("ipfrs total_chunks", header.total_chunks, lim.max_total_chunks)
+        return header
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GradientChunk:
+    """One chunk of a gradient stream: a slice of the values as an ipfrs gradient file."""
+
+    session_id: str
+    chunk_index: int
+    total_chunks: int
+    payload: Buffer
+    """The Arrow IPC file bytes of this slice (any bytes-like object)."""
+    checksum: int
+    """CRC-32 (IEEE) of ``payload`` as sent."""
+
+    @staticmethod
+    def compute_checksum(data: Buffer) -> int:
+        return crc32(data)
+
+    def verify_checksum(self) -> bool:
+        return crc32(self.payload) == self.checksum
+
+    @property
+    def header(self) -> IpfrsFrameHeader:
+        length = memoryview(self.payload).nbytes
+        return IpfrsFrameHeader(self.chunk_index, self.total_chunks, length, self.checksum)
+
+
+class GradientReassembler:
+    """Collects the chunks of one stream in any order and checks each as it arrives.
+
+    ``add`` raises, for the chunk at hand: ChunkIndexOutOfRange, TotalChunksMismatch (against
+    the first chunk added), DuplicateChunk, ChecksumMismatch or InvalidChunkPayload; a chunk
+    that raised is not kept. ``result`` raises IncompleteStream until every chunk is in.
+    """
+
+    def __init__(self) -> None:
+        self.total: int | None = None
+        self._parts: dict[int, np.ndarray] = {}
+
+    @property
+    def received(self) -> int:
+        return len(self._parts)
+
+    @property
+    def complete(self) -> bool:
+        return self.total is not None and len(self._parts) == self.total
+
+    def check_header(self, header: IpfrsFrameHeader) -> None:
+        """The index/total checks of ``add``, before the payload is read."""
+        index, total = header.chunk_index, header.total_chunks
+        if index >= total:
+            raise ChunkIndexOutOfRange(index, total)
+        if self.total is not None and total != self.total:
+            raise TotalChunksMismatch(index, self.total, total)
+        if index in self._parts:
+            raise DuplicateChunk(index)
+
+    def add(self, chunk: GradientChunk) -> None:
+        self.check_header(chunk.header)
+        actual = crc32(chunk.payload)
+        if actual != chunk.checksum:
+            raise ChecksumMismatch(chunk.chunk_index, chunk.checksum, actual)
+        try:
+            values = decode_ipfrs_gradient(chunk.payload)
+        except CodecError as exc:
+            raise InvalidChunkPayload(chunk.chunk_index, str(exc)) from exc
+        self.total = chunk.total_chunks
+        self._parts[chunk.chunk_index] = values
+
+    def result(self) -> np.ndarray:
+        """The gradient (float32, 1-D), chunks joined in index order."""
+        if self.total is None or not self.complete:
+            raise IncompleteStream(len(self._parts), self.total)
+        if self.total == 1:
+            return np.array(self._parts[0], dtype=np.float32)  # own the memory, writable
+        return np.concatenate([self._parts[i] for i in range(self.total)])
+
+
+class GradientStreamSession:
+    """Splits gradients into ipfrs chunks and streams them with the ipfrs 16-byte frame.
+
+    Byte-compatible with ipfrs-transport 0.2 ``GradientStreamSession``. Differences (on
+    purpose): EOF before the first frame raises StreamEnded instead of returning an empty
+    gradient; EOF inside a frame raises UnexpectedEof; header lengths are bounded by
+    ``limits`` before anything is allocated; duplicate, out-of-range and inconsistent chunks
+    are refused with their own errors.
+    """
+
+    def __init__(
+        self,
+        session_id: str = "",
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        *,
+        limits: IpfrsLimits | None = None,
+        read_timeout: float | None = 60.0,
+    ) -> None:
+        if chunk_size < 0:
+            raise ValueError(f"chunk_size must not be negative, got {chunk_size}")
+        self.session_id = session_id
+        self.chunk_size = max(chunk_size, 1)  # as ipfrs: a size of 0 becomes 1
+        self.limits = limits or IpfrsLimits()
+        self.read_timeout = read_timeout
+
+    @classmethod
+    def with_defaults(cls, session_id: str = "") -> Self:
+        return cls(session_id, DEFAULT_CHUNK_SIZE)
+
+    # ── chunking ─────────────────────────────────────────────────────────────
+    def _slices(self, values: np.ndarray) -> list[np.ndarray]:
+        if values.size == 0:
+            return [values]
+        return [values[i : i + self.chunk_size] for i in range(0, values.size, self.chunk_size)]
+
+    def _chunk(self, index: int, total: int, part: np.ndarray) -> GradientChunk:
+        payload = encode_ipfrs_gradient(part)
+        return GradientChunk(self.session_id, index, total, payload, crc32(payload))
+
+    def iter_chunks(self, gradient: Any) -> Iterator[GradientChunk]:
+        """The chunks of ``gradient`` (float32, flattened), encoded one at a time."""
+        values = float32_vector(gradient)
+        parts = self._slices(values)
+        for index, part in enumerate(parts):
+            yield self._chunk(index, len(parts), part)
+
+    def encode_gradient(self, gradient: Any) -> list[GradientChunk]:
+        """All chunks of ``gradient``: ``chunk_count(n, chunk_size)`` of them, in order."""
+        return list(self.iter_chunks(gradient))
+
+    def decode_chunks(self, chunks: Iterable[GradientChunk]) -> np.ndarray:
+        """Reassemble chunks given in any order into the gradient (float32, 1-D).
+
+        Checks, in this order: each chunk's index and total (ChunkIndexOutOfRange,
+        TotalChunksMismatch, DuplicateChunk), completeness (IncompleteStream, also for an
+        empty list), then per chunk in index order the CRC-32 (ChecksumMismatch) and the
+        payload (InvalidChunkPayload).
+        """
+        items = list(chunks)
+        probe = GradientReassembler()
+        seen: dict[int, GradientChunk] = {}
+        for chunk in items:
+            probe.check_header(chunk.header)
+            probe.total = chunk.total_chunks
+            if chunk.chunk_index in seen:
+                raise DuplicateChunk(chunk.chunk_index)
+            seen[chunk.chunk_index] = chunk
+        if not items or len(seen) != probe.total:
+            raise IncompleteStream(len(seen), probe.total)
+        assembler = GradientReassembler()
+        for index in sorted(seen):
+            assembler.add(seen[index])
+        return assembler.result()
+
+    # ── streaming ────────────────────────────────────────────────────────────
+    async def stream_to(self, gradient: Any, stream: StreamWriter, *, prefetch: int = 2) -> int:
+        """Send ``gradient`` as ipfrs frames; return the number of chunks sent.
+
+        Chunks are encoded and checksummed in worker threads, at most ``prefetch`` ahead of
+        the socket. The stream is not closed (frames of several gradients may follow).
+        A cancel may leave a partial frame on the stream: close it then.
+        """
+        values = float32_vector(gradient)
+        parts = self._slices(values)
+        total = len(parts)
+        if total > _U32_MAX:
+            raise ValueError(f"{total} chunks do not fit the u32 total_chunks field")
+
+        def encode(item: tuple[int, np.ndarray]) -> GradientChunk:
+            return self._chunk(item[0], total, item[1])
+
+        try:
+            async with contextlib.aclosing(prefetched(enumerate(parts), encode, prefetch)) as it:
+                async for chunk in it:
+                    await _write(stream, chunk.header.pack(), chunk.payload)
+        except OSError as exc:
+            raise ConnectionFailed(_peer(stream), str(exc)) from exc
+        return total
+
+    async def receive_from(self, stream: StreamReader) -> np.ndarray:
+        """Read frames until the stream's gradient is complete; return it (float32, 1-D).
+
+        Reads exactly ``total_chunks`` frames, so later bytes on the stream are left unread.
+        Raises StreamEnded when the stream ends before the first frame, IncompleteStream when
+        it ends between frames with chunks missing, UnexpectedEof inside a frame,
+        FrameTooLarge for lengths above ``limits`` (nothing allocated), PeerTimeout when a
+        frame takes longer than ``read_timeout``, and the reassembler's chunk errors.
+        """
+        assembler = GradientReassembler()
+        total_bytes = 0
+        while not assembler.complete:
+            try:
+                async with asyncio.timeout(self.read_timeout):
+                    raw = await _read(stream, FRAME_HEADER_SIZE, "ipfrs frame header")
+                    if raw is None:
+                        if assembler.received == 0:
+                            raise StreamEnded("ipfrs gradient stream")
+                        raise IncompleteStream(assembler.received, assembler.total)
+                    header = IpfrsFrameHeader.unpack(raw, self.limits)
+                    assembler.check_header(header)
+                    total_bytes += header.payload_len
+                    if total_bytes > self.limits.max_total_bytes:
+                        raise FrameTooLarge(
+                            "ipfrs stream bytes", total_bytes, self.limits.max_total_bytes
+                        )
+                    what = f"ipfrs chunk {header.chunk_index} payload"
+                    payload = await _read(stream, header.payload_len, what, partial_ok=False)
+            except TimeoutError as exc:
+                raise PeerTimeout(
+                    "an ipfrs frame", self.read_timeout or 0.0, _peer(stream)
+                ) from exc
+            except OSError as exc:
+                raise ConnectionFailed(_peer(stream), str(exc)) from exc
+            assert payload is not None
+            assembler.add(
+                GradientChunk(
+                    self.session_id,
+                    header.chunk_index,
+                    header.total_chunks,
+                    payload,
+                    header.checksum,
+                )
+            )
+        return assembler.result()
+
+
+async def _write(stream: StreamWriter, header: bytes, payload: Buffer) -> None:
+    if isinstance(stream, Transport):
+        await stream.send(header, payload)
+    else:
+        stream.write(header)
+        stream.write(memoryview(payload))
+        await stream.drain()
+
+
+async def _read(
+    stream: StreamReader, n: int, what: str, *, partial_ok: bool = True
+) -> bytearray | bytes | None:
+    """``n`` bytes; None for EOF before the first byte (if ``partial_ok``); else UnexpectedEof."""
+    if isinstance(stream, Transport):
+        buf = bytearray(n)
+        got = await stream.receive_into(buf)
+        if got == n:
+            return buf
+        if got == 0 and partial_ok and n:
+            return None
+        raise UnexpectedEof(what, got, n)
+    try:
+        return await stream.readexactly(n)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial and partial_ok:
+            return None
+        raise UnexpectedEof(what, len(exc.partial), n) from exc
+
+
+def _peer(stream: StreamReader | StreamWriter) -> str:
+    if isinstance(stream, Transport):
+        return stream.peer
+    if isinstance(stream, asyncio.StreamWriter):
+        return str(stream.get_extra_info("peername"))
+    transport = getattr(stream, "_transport", None)  # StreamReader keeps no public handle
+    return str(transport.get_extra_info("peername")) if transport is not None else "peer"
