@@ -124,7 +124,7 @@ class GarwBlock:
 
     @classmethod
     def from_bytes(cls, data: Any, cid: str = "", layer_name: str = "") -> GarwBlock:
-        """Decode GARW bytes; the values are a read-only-if-input-is view of `data`, not a copy.
+        """Decode GARW bytes; the values are a view of `data` (read-only when `data` is), no copy.
 
         Raises TruncatedData or InvalidMagic exactly where the seed's reader fails; bytes after
         num_samples are ignored, as by the seed.
