@@ -1,0 +1,169 @@
+"""Column-blocked numpy kernels over a Batch's parts: weighted sums, squared norms, NaN counts."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, cast
+
+import numpy as np
+
+from tensorswap.aggregate.types import Layout, Values
+from tensorswap.aggregate.validate import Batch, Part
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def quiet(fn: F) -> F:
+    """Run fn with numpy's overflow/invalid warnings off: non-finite values are handled
+    explicitly (by the non-finite policy or AggregateOverflow), not reported as warnings."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return fn(*args, **kwargs)
+
+    return cast(F, wrapper)
+
+
+#: A (k, chunk) block of about this many bytes stays in the L2 cache while it is worked on.
+CHUNK_BYTES = 1 << 20
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+
+
+def part_width(part: Part) -> int:
+    """Number of values per row."""
+    return int(part.shape[1]) if isinstance(part, np.ndarray) else int(part[0].size)
+
+
+def chunk_len(k: int, itemsize: int) -> int:
+    """Columns per block so that a (k, columns) block is about CHUNK_BYTES."""
+    return max(4096, CHUNK_BYTES // max(1, k * itemsize))
+
+
+def blocks(
+    part: Part, acc: np.dtype, *, copy: bool = False
+) -> Iterator[tuple[int, int, np.ndarray]]:
+    """Yield (start, stop, block) covering the columns of `part` left to right.
+
+    `block` is a (k, stop - start) array in dtype `acc`: a view of `part` when it is already a
+    matrix of that dtype and `copy` is false, else one scratch buffer that is refilled for the
+    next block (so a caller must finish with a block, and may modify it only when copy=True).
+    """
+    k = part.shape[0] if isinstance(part, np.ndarray) else len(part)
+    m = part_width(part)
+    step = chunk_len(k, acc.itemsize)
+    if isinstance(part, np.ndarray) and part.dtype == acc and not copy:
+        for start in range(0, m, step):
+            stop = min(start + step, m)
+            yield start, stop, part[:, start:stop]
+        return
+    scratch = np.empty((k, min(step, m)), dtype=acc)
+    for start in range(0, m, step):
+        stop = min(start + step, m)
+        block = scratch[:, : stop - start]
+        if isinstance(part, np.ndarray):
+            block[...] = part[:, start:stop]
+        else:
+            for i, row in enumerate(part):
+                block[i] = row[start:stop]
+        yield start, stop, block
+
+
+def weighted_sum(part: Part, weights: np.ndarray, out: np.ndarray) -> None:
+    """out[:] = weights @ part, accumulated in out.dtype (weights must have that dtype).
+
+    A matrix already in out.dtype with contiguous rows goes to one BLAS matrix-vector product;
+    anything else (separate rows, other dtypes) is gathered block by block into a cache-sized
+    scratch matrix, each block one BLAS product, so memory traffic stays one read per input.
+    """
+    acc = out.dtype
+    if isinstance(part, np.ndarray) and part.dtype == acc and part.strides[1] == acc.itemsize:
+        np.dot(weights, part, out=out)
+        return
+    for start, stop, block in blocks(part, acc):
+        np.dot(weights, block, out=out[start:stop])
+
+
+def sumsq(row: np.ndarray) -> float:
+    """Sum of squares of a 1-D row (float32 BLAS for narrow types); inf/nan if non-finite."""
+    if row.dtype in (_F32, _F64):
+        return float(np.dot(row, row))
+    total = 0.0
+    step = chunk_len(1, 4)
+    for start in range(0, row.size, step):
+        chunk = row[start : start + step].astype(_F32)
+        total += float(np.dot(chunk, chunk))
+    return total
+
+
+def sumsq_scaled(rows: Sequence[np.ndarray]) -> float:
+    """L2 norm of the concatenated rows, computed in float64 with scaling (no overflow)."""
+    peak = 0.0
+    for row in rows:
+        if row.size:
+            peak = max(peak, float(np.max(np.abs(row.astype(_F64)))))
+    if peak == 0.0:
+        return 0.0
+    total = 0.0
+    step = chunk_len(1, 8)
+    for row in rows:
+        for start in range(0, row.size, step):
+            chunk = row[start : start + step].astype(_F64) / peak
+            total += float(np.dot(chunk, chunk))
+    return peak * math.sqrt(total)
+
+
+def count_nonfinite(row: np.ndarray) -> int:
+    """Number of NaN or infinite values in a 1-D row."""
+    step = chunk_len(1, row.dtype.itemsize)
+    bad = 0
+    for start in range(0, row.size, step):
+        bad += int(np.count_nonzero(~np.isfinite(row[start : start + step])))
+    return bad
+
+
+def build_values(layout: Layout, outs: Sequence[np.ndarray]) -> Values:
+    """Flat per-tensor results shaped back into the layout's structure."""
+    shaped = [out.reshape(shape) for out, shape in zip(outs, layout.shapes, strict=True)]
+    if layout.keys is None:
+        return shaped[0]
+    return dict(zip(layout.keys, shaped, strict=True))
+
+
+def weighted_values(batch: Batch, weights: np.ndarray) -> Values:
+    """Σ_i weights[i] * row i, per tensor, in each tensor's accumulation dtype.
+
+    `weights` (float64, length batch.k) is cast once to the accumulation dtype, so float32
+    accumulation multiplies by float32 weights and nothing is promoted to float64.
+    """
+    if batch.flat is not None and len(set(batch.acc)) == 1:
+        acc = batch.acc[0]
+        out = np.empty(batch.layout.size, dtype=acc)
+        weighted_sum(batch.flat, weights.astype(acc), out)
+        pieces = [
+            out[o : o + n] for o, n in zip(batch.layout.offsets, batch.layout.sizes, strict=True)
+        ]
+        return build_values(batch.layout, pieces)
+    outs = []
+    for part, acc, size in zip(batch.parts, batch.acc, batch.layout.sizes, strict=True):
+        out = np.empty(size, dtype=acc)
+        weighted_sum(part, weights.astype(acc), out)
+        outs.append(out)
+    return build_values(batch.layout, outs)
+
+
+def all_finite(values: Values) -> bool:
+    """True when no array in `values` holds NaN or infinity.
+
+    A finite sum of squares (one BLAS dot) proves a row finite; only when it is not (a
+    non-finite value, or squares that overflow) are the values tested one by one.
+    """
+    arrays = values.values() if isinstance(values, dict) else (values,)
+    for a in arrays:
+        flat = a.reshape(-1)
+        if not math.isfinite(sumsq(flat)) and not bool(np.isfinite(flat).all()):
+            return False
+    return True
