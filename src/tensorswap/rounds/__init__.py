@@ -1,11 +1,14 @@
 """Rounds: the coordinator's state machine, deadlines and quorum, persisted in SQLite."""
 
+from tensorswap.rounds.coordinator import Coordinator, CoordinatorStats
 from tensorswap.rounds.deadline import Clock, FakeClock, SystemClock, expiry_verdict
 from tensorswap.rounds.errors import (
     DuplicateContribution,
     InvalidRoundSpec,
+    InvalidUpdate,
     RoundAlreadyTerminal,
     RoundClosed,
+    RoundFailed,
     RoundNotFound,
     RoundTimeout,
     UnknownUpdate,
@@ -33,15 +36,19 @@ __all__ = [
     "Collecting",
     "Complete",
     "Contribution",
+    "Coordinator",
+    "CoordinatorStats",
     "DuplicateContribution",
     "Failed",
     "FakeClock",
     "InvalidRoundSpec",
+    "InvalidUpdate",
     "LayerSpec",
     "Pending",
     "RoundAlreadyTerminal",
     "RoundClosed",
     "RoundDatabase",
+    "RoundFailed",
     "RoundId",
     "RoundInfo",
     "RoundNotFound",

@@ -122,7 +122,7 @@ class DeadlineTimer:
         self,
         clock: Clock,
         next_deadline: Callable[[], float | None],
-        fire: Callable[[], None],
+        fire: Callable[[], object],
         *,
         max_wait: float = 1.0,
         name: str = "tensorswap-deadlines",

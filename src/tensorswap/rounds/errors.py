@@ -9,6 +9,8 @@
     ├── DuplicateContribution   (also ValueError) this peer already contributed to this round
     ├── UnknownUpdate           (also LookupError) the update CID is not in the store
     ├── UpdateMismatch          (also ValueError) layer names, dtypes or shapes differ
+    ├── InvalidUpdate           (also ValueError) the update's values cannot be aggregated
+    ├── RoundFailed             the round ended Failed; its reason is attached
     ├── InvalidRoundSpec        (also ValueError) a round configuration that cannot work
     └── RoundTimeout            (also TimeoutError) waiting for a round's result timed out
 """
@@ -20,8 +22,10 @@ from tensorswap.errors import RoundsError
 __all__ = [
     "DuplicateContribution",
     "InvalidRoundSpec",
+    "InvalidUpdate",
     "RoundAlreadyTerminal",
     "RoundClosed",
+    "RoundFailed",
     "RoundNotFound",
     "RoundTimeout",
     "RoundsError",
@@ -95,6 +99,25 @@ class UpdateMismatch(RoundsError, ValueError):
         self.peer = peer
         self.detail = detail
         super().__init__(f"update from peer {peer!r} does not fit round {key}: {detail}")
+
+
+class InvalidUpdate(RoundsError, ValueError):
+    """An update whose values cannot enter the aggregate (non-finite, unsupported dtype)."""
+
+    def __init__(self, key: str, peer: str, detail: str) -> None:
+        self.key = key
+        self.peer = peer
+        self.detail = detail
+        super().__init__(f"update from peer {peer!r} refused for round {key}: {detail}")
+
+
+class RoundFailed(RoundsError):
+    """A round whose result was asked for ended Failed."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(f"round {key} failed: {reason}")
 
 
 class InvalidRoundSpec(RoundsError, ValueError):

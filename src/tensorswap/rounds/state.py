@@ -214,7 +214,7 @@ class RoundSpec:
     quorum: int | None = None
     timeout_s: float | None = None
     strategy: str = "fedavg"
-    params: Mapping[str, float] = field(default_factory=dict)
+    params: Mapping[str, float | int | str] = field(default_factory=dict)
     layout: Layout | None = None
 
     def __post_init__(self) -> None:

@@ -1,0 +1,456 @@
+"""Coordinator: rounds over a block store, with automatic aggregation, deadlines and counters."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from tensorswap.aggregate import AggregatorSpec, StreamingAccumulator, aggregate
+from tensorswap.aggregate import Contribution as AggregateInput
+from tensorswap.cid import Cid
+from tensorswap.codec import DType
+from tensorswap.errors import AggregationError, NonFiniteValues
+from tensorswap.rounds.deadline import (
+    Clock,
+    DeadlineTimer,
+    SystemClock,
+    due_rounds,
+    expiry_verdict,
+    next_deadline,
+)
+from tensorswap.rounds.errors import InvalidUpdate, RoundFailed, RoundNotFound, UpdateMismatch
+from tensorswap.rounds.persist import RoundDatabase
+from tensorswap.rounds.state import (
+    Complete,
+    Contribution,
+    Layout,
+    RoundId,
+    RoundInfo,
+    RoundSpec,
+    RoundStatus,
+    RoundTracker,
+    layout_mismatch,
+)
+from tensorswap.rounds.updates import (
+    STREAMING_KINDS,
+    aggregator_spec,
+    check_finite,
+    inspect_update,
+    new_accumulator,
+    parse_update_cid,
+)
+from tensorswap.store import BlockStore, DirectoryStore, ModelUpdate, get_update, put_update
+
+__all__ = ["STORE_DIRNAME", "Coordinator", "CoordinatorStats"]
+
+log = logging.getLogger(__name__)
+
+STORE_DIRNAME = "blocks"
+"""``Coordinator.open(dir)`` keeps its directory store in ``<dir>/blocks``."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorStats:
+    """Counters since this coordinator was built (they are not persisted)."""
+
+    contributions: int = 0
+    rejected: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    rounds_started: int = 0
+    rounds_completed: int = 0
+    rounds_failed: int = 0
+    aggregation_seconds: float = 0.0
+    last_aggregation_seconds: float = 0.0
+    active_rounds: int = 0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+class _Work:
+    """Per-round aggregation state; its lock serializes every change to the round."""
+
+    __slots__ = ("acc", "folded", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.acc: StreamingAccumulator | None = None
+        self.folded: set[str] = set()
+
+
+class Coordinator:
+    """Runs rounds: accepts contributions by update CID, aggregates by itself, stores results.
+
+    Guarantees:
+
+    - ``submit`` returns only once the contribution is durable in the journal (when one is
+      given); it is refused (typed error, nothing recorded) if the round is unknown, terminal,
+      closed or full, the peer already contributed, the update is not wholly in the store,
+      its layers differ from the round's, or its values cannot be aggregated.
+    - When a round has all expected contributions, or its deadline passes with a quorum, it
+      moves to Aggregating and is aggregated on a worker thread: FedAvg and the mean are
+      folded in as contributions arrive (one model of memory); other strategies read every
+      contribution back (memory-mapped from a directory store) at the end. The result is
+      stored as a model update in the round's layout (names, dtypes, shapes) with
+      num_samples = the samples it covers, and Complete reports its CID. An aggregation
+      error fails the round with the error as reason.
+    - A deadline that passes below quorum fails the round: ``"timeout: 3 of 8 peers ..."``.
+    - After a restart over the same journal and store, rounds go on where they were: rounds
+      left Aggregating (or full) are aggregated again from their stored contributions, and
+      deadlines that passed meanwhile are handled at once.
+    - All methods are thread-safe.
+    """
+
+    def __init__(
+        self,
+        store: BlockStore,
+        *,
+        journal: RoundDatabase | None = None,
+        clock: Clock | None = None,
+        default_spec: RoundSpec | None = None,
+        run_timer: bool = True,
+        verify_reads: bool | None = None,
+        owns: bool = False,
+    ) -> None:
+        self.store = store
+        self.journal = journal
+        self.clock: Clock = clock or SystemClock()
+        self._verify = verify_reads
+        self._owns = owns
+        spec = default_spec or RoundSpec(1)
+        aggregator_spec(spec)
+        self.tracker = RoundTracker(
+            spec.expected_peers, spec.timeout_s, journal=journal, clock=self.clock.now
+        )
+        self.tracker.default_spec = spec
+        self._lock = threading.Lock()
+        self._work: dict[RoundId, _Work] = {}
+        self._stats = CoordinatorStats()
+        self._closed = False
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-aggregate")
+        self._timer: DeadlineTimer | None = None
+        if run_timer:
+            self._timer = DeadlineTimer(
+                self.clock,
+                lambda: next_deadline(self.tracker.rounds()),
+                self.check_deadlines,
+            )
+            subscribe = getattr(self.clock, "subscribe", None)
+            if callable(subscribe):
+                subscribe(self._timer.poke)
+        self._recover()
+        if self._timer is not None:
+            self._timer.start()
+
+    @classmethod
+    def open(
+        cls, data_dir: str | os.PathLike[str], *, durable: bool = True, **kwargs: object
+    ) -> Coordinator:
+        """A coordinator over ``<dir>/rounds.sqlite3`` and a directory store in ``<dir>/blocks``.
+
+        Both are created if missing, reopened otherwise, and closed by ``close``.
+        """
+        root = Path(data_dir)
+        store = DirectoryStore(root / STORE_DIRNAME)
+        journal = RoundDatabase.in_dir(root, durable=durable)
+        try:
+            return cls(store, journal=journal, owns=True, **kwargs)  # type: ignore[arg-type]
+        except BaseException:
+            journal.close()
+            store.close()
+            raise
+
+    # ── rounds ───────────────────────────────────────────────────────────────
+    def start_round(self, round_id: RoundId, spec: RoundSpec | None = None) -> bool:
+        """Start a round (default spec if None); False if it exists. InvalidRoundSpec early."""
+        spec = spec or self.tracker.default_spec
+        aggregator_spec(spec)
+        started = self.tracker.start(round_id, spec)
+        if started:
+            self._count(rounds_started=1)
+            log.info("round %s started: %s", round_id, spec)
+            if self._timer is not None:
+                self._timer.poke()
+        return started
+
+    def submit(self, round_id: RoundId, peer: str, update_cid: Cid | str) -> RoundStatus:
+        """Accept ``peer``'s model update (already in the store) for the round; the new status.
+
+        Aggregation starts by itself once the round is full. Raises RoundNotFound,
+        RoundAlreadyTerminal, RoundClosed, DuplicateContribution, UnknownUpdate,
+        UpdateMismatch or InvalidUpdate; a refused contribution leaves no trace.
+        """
+        key = round_id.as_key()
+        try:
+            info = self.tracker.check_submit(round_id, peer)
+            facts = inspect_update(
+                self.store, parse_update_cid(update_cid, key, peer), key, peer, verify=self._verify
+            )
+            self._check_layout(info, facts.layout, peer)
+            spec = aggregator_spec(info.spec)
+            work = self._work_for(round_id)
+            with work.lock:
+                self.tracker.check_submit(round_id, peer)
+                folded = self._screen(work, spec, facts.cid, key, peer)
+                now = self.clock.now()
+                contribution = Contribution(
+                    round_id, peer, str(facts.cid), facts.num_samples, facts.nbytes, now
+                )
+                try:
+                    status = self.tracker.submit(contribution, layout=facts.layout)
+                except BaseException:
+                    if folded:  # the sums hold an unaccepted update: rebuild them at the end
+                        work.acc, work.folded = None, set()
+                    raise
+                if folded:
+                    work.folded.add(peer)
+                if self.tracker.is_ready(round_id):
+                    self._begin(round_id)
+        except Exception as exc:
+            self._count(rejected=1)
+            log.info("round %s: contribution from %r refused: %s", key, peer, exc)
+            raise
+        self._count(contributions=1, bytes_in=facts.nbytes)
+        log.debug("round %s: %s contributed %d bytes -> %s", key, peer, facts.nbytes, status)
+        return status
+
+    def check_deadlines(self) -> list[RoundId]:
+        """Handle every round whose deadline has passed; the rounds acted on.
+
+        At quorum the round starts aggregating what it has; below, it fails with a reason.
+        The timer thread calls this; with ``run_timer=False`` (or a fake clock) call it yourself.
+        """
+        acted = []
+        for info in due_rounds(self.tracker.rounds(), self.clock.now()):
+            rid = info.round_id
+            work = self._work_for(rid)
+            with work.lock:
+                current = self.tracker.info(rid)
+                if current is None or not due_rounds([current], self.clock.now()):
+                    continue
+                spec = current.spec
+                verdict = expiry_verdict(current.received, spec.expected_peers, spec.min_peers)
+                if verdict is None:
+                    log.info("round %s: deadline passed at quorum, aggregating", rid)
+                    self._begin(rid)
+                else:
+                    self._fail(rid, verdict)
+            acted.append(rid)
+        return acted
+
+    def wait(self, round_id: RoundId, timeout: float | None = None) -> RoundStatus:
+        """Block until the round is Complete or Failed (RoundTimeout, RoundNotFound)."""
+        return self.tracker.wait(round_id, timeout)
+
+    def result(self, round_id: RoundId, timeout: float | None = None) -> Cid:
+        """Wait for the round and return its aggregate's CID; RoundFailed if it failed."""
+        status = self.wait(round_id, timeout)
+        if isinstance(status, Complete):
+            return Cid.parse(status.cid)
+        raise RoundFailed(round_id.as_key(), getattr(status, "reason", status.name))
+
+    def status(self, round_id: RoundId) -> RoundStatus | None:
+        return self.tracker.status(round_id)
+
+    def info(self, round_id: RoundId) -> RoundInfo | None:
+        return self.tracker.info(round_id)
+
+    def rounds(self) -> list[RoundInfo]:
+        return self.tracker.rounds()
+
+    def contributions(self, round_id: RoundId) -> list[Contribution]:
+        return self.tracker.contributions(round_id)
+
+    def gc_before_round(self, round: int) -> int:
+        """Forget terminal rounds numbered below ``round`` (their blocks stay in the store)."""
+        return self.tracker.gc_before_round(round)
+
+    def subscribe(self, listener: Callable[[RoundId, RoundStatus], None]) -> None:
+        """Call ``listener(round_id, status)`` on every status change (from any thread)."""
+        self.tracker.subscribe(listener)
+
+    # ── counters ─────────────────────────────────────────────────────────────
+    def stats(self) -> CoordinatorStats:
+        with self._lock:
+            stats = self._stats
+        return _replace(stats, active_rounds=self.tracker.active_count())
+
+    def record_bytes_out(self, nbytes: int) -> None:
+        """Count bytes served to peers (called by the server)."""
+        self._count(bytes_out=nbytes)
+
+    def _count(self, **deltas: float) -> None:
+        with self._lock:
+            current = self._stats
+            self._stats = _replace(
+                current, **{k: getattr(current, k) + v for k, v in deltas.items()}
+            )
+
+    # ── aggregation ──────────────────────────────────────────────────────────
+    def _check_layout(self, info: RoundInfo, layout: Layout, peer: str) -> None:
+        if info.layout is not None:
+            detail = layout_mismatch(info.layout, layout)
+            if detail is not None:
+                raise UpdateMismatch(info.round_id.as_key(), peer, detail)
+
+    def _screen(self, work: _Work, spec: AggregatorSpec, cid: Cid, key: str, peer: str) -> bool:
+        """Fold the update into the round's sums (streaming) or check it; True if folded."""
+        if spec.kind in STREAMING_KINDS:
+            if work.acc is None:
+                work.acc, work.folded = new_accumulator(spec), set()
+            update = get_update(self.store, cid, verify=self._verify)
+            try:
+                work.acc.add(dict(update.tensors), update.num_samples)
+            except NonFiniteValues as exc:
+                raise InvalidUpdate(key, peer, f"{exc.count} non-finite values") from exc
+            except AggregationError as exc:
+                raise InvalidUpdate(key, peer, str(exc)) from exc
+            return True
+        if spec.non_finite.value == "raise":
+            check_finite(dict(get_update(self.store, cid, verify=self._verify).tensors), key, peer)
+        return False
+
+    def _begin(self, round_id: RoundId) -> None:
+        """Move the round to Aggregating and queue its aggregation (caller holds its lock)."""
+        if self.tracker.begin_aggregation(round_id):
+            with self._lock:
+                if self._closed:
+                    return  # stays Aggregating in the journal; aggregated again on reopen
+                self._pool.submit(self._aggregate, round_id)
+
+    def _aggregate(self, round_id: RoundId) -> None:
+        started = time.perf_counter()
+        try:
+            cid = self._compute(round_id)
+        except Exception as exc:
+            log.warning("round %s: aggregation failed: %s", round_id, exc, exc_info=True)
+            self._fail(round_id, f"aggregation failed: {exc}")
+            return
+        finally:
+            self._forget(round_id)
+        seconds = time.perf_counter() - started
+        self.tracker.mark_complete(round_id, str(cid))
+        self._count(rounds_completed=1, aggregation_seconds=seconds)
+        with self._lock:
+            self._stats = _replace(self._stats, last_aggregation_seconds=seconds)
+        log.info("round %s complete in %.3f s: %s", round_id, seconds, cid)
+
+    def _compute(self, round_id: RoundId) -> Cid:
+        info = self.tracker.info(round_id)
+        if info is None:
+            raise RoundNotFound(round_id.as_key())
+        spec = aggregator_spec(info.spec)
+        contributions = self.tracker.contributions(round_id)
+        work = self._work_for(round_id)
+        with work.lock:
+            if spec.kind in STREAMING_KINDS:
+                if work.acc is None:
+                    work.acc, work.folded = new_accumulator(spec), set()
+                for c in contributions:  # after a restart, or a rebuild: fold what is missing
+                    if c.peer not in work.folded:
+                        update = self._load(c)
+                        work.acc.add(dict(update.tensors), update.num_samples)
+                        work.folded.add(c.peer)
+                result = work.acc.result()
+            else:
+                inputs = [
+                    AggregateInput(dict(self._load(c).tensors), c.num_samples)
+                    for c in contributions
+                ]
+                result = aggregate(inputs, spec)
+                del inputs
+        values = result.values
+        assert isinstance(values, dict)  # inputs were dicts, so the aggregate is one too
+        if info.layout is not None:
+            for layer in info.layout:
+                want = DType.parse(layer.dtype).numpy
+                if values[layer.name].dtype != want:
+                    values[layer.name] = values[layer.name].astype(want)
+        metadata = {
+            "round": info.round_id.as_key(),
+            "strategy": info.spec.strategy,
+            "contributors": str(len(result.used)),
+            "dropped": str(len(result.dropped)),
+        }
+        update = ModelUpdate(values, result.total_samples, metadata, name=info.round_id.as_key())
+        return put_update(self.store, update)
+
+    def _load(self, contribution: Contribution) -> ModelUpdate:
+        return get_update(self.store, Cid.parse(contribution.update_cid), verify=self._verify)
+
+    def _fail(self, round_id: RoundId, reason: str) -> None:
+        if self.tracker.mark_failed(round_id, reason):
+            self._count(rounds_failed=1)
+            log.warning("round %s failed: %s", round_id, reason)
+        self._forget(round_id)
+
+    def _work_for(self, round_id: RoundId) -> _Work:
+        with self._lock:
+            work = self._work.get(round_id)
+            if work is None:
+                work = self._work[round_id] = _Work()
+            return work
+
+    def _forget(self, round_id: RoundId) -> None:
+        with self._lock:
+            self._work.pop(round_id, None)
+
+    def _recover(self) -> None:
+        """Re-queue rounds a previous process left Aggregating or full."""
+        for info in self.tracker.rounds():
+            if info.status.is_terminal:
+                continue
+            rid = info.round_id
+            if info.status.name == "Aggregating":
+                log.info("round %s: resuming its aggregation after a restart", rid)
+                self._pool.submit(self._aggregate, rid)
+            elif info.received >= info.spec.expected_peers:
+                self._begin(rid)
+
+    # ── lifecycle ────────────────────────────────────────────────────────────
+    def close(self) -> None:
+        """Stop the timer, finish the running aggregation, drop queued ones; idempotent.
+
+        Rounds whose aggregation was dropped stay Aggregating in the journal and are
+        aggregated again when a coordinator reopens it. Closes the store and journal it owns.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._timer is not None:
+            self._timer.stop()
+            unsubscribe = getattr(self.clock, "unsubscribe", None)
+            if callable(unsubscribe):
+                unsubscribe(self._timer.poke)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._owns:
+            if self.journal is not None:
+                self.journal.close()
+            self.store.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _replace(stats: CoordinatorStats, **changes: float) -> CoordinatorStats:
+    fields = asdict(stats)
+    fields.update(changes)
+    return CoordinatorStats(**fields)
