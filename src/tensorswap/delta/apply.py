@@ -1,0 +1,133 @@
+"""Apply a verified fragment to a list or dict of states, all layers or none."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, MutableMapping, MutableSequence
+from typing import Any
+
+import numpy as np
+
+from tensorswap.delta.fragment import (
+    KNOWN_SCHEMAS,
+    DweFragment,
+    LayerTarget,
+    layer_target,
+)
+from tensorswap.errors import DeltaError
+
+States = MutableSequence[Any] | MutableMapping[str, Any]
+
+
+class ApplyError(DeltaError, ValueError):
+    """A fragment does not fit the local states; no state was changed."""
+
+
+class LayerOutOfRange(ApplyError):
+    """A layer index at or beyond the number of local states."""
+
+    def __init__(self, layer_index: int, layer_count: int) -> None:
+        self.layer_index = layer_index
+        self.layer_count = layer_count
+        super().__init__(f"dwe layer {layer_index} out of range ({layer_count} local layers)")
+
+
+class StateMismatch(ApplyError):
+    """A local state cannot take its layer's delta (shape, dtype, read-only, non-contiguous)."""
+
+    def __init__(self, layer_index: int, detail: str) -> None:
+        self.layer_index = layer_index
+        self.detail = detail
+        super().__init__(f"dwe layer {layer_index}: {detail}")
+
+
+_Step = Callable[[], None]
+
+
+def _is_torch(obj: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _shape_of(state: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in state.shape)
+
+
+def _numpy_step(state: np.ndarray, target: LayerTarget, values: np.ndarray, index: int) -> _Step:
+    if state.dtype.kind != "f":
+        raise StateMismatch(index, f"state dtype {state.dtype} is not floating point")
+    if not state.flags.writeable:
+        raise StateMismatch(index, "state array is read-only")
+    if target.sliced and not state.flags.c_contiguous:
+        raise StateMismatch(index, "a slice needs a C-contiguous state")
+
+    def run() -> None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            if target.sliced:
+                flat = state.reshape(-1)[target.offset : target.offset + target.count]
+                np.add(flat, values, out=flat, casting="same_kind")
+            else:
+                np.add(state, values.reshape(target.shape), out=state, casting="same_kind")
+
+    return run
+
+
+def _torch_step(state: Any, target: LayerTarget, values: np.ndarray, index: int) -> _Step:
+    import torch  # only reached when the states are torch tensors
+
+    if not state.is_floating_point():
+        raise StateMismatch(index, f"state dtype {state.dtype} is not floating point")
+    if target.sliced and not state.is_contiguous():
+        raise StateMismatch(index, "a slice needs a contiguous state")
+    # torch.from_numpy warns on read-only arrays (received buffers are): copy those first.
+    source = values if values.flags.writeable else values.copy()
+
+    def run() -> None:
+        delta = torch.from_numpy(source).to(device=state.device)
+        with torch.no_grad():
+            if target.sliced:
+                state.view(-1)[target.offset : target.offset + target.count].add_(delta)
+            else:
+                state.add_(delta.view(target.shape))
+
+    return run
+
+
+def _plan(state: Any, target: LayerTarget, values: np.ndarray, index: int) -> _Step:
+    if _shape_of(state) != target.shape:
+        raise StateMismatch(
+            index, f"state shape {list(_shape_of(state))} vs delta shape {list(target.shape)}"
+        )
+    if _is_torch(state):
+        return _torch_step(state, target, values, index)
+    if isinstance(state, np.ndarray):
+        return _numpy_step(state, target, values, index)
+    raise StateMismatch(index, f"unsupported state type {type(state).__name__}")
+
+
+def apply_fragment(states: States, fragment: DweFragment) -> int:
+    """Add every layer delta of ``fragment`` to ``states`` in place; all layers or none.
+
+    ``states`` is a list of numpy arrays / torch tensors, or a dict whose i-th key is layer i.
+    Every layer is checked first (index range, value count vs shape or slice bounds, state shape,
+    floating dtype, writability); only when all pass are the additions made, so a bad layer in the
+    middle leaves every state untouched. Returns the number of layer entries applied. The
+    fragment is assumed verified (see :class:`~tensorswap.delta.verify.FragmentVerifier`).
+    """
+    if fragment.schema not in KNOWN_SCHEMAS:
+        raise ApplyError(f"cannot apply schema {fragment.schema!r}")
+    targets = state_list(states)
+    steps: list[_Step] = []
+    for layer in fragment.layers:
+        if layer.layer_index >= len(targets):
+            raise LayerOutOfRange(layer.layer_index, len(targets))
+        target = layer_target(fragment.schema, layer)
+        steps.append(_plan(targets[layer.layer_index], target, layer.values, layer.layer_index))
+    for step in steps:
+        step()
+    return len(steps)
+
+
+def state_list(states: States) -> list[Any]:
+    """The states in layer order (a dict's insertion order), as :func:`apply_fragment` sees them."""
+    return list(states.values()) if isinstance(states, MutableMapping) else list(states)

@@ -1,0 +1,102 @@
+"""apply_fragment: range and shape checks, all layers or none, numpy and torch states."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensorswap.delta import (
+    SLICE_SCHEMA,
+    ApplyError,
+    DweLayerDelta,
+    LayerLayoutError,
+    LayerOutOfRange,
+    StateMismatch,
+    apply_fragment,
+    extract_delta_fragment,
+    make_fragment,
+)
+
+
+def _states() -> list[np.ndarray]:
+    return [np.zeros((2, 2), np.float32), np.zeros(3, np.float32), np.zeros(1, np.float64)]
+
+
+def _layer(index: int, shape: tuple[int, ...], fill: float = 1.0) -> DweLayerDelta:
+    return DweLayerDelta(index, shape, np.full(int(np.prod(shape)), fill, np.float32))
+
+
+def test_applies_every_layer_in_place() -> None:
+    states = _states()
+    fragment = make_fragment("s", 1, [_layer(0, (2, 2)), _layer(2, (1,), 0.5)])
+    assert apply_fragment(states, fragment) == 2
+    assert states[0].tolist() == [[1, 1], [1, 1]]
+    assert states[1].tolist() == [0, 0, 0]
+    assert states[2].tolist() == [0.5]
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        (_layer(3, (1,)), LayerOutOfRange),
+        (_layer(1, (2, 2)), StateMismatch),  # 4 values, state has shape (3,)
+        (DweLayerDelta(1, (3,), np.ones(2, np.float32)), LayerLayoutError),
+    ],
+)
+def test_a_bad_layer_in_the_middle_changes_nothing(bad, error) -> None:
+    states = _states()
+    before = [s.copy() for s in states]
+    fragment = make_fragment("s", 1, [_layer(0, (2, 2)), bad, _layer(2, (1,))])
+    with pytest.raises(error):
+        apply_fragment(states, fragment)
+    for state, original in zip(states, before, strict=True):
+        assert np.array_equal(state, original)
+
+
+def test_dict_states_by_position() -> None:
+    states = {"w": np.zeros(2, np.float32), "b": np.zeros(1, np.float32)}
+    apply_fragment(states, make_fragment("s", 1, [_layer(1, (1,), 2.0)]))
+    assert states["b"].tolist() == [2.0] and states["w"].tolist() == [0.0, 0.0]
+
+
+def test_read_only_and_integer_states_refused() -> None:
+    frozen = np.zeros(2, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(StateMismatch, match="read-only"):
+        apply_fragment([frozen], make_fragment("s", 1, [_layer(0, (2,))]))
+    with pytest.raises(StateMismatch, match="floating"):
+        apply_fragment([np.zeros(2, np.int32)], make_fragment("s", 1, [_layer(0, (2,))]))
+    with pytest.raises(ApplyError, match="schema"):
+        apply_fragment([np.zeros(2)], make_fragment("s", 1, [_layer(0, (2,))], schema="x"))
+
+
+def test_slices_land_on_their_flat_range() -> None:
+    state = np.zeros((2, 3), np.float32)
+    piece = DweLayerDelta(0, (2, 3, 2), np.array([1, 2, 3], np.float32))
+    apply_fragment([state], make_fragment("s", 1, [piece], schema=SLICE_SCHEMA))
+    assert state.tolist() == [[0, 0, 1], [2, 3, 0]]
+    with pytest.raises(StateMismatch, match="contiguous"):
+        apply_fragment(
+            [np.zeros((3, 2), np.float32).T], make_fragment("s", 1, [piece], schema=SLICE_SCHEMA)
+        )
+
+
+def test_overflow_in_half_precision_state_is_not_an_error() -> None:
+    state = np.full(1, 60000, np.float16)
+    apply_fragment([state], make_fragment("s", 1, [_layer(0, (1,), 60000.0)]))
+    assert np.isinf(state[0])
+
+
+def test_torch_states_including_leaves_that_require_grad() -> None:
+    torch = pytest.importorskip("torch")
+    weights = torch.zeros(2, 2, requires_grad=True)
+    half = torch.zeros(3, dtype=torch.float16)
+    fragment = extract_delta_fragment(
+        "s", 1, [np.ones((2, 2)), np.full(3, 0.5)], [np.zeros((2, 2)), np.zeros(3)]
+    )
+    apply_fragment([weights, half], fragment)
+    assert weights.detach().tolist() == [[1, 1], [1, 1]]
+    assert half.tolist() == [0.5, 0.5, 0.5]
+    with pytest.raises(StateMismatch, match="shape"):
+        apply_fragment([torch.zeros(4), half], fragment)
+    assert half.tolist() == [0.5, 0.5, 0.5]

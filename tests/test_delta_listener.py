@@ -1,0 +1,225 @@
+"""The listener over loopback: verdicts, tampering, size cap, truncation, hand-off."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import numpy as np
+import pytest
+
+from tensorswap.delta import (
+    DeltaConfigError,
+    DweConfig,
+    DweFragment,
+    DweListener,
+    FleetKeys,
+    RejectReason,
+    StateMismatch,
+    Verdict,
+    apply_fragment,
+    encode_frame,
+    extract_delta_fragment,
+    sign_fragment,
+)
+
+KEY = b"fleet"
+
+
+def _fragment(seq: int, fill: float = 1.0) -> DweFragment:
+    return extract_delta_fragment(
+        "sess", seq, [np.full((2, 3), fill, np.float32)], [np.zeros((2, 3))]
+    )
+
+
+class Harness:
+    """A listener applying to its own state; an event per verdict keeps the tests sleep-free."""
+
+    def __init__(self, **kwargs) -> None:
+        self.state = [np.zeros((2, 3), np.float32)]
+        self.verdicts: list[Verdict] = []
+        self.changed = asyncio.Event()
+        self.listener = DweListener(
+            lambda f: apply_fragment(self.state, f), on_verdict=self._seen, **kwargs
+        )
+
+    def _seen(self, verdict: Verdict) -> None:
+        self.verdicts.append(verdict)
+        self.changed.set()
+
+    async def until(self, count: int) -> list[Verdict]:
+        async with asyncio.timeout(5):
+            while len(self.verdicts) < count:
+                self.changed.clear()
+                await self.changed.wait()
+        return self.verdicts
+
+
+async def _send_raw(endpoint, *frames: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+    for frame in frames:
+        writer.write(frame)
+    await writer.drain()
+    return reader, writer
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_frames_on_one_connection_are_verified_and_applied() -> None:
+    h = Harness()
+    async with h.listener:
+        _, writer = await _send_raw(
+            h.listener.endpoint, encode_frame(_fragment(1)), encode_frame(_fragment(2, 0.5))
+        )
+        verdicts = await h.until(2)
+        await _close(writer)
+    assert [v.accepted for v in verdicts] == [True, True]
+    assert verdicts[0].session_id == "sess" and verdicts[1].sequence == 2
+    assert h.state[0].tolist() == [[1.5] * 3] * 2
+    stats = h.listener.telemetry()
+    assert (stats.received, stats.accepted, stats.applied, stats.rejected) == (2, 2, 2, 0)
+    assert stats.last_session_id == "sess"
+
+
+def _flip_value_byte(frame: bytearray) -> bytearray:
+    frame[-(8 + 64) - 3] ^= 0x40  # inside the last float value
+    return frame
+
+
+def _wrong_hash(frame: bytearray) -> bytearray:
+    frame[-1:] = b"0" if frame[-1:] != b"0" else b"1"
+    return frame
+
+
+TAMPERING = {
+    "flipped_value_byte": (lambda: _flip_value_byte(encode_frame(_fragment(2))), None),
+    "wrong_hash": (lambda: _wrong_hash(encode_frame(_fragment(2))), None),
+    "wrong_hmac": (lambda: encode_frame(sign_fragment(_fragment(2), b"intruder")), KEY),
+    "missing_hmac": (lambda: encode_frame(_fragment(2)), KEY),
+    "replayed_sequence": (lambda: encode_frame(_fragment(1)), None),
+    "stale_sequence": (lambda: encode_frame(_fragment(0)), None),
+}
+REASONS = {
+    "flipped_value_byte": RejectReason.STATE_HASH,
+    "wrong_hash": RejectReason.STATE_HASH,
+    "wrong_hmac": RejectReason.HMAC_MISMATCH,
+    "missing_hmac": RejectReason.HMAC_MISSING,
+    "replayed_sequence": RejectReason.REPLAY,
+    "stale_sequence": RejectReason.STALE,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TAMPERING))
+async def test_tampering_is_rejected_counted_and_leaves_state_untouched(kind: str) -> None:
+    make_bad, key = TAMPERING[kind]
+    config = DweConfig(keys=FleetKeys(key) if key else None)
+    h = Harness(config=config)
+    good = _fragment(1) if key is None else sign_fragment(_fragment(1), key)
+    async with h.listener:
+        _, writer = await _send_raw(h.listener.endpoint, encode_frame(good), make_bad())
+        verdicts = await h.until(2)
+        await _close(writer)
+    assert verdicts[0].accepted
+    assert not verdicts[1].accepted and verdicts[1].reason is REASONS[kind]
+    assert h.state[0].tolist() == [[1.0] * 3] * 2  # only the good fragment landed
+    stats = h.listener.telemetry()
+    assert stats.rejected == 1 and stats.rejections == {REASONS[kind].value: 1}
+    assert stats.applied == 1 and stats.last_error is not None
+
+
+async def test_oversized_prefix_refused_before_reading_the_body() -> None:
+    h = Harness(config=DweConfig(max_fragment_bytes=1024))
+    async with h.listener:
+        reader, writer = await _send_raw(h.listener.endpoint, struct.pack("<I", 0xFFFF_FFFF))
+        async with asyncio.timeout(5):  # the listener hangs up without waiting for 4 GiB
+            assert await reader.read() == b""
+        await _close(writer)
+        verdicts = await h.until(1)
+    assert verdicts[0].reason is RejectReason.TOO_LARGE
+    assert h.listener.telemetry().rejections == {"too_large": 1}
+    assert h.listener.telemetry().received == 0
+
+
+async def test_truncated_frame_is_counted() -> None:
+    h = Harness()
+    async with h.listener:
+        _, writer = await _send_raw(h.listener.endpoint, struct.pack("<I", 100) + bytes(10))
+        await _close(writer)
+        verdicts = await h.until(1)
+    assert verdicts[0].reason is RejectReason.TRUNCATED
+
+
+async def test_malformed_body_keeps_the_connection_in_step() -> None:
+    h = Harness()
+    async with h.listener:
+        junk = struct.pack("<I", 5) + b"\xff" * 5
+        _, writer = await _send_raw(h.listener.endpoint, junk, encode_frame(_fragment(1)))
+        verdicts = await h.until(2)
+        await _close(writer)
+    assert verdicts[0].reason is RejectReason.MALFORMED
+    assert verdicts[1].accepted
+
+
+async def test_failed_apply_leaves_the_sequence_free_for_a_retry() -> None:
+    calls: list[int] = []
+
+    def refuse_first(fragment: DweFragment) -> None:
+        calls.append(fragment.sequence)
+        if len(calls) == 1:
+            raise StateMismatch(0, "not ready")
+
+    verdicts: list[Verdict] = []
+    got = asyncio.Event()
+
+    def seen(v: Verdict) -> None:
+        verdicts.append(v)
+        if len(verdicts) == 2:
+            got.set()
+
+    async with DweListener(refuse_first, on_verdict=seen) as listener:
+        frame = encode_frame(_fragment(1))
+        _, writer = await _send_raw(listener.endpoint, frame, frame)
+        async with asyncio.timeout(5):
+            await got.wait()
+        await _close(writer)
+    assert [v.reason for v in verdicts] == [RejectReason.APPLY_FAILED, None]
+    assert calls == [1, 1]
+
+
+async def test_queue_hand_off() -> None:
+    queue: asyncio.Queue[DweFragment] = asyncio.Queue(maxsize=4)
+    async with DweListener(queue) as listener:
+        _, writer = await _send_raw(listener.endpoint, encode_frame(_fragment(3)))
+        async with asyncio.timeout(5):
+            fragment = await queue.get()
+        await _close(writer)
+    assert fragment == _fragment(3)
+    assert listener.telemetry().applied == 1
+
+
+async def test_handler_bug_is_contained() -> None:
+    def broken(fragment: DweFragment) -> None:
+        raise RuntimeError("boom")
+
+    verdicts: list[Verdict] = []
+    got = asyncio.Event()
+
+    def seen(v: Verdict) -> None:
+        verdicts.append(v)
+        got.set()
+
+    async with DweListener(broken, on_verdict=seen) as listener:
+        _, writer = await _send_raw(listener.endpoint, encode_frame(_fragment(1)))
+        async with asyncio.timeout(5):
+            await got.wait()
+        await _close(writer)
+    assert verdicts[0].reason is RejectReason.HANDLER_ERROR and "boom" in verdicts[0].detail
+
+
+def test_require_key_refuses_to_start_without_one() -> None:
+    with pytest.raises(DeltaConfigError):
+        DweListener(require_key=True)
+    DweListener(require_key=True, config=DweConfig(keys=FleetKeys(KEY)))
