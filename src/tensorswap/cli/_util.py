@@ -27,9 +27,10 @@ def mapped(path: str | Path) -> Iterator[memoryview]:
         try:
             yield view
         finally:
-            view.release()
+            # A derived buffer still alive (say, held by a traceback) keeps the mapping open;
+            # the garbage collector closes it then.
             with contextlib.suppress(BufferError):
-                # A caller still holding a derived view keeps the mapping alive; let GC close it.
+                view.release()
                 mm.close()
 
 

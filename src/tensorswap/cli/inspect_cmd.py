@@ -1,0 +1,260 @@
+"""`tensorswap inspect`: recognise a tensor file's format and describe it as one JSON object."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import click
+import numpy as np
+import pyarrow as pa
+
+from tensorswap.cid import Cid, HashFunction, Multicodec
+from tensorswap.cli._util import mapped
+from tensorswap.codec import decode_block, is_tensorswap_block
+from tensorswap.codec.garw import GarwBlock, compute_garw_cid, is_garw
+from tensorswap.codec.ipfrs import decode_ipfrs_gradient, is_ipfrs_gradient_file
+from tensorswap.errors import CodecError, TensorSwapError
+from tensorswap.store.manifest import TensorManifest, decode_manifest, is_manifest
+
+PREVIEW = 8
+_ARROW_FILE_MAGIC = b"ARROW1"
+_ARROW_CONTINUATION = b"\xff\xff\xff\xff"
+_NPY_MAGIC = b"\x93NUMPY"
+_MAX_SAFETENSORS_HEADER = 100 * 2**20
+
+
+class UnknownFormat(CodecError):
+    """No decoder recognises the file."""
+
+
+def _values(values: np.ndarray, everything: bool) -> list[Any]:
+    flat = values.reshape(-1)
+    if not everything:
+        flat = flat[:PREVIEW]
+    if flat.dtype.kind == "f" or str(flat.dtype) == "bfloat16":
+        out: list[Any] = []
+        for v in flat.astype(np.float64).tolist():
+            out.append(v if math.isfinite(v) else str(v))  # JSON has no NaN/Inf
+        return out
+    return [int(v) for v in flat.tolist()]
+
+
+def _tensor_fields(
+    name: str, dtype: str, shape: Any, num_samples: int | None, values: np.ndarray, all_: bool
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "dtype": dtype,
+        "shape": [int(d) for d in shape],
+        "num_samples": num_samples,
+        "values": _values(values, all_),
+    }
+
+
+def _describe_manifest(data: memoryview, all_: bool) -> dict[str, Any]:
+    cid = Cid.of(data, codec=Multicodec.TENSORSWAP_MANIFEST)
+    manifest = decode_manifest(data, None)
+    if isinstance(manifest, TensorManifest):
+        return {
+            "format": "tensorswap-tensor-manifest",
+            "cid": str(cid),
+            "name": manifest.name,
+            "dtype": manifest.dtype,
+            "shape": list(manifest.shape),
+            "num_samples": manifest.num_samples,
+            "encoding": manifest.encoding,
+            "compression": manifest.compression,
+            "chunks": [
+                {"cid": str(c.cid), "values": c.values, "bytes": c.nbytes} for c in manifest.chunks
+            ],
+            "metadata": dict(manifest.metadata),
+        }
+    return {
+        "format": "tensorswap-update-manifest",
+        "cid": str(cid),
+        "name": manifest.name,
+        "num_samples": manifest.num_samples,
+        "tensors": [{"name": t.name, "cid": str(t.cid)} for t in manifest.tensors],
+        "metadata": dict(manifest.metadata),
+    }
+
+
+def _describe_block(data: memoryview, all_: bool) -> dict[str, Any]:
+    block = decode_block(data)
+    reader = pa.ipc.open_stream(pa.py_buffer(data))
+    header = json.loads((reader.schema.metadata or {})[b"tensorswap.block"])
+    return {
+        "format": "tensorswap-block",
+        "cid": str(Cid.of(data)),
+        "encoding": header.get("encoding", "dense"),
+        "metadata": dict(block.metadata),
+        **_tensor_fields(
+            block.name, block.dtype.value, block.shape, block.num_samples, block.values, all_
+        ),
+    }
+
+
+def _describe_ipfrs(data: memoryview, all_: bool) -> dict[str, Any]:
+    values = decode_ipfrs_gradient(data)
+    return {
+        "format": "ipfrs-gradient-arrow-file",
+        "cid": str(Cid.of(data, hash=HashFunction.SHA2_256)),
+        **_tensor_fields("", "float32", values.shape, None, values, all_),
+    }
+
+
+def _describe_garw(data: memoryview, all_: bool) -> dict[str, Any]:
+    block = GarwBlock.from_bytes(data)
+    return {
+        "format": "garw",
+        "cid": str(Cid.of(data)),
+        "grad_id": compute_garw_cid("", block.values, block.num_samples),
+        **_tensor_fields("", "float32", block.shape, block.num_samples, block.values, all_),
+    }
+
+
+def _arrow_table_fields(table: pa.Table, all_: bool) -> dict[str, Any]:
+    columns = [{"name": f.name, "type": str(f.type)} for f in table.schema]
+    out: dict[str, Any] = {"columns": columns, "rows": table.num_rows}
+    numeric = [
+        f.name for f in table.schema if pa.types.is_floating(f.type) or pa.types.is_integer(f.type)
+    ]
+    if len(numeric) >= 1:
+        col = table.column(numeric[-1]).to_numpy()
+        out.update(_tensor_fields(numeric[-1], str(col.dtype), col.shape, None, col, all_))
+    return out
+
+
+def _describe_arrow_file(data: memoryview, all_: bool) -> dict[str, Any]:
+    try:
+        table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise CodecError(f"damaged Arrow IPC file: {exc}") from exc
+    return {
+        "format": "arrow-ipc-file",
+        "cid": str(Cid.of(data)),
+        **_arrow_table_fields(table, all_),
+    }
+
+
+def _describe_arrow_stream(data: memoryview, all_: bool) -> dict[str, Any]:
+    try:
+        table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise CodecError(f"damaged Arrow IPC stream: {exc}") from exc
+    return {
+        "format": "arrow-ipc-stream",
+        "cid": str(Cid.of(data)),
+        **_arrow_table_fields(table, all_),
+    }
+
+
+def _describe_npy(data: memoryview, all_: bool) -> dict[str, Any]:
+    import io
+
+    try:
+        values = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise CodecError(f"damaged .npy file: {exc}") from exc
+    return {
+        "format": "npy",
+        "cid": str(Cid.of(data)),
+        **_tensor_fields("", str(values.dtype), values.shape, None, values, all_),
+    }
+
+
+def _is_safetensors(data: memoryview) -> bool:
+    if data.nbytes < 10:
+        return False
+    (n,) = struct.unpack_from("<Q", data, 0)
+    return 2 <= n <= min(_MAX_SAFETENSORS_HEADER, data.nbytes - 8) and bytes(data[8:9]) == b"{"
+
+
+def _describe_safetensors(data: memoryview, all_: bool) -> dict[str, Any]:
+    (n,) = struct.unpack_from("<Q", data, 0)
+    try:
+        header = json.loads(bytes(data[8 : 8 + n]))
+    except ValueError as exc:
+        raise CodecError(f"damaged safetensors header: {exc}") from exc
+    tensors = [
+        {"name": k, "dtype": v.get("dtype"), "shape": v.get("shape")}
+        for k, v in header.items()
+        if k != "__metadata__" and isinstance(v, dict)
+    ]
+    return {"format": "safetensors", "cid": str(Cid.of(data)), "tensors": tensors}
+
+
+@dataclass(frozen=True)
+class _Format:
+    name: str
+    sniff: Callable[[memoryview], bool]
+    describe: Callable[[memoryview, bool], dict[str, Any]]
+
+
+def _starts(magic: bytes) -> Callable[[memoryview], bool]:
+    return lambda data: bytes(data[: len(magic)]) == magic
+
+
+def _delta_formats() -> list[_Format]:
+    try:
+        from tensorswap.cli.inspect_delta import FORMAT
+    except ImportError:
+        return []
+    return [FORMAT]
+
+
+# Most specific first: the first format whose sniff accepts the bytes describes them.
+FORMATS: list[_Format] = [
+    _Format("tensorswap manifest", is_manifest, _describe_manifest),
+    _Format("garw", is_garw, _describe_garw),
+    _Format("ipfrs gradient file", is_ipfrs_gradient_file, _describe_ipfrs),
+    _Format("arrow ipc file", _starts(_ARROW_FILE_MAGIC), _describe_arrow_file),
+    _Format("tensorswap block", is_tensorswap_block, _describe_block),
+    _Format("arrow ipc stream", _starts(_ARROW_CONTINUATION), _describe_arrow_stream),
+    _Format("npy", _starts(_NPY_MAGIC), _describe_npy),
+    _Format("safetensors", _is_safetensors, _describe_safetensors),
+]
+
+
+def describe(data: memoryview, *, all_values: bool = False) -> dict[str, Any]:
+    """Describe `data` with the first format that recognises it; UnknownFormat otherwise."""
+    for fmt in [*FORMATS, *_delta_formats()]:
+        if fmt.sniff(data):
+            return fmt.describe(data, all_values)
+    raise UnknownFormat(
+        "unrecognised format (not a tensorswap block or manifest, Arrow IPC, ipfrs gradient, "
+        "GARW, DWE fragment, .npy or safetensors file)"
+    )
+
+
+@click.command("inspect")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option(
+    "--values", "all_values", is_flag=True, help=f"Print every value, not the first {PREVIEW}."
+)
+def inspect(file: str, all_values: bool) -> int:
+    """Recognise FILE's encoding and print one JSON object describing it.
+
+    Recognised: tensorswap blocks and manifests, Arrow IPC streams and files (including the
+    ipfrs gradient file), GARW blocks, axiom DWE fragments, .npy and safetensors files.
+    The object has format, name, dtype, shape, num_samples, cid and the first values.
+    An unknown or damaged file prints one error line and exits with code 2.
+    """
+    try:
+        with mapped(file) as data:
+            info = describe(data, all_values=all_values)
+    except click.FileError as exc:
+        click.echo(f"error: {exc.format_message()}", err=True)
+        return 2
+    except TensorSwapError as exc:
+        click.echo(f"error: {file}: {exc}", err=True)
+        return 2
+    json.dump(info, sys.stdout, separators=(",", ":") if all_values else (", ", ": "))
+    sys.stdout.write("\n")
+    return 0

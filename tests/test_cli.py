@@ -1,0 +1,131 @@
+"""The tensorswap command: cid, inspect and demo, run in-process through main()."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tensorswap.cli import main
+from tensorswap.codec import TensorBlock, encode_block
+from tensorswap.codec.garw import GarwBlock
+from tensorswap.codec.ipfrs import encode_ipfrs_gradient
+from tensorswap.store import MemoryStore, ModelUpdate, put_update
+
+EMPTY_SHA256_RAW = "bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cid_of_empty_file_matches_the_ipfs_vector(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    rc, out, _ = run(capsys, "cid", "--hash", "sha2-256", str(empty))
+    assert (rc, out.strip()) == (0, EMPTY_SHA256_RAW)
+
+
+def test_cid_defaults_to_blake3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "f"
+    f.write_bytes(b"hello")
+    rc, out, _ = run(capsys, "cid", str(f))
+    assert rc == 0 and out.startswith("bafkr4i")
+
+
+def _write(path: Path, data: object) -> Path:
+    path.write_bytes(bytes(memoryview(data)))  # type: ignore[arg-type]
+    return path
+
+
+@pytest.fixture
+def samples(tmp_path: Path) -> dict[str, Path]:
+    values = np.arange(12, dtype=np.float32)
+    store = MemoryStore()
+    manifest = put_update(store, ModelUpdate({"w": values}, num_samples=3))
+    np.save(tmp_path / "x.npy", values.reshape(3, 4))
+    return {
+        "tensorswap-block": _write(
+            tmp_path / "b.arrow", encode_block(TensorBlock("w", values.reshape(3, 4), 7))
+        ),
+        "garw": _write(tmp_path / "g.garw", GarwBlock.from_values("l", values, 9).to_bytes()),
+        "ipfrs-gradient-arrow-file": _write(tmp_path / "i.arrow", encode_ipfrs_gradient(values)),
+        "tensorswap-update-manifest": _write(tmp_path / "m.bin", store.get(manifest)),
+        "npy": tmp_path / "x.npy",
+    }
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    ["tensorswap-block", "garw", "ipfrs-gradient-arrow-file", "tensorswap-update-manifest", "npy"],
+)
+def test_inspect_recognises_each_format(
+    fmt: str, samples: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, err = run(capsys, "inspect", str(samples[fmt]))
+    assert rc == 0, err
+    info = json.loads(out)
+    assert info["format"] == fmt
+    assert info["cid"].startswith("b")
+
+
+def test_inspect_block_fields_and_all_values(
+    samples: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = run(capsys, "inspect", "--values", str(samples["tensorswap-block"]))
+    info = json.loads(out)
+    assert (rc, info["name"], info["dtype"], info["shape"], info["num_samples"]) == (
+        0,
+        "w",
+        "float32",
+        [3, 4],
+        7,
+    )
+    assert info["values"] == [float(v) for v in range(12)]
+    rc, out, _ = run(capsys, "inspect", str(samples["tensorswap-block"]))
+    assert len(json.loads(out)["values"]) == 8
+
+
+def test_inspect_garw_reports_the_seed_id(
+    samples: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, out, _ = run(capsys, "inspect", str(samples["garw"]))
+    info = json.loads(out)
+    assert info["num_samples"] == 9 and info["grad_id"].startswith("grad-")
+
+
+@pytest.mark.parametrize("content", [b"", b"hello world", b"\xff\xff\xff\xff\x10\x00\x00\x00"])
+def test_inspect_unknown_or_damaged_file_is_one_line_and_exit_2(
+    tmp_path: Path, content: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = _write(tmp_path / "junk", content)
+    rc, out, err = run(capsys, "inspect", str(f))
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error:")
+
+
+def test_inspect_truncated_block_is_an_error(
+    samples: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = samples["tensorswap-block"].read_bytes()
+    f = _write(tmp_path / "cut", data[: len(data) // 2])
+    rc, _, err = run(capsys, "inspect", str(f))
+    assert rc == 2 and err.startswith("error:")
+
+
+def test_inspect_missing_file_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(capsys, "inspect", str(tmp_path / "nope"))
+    assert rc == 2 and "error" in err
+
+
+def test_demo_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, "demo", "--peers", "2", "--data", str(tmp_path))
+    assert rc == 0
+    assert "aggregate CID" in out
+    assert any((tmp_path / "blocks").rglob("*"))
