@@ -361,6 +361,7 @@ class Coordinator:
                         work.acc.add(dict(update.tensors), update.num_samples)
                         work.folded.add(c.peer)
                 result = work.acc.result()
+                work.acc, work.folded = None, set()  # free the sums before storing the result
             else:
                 inputs = [
                     AggregateInput(dict(self._load(c).tensors), c.num_samples)
