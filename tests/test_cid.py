@@ -98,6 +98,7 @@ def test_hash_on_buffers_without_copy() -> None:
     big = np.random.default_rng(0).bytes(MULTITHREAD_HASH_BYTES + 7)
     assert Cid.of(big).digest == blake3.blake3(big).digest()
     assert Cid.of(big, hash=HashFunction.SHA2_256).digest == hashlib.sha256(big).digest()
+    assert Cid.of(big, threads=1) == Cid.of(big, threads=2) == Cid.of(big)
 
 
 def test_verify() -> None:

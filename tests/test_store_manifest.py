@@ -93,6 +93,18 @@ def test_chunk_boundaries(store: BlockStore, chunks: int, extra: int) -> None:
     assert _same(get_tensor(store, cid).values, values)
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+def test_parallel_workers_give_the_same_cid(store: BlockStore, workers: int) -> None:
+    values = _values("float32", (37, 11), seed=5)
+    block = TensorBlock("p", values)
+    serial = put_tensor(MemoryStore(), block, chunk_bytes=CHUNK, workers=1)
+    cid = put_tensor(store, block, chunk_bytes=CHUNK, workers=workers)
+    assert cid == serial
+    assert _same(get_tensor(store, cid, workers=workers).values, values)
+    with pytest.raises(ValueError, match="workers"):
+        put_tensor(store, block, workers=0)
+
+
 def test_single_chunk_is_zero_copy(store: BlockStore, monkeypatch: pytest.MonkeyPatch) -> None:
     cid = put_tensor(store, TensorBlock("t", np.arange(10, dtype=np.float32)))
     manifest = read_manifest(store, cid)

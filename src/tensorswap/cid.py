@@ -22,6 +22,7 @@ __all__ = [
     "Cid",
     "HashFunction",
     "Multicodec",
+    "byte_view",
     "decode_varint",
     "encode_varint",
     "hash_digest",
@@ -85,22 +86,27 @@ _HASH_LABELS = {HashFunction.SHA2_256: "sha2-256", HashFunction.BLAKE3: "blake3"
 _LABEL_SET = frozenset(_HASH_LABELS.values())
 
 
-def hash_digest(data: Buffer, hash: HashFunction = HashFunction.BLAKE3) -> bytes:
+def hash_digest(
+    data: Buffer, hash: HashFunction = HashFunction.BLAKE3, *, threads: int | None = None
+) -> bytes:
     """The raw digest of ``data`` (any C-contiguous buffer; never copied).
 
-    Raises ValueError (from ``memoryview.cast``) for a non-contiguous buffer.
+    ``threads`` caps blake3's worker threads: None picks by size (all cores from
+    ``MULTITHREAD_HASH_BYTES`` up), 1 hashes on the calling thread (best when the caller
+    already hashes several buffers in parallel). Raises ValueError (from
+    ``memoryview.cast``) for a non-contiguous buffer.
     """
-    view = _byte_view(data)
+    view = byte_view(data)
     if hash is HashFunction.BLAKE3:
-        if view.nbytes >= MULTITHREAD_HASH_BYTES:
-            return blake3.blake3(view, max_threads=blake3.blake3.AUTO).digest()
-        return blake3.blake3(view).digest()
+        if threads is None:
+            threads = blake3.blake3.AUTO if view.nbytes >= MULTITHREAD_HASH_BYTES else 1
+        return blake3.blake3(view, max_threads=threads).digest()
     if hash is HashFunction.SHA2_256:
         return hashlib.sha256(view).digest()
     raise ValueError(f"unsupported hash function {hash!r}")
 
 
-def _byte_view(data: Buffer) -> memoryview:
+def byte_view(data: Buffer) -> memoryview:
     """A flat unsigned-byte view of ``data`` (zero-copy; blake3 insists on format 'B')."""
     view = data if isinstance(data, memoryview) else memoryview(data)
     if view.format == "B" and view.ndim == 1:
@@ -182,10 +188,15 @@ class Cid:
         data: Buffer,
         codec: Multicodec = Multicodec.RAW,
         hash: HashFunction = HashFunction.BLAKE3,
+        *,
+        threads: int | None = None,
     ) -> Self:
-        """The CID of ``data`` (any C-contiguous buffer, hashed in place without copying)."""
+        """The CID of ``data`` (any C-contiguous buffer, hashed in place without copying).
+
+        ``threads``: as for ``hash_digest`` (None: automatic by size).
+        """
         hash_fn = HashFunction(hash)
-        return cls(Multicodec(codec), hash_fn, hash_digest(data, hash_fn))
+        return cls(Multicodec(codec), hash_fn, hash_digest(data, hash_fn, threads=threads))
 
     @classmethod
     def parse(cls, value: str | bytes | bytearray | memoryview) -> Self:

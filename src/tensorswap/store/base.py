@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
-from tensorswap.cid import Cid, HashFunction, Multicodec
+from tensorswap.cid import Cid, HashFunction, Multicodec, byte_view
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["BlockStore", "StoreSize", "byte_view"]
+__all__ = ["BlockStore", "StoreSize"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,14 +22,6 @@ class StoreSize:
 
     blocks: int
     nbytes: int
-
-
-def byte_view(data: Buffer) -> memoryview:
-    """A flat, unsigned-byte memoryview over ``data`` without copying (C-contiguous only)."""
-    view = data if isinstance(data, memoryview) else memoryview(data)
-    if view.format == "B" and view.ndim == 1:
-        return view
-    return view.cast("B")
 
 
 class BlockStore(ABC):
@@ -51,14 +43,16 @@ class BlockStore(ABC):
         codec: Multicodec = Multicodec.RAW,
         hash: HashFunction = HashFunction.BLAKE3,
         adopt: bool = False,
+        threads: int | None = None,
     ) -> Cid:
         """Store ``data`` (any C-contiguous buffer) and return its CID.
 
         ``adopt=True`` promises that the caller will never write to ``data`` again, so a store
-        may keep a reference to it instead of copying (the memory store does).
+        may keep a reference to it instead of copying (the memory store does). ``threads``
+        caps the hashing threads (see ``Cid.of``).
         """
         view = byte_view(data)
-        cid = Cid.of(view, codec=codec, hash=hash)
+        cid = Cid.of(view, codec=codec, hash=hash, threads=threads)
         self._store(cid, view, adopt)
         return cid
 

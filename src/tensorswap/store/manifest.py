@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -47,9 +50,13 @@ MANIFEST_MAGIC = b"TSMF\x01"
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 """Default chunk size: tensors are cut every ``DEFAULT_CHUNK_BYTES // itemsize`` values."""
 MAX_NDIM = 64
+PARALLEL_MIN_BYTES = 16 * 1024 * 1024
+"""Tensors at least this large are chunked, hashed and copied on one thread per core."""
 _MAX_U64 = 2**64 - 1
 _COMPRESSIONS = ("", "lz4", "zstd")
 Compression = Literal["lz4", "zstd"] | None
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 class MalformedManifest(StoreError, ValueError):
@@ -212,25 +219,33 @@ def put_tensor(
     hash: HashFunction = HashFunction.BLAKE3,
     encoding: Encoding | str = Encoding.DENSE,
     compression: Compression = None,
+    workers: int | None = None,
 ) -> Cid:
     """Store ``block`` as chunk blocks plus a tensor manifest; return the manifest's CID.
 
     Chunks hold ``chunk_bytes // itemsize`` values each (the last one fewer); each is the
     codec's encoding of an unnamed 1-D block of those values, so equal values give equal
     chunk CIDs whatever tensor they belong to. Blocks already held are not stored twice.
-    The same tensor with the same parameters always gives the same CID.
+    The same tensor with the same parameters always gives the same CID. The manifest is put
+    after all its chunks, so a store that shows the manifest holds the chunks too.
+    ``workers`` threads encode and hash chunks (None: one per core for big tensors).
     """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     enc = Encoding(encoding)
     flat = block.flat()
     per_chunk = max(1, chunk_bytes // block.dtype.itemsize)
-    refs = []
-    for start in range(0, flat.size, per_chunk):
+    starts = range(0, flat.size, per_chunk)
+    threads = _thread_count(workers, len(starts), block.nbytes)
+
+    def put_chunk(start: int) -> ChunkRef:
         piece = TensorBlock("", flat[start : start + per_chunk])
         data = encode_block(piece, encoding=enc, compression=compression)
-        cid = store.put(data, hash=hash, adopt=True)
-        refs.append(ChunkRef(cid.to_bytes(), piece.size, data.size))
+        # Parallel workers hash single-threaded: blake3's own pool would only contend.
+        cid = store.put(data, hash=hash, adopt=True, threads=1 if threads > 1 else None)
+        return ChunkRef(cid.to_bytes(), piece.size, data.size)
+
+    refs = _map(put_chunk, starts, threads)
     manifest = TensorManifest(
         name=block.name,
         dtype=block.dtype.value,
@@ -251,24 +266,33 @@ def read_manifest(store: BlockStore, cid: Cid, *, verify: bool | None = None) ->
     return decode_manifest(store.get(cid, verify=verify), cid)
 
 
-def get_tensor(store: BlockStore, cid: Cid, *, verify: bool | None = None) -> TensorBlock:
+def get_tensor(
+    store: BlockStore, cid: Cid, *, verify: bool | None = None, workers: int | None = None
+) -> TensorBlock:
     """Load the tensor whose manifest is ``cid``.
 
     A tensor of one chunk is returned as a zero-copy (read-only) view of that chunk's block;
-    otherwise one array is allocated and each chunk is decoded in place and copied once into
-    its slice. Every chunk is fetched and checked before the output is allocated.
+    otherwise one writable array is allocated and each chunk is decoded in place and copied
+    once into its slice. Every chunk is fetched and checked before the output is allocated.
+    ``workers`` threads fetch and copy chunks (None: one per core for big tensors).
     """
     manifest = read_manifest(store, cid, verify=verify)
     if not isinstance(manifest, TensorManifest):
         raise MalformedManifest(f"expected a tensor manifest, got {manifest_kind(manifest)}", cid)
-    return _load_tensor(store, manifest, cid, verify)
+    return _load_tensor(store, manifest, cid, verify, workers)
 
 
 def _load_tensor(
-    store: BlockStore, manifest: TensorManifest, cid: Cid, verify: bool | None
+    store: BlockStore,
+    manifest: TensorManifest,
+    cid: Cid,
+    verify: bool | None,
+    workers: int | None,
 ) -> TensorBlock:
     dtype = DType.parse(manifest.dtype)
-    buffers = [store.get(chunk.cid, verify=verify) for chunk in manifest.chunks]
+    chunks = manifest.chunks
+    threads = _thread_count(workers, len(chunks), sum(c.nbytes for c in chunks))
+    buffers = _map(lambda chunk: store.get(chunk.cid, verify=verify), chunks, threads)
     exact = manifest.encoding == Encoding.DENSE and not manifest.compression
     for i, (chunk, buf) in enumerate(zip(manifest.chunks, buffers, strict=True)):
         # An uncompressed dense chunk holds all its values: the output size is bounded by
@@ -279,10 +303,13 @@ def _load_tensor(
         values = _decode_chunk(buffers[0], manifest, 0, dtype, cid)
     else:
         values = np.empty(manifest.size, dtype=dtype.numpy)
-        pos = 0
-        for i, (chunk, buf) in enumerate(zip(manifest.chunks, buffers, strict=True)):
-            np.copyto(values[pos : pos + chunk.values], _decode_chunk(buf, manifest, i, dtype, cid))
-            pos += chunk.values
+        offsets = [0, *itertools.accumulate(chunk.values for chunk in chunks)]
+
+        def fill(i: int) -> None:
+            piece = _decode_chunk(buffers[i], manifest, i, dtype, cid)
+            np.copyto(values[offsets[i] : offsets[i + 1]], piece)
+
+        _map(fill, range(len(chunks)), threads)
     return TensorBlock(
         manifest.name, values.reshape(manifest.shape), manifest.num_samples, manifest.metadata
     )
@@ -303,6 +330,24 @@ def _decode_chunk(
             cid,
         )
     return piece.values
+
+
+def _thread_count(requested: int | None, tasks: int, nbytes: int) -> int:
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"workers must be positive, got {requested}")
+        return max(1, min(requested, tasks))
+    if tasks < 2 or nbytes < PARALLEL_MIN_BYTES:
+        return 1
+    return max(1, min(tasks, os.cpu_count() or 1))
+
+
+def _map(fn: Callable[[_T], _R], items: Iterable[_T], threads: int) -> list[_R]:
+    """``[fn(x) for x in items]``, on ``threads`` threads that are all joined before returning."""
+    if threads <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(threads, thread_name_prefix="tensorswap-store") as pool:
+        return list(pool.map(fn, items))
 
 
 def manifest_kind(manifest: Manifest) -> str:
@@ -336,6 +381,7 @@ def put_update(
     hash: HashFunction = HashFunction.BLAKE3,
     encoding: Encoding | str = Encoding.DENSE,
     compression: Compression = None,
+    workers: int | None = None,
 ) -> Cid:
     """Store every tensor (see ``put_tensor``) and an update manifest listing them; its CID.
 
@@ -351,6 +397,7 @@ def put_update(
             hash=hash,
             encoding=encoding,
             compression=compression,
+            workers=workers,
         )
         refs.append(TensorRef(name, tensor_cid.to_bytes()))
     manifest = UpdateManifest(
@@ -362,14 +409,16 @@ def put_update(
     return store.put(encode_manifest(manifest), codec=Multicodec.TENSORSWAP_MANIFEST, hash=hash)
 
 
-def get_update(store: BlockStore, cid: Cid, *, verify: bool | None = None) -> ModelUpdate:
+def get_update(
+    store: BlockStore, cid: Cid, *, verify: bool | None = None, workers: int | None = None
+) -> ModelUpdate:
     """Load the model update whose manifest is ``cid`` (each tensor as in ``get_tensor``)."""
     manifest = read_manifest(store, cid, verify=verify)
     if not isinstance(manifest, UpdateManifest):
         raise MalformedManifest(f"expected an update manifest, got {manifest_kind(manifest)}", cid)
     tensors = {}
     for ref in manifest.tensors:
-        tensor = get_tensor(store, ref.cid, verify=verify)
+        tensor = get_tensor(store, ref.cid, verify=verify, workers=workers)
         if tensor.name != ref.name:
             raise MalformedManifest(f"entry {ref.name!r} links tensor {tensor.name!r}", cid)
         tensors[ref.name] = tensor.values
