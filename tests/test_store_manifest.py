@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tensorswap.cid import Cid, HashFunction, Multicodec
 from tensorswap.codec import TensorBlock
-from tensorswap.errors import BlockNotFound, StoreError
+from tensorswap.errors import BlockNotFound, StoreError, UnsupportedDtype
 from tensorswap.store import (
     MANIFEST_MAGIC,
     BlockStore,
@@ -339,6 +339,29 @@ def test_lying_manifest_is_caught_on_load(store: BlockStore) -> None:
     cid = store.put(encode_manifest(fake), codec=Multicodec.TENSORSWAP_MANIFEST)
     with pytest.raises(MalformedManifest, match="chunk 0"):
         get_tensor(store, cid)
+
+
+def test_compressed_chunks_are_checked_before_allocating(store: BlockStore) -> None:
+    real = put_tensor(
+        store, TensorBlock("", np.zeros(8, np.float32)), chunk_bytes=16, compression="zstd"
+    )
+    manifest = read_manifest(store, real)
+    assert isinstance(manifest, TensorManifest) and len(manifest.chunks) == 2
+    ref = manifest.chunks[0]
+    huge = ChunkRef(ref.cid_bytes, 10**12, ref.nbytes)
+    lie = _tensor_manifest(shape=(10**12 + 4,), compression="zstd", chunks=(huge, ref))
+    cid = store.put(encode_manifest(lie), codec=Multicodec.TENSORSWAP_MANIFEST)
+    with pytest.raises(MalformedManifest, match="holds float32 \\[4\\]"):
+        get_tensor(store, cid)
+
+
+def test_model_update_validates() -> None:
+    with pytest.raises(TypeError):
+        ModelUpdate({}, num_samples=True)
+    with pytest.raises(ValueError):
+        ModelUpdate({}, num_samples=-1)
+    with pytest.raises(UnsupportedDtype):
+        ModelUpdate({"x": np.zeros(2, np.complex64)})
 
 
 def test_torch_tensors_accepted(store: BlockStore) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 import msgspec
 import numpy as np
 
-from tensorswap.cid import Cid, HashFunction, Multicodec
+from tensorswap.cid import Cid, HashFunction, Multicodec, byte_view
 from tensorswap.codec import DType, Encoding, TensorBlock, as_numpy, decode_block, encode_block
 from tensorswap.errors import CodecError, InvalidCid, StoreError
 
@@ -155,7 +155,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
 
 def is_manifest(data: Buffer) -> bool:
     """Whether ``data`` starts with the manifest magic (a cheap sniff, not a validation)."""
-    return bytes(memoryview(data)[: len(MANIFEST_MAGIC)]) == MANIFEST_MAGIC
+    return byte_view(data)[: len(MANIFEST_MAGIC)] == MANIFEST_MAGIC
 
 
 def decode_manifest(data: Buffer, cid: Cid | None = None) -> Manifest:
@@ -165,7 +165,7 @@ def decode_manifest(data: Buffer, cid: Cid | None = None) -> Manifest:
     (known dtype and encoding, sane shape, chunk value counts summing to the shape's size,
     link CIDs of the right codec, unique tensor names) before a manifest is returned.
     """
-    view = memoryview(data)
+    view = byte_view(data)
     if view.nbytes < len(MANIFEST_MAGIC) or view[: len(MANIFEST_MAGIC)] != MANIFEST_MAGIC:
         raise MalformedManifest(f"does not start with {MANIFEST_MAGIC!r}", cid)
     try:
@@ -301,6 +301,11 @@ def _load_tensor(
             raise MalformedManifest(f"chunk {i} ({chunk.cid}) is {buf.nbytes} bytes", cid)
     if len(buffers) == 1:
         values = _decode_chunk(buffers[0], manifest, 0, dtype, cid)
+    elif not exact:
+        # Compressed or lossy chunks: decode (and so check) every one before allocating.
+        indices = range(len(chunks))
+        decode = lambda i: _decode_chunk(buffers[i], manifest, i, dtype, cid)  # noqa: E731
+        values = np.concatenate(_map(decode, indices, threads))
     else:
         values = np.empty(manifest.size, dtype=dtype.numpy)
         offsets = [0, *itertools.accumulate(chunk.values for chunk in chunks)]
@@ -369,6 +374,8 @@ class ModelUpdate:
         converted = {str(k): as_numpy(v) for k, v in self.tensors.items()}
         object.__setattr__(self, "tensors", MappingProxyType(converted))
         object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+        if isinstance(self.num_samples, bool) or not isinstance(self.num_samples, int):
+            raise TypeError(f"num_samples must be an int, got {type(self.num_samples).__name__}")
         if not 0 <= self.num_samples <= _MAX_U64:
             raise ValueError(f"num_samples must be in [0, 2**64-1], got {self.num_samples}")
 
