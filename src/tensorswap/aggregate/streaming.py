@@ -78,6 +78,12 @@ class StreamingAccumulator:
         return self._total
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of array state held: the running sums and the fold scratch."""
+        scratch = 0 if self._scratch is None else self._scratch.nbytes
+        return sum(s.nbytes for s in self._sums) + scratch
+
+    @property
     def dropped(self) -> tuple[NonFiniteValues, ...]:
         """One NonFiniteValues per contribution left out by the DROP policy, in arrival order."""
         return tuple(self._dropped)
