@@ -1,5 +1,12 @@
 """Wire: frames, checksums, async streams of blocks and gradients, handshake/auth, TLS."""
 
+from tensorswap.wire.auth import (
+    client_ssl_context,
+    load_key,
+    server_ssl_context,
+)
+from tensorswap.wire.client import BlockClient, PullResult, PushResult
+from tensorswap.wire.connection import FrameConnection, Timeouts, WireLimits
 from tensorswap.wire.errors import (
     AuthenticationFailed,
     BlockHashMismatch,
@@ -18,6 +25,7 @@ from tensorswap.wire.errors import (
     TransportClosed,
     UnexpectedEof,
 )
+from tensorswap.wire.frames import Compression, FrameHeader, FrameKind
 from tensorswap.wire.ipfrs import (
     DEFAULT_CHUNK_SIZE,
     GradientChunk,
@@ -27,6 +35,7 @@ from tensorswap.wire.ipfrs import (
     IpfrsLimits,
     chunk_count,
 )
+from tensorswap.wire.server import BlockServer, ServerStats
 from tensorswap.wire.transport import (
     MemoryTransport,
     TcpListener,
@@ -40,11 +49,17 @@ from tensorswap.wire.transport import (
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "AuthenticationFailed",
+    "BlockClient",
     "BlockHashMismatch",
+    "BlockServer",
     "ChecksumMismatch",
     "ChunkIndexOutOfRange",
+    "Compression",
     "ConnectionFailed",
     "DuplicateChunk",
+    "FrameConnection",
+    "FrameHeader",
+    "FrameKind",
     "FrameTooLarge",
     "GradientChunk",
     "GradientReassembler",
@@ -56,16 +71,24 @@ __all__ = [
     "MemoryTransport",
     "PeerTimeout",
     "ProtocolViolation",
+    "PullResult",
+    "PushResult",
     "RemoteError",
+    "ServerStats",
     "StreamEnded",
     "TcpListener",
     "TcpTransport",
+    "Timeouts",
     "TotalChunksMismatch",
     "Transport",
     "TransportClosed",
     "UnexpectedEof",
+    "WireLimits",
     "chunk_count",
+    "client_ssl_context",
     "connect_tcp",
+    "load_key",
     "memory_pair",
     "serve_tcp",
+    "server_ssl_context",
 ]

@@ -1,0 +1,80 @@
+"""BlockSink: verify and store received blocks on one worker thread, in arrival order, bounded."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+from tensorswap.cid import Cid
+from tensorswap.errors import HashMismatch
+from tensorswap.store.base import BlockStore
+from tensorswap.wire.errors import BlockHashMismatch
+
+__all__ = ["BlockSink"]
+
+
+class BlockSink:
+    """Stores blocks received from a peer while the next frames are read.
+
+    Guarantees: each block is hash-checked against its CID before it is stored (a mismatch
+    raises BlockHashMismatch and stores nothing of that block); blocks are stored in the order
+    submitted (one worker thread), so a manifest sent after its chunks is never visible
+    before them; at most ``depth`` blocks wait in memory. ``drain`` waits for everything
+    submitted and raises the first failure. ``close`` waits for blocks already submitted,
+    even on error or cancel, so that what arrived whole is kept (resume relies on it).
+    """
+
+    def __init__(self, store: BlockStore, depth: int = 4) -> None:
+        self.store = store
+        self.depth = depth
+        self.blocks = 0
+        self.nbytes = 0
+        self._pending: deque[asyncio.Future[int]] = deque()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-sink")
+
+    def _put(self, cid: Cid, data: memoryview) -> int:
+        try:
+            self.store.put_verified(cid, data, adopt=True)
+        except HashMismatch as exc:
+            raise BlockHashMismatch(cid, exc.actual) from exc
+        return data.nbytes
+
+    async def submit(self, cid: Cid, data: memoryview) -> None:
+        """Queue ``data`` to be checked and stored; waits while ``depth`` blocks are queued."""
+        while len(self._pending) >= self.depth:
+            await self._settle_oldest()
+        loop = asyncio.get_running_loop()
+        self._pending.append(loop.run_in_executor(self._pool, self._put, cid, data))
+
+    async def _settle_oldest(self) -> None:
+        future = self._pending[0]
+        try:
+            nbytes = await asyncio.shield(future)
+        finally:
+            if future.done():
+                self._pending.popleft()
+        self.blocks += 1
+        self.nbytes += nbytes
+
+    async def drain(self) -> None:
+        """Wait until every submitted block is stored; raise the first failure."""
+        while self._pending:
+            await self._settle_oldest()
+
+    async def close(self) -> None:
+        """Finish the blocks already submitted (their errors are dropped) and stop the worker."""
+        try:
+            while self._pending:
+                future = self._pending.popleft()
+                try:
+                    nbytes = await asyncio.shield(future)
+                except asyncio.CancelledError:
+                    await asyncio.wait([future])
+                    raise
+                except Exception:  # reported by drain, or superseded by the caller's error
+                    continue
+                self.blocks += 1
+                self.nbytes += nbytes
+        finally:
+            self._pool.shutdown(wait=False)

@@ -1,0 +1,182 @@
+"""Connection handshake: mutual HMAC-SHA256 challenge-response on a shared key; TLS contexts."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import ssl
+from pathlib import Path
+
+from tensorswap.wire.connection import FrameConnection
+from tensorswap.wire.errors import (
+    AuthenticationFailed,
+    ProtocolViolation,
+    RemoteError,
+    StreamEnded,
+)
+from tensorswap.wire.frames import PROTOCOL_VERSION
+from tensorswap.wire.messages import Error, Hello, Ready, Welcome
+
+__all__ = [
+    "KEY_ENV",
+    "NONCE_BYTES",
+    "client_handshake",
+    "client_proof",
+    "client_ssl_context",
+    "load_key",
+    "server_handshake",
+    "server_proof",
+    "server_ssl_context",
+]
+
+NONCE_BYTES = 32
+KEY_ENV = "TENSORSWAP_KEY"
+"""Environment variable the CLI reads a shared key from (the key file option wins)."""
+_CLIENT_LABEL = b"tensorswap/1 client proof\x00"
+_SERVER_LABEL = b"tensorswap/1 server proof\x00"
+
+
+def client_proof(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    """HMAC-SHA256(key, label || server_nonce || client_nonce): the client knows the key."""
+    return hmac.new(key, _CLIENT_LABEL + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def server_proof(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    """The server's answer; a different label, so a proof cannot be reflected back."""
+    return hmac.new(key, _SERVER_LABEL + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def load_key(path: str | os.PathLike[str] | None = None, *, env: str = KEY_ENV) -> bytes | None:
+    """A shared key from a file (bytes, trailing newline stripped) or ``$TENSORSWAP_KEY``."""
+    if path is not None:
+        key = Path(path).read_bytes().rstrip(b"\r\n")
+    else:
+        text = os.environ.get(env)
+        if text is None:
+            return None
+        key = text.encode()
+    if not key:
+        raise ValueError("the shared key is empty")
+    return key
+
+
+async def server_handshake(
+    conn: FrameConnection, key: bytes | None, *, name: str = "tensorswap"
+) -> Hello:
+    """Run the server side: Welcome, check the client's Hello, answer Ready.
+
+    With a key, a client must prove it (else AuthenticationFailed, after telling the client
+    with an Error frame); the Ready carries the server's own proof. Nothing else is read
+    from the client before this returns.
+    """
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    seconds = conn.timeouts.handshake
+    await conn.send_message(
+        Welcome(
+            protocol=PROTOCOL_VERSION,
+            nonce=nonce,
+            auth=key is not None,
+            max_block_bytes=conn.limits.max_block_bytes,
+            server=name,
+        )
+    )
+    try:
+        hello, _ = await conn.receive_message(Hello, timeout=seconds)
+    except StreamEnded as exc:
+        raise AuthenticationFailed(conn.peer, "client closed during the handshake") from exc
+    if hello.protocol != PROTOCOL_VERSION:
+        await conn.send_error("version", f"server speaks protocol {PROTOCOL_VERSION}")
+        raise ProtocolViolation(f"client speaks protocol {hello.protocol}")
+    if len(hello.nonce) != NONCE_BYTES:
+        raise ProtocolViolation(f"client nonce of {len(hello.nonce)} bytes")
+    if key is None:
+        await conn.send_message(Ready(mac=None))
+        return hello
+    if hello.mac is None:
+        reason = "this server requires a shared key; the client sent none"
+        await conn.send_error("auth_required", reason)
+        raise AuthenticationFailed(conn.peer, reason)
+    if not hmac.compare_digest(hello.mac, client_proof(key, nonce, hello.nonce)):
+        reason = "wrong shared key (client proof does not verify)"
+        await conn.send_error("auth_failed", reason)
+        raise AuthenticationFailed(conn.peer, reason)
+    await conn.send_message(Ready(mac=server_proof(key, nonce, hello.nonce)))
+    return hello
+
+
+async def client_handshake(
+    conn: FrameConnection, key: bytes | None, *, name: str = "tensorswap"
+) -> Welcome:
+    """Run the client side; returns the server's Welcome once both sides are satisfied.
+
+    Raises AuthenticationFailed when the server wants a key and none is configured, when a
+    key is configured but the server does not authenticate (a server without the key could
+    be anyone), when the server refuses the proof, or when the server's proof is wrong.
+    """
+    seconds = conn.timeouts.handshake
+    try:
+        welcome, _ = await conn.receive_message(Welcome, timeout=seconds)
+    except StreamEnded as exc:
+        raise AuthenticationFailed(conn.peer, "server closed before its welcome") from exc
+    if welcome.protocol != PROTOCOL_VERSION:
+        raise ProtocolViolation(f"server speaks protocol {welcome.protocol}")
+    if len(welcome.nonce) != NONCE_BYTES:
+        raise ProtocolViolation(f"server nonce of {len(welcome.nonce)} bytes")
+    if welcome.auth and key is None:
+        raise AuthenticationFailed(conn.peer, "the server requires a shared key; none is set")
+    if key is not None and not welcome.auth:
+        raise AuthenticationFailed(
+            conn.peer, "a key is set but the server does not authenticate; refusing it"
+        )
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    mac = client_proof(key, welcome.nonce, nonce) if key is not None else None
+    await conn.send_message(Hello(protocol=PROTOCOL_VERSION, nonce=nonce, mac=mac, client=name))
+    try:
+        ready = conn.expect(await conn.receive_frame(timeout=seconds), Ready, Error)
+    except StreamEnded as exc:
+        raise AuthenticationFailed(conn.peer, "server closed during the handshake") from exc
+    if isinstance(ready, Error):
+        if ready.code.startswith("auth"):
+            raise AuthenticationFailed(conn.peer, f"server refused: {ready.message}")
+        raise RemoteError(ready.code, ready.message, conn.peer)
+    if not isinstance(ready, Ready):
+        raise ProtocolViolation(f"expected Ready, got {type(ready).__name__}")
+    if key is not None:
+        expected = server_proof(key, welcome.nonce, nonce)
+        if ready.mac is None or not hmac.compare_digest(ready.mac, expected):
+            raise AuthenticationFailed(conn.peer, "the server's proof does not verify")
+    return welcome
+
+
+def server_ssl_context(
+    certfile: str | os.PathLike[str],
+    keyfile: str | os.PathLike[str] | None = None,
+    *,
+    client_ca: str | os.PathLike[str] | None = None,
+) -> ssl.SSLContext:
+    """A TLS server context (TLS 1.2+); with ``client_ca``, clients must present a cert."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(certfile, keyfile)
+    if client_ca is not None:
+        ctx.load_verify_locations(client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_ssl_context(
+    cafile: str | os.PathLike[str] | None = None,
+    *,
+    certfile: str | os.PathLike[str] | None = None,
+    keyfile: str | os.PathLike[str] | None = None,
+    check_hostname: bool = True,
+) -> ssl.SSLContext:
+    """A TLS client context trusting ``cafile`` (system roots when None), hostname checked."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cafile)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.check_hostname = check_hostname
+    if certfile is not None:
+        ctx.load_cert_chain(certfile, keyfile)
+    return ctx

@@ -1,0 +1,274 @@
+"""Frames over a Transport: bounded, checksummed, time-limited sends and receives."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from tensorswap.cid import Cid
+from tensorswap.wire.errors import (
+    ChecksumMismatch,
+    PeerTimeout,
+    ProtocolViolation,
+    RemoteError,
+    StreamEnded,
+    UnexpectedEof,
+)
+from tensorswap.wire.frames import (
+    BLOCK_PREFIX_MAX,
+    HEADER_SIZE,
+    Compression,
+    FrameHeader,
+    FrameKind,
+    compress,
+    crc32c,
+    decompress,
+    pack_block_prefix,
+    parse_block_prefix,
+)
+from tensorswap.wire.messages import Error, Message, decode_message, encode_message
+from tensorswap.wire.transport import Transport
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = [
+    "BlockFrame",
+    "Frame",
+    "FrameConnection",
+    "PreparedBlock",
+    "Timeouts",
+    "WireLimits",
+    "prepare_block",
+]
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True, slots=True)
+class WireLimits:
+    """Upper bounds on what a peer may make us allocate; checked before any allocation."""
+
+    max_block_bytes: int = 256 * 1024 * 1024
+    """Largest block (uncompressed and on the wire)."""
+    max_message_bytes: int = 16 * 1024 * 1024
+    """Largest control-message payload (an Offer of ~400k CIDs)."""
+
+    def __post_init__(self) -> None:
+        if self.max_block_bytes < 1 or self.max_message_bytes < 64:
+            raise ValueError(f"limits too small: {self}")
+
+    @property
+    def max_block_payload(self) -> int:
+        return self.max_block_bytes + BLOCK_PREFIX_MAX
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Seconds before a stalled peer is dropped (None waits forever; not recommended)."""
+
+    connect: float | None = 10.0
+    """TCP connect plus TLS handshake."""
+    handshake: float | None = 10.0
+    """The authentication exchange after connecting."""
+    read: float | None = 60.0
+    """One whole frame, once it is due (an answer, or the rest of a transfer)."""
+    idle: float | None = 300.0
+    """A server waiting for a client's next request."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A received frame whose payload CRC32C has been checked."""
+
+    header: FrameHeader
+    payload: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFrame:
+    """A received block: its claimed CID and its (decompressed) bytes, not yet hash-checked."""
+
+    cid: Cid
+    data: memoryview
+    wire_bytes: int
+    compression: Compression
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedBlock:
+    """A BLOCK frame ready to send: header, prefix and body (built off the event loop)."""
+
+    header: bytes
+    prefix: bytes
+    body: Buffer
+    raw_len: int
+
+    @property
+    def wire_bytes(self) -> int:
+        return len(self.header) + len(self.prefix) + memoryview(self.body).nbytes
+
+
+def prepare_block(
+    cid: Cid, data: Buffer, compression: Compression = Compression.NONE, stream_id: int = 0
+) -> PreparedBlock:
+    """Compress (if asked) and checksum a block; CPU-bound, safe to run in a worker thread.
+
+    Compression is dropped for this block when it would not make the block smaller.
+    """
+    raw = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
+    body: Buffer = raw
+    if compression is not Compression.NONE:
+        packed = compress(raw, compression)
+        if memoryview(packed).nbytes < raw.nbytes:
+            body = packed
+        else:
+            compression = Compression.NONE
+    prefix = pack_block_prefix(cid, raw.nbytes)
+    crc = crc32c(body, crc32c(prefix))
+    length = len(prefix) + memoryview(body).nbytes
+    header = FrameHeader(FrameKind.BLOCK, length, crc, stream_id, int(compression)).pack()
+    return PreparedBlock(header, prefix, body, raw.nbytes)
+
+
+class FrameConnection:
+    """Sends and receives frames on one transport; not safe for concurrent senders/receivers.
+
+    Every receive is bounded in size (``WireLimits``) before allocation and in time
+    (``Timeouts.read``, or the ``timeout`` given); the payload CRC32C is checked before a
+    frame is returned. A receive that fails leaves the stream out of sync: close it.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        limits: WireLimits | None = None,
+        timeouts: Timeouts | None = None,
+    ) -> None:
+        self.transport = transport
+        self.limits = limits or WireLimits()
+        self.timeouts = timeouts or Timeouts()
+        self._header = bytearray(HEADER_SIZE)
+
+    @property
+    def peer(self) -> str:
+        return self.transport.peer
+
+    # ── sending ──────────────────────────────────────────────────────────────
+    async def send_message(self, message: Message, stream_id: int = 0) -> None:
+        kind, payload = encode_message(message)
+        header = FrameHeader(kind, len(payload), crc32c(payload), stream_id)
+        await self.transport.send(header.pack(), payload)
+
+    async def send_prepared(self, block: PreparedBlock) -> None:
+        await self.transport.send(block.header, block.prefix, block.body)
+
+    async def send_block(
+        self, cid: Cid, data: Buffer, compression: Compression = Compression.NONE
+    ) -> int:
+        """Send one block (checksummed here, on the loop); the bytes put on the wire."""
+        block = prepare_block(cid, data, compression)
+        await self.send_prepared(block)
+        return block.wire_bytes
+
+    async def send_error(self, code: str, message: str, stream_id: int = 0) -> None:
+        await self.send_message(Error(code=code, message=message[:2000]), stream_id)
+
+    # ── receiving ────────────────────────────────────────────────────────────
+    def _seconds(self, timeout: float | Literal["read", "idle"] | None) -> float | None:
+        if timeout == "read":
+            return self.timeouts.read
+        if timeout == "idle":
+            return self.timeouts.idle
+        return timeout
+
+    async def receive_frame(
+        self, *, timeout: float | Literal["read", "idle"] | None = "read"
+    ) -> Frame:
+        """The next frame, CRC-checked.
+
+        ``timeout`` bounds the wait for the 32-byte header (default ``Timeouts.read``; the
+        server waits ``"idle"`` between requests); the payload then must arrive within
+        ``Timeouts.read``. Raises StreamEnded (clean EOF before a header), UnexpectedEof (EOF
+        inside a frame), PeerTimeout, ProtocolViolation/FrameTooLarge (bad header; nothing
+        allocated) or ChecksumMismatch.
+        """
+        seconds = self._seconds(timeout)
+        try:
+            async with asyncio.timeout(seconds):
+                got = await self.transport.receive_into(self._header)
+        except TimeoutError as exc:
+            raise PeerTimeout("a frame header", seconds or 0.0, self.peer) from exc
+        if got == 0:
+            raise StreamEnded(f"connection from {self.peer}")
+        if got < HEADER_SIZE:
+            raise UnexpectedEof("frame header", got, HEADER_SIZE)
+        header = FrameHeader.unpack(
+            self._header,
+            max_payload=self.limits.max_message_bytes,
+            max_block_payload=self.limits.max_block_payload,
+        )
+        payload = bytearray(header.payload_len)  # bounded by unpack above
+        what = f"{header.kind.name} payload ({header.payload_len} bytes)"
+        try:
+            async with asyncio.timeout(self.timeouts.read):
+                await self.transport.receive_exactly(payload, what)
+        except TimeoutError as exc:
+            raise PeerTimeout(what, self.timeouts.read or 0.0, self.peer) from exc
+        actual = crc32c(payload)
+        if actual != header.payload_crc:
+            raise ChecksumMismatch(
+                None,
+                header.payload_crc,
+                actual,
+                algorithm="crc32c",
+                what=f"{header.kind.name} frame (stream {header.stream_id})",
+            )
+        return Frame(header, memoryview(payload))
+
+    async def receive_message(
+        self, expected: type[M], *, timeout: float | Literal["read", "idle"] | None = "read"
+    ) -> tuple[M, int]:
+        """The next control message, which must be an ``expected``; with its stream id.
+
+        An Error message from the peer raises RemoteError; any other kind ProtocolViolation.
+        """
+        frame = await self.receive_frame(timeout=timeout)
+        message = self.expect(frame, expected)
+        if not isinstance(message, expected):  # pragma: no cover - expect checked it
+            raise ProtocolViolation(f"unexpected {type(message).__name__} message")
+        return message, frame.header.stream_id
+
+    def expect(self, frame: Frame, *expected: type[Any]) -> Message:
+        """Decode ``frame`` as one of the ``expected`` message types (see receive_message).
+
+        Error from the peer raises RemoteError unless Error is among ``expected``.
+        """
+        if frame.header.kind is FrameKind.BLOCK:
+            raise ProtocolViolation(f"unexpected BLOCK frame, expected {_names(expected)}")
+        message = decode_message(frame.header.kind, frame.payload)
+        if isinstance(message, Error) and Error not in expected:
+            raise RemoteError(message.code, message.message, self.peer)
+        if not isinstance(message, expected):
+            raise ProtocolViolation(
+                f"unexpected {type(message).__name__} message, expected {_names(expected)}"
+            )
+        return message
+
+    def parse_block(self, frame: Frame) -> BlockFrame:
+        """Split a BLOCK frame into CID and bytes (decompressed, bounded by the limits)."""
+        if frame.header.kind is not FrameKind.BLOCK:
+            raise ProtocolViolation(f"expected a BLOCK frame, got {frame.header.kind.name}")
+        prefix = parse_block_prefix(frame.payload, max_raw_len=self.limits.max_block_bytes)
+        body = frame.payload[prefix.size :]
+        data = decompress(body, frame.header.compression, prefix.raw_len)
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        return BlockFrame(
+            prefix.cid, view, HEADER_SIZE + frame.payload.nbytes, frame.header.compression
+        )
+
+
+def _names(types: tuple[type, ...]) -> str:
+    return " or ".join(t.__name__ for t in types)

@@ -1,0 +1,168 @@
+"""Control messages: msgspec Structs as msgpack maps, one FrameKind each; CIDs in binary form."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, cast
+
+import msgspec
+
+from tensorswap.cid import Cid
+from tensorswap.errors import InvalidCid
+from tensorswap.wire.errors import ProtocolViolation
+from tensorswap.wire.frames import FrameKind
+
+__all__ = [
+    "MESSAGE_KINDS",
+    "MESSAGE_TYPES",
+    "Commit",
+    "Committed",
+    "Error",
+    "Get",
+    "Got",
+    "Hello",
+    "Message",
+    "Offer",
+    "Ready",
+    "Want",
+    "Welcome",
+    "decode_message",
+    "encode_message",
+    "parse_cids",
+    "wire_cids",
+]
+
+
+class _Base(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """Unknown fields from newer peers are ignored; missing required fields are refused."""
+
+
+class Welcome(_Base, frozen=True):
+    """First frame of a connection, server -> client."""
+
+    protocol: int
+    nonce: bytes
+    auth: bool
+    max_block_bytes: int
+    server: str = ""
+
+
+class Hello(_Base, frozen=True):
+    """Client -> server answer to Welcome; ``mac`` present exactly when the client has a key."""
+
+    protocol: int
+    nonce: bytes
+    mac: bytes | None = None
+    client: str = ""
+
+
+class Ready(_Base, frozen=True):
+    """Server -> client: the handshake succeeded; ``mac`` proves the server knows the key."""
+
+    mac: bytes | None = None
+
+
+class Error(_Base, frozen=True):
+    """A typed refusal; the side that sends it closes the connection afterwards."""
+
+    code: str
+    message: str
+
+
+class Offer(_Base, frozen=True):
+    """Client -> server: blocks the client can send (the server answers which it lacks)."""
+
+    cids: list[bytes]
+
+
+class Want(_Base, frozen=True):
+    """Server -> client: the offered CIDs the server does not hold, in offer order."""
+
+    cids: list[bytes]
+
+
+class Commit(_Base, frozen=True):
+    """Client -> server after its BLOCK frames: these roots should now be complete."""
+
+    roots: list[bytes]
+    blocks: int
+    nbytes: int
+
+
+class Committed(_Base, frozen=True):
+    """Server -> client: every block of this connection is stored and the roots are complete.
+
+    ``blocks``/``nbytes`` count what the server stored on this connection so far.
+    """
+
+    roots: list[bytes]
+    blocks: int
+    nbytes: int
+
+
+class Get(_Base, frozen=True):
+    """Client -> server: send these blocks (BLOCK frames, in this order, then Got)."""
+
+    cids: list[bytes]
+
+
+class Got(_Base, frozen=True):
+    """Server -> client: the end of a Get answer; ``missing`` lists the CIDs not held."""
+
+    missing: list[bytes]
+
+
+Message = Welcome | Hello | Ready | Error | Offer | Want | Commit | Committed | Get | Got
+
+MESSAGE_TYPES: dict[FrameKind, type[_Base]] = {
+    FrameKind.WELCOME: Welcome,
+    FrameKind.HELLO: Hello,
+    FrameKind.READY: Ready,
+    FrameKind.ERROR: Error,
+    FrameKind.OFFER: Offer,
+    FrameKind.WANT: Want,
+    FrameKind.COMMIT: Commit,
+    FrameKind.COMMITTED: Committed,
+    FrameKind.GET: Get,
+    FrameKind.GOT: Got,
+}
+"""The registry: each control FrameKind and the Struct its payload decodes to."""
+
+MESSAGE_KINDS: dict[type[_Base], FrameKind] = {t: k for k, t in MESSAGE_TYPES.items()}
+
+_missing = set(FrameKind) - set(MESSAGE_TYPES) - {FrameKind.BLOCK}
+if _missing or len(MESSAGE_KINDS) != len(MESSAGE_TYPES):  # checked at import
+    raise RuntimeError(f"message registry incomplete: {sorted(k.name for k in _missing)}")
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {kind: msgspec.msgpack.Decoder(typ) for kind, typ in MESSAGE_TYPES.items()}
+
+
+def wire_cids(cids: Iterable[Cid]) -> list[bytes]:
+    """CIDs in their binary form, as messages carry them."""
+    return [cid.to_bytes() for cid in cids]
+
+
+def parse_cids(raw: list[bytes], what: str = "message") -> list[Cid]:
+    """Binary CIDs from a peer's message; ProtocolViolation naming the first invalid one."""
+    try:
+        return [Cid.parse(item) for item in raw]
+    except InvalidCid as exc:
+        raise ProtocolViolation(f"{what} carries an invalid CID: {exc.reason}") from exc
+
+
+def encode_message(message: Message) -> tuple[FrameKind, bytes]:
+    """The frame kind and msgpack payload of a control message."""
+    return MESSAGE_KINDS[type(message)], _encoder.encode(message)
+
+
+def decode_message(kind: FrameKind, payload: Any) -> Message:
+    """Decode a control payload of frame ``kind``; ProtocolViolation when it does not fit."""
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        raise ProtocolViolation(f"{kind.name} frame is not a control message")
+    try:
+        return cast(Message, decoder.decode(payload))
+    except msgspec.DecodeError as exc:
+        raise ProtocolViolation(f"bad {kind.name} message: {exc}") from exc

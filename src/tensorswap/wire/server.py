@@ -1,0 +1,248 @@
+"""BlockServer: serves a block store over tensorswap frames (offer/want, put, commit, get)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl as ssl_module
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Self
+
+from tensorswap.cid import Cid
+from tensorswap.errors import BlockNotFound, StoreError, TensorSwapError
+from tensorswap.store.base import BlockStore
+from tensorswap.store.manifest import manifest_closure
+from tensorswap.wire._pipeline import prefetched
+from tensorswap.wire._sink import BlockSink
+from tensorswap.wire.auth import server_handshake
+from tensorswap.wire.connection import (
+    FrameConnection,
+    PreparedBlock,
+    Timeouts,
+    WireLimits,
+    prepare_block,
+)
+from tensorswap.wire.errors import (
+    AuthenticationFailed,
+    BlockHashMismatch,
+    ChecksumMismatch,
+    FrameTooLarge,
+    PeerTimeout,
+    ProtocolViolation,
+    StreamEnded,
+)
+from tensorswap.wire.frames import Compression, FrameKind
+from tensorswap.wire.messages import (
+    Commit,
+    Committed,
+    Get,
+    Got,
+    Offer,
+    Want,
+    parse_cids,
+    wire_cids,
+)
+from tensorswap.wire.transport import TcpListener, Transport, serve_tcp
+
+__all__ = ["BlockServer", "ServerStats", "error_code"]
+
+logger = logging.getLogger("tensorswap.wire")
+
+
+@dataclass
+class ServerStats:
+    """Counters over the server's lifetime (mutated by the event loop only)."""
+
+    connections: int = 0
+    blocks_stored: int = 0
+    bytes_stored: int = 0
+    roots_committed: int = 0
+    blocks_served: int = 0
+    failed_connections: int = 0
+
+
+def error_code(exc: BaseException) -> str:
+    """The Error-message code a failure is reported to the peer with."""
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code
+    return "internal"
+
+
+_CODES: Sequence[tuple[type[BaseException], str]] = (
+    (AuthenticationFailed, "auth_failed"),
+    (BlockHashMismatch, "block_hash_mismatch"),
+    (ChecksumMismatch, "checksum_mismatch"),
+    (FrameTooLarge, "frame_too_large"),
+    (ProtocolViolation, "protocol_violation"),
+    (PeerTimeout, "timeout"),
+    (StoreError, "store_error"),
+    (TensorSwapError, "error"),
+)
+
+
+class BlockServer:
+    """Serves ``store`` to clients: they learn what it lacks, send blocks, commit roots, fetch.
+
+    Per connection, after the handshake (``key`` set: mutual HMAC proof, else refused and
+    nothing read or stored), requests are answered in order:
+
+    - Offer -> Want: the offered CIDs the store lacks.
+    - BLOCK frames: CRC32C checked on arrival, then hash-checked and stored in arrival order
+      by a worker thread (bounded); a block that arrived whole stays stored even if the
+      connection breaks later, so a retry only sends what is still missing.
+    - Commit -> Committed, once every block is stored and each root's closure is complete;
+      ``on_root(root)`` is called for each root then.
+    - Get -> BLOCK frames for the CIDs held, then Got naming those not held.
+
+    A failure is answered with an Error frame (when the connection still works), counted,
+    kept in ``errors`` (the last 100) and logged; the connection is then closed.
+    """
+
+    def __init__(
+        self,
+        store: BlockStore,
+        *,
+        key: bytes | None = None,
+        limits: WireLimits | None = None,
+        timeouts: Timeouts | None = None,
+        compression: Compression = Compression.NONE,
+        on_root: Callable[[Cid], None] | None = None,
+        name: str = "tensorswap",
+        store_depth: int = 4,
+    ) -> None:
+        self.store = store
+        self.key = key
+        self.limits = limits or WireLimits()
+        self.timeouts = timeouts or Timeouts()
+        self.compression = compression
+        self.on_root = on_root
+        self.name = name
+        self.store_depth = store_depth
+        self.stats = ServerStats()
+        self.errors: deque[BaseException] = deque(maxlen=100)
+        self.listener: TcpListener | None = None
+
+    # ── lifecycle ────────────────────────────────────────────────────────────
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, *, ssl: ssl_module.SSLContext | None = None
+    ) -> Self:
+        """Listen on ``host:port`` (TLS with ``ssl``); the bound port is ``self.port``."""
+        self.listener = await serve_tcp(self.handle, host, port, ssl=ssl)
+        return self
+
+    @property
+    def port(self) -> int:
+        if self.listener is None:
+            raise RuntimeError("server not started")
+        return self.listener.port
+
+    async def aclose(self) -> None:
+        """Stop listening and cancel the connections being served."""
+        if self.listener is not None:
+            await self.listener.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # ── one connection ───────────────────────────────────────────────────────
+    async def handle(self, transport: Transport) -> None:
+        """Serve one connection until the client closes it; never raises a wire error.
+
+        The transport is left open for the caller to close.
+        """
+        self.stats.connections += 1
+        conn = FrameConnection(transport, limits=self.limits, timeouts=self.timeouts)
+        sink = BlockSink(self.store, self.store_depth)
+        try:
+            await server_handshake(conn, self.key, name=self.name)
+            await self._serve(conn, sink)
+        except (TensorSwapError, OSError) as exc:
+            self._failed(exc, transport)
+            if not isinstance(exc, AuthenticationFailed | StreamEnded | OSError):
+                with contextlib.suppress(TensorSwapError, OSError):
+                    async with asyncio.timeout(1.0):
+                        await conn.send_error(error_code(exc), str(exc))
+        finally:
+            await sink.close()
+            self.stats.blocks_stored += sink.blocks
+            self.stats.bytes_stored += sink.nbytes
+
+    def _failed(self, exc: BaseException, transport: Transport) -> None:
+        self.stats.failed_connections += 1
+        self.errors.append(exc)
+        logger.warning("connection from %s failed: %s", transport.peer, exc)
+
+    async def _serve(self, conn: FrameConnection, sink: BlockSink) -> None:
+        in_transfer = False
+        while True:
+            try:
+                frame = await conn.receive_frame(timeout="read" if in_transfer else "idle")
+            except StreamEnded:
+                return
+            stream_id = frame.header.stream_id
+            if frame.header.kind is FrameKind.BLOCK:
+                block = conn.parse_block(frame)
+                await sink.submit(block.cid, block.data)
+                continue
+            message = conn.expect(frame, Offer, Commit, Get)
+            if isinstance(message, Offer):
+                offered = parse_cids(message.cids, "Offer")
+                lacking = await asyncio.to_thread(self.store.missing, offered)
+                await conn.send_message(Want(cids=wire_cids(lacking)), stream_id)
+                in_transfer = bool(lacking)
+            elif isinstance(message, Commit):
+                roots = parse_cids(message.roots, "Commit")
+                await sink.drain()
+                await asyncio.to_thread(self._check_roots, roots)
+                await conn.send_message(
+                    Committed(roots=message.roots, blocks=sink.blocks, nbytes=sink.nbytes),
+                    stream_id,
+                )
+                self.stats.roots_committed += len(roots)
+                in_transfer = False
+                if self.on_root is not None:
+                    for root in roots:
+                        self.on_root(root)
+            elif isinstance(message, Get):
+                await self._answer_get(conn, parse_cids(message.cids, "Get"), stream_id)
+
+    def _check_roots(self, roots: list[Cid]) -> None:
+        for root in roots:
+            try:
+                closure = manifest_closure(self.store, root)
+            except BlockNotFound as exc:
+                raise ProtocolViolation(f"committed root {root} lacks block {exc.cid}") from exc
+            lacking = self.store.missing(closure)
+            if lacking:
+                raise ProtocolViolation(
+                    f"committed root {root} lacks {len(lacking)} of {len(closure)} blocks, "
+                    f"first {lacking[0]}"
+                )
+
+    async def _answer_get(self, conn: FrameConnection, cids: list[Cid], stream_id: int) -> None:
+        missing: list[Cid] = []
+
+        def load(cid: Cid) -> PreparedBlock | None:
+            try:
+                data = self.store.get(cid)
+            except BlockNotFound:
+                return None
+            return prepare_block(cid, data, self.compression, stream_id)
+
+        async with contextlib.aclosing(prefetched(cids, load, 2)) as blocks:
+            index = 0
+            async for block in blocks:
+                if block is None:
+                    missing.append(cids[index])
+                else:
+                    await conn.send_prepared(block)
+                    self.stats.blocks_served += 1
+                index += 1
+        await conn.send_message(Got(missing=wire_cids(missing)), stream_id)

@@ -1,0 +1,364 @@
+"""Block exchange over tensorswap frames: push/pull, dedup, resume, verification, auth, TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+
+from tensorswap.cid import Cid
+from tensorswap.codec import TensorBlock
+from tensorswap.store import (
+    DirectoryStore,
+    MemoryStore,
+    ModelUpdate,
+    get_tensor,
+    get_update,
+    manifest_closure,
+    put_tensor,
+    put_update,
+)
+from tensorswap.store.base import BlockStore
+from tensorswap.wire.auth import client_ssl_context, server_ssl_context
+from tensorswap.wire.client import BlockClient
+from tensorswap.wire.connection import FrameConnection, Timeouts, prepare_block
+from tensorswap.wire.errors import (
+    AuthenticationFailed,
+    BlockHashMismatch,
+    ConnectionFailed,
+    PeerTimeout,
+    RemoteError,
+)
+from tensorswap.wire.frames import Compression
+from tensorswap.wire.messages import Commit, Committed, Offer, Want, wire_cids
+from tensorswap.wire.server import BlockServer
+from tensorswap.wire.transport import Transport, connect_tcp, memory_pair, serve_tcp
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+KEY = b"correct horse battery staple"
+CHUNK = 16 * 1024  # small chunks: many blocks from a small tensor
+
+
+def tensor_store(n: int = 40_000, seed: int = 0) -> tuple[MemoryStore, Cid, np.ndarray]:
+    store = MemoryStore()
+    values = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    root = put_tensor(store, TensorBlock("w", values), chunk_bytes=CHUNK)
+    return store, root, values
+
+
+def block_sizes(store: BlockStore, cids: list[Cid]) -> int:
+    return sum(store.get(cid).nbytes for cid in cids)
+
+
+@pytest.fixture
+async def tcp_pair() -> AsyncIterator[tuple[Transport, Transport]]:
+    """A real loopback TCP connection: (client end, server end)."""
+    accepted: asyncio.Queue[Transport] = asyncio.Queue(1)
+    release = asyncio.Event()
+
+    async def handler(transport: Transport) -> None:
+        await accepted.put(transport)
+        await release.wait()
+
+    async with await serve_tcp(handler) as listener:
+        client = await connect_tcp("127.0.0.1", listener.port)
+        server = await accepted.get()
+        try:
+            yield client, server
+        finally:
+            await client.aclose()
+            release.set()
+
+
+# ── round trips ──────────────────────────────────────────────────────────────
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.LZ4, "auto"])
+async def test_push_tensor_over_tcp(compression: Compression | str, tmp_path: Path) -> None:
+    src, root, values = tensor_store()
+    dst = DirectoryStore(tmp_path / "dst")
+    landed: list[Cid] = []
+    async with (
+        await BlockServer(dst, on_root=landed.append).start() as server,
+        await BlockClient.connect("127.0.0.1", server.port) as client,
+    ):
+        result = await client.push(src, root, compression=compression)  # type: ignore[arg-type]
+    closure = manifest_closure(src, root)
+    assert result.offered == result.sent_blocks == len(closure)
+    assert result.sent_bytes == block_sizes(src, closure)
+    assert landed == [root]
+    np.testing.assert_array_equal(get_tensor(dst, root).values, values)
+
+
+async def test_push_model_update_and_pull_it_back() -> None:
+    src = MemoryStore()
+    update = ModelUpdate({"a": np.ones((30, 40), np.float32), "b": np.arange(5000.0)}, 7)
+    root = put_update(src, update, chunk_bytes=CHUNK)
+    dst, back = MemoryStore(), MemoryStore()
+    async with (
+        await BlockServer(dst).start() as server,
+        await BlockClient.connect("127.0.0.1", server.port) as client,
+    ):
+        await client.push(src, root)
+        pulled = await client.pull(root, back)
+    assert pulled.fetched == pulled.blocks == len(manifest_closure(src, root))
+    got = get_update(back, root)
+    assert got.num_samples == 7
+    np.testing.assert_array_equal(got.tensors["b"], update.tensors["b"])
+
+
+async def test_get_blocks_reports_missing() -> None:
+    src, root, _ = tensor_store()
+    absent = Cid.of(b"nobody has this")
+    async with (
+        await BlockServer(src).start() as server,
+        await BlockClient.connect("127.0.0.1", server.port) as client,
+    ):
+        into = MemoryStore()
+        missing = await client.get_blocks([root, absent], into)
+        assert missing == [absent]
+        assert into.has(root)
+        with pytest.raises(RemoteError) as info:
+            await client.pull(absent, MemoryStore())
+        assert info.value.code == "not_found"
+
+
+# ── dedup and resume ─────────────────────────────────────────────────────────
+async def test_second_push_sends_nothing_and_shared_chunks_are_skipped() -> None:
+    src, root, values = tensor_store()
+    changed = values.copy()
+    changed[-10:] += 1  # only the last chunk differs
+    root2 = put_tensor(src, TensorBlock("w", changed), chunk_bytes=CHUNK)
+    dst = MemoryStore()
+    async with (
+        await BlockServer(dst).start() as server,
+        await BlockClient.connect("127.0.0.1", server.port) as client,
+    ):
+        first = await client.push(src, root)
+        again = await client.push(src, root)
+        second = await client.push(src, root2)
+    assert first.sent_blocks == len(manifest_closure(src, root))
+    assert (again.sent_blocks, again.sent_bytes) == (0, 0)
+    assert second.sent_blocks == 2  # the new last chunk and the new manifest
+    assert again.wire_bytes < 1000  # one offer and one commit
+
+
+class KillAfter(Transport):
+    """Delegates to ``inner`` but aborts the connection once ``limit`` bytes were sent."""
+
+    def __init__(self, inner: Transport, limit: int) -> None:
+        self.inner = inner
+        self.limit = limit
+        self.peer = inner.peer
+
+    @property  # type: ignore[override]
+    def bytes_sent(self) -> int:
+        return self.inner.bytes_sent
+
+    async def send(self, *parts: Buffer) -> None:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            room = self.limit - self.inner.bytes_sent
+            if view.nbytes > room:
+                await self.inner.send(view[: max(room, 0)])
+                self.inner.abort()
+                raise ConnectionFailed(self.peer, "killed by the test")
+            await self.inner.send(view)
+
+    async def receive_into(self, buffer: Buffer) -> int:
+        return await self.inner.receive_into(buffer)
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+async def test_killed_transfer_resumes_with_only_missing_blocks(
+    tcp_pair: tuple[Transport, Transport],
+) -> None:
+    src, root, values = tensor_store(200_000)
+    closure = manifest_closure(src, root)
+    total = block_sizes(src, closure)
+    dst = MemoryStore()
+    server = BlockServer(dst)
+    client_end, server_end = tcp_pair
+    serving = asyncio.ensure_future(server.handle(server_end))
+    client = await BlockClient.open(KillAfter(client_end, total // 2))
+    with pytest.raises(ConnectionFailed):
+        await client.push(src, root)
+    await serving  # the server stores every block that arrived whole, then gives up
+    lacking = dst.missing(closure)
+    assert 0 < len(lacking) < len(closure)
+    assert server.stats.failed_connections == 1
+
+    async with (
+        await server.start() as listening,
+        await BlockClient.connect("127.0.0.1", listening.port) as again,
+    ):
+        result = await again.push(src, root)
+    assert result.sent_blocks == len(lacking)
+    assert result.sent_bytes == block_sizes(src, lacking)
+    np.testing.assert_array_equal(get_tensor(dst, root).values, values)
+
+
+# ── verification ─────────────────────────────────────────────────────────────
+async def test_block_that_does_not_match_its_cid_is_not_stored() -> None:
+    dst = MemoryStore()
+    server = BlockServer(dst)
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(server.handle(b))
+    client = await BlockClient.open(a)
+    claimed = Cid.of(b"the real bytes")
+    await client.conn.send_prepared(prepare_block(claimed, b"forged bytes!!"))
+    with pytest.raises(RemoteError) as info:
+        await client.commit([])
+    assert info.value.code == "block_hash_mismatch"
+    await serving
+    assert isinstance(server.errors[-1], BlockHashMismatch)
+    assert not dst.has(claimed) and dst.size().blocks == 0
+    await a.aclose()
+
+
+async def test_commit_of_incomplete_root_is_refused() -> None:
+    src, root, _ = tensor_store()
+    dst = MemoryStore()
+    server = BlockServer(dst)
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(server.handle(b))
+    client = await BlockClient.open(a)
+    await client.put_blocks(src, [root])  # the manifest without its chunks
+    with pytest.raises(RemoteError) as info:
+        await client.commit([root])
+    assert "lacks" in info.value.message
+    await serving
+    await a.aclose()
+
+
+async def test_want_is_the_offered_cids_the_server_lacks() -> None:
+    src, root, _ = tensor_store()
+    closure = manifest_closure(src, root)
+    dst = MemoryStore()
+    dst.put(src.get(closure[1]))
+    server = BlockServer(dst)
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(server.handle(b))
+    client = await BlockClient.open(a)
+    conn: FrameConnection = client.conn
+    await conn.send_message(Offer(cids=wire_cids(closure)), 5)
+    want, stream = await conn.receive_message(Want)
+    assert stream == 5
+    assert want.cids == wire_cids([c for c in closure if c != closure[1]])
+    await conn.send_message(Commit(roots=[], blocks=0, nbytes=0), 6)
+    assert (await conn.receive_message(Committed))[0].blocks == 0
+    await a.aclose()
+    await serving
+
+
+# ── authentication and TLS ───────────────────────────────────────────────────
+async def test_matching_keys_authenticate_both_ways() -> None:
+    src, root, values = tensor_store()
+    dst = MemoryStore()
+    async with (
+        await BlockServer(dst, key=KEY).start() as server,
+        await BlockClient.connect("127.0.0.1", server.port, key=KEY) as client,
+    ):
+        await client.push(src, root)
+    np.testing.assert_array_equal(get_tensor(dst, root).values, values)
+
+
+@pytest.mark.parametrize(
+    ("server_key", "client_key", "needle"),
+    [
+        (KEY, b"wrong key", "refused"),
+        (KEY, None, "requires a shared key"),
+        (None, KEY, "does not authenticate"),
+    ],
+)
+async def test_wrong_or_missing_key_is_refused_and_nothing_stored(
+    server_key: bytes | None, client_key: bytes | None, needle: str
+) -> None:
+    dst = MemoryStore()
+    server = BlockServer(dst, key=server_key)
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(server.handle(b))
+    with pytest.raises(AuthenticationFailed, match=needle):
+        await BlockClient.open(a, key=client_key)
+    await serving
+    assert dst.size().blocks == 0
+    if server_key is not None and client_key is not None:
+        assert isinstance(server.errors[-1], AuthenticationFailed)
+
+
+def make_cert(directory: Path) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not available to make a test certificate")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+            "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
+            "-days", "1", "-subj", "/CN=localhost",
+            "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+async def test_push_over_tls_with_a_key(tmp_path: Path) -> None:
+    cert, key = make_cert(tmp_path)
+    src, root, values = tensor_store()
+    dst = MemoryStore()
+    server = BlockServer(dst, key=KEY)
+    async with (
+        await server.start(ssl=server_ssl_context(cert, key)),
+        await BlockClient.connect(
+            "127.0.0.1", server.port, key=KEY, ssl=client_ssl_context(cert)
+        ) as client,
+    ):
+        assert client.transport.ssl_object is not None  # type: ignore[attr-defined]
+        await client.push(src, root)
+    np.testing.assert_array_equal(get_tensor(dst, root).values, values)
+
+
+# ── timeouts ─────────────────────────────────────────────────────────────────
+async def test_client_drops_a_server_that_never_welcomes() -> None:
+    a, b = memory_pair()
+    with pytest.raises(PeerTimeout):
+        await BlockClient.open(a, timeouts=Timeouts(handshake=0.05))
+    await b.aclose()
+
+
+async def test_server_drops_a_client_that_stalls_mid_frame() -> None:
+    src, root, _ = tensor_store()
+    server = BlockServer(MemoryStore(), timeouts=Timeouts(read=0.05, idle=5))
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(server.handle(b))
+    await BlockClient.open(a)
+    block = prepare_block(root, src.get(root))
+    await a.send(block.header, block.prefix)  # then nothing: the body never comes
+    await serving
+    assert isinstance(server.errors[-1], PeerTimeout)
+    await a.aclose()
+
+
+async def test_server_drops_an_idle_client() -> None:
+    server = BlockServer(MemoryStore(), timeouts=Timeouts(idle=0.05))
+    a, b = memory_pair()
+    serving = asyncio.ensure_future(server.handle(b))
+    await BlockClient.open(a)
+    await serving
+    assert isinstance(server.errors[-1], PeerTimeout)
+    await a.aclose()

@@ -1,0 +1,238 @@
+"""One conformance suite for every Transport: in-memory, TCP and TLS over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tensorswap.wire.auth import client_ssl_context, server_ssl_context
+from tensorswap.wire.errors import (
+    ConnectionFailed,
+    PeerTimeout,
+    TransportClosed,
+    UnexpectedEof,
+)
+from tensorswap.wire.transport import (
+    DIRECT_RECEIVE_BYTES,
+    Transport,
+    connect_tcp,
+    memory_pair,
+    serve_tcp,
+)
+
+Pair = tuple[Transport, Transport]
+
+
+def make_cert(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1/localhost, made with the openssl CLI."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not available to make a test certificate")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+            "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
+            "-days", "1", "-subj", "/CN=localhost",
+            "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def cert_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_cert(tmp_path_factory.mktemp("tls"))
+
+
+async def _tcp_pair(tls: tuple[Path, Path] | None) -> AsyncIterator[Pair]:
+    accepted: asyncio.Queue[Transport] = asyncio.Queue(1)
+    release = asyncio.Event()
+
+    async def handler(transport: Transport) -> None:
+        await accepted.put(transport)
+        await release.wait()
+
+    server_ctx = server_ssl_context(*tls) if tls else None
+    client_ctx = client_ssl_context(tls[0]) if tls else None
+    async with await serve_tcp(handler, ssl=server_ctx) as listener:
+        client = await connect_tcp("127.0.0.1", listener.port, ssl=client_ctx)
+        server = await accepted.get()
+        try:
+            yield client, server
+        finally:
+            await client.aclose()
+            release.set()
+
+
+@pytest.fixture(params=["memory", "tcp", "tls"])
+async def pair(
+    request: pytest.FixtureRequest, cert_files: tuple[Path, Path]
+) -> AsyncIterator[Pair]:
+    if request.param == "memory":
+        a, b = memory_pair(capacity=64 * 1024)
+        yield a, b
+        await a.aclose()
+        await b.aclose()
+        return
+    async for p in _tcp_pair(cert_files if request.param == "tls" else None):
+        yield p
+
+
+async def receive_all(transport: Transport, n: int) -> bytes:
+    buf = bytearray(n)
+    await transport.receive_exactly(buf)
+    return bytes(buf)
+
+
+async def test_parts_arrive_in_order_whole(pair: Pair) -> None:
+    a, b = pair
+    parts = [b"head", memoryview(b"x" * 100_000), bytearray(b"tail")]
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(a.send(*parts))
+        got = await receive_all(b, 100_008)
+    assert got == b"head" + b"x" * 100_000 + b"tail"
+    assert a.bytes_sent == 100_008
+    assert b.bytes_received == 100_008
+
+
+async def test_large_payload_both_ways(pair: Pair) -> None:
+    a, b = pair
+    big = bytes(range(256)) * (4 * DIRECT_RECEIVE_BYTES // 256 + 3)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(a.send(big))
+        assert await receive_all(b, len(big)) == big
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(b.send(big[:1000]))
+        assert await receive_all(a, 1000) == big[:1000]
+
+
+async def test_many_small_reads_after_one_send(pair: Pair) -> None:
+    a, b = pair
+    payload = bytes(range(200))
+    await a.send(payload)
+    pieces = [await receive_all(b, 8) for _ in range(25)]
+    assert b"".join(pieces) == payload
+
+
+async def test_eof_returns_short_count(pair: Pair) -> None:
+    a, b = pair
+    await a.send(b"abc")
+    await a.send_eof()
+    buf = bytearray(10)
+    assert await b.receive_into(buf) == 3
+    assert buf[:3] == b"abc"
+    assert await b.receive_into(bytearray(5)) == 0
+
+
+async def test_receive_exactly_names_the_shortfall(pair: Pair) -> None:
+    a, b = pair
+    await a.send(b"12345")
+    await a.aclose()
+    with pytest.raises(UnexpectedEof) as info:
+        await b.receive_exactly(bytearray(8), "thing")
+    assert (info.value.what, info.value.received, info.value.expected) == ("thing", 5, 8)
+
+
+async def test_use_after_close_is_transport_closed(pair: Pair) -> None:
+    a, _ = pair
+    await a.aclose()
+    await a.aclose()  # idempotent
+    with pytest.raises(TransportClosed):
+        await a.send(b"x")
+    with pytest.raises(TransportClosed):
+        await a.receive_into(bytearray(1))
+
+
+async def test_abort_is_seen_by_the_peer(pair: Pair) -> None:
+    a, b = pair
+    a.abort()
+    try:
+        got = await b.receive_into(bytearray(4))
+    except ConnectionFailed:
+        return
+    assert got == 0
+
+
+async def test_half_close_still_allows_a_reply(pair: Pair, request: pytest.FixtureRequest) -> None:
+    a, b = pair
+    if "tls" in request.node.callspec.id:
+        pytest.skip("TLS cannot half-close")
+    await a.send(b"ping")
+    await a.send_eof()
+    assert await receive_all(b, 4) == b"ping"
+    assert await b.receive_into(bytearray(1)) == 0
+    await b.send(b"pong")
+    assert await receive_all(a, 4) == b"pong"
+
+
+async def test_cancelled_receive_leaves_transport_usable_for_close(pair: Pair) -> None:
+    _, b = pair
+    task = asyncio.ensure_future(b.receive_into(bytearray(DIRECT_RECEIVE_BYTES * 2)))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await b.aclose()
+
+
+async def test_memory_send_is_bounded_by_capacity() -> None:
+    a, b = memory_pair(capacity=1024)
+    sender = asyncio.ensure_future(a.send(b"x" * 5000))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not sender.done()
+    assert a.bytes_sent == 1024
+    assert await receive_all(b, 5000) == b"x" * 5000
+    await sender
+    await a.aclose()
+    await b.aclose()
+
+
+async def test_connect_refused_is_connection_failed() -> None:
+    async def nothing(_: Transport) -> None:
+        return None
+
+    listener = await serve_tcp(nothing)
+    port = listener.port
+    await listener.aclose()
+    with pytest.raises(ConnectionFailed):
+        await connect_tcp("127.0.0.1", port, timeout=5)
+
+
+async def test_tls_with_untrusted_certificate_fails(tmp_path: Path) -> None:
+    cert, key = make_cert(tmp_path)
+    (tmp_path / "other").mkdir()
+    other, _ = make_cert(tmp_path / "other")
+
+    async def nothing(_: Transport) -> None:
+        return None
+
+    async with await serve_tcp(nothing, ssl=server_ssl_context(cert, key)) as listener:
+        with pytest.raises(ConnectionFailed):
+            await connect_tcp("127.0.0.1", listener.port, ssl=client_ssl_context(other))
+
+
+async def test_connect_timeout_covers_a_stalled_tls_handshake(
+    cert_files: tuple[Path, Path],
+) -> None:
+    release = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await release.wait()  # accepts TCP, never answers the TLS ClientHello
+        writer.close()
+        await writer.wait_closed()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        with pytest.raises(PeerTimeout) as info:
+            await connect_tcp("127.0.0.1", port, ssl=client_ssl_context(cert_files[0]), timeout=0.1)
+        assert info.value.what == "connect"
+        release.set()
