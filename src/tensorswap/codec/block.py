@@ -73,7 +73,7 @@ class TensorBlock:
             and dict(self.metadata) == dict(other.metadata)
             and self.values.dtype == other.values.dtype
             and self.shape == other.shape
-            and self.flat().view(np.uint8).tobytes() == other.flat().view(np.uint8).tobytes()
+            and _same_bits(self.values, other.values)
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -81,3 +81,9 @@ class TensorBlock:
     def with_values(self, values: Any) -> TensorBlock:
         """The same block (name, samples, metadata) over other values."""
         return TensorBlock(self.name, values, self.num_samples, self.metadata)
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bitwise equality (NaN payloads and signed zeros included) without copying contiguous data."""
+    bits = np.dtype(f"u{a.dtype.itemsize}")
+    return bool(np.array_equal(a.view(bits), b.view(bits)))

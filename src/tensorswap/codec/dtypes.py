@@ -140,6 +140,7 @@ def to_torch(values: np.ndarray) -> Any:
     """A torch tensor sharing `values`' memory where torch allows it (bfloat16 included)."""
     import torch
 
+    values = as_numpy(values)
     dtype = DType.of(values.dtype)
     if not values.flags.writeable:
         # torch.from_numpy warns on read-only memory; copy once instead of sharing it.
