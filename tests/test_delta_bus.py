@@ -106,6 +106,48 @@ async def test_queue_full_drops_are_counted_and_never_block() -> None:
         bus.broadcast(_fragments(1)[0])
 
 
+async def test_put_waits_for_room_instead_of_dropping() -> None:
+    fragments = _fragments(10)
+    peer = Peer(len(fragments))
+    await peer.listener.start()
+    try:
+        config = DweConfig(peers=(peer.listener.endpoint,), queue_size=2)
+        async with DweBus(config=config) as bus:
+            async with asyncio.timeout(10):
+                for fragment in fragments:
+                    await bus.put(fragment)
+                    assert bus.telemetry().queued <= 2
+                await peer.done.wait()
+            stats = bus.telemetry()
+    finally:
+        await peer.listener.aclose()
+    assert (stats.sent, stats.dropped) == (10, 0)
+    assert peer.sequences == list(range(10))
+    with pytest.raises(BusClosed):
+        await bus.put(fragments[0])
+
+
+async def test_broadcast_from_another_thread() -> None:
+    fragments = _fragments(3)
+    peer = Peer(len(fragments))
+    await peer.listener.start()
+    try:
+        async with DweBus([peer.listener.endpoint]) as bus:
+
+            def produce() -> None:
+                for fragment in fragments:
+                    bus.broadcast_threadsafe(fragment)
+
+            await asyncio.to_thread(produce)
+            async with asyncio.timeout(10):
+                await peer.done.wait()
+    finally:
+        await peer.listener.aclose()
+    assert peer.sequences == [0, 1, 2]
+    with pytest.raises(BusClosed):
+        bus.broadcast_threadsafe(fragments[0])
+
+
 async def test_oversized_fragment_refused_at_broadcast() -> None:
     bus = DweBus(["127.0.0.1:9"], config=DweConfig(max_fragment_bytes=200))
     with pytest.raises(FragmentTooLarge):

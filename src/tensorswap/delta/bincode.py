@@ -22,6 +22,7 @@ HMAC_FIELD_BYTES = 1 + 8 + 64
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+_U64X2 = struct.Struct("<QQ")
 _F32 = np.dtype("<f4")
 # Smallest encoded layer: layer_index, shape length, values length (all u64).
 _MIN_LAYER_BYTES = 24
@@ -115,33 +116,35 @@ def _encode_into(fragment: DweFragment, out: memoryview, hmac_field: bool) -> in
 
 def encode_fragment(
     fragment: DweFragment, *, hmac_field: bool = False, max_bytes: int = MAX_DWE_FRAGMENT_BYTES
-) -> bytearray:
+) -> memoryview:
     """Serialize ``fragment`` to bincode 1.x exactly as the Rust crate does.
 
     Without an hmac the output is byte-identical to axiom_engine 0.1.5; with one, an
     ``Option<String>`` follows ``state_hash`` (``hmac_field=True`` also writes a ``None`` tag, for
     later axiom versions). The size is checked against ``max_bytes`` before anything is allocated
-    (:class:`FragmentTooLarge`); values are copied with one memory copy per layer.
+    (:class:`FragmentTooLarge`); values are copied with one memory copy per layer into a fresh,
+    writable byte buffer (numpy-allocated: no zero-fill, huge pages), returned as a memoryview.
     """
     return _encode(fragment, hmac_field, check_limit(max_bytes), prefix=False)
 
 
 def encode_frame(
     fragment: DweFragment, *, hmac_field: bool = False, max_bytes: int = MAX_DWE_FRAGMENT_BYTES
-) -> bytearray:
+) -> memoryview:
     """A 4-byte little-endian length prefix followed by :func:`encode_fragment`, in one buffer."""
     return _encode(fragment, hmac_field, check_limit(max_bytes), prefix=True)
 
 
-def _encode(fragment: DweFragment, hmac_field: bool, max_bytes: int, *, prefix: bool) -> bytearray:
+def _encode(fragment: DweFragment, hmac_field: bool, max_bytes: int, *, prefix: bool) -> memoryview:
     size = encoded_size(fragment, hmac_field=hmac_field)
     if size > max_bytes:
         raise FragmentTooLarge(size, max_bytes)
     start = FRAME_PREFIX_BYTES if prefix else 0
-    buf = bytearray(start + size)
+    # numpy's allocator skips bytearray's zero-fill and asks for huge pages: 4x faster at 8 MiB.
+    buf = np.empty(start + size, dtype=np.uint8).data
     if prefix:
         _U32.pack_into(buf, 0, size)
-    written = _encode_into(fragment, memoryview(buf)[start:], hmac_field)
+    written = _encode_into(fragment, buf[start:], hmac_field)
     if written != size:  # a bug in encoded_size, never peer input
         raise RuntimeError(f"encoded {written} bytes, expected {size}")
     return buf
@@ -179,27 +182,18 @@ class _Reader:
         self.pos += 8
         return int(value)
 
-    def u64s(self, what: str, count: int) -> tuple[int, ...]:
-        self.need(what, 8 * count)
-        values = struct.unpack_from(f"<{count}Q", self.data, self.pos)
-        self.pos += 8 * count
-        return tuple(int(v) for v in values)
-
     def string(self, what: str) -> str:
-        length = self.u64(f"{what} length")
-        self.need(what, length)
-        start = self.pos
-        self.pos += length
+        start, end = self.pos + 8, self.end
+        if start > end:
+            raise TruncatedFragment(f"{what} length", self.pos, 8, end - self.pos)
+        (length,) = _U64.unpack_from(self.data, self.pos)
+        if length > end - start:
+            raise TruncatedFragment(what, start, length, end - start)
+        self.pos = start + length
         try:
             return str(self.data[start : self.pos], "utf-8")
         except UnicodeDecodeError as exc:
             raise MalformedFragment(f"{what} is not valid UTF-8", start) from exc
-
-    def f32s(self, what: str, count: int) -> np.ndarray:
-        self.need(what, 4 * count)
-        values = np.frombuffer(self.data, dtype=_F32, count=count, offset=self.pos)
-        self.pos += 4 * count
-        return values
 
 
 @dataclass(frozen=True, eq=False)
@@ -212,12 +206,23 @@ class DecodedFragment:
 
 
 def _decode_layer(reader: _Reader, index: int) -> DweLayerDelta:
-    layer_index = reader.u64(f"layers[{index}].layer_index")
-    ndim = reader.u64(f"layers[{index}].shape length")
-    shape = reader.u64s(f"layers[{index}].shape", ndim)
-    count = reader.u64(f"layers[{index}].values length")
-    values = reader.f32s(f"layers[{index}].values", count)
-    return DweLayerDelta(layer_index=layer_index, shape=shape, values=values)
+    # The hot loop of decoding: straight-line unpacks, labels built only when failing.
+    data, pos, end = reader.data, reader.pos, reader.end
+    if end - pos < 16:
+        raise TruncatedFragment(f"layers[{index}] header", pos, 16, end - pos)
+    layer_index, ndim = _U64X2.unpack_from(data, pos)
+    pos += 16
+    if ndim > (end - pos - 8) // 8:  # the dims and the values length must fit
+        raise TruncatedFragment(f"layers[{index}].shape", pos, 8 * ndim + 8, end - pos)
+    shape = struct.unpack_from(f"<{ndim}Q", data, pos) if ndim else ()
+    pos += 8 * ndim
+    (count,) = _U64.unpack_from(data, pos)
+    pos += 8
+    if count > (end - pos) // 4:
+        raise TruncatedFragment(f"layers[{index}].values", pos, 4 * count, end - pos)
+    values = np.frombuffer(data, dtype=_F32, count=count, offset=pos)
+    reader.pos = pos + 4 * count
+    return DweLayerDelta.from_decoded(layer_index, shape, values)
 
 
 def decode_fragment_signed(

@@ -48,7 +48,7 @@ class _State(enum.Enum):
 class _Frame:
     """One encoded fragment shared by every peer's queue; ``pending`` peers still owe a result."""
 
-    data: bytearray
+    data: memoryview
     session_id: str
     pending: int
 
@@ -110,6 +110,8 @@ class DweBus:
         self._closing = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._room = asyncio.Event()
+        self._room.set()
         self._outstanding = 0
         self._group: asyncio.TaskGroup | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -143,6 +145,20 @@ class DweBus:
         self._check_size(fragment)
         return self._enqueue(fragment)
 
+    async def put(self, fragment: DweFragment) -> None:
+        """Queue ``fragment`` for every peer, waiting while ``queue_size`` fragments are unsettled.
+
+        The producer-paced alternative to :meth:`broadcast`: it never drops, because no queue
+        (the bus's or a peer's) can be full while fewer than ``queue_size`` fragments are
+        outstanding. Raises like :meth:`broadcast`.
+        """
+        self._check_size(fragment)
+        while self._outstanding >= self.config.queue_size:
+            self._room.clear()
+            await self._room.wait()
+            self._check_size(fragment)  # the bus may have closed meanwhile
+        self._enqueue(fragment)
+
     def broadcast_threadsafe(self, fragment: DweFragment) -> None:
         """:meth:`broadcast` from another thread while the bus runs; drops are only counted."""
         self._check_size(fragment)
@@ -174,6 +190,8 @@ class DweBus:
             return False
         self._outstanding += 1
         self._idle.clear()
+        if self._outstanding >= self.config.queue_size:
+            self._room.clear()
         self.telemetry_recorder.record_enqueued()
         return True
 
@@ -184,6 +202,8 @@ class DweBus:
 
     def _settle_fragment(self) -> None:
         self._outstanding -= 1
+        if self._outstanding < self.config.queue_size:
+            self._room.set()
         if self._outstanding == 0:
             self._idle.set()
 
@@ -216,6 +236,7 @@ class DweBus:
             return
         running = self._state is _State.RUNNING
         self._state = _State.CLOSED
+        self._room.set()  # producers waiting in put() wake up and see BusClosed
         if not running:
             return
         self._closing.set()  # backoff waits end at once from now on
@@ -240,7 +261,7 @@ class DweBus:
         await self.aclose()
 
     # ── background tasks ────────────────────────────────────────────────────
-    def _encode(self, fragment: DweFragment) -> bytearray:
+    def _encode(self, fragment: DweFragment) -> memoryview:
         keys = self.config.keys
         if keys is not None and fragment.hmac is None:
             fragment = fragment.with_hmac(fragment_hmac(fragment, keys.current))
@@ -327,8 +348,9 @@ class DweBus:
         if writer is None:  # connected() was true or we just connected
             raise ConnectionError("no connection")
         writer.write(frame.data)
-        async with asyncio.timeout(self.config.write_timeout):
-            await writer.drain()
+        if writer.transport.get_write_buffer_size():  # the kernel did not take it all at once
+            async with asyncio.timeout(self.config.write_timeout):
+                await writer.drain()
 
     async def _send_per_fragment(self, peer: _Peer, frame: _Frame) -> None:
         reader, writer = await self._connect(peer)

@@ -59,6 +59,21 @@ class DweLayerDelta:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "values", values)
 
+    @classmethod
+    def from_decoded(
+        cls, layer_index: int, shape: tuple[int, ...], values: np.ndarray
+    ) -> DweLayerDelta:
+        """Wrap fields that the bincode decoder already produced in canonical form.
+
+        ``layer_index`` and dims are u64 ints and ``values`` a 1-D little-endian float32 view,
+        so the normalisation of ``__init__`` is skipped (it dominates decoding small frames).
+        """
+        self = object.__new__(cls)
+        object.__setattr__(self, "layer_index", layer_index)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "values", values)
+        return self
+
     @property
     def value_count(self) -> int:
         """Number of float32 values carried."""
