@@ -26,6 +26,7 @@ from tensorswap.delta import (
     encode_frame,
     encoded_size,
     extract_delta_fragment,
+    looks_like_fragment_file,
     make_fragment,
     read_frame_length,
 )
@@ -145,6 +146,16 @@ def test_decode_fragment_file_framed_and_bare() -> None:
     assert decode_fragment_file(framed).session_id == "dwe"
     with pytest.raises(MalformedFragment):
         decode_fragment_file(b"PAR1 not a fragment at all")
+
+
+def test_sniffing_fragment_files() -> None:
+    plain = _hand_bytes(DWE_SCHEMA, "dwe", 1, SEED_LAYERS)
+    assert looks_like_fragment_file(plain)
+    assert looks_like_fragment_file(struct.pack("<I", len(plain)) + plain)
+    sliced = _hand_bytes("tensorswap.dwe.slice.v1", "dwe", 1, [(0, [4, 0], [1.0])])
+    assert looks_like_fragment_file(sliced)
+    for other in (b"", b"\x93NUMPY", b"ARROW1\x00\x00", _string("axiom.dwe.v2") + bytes(80)):
+        assert not looks_like_fragment_file(other)
 
 
 def test_values_are_zero_copy_views() -> None:

@@ -130,3 +130,11 @@ def test_describe_fragment() -> None:
     summary = describe_fragment(fragment)
     assert summary["sequence"] == 4 and summary["value_count"] == 6
     assert summary["layers"] == [{"layer_index": 0, "shape": [2, 3], "values": 6}]
+
+
+def test_public_names_import() -> None:
+    import tensorswap.delta as delta
+
+    assert sorted(set(delta.__all__)) == sorted(delta.__all__)
+    for name in delta.__all__:
+        assert getattr(delta, name) is not None

@@ -19,6 +19,7 @@ from tensorswap.delta.bincode import (
     encode_fragment,
     encode_frame,
     encoded_size,
+    looks_like_fragment_file,
     read_frame_length,
 )
 from tensorswap.delta.bus import BusClosed, DweBus
@@ -119,6 +120,7 @@ __all__ = [
     "extract_delta_fragment",
     "fragment_hmac",
     "layer_delta",
+    "looks_like_fragment_file",
     "make_fragment",
     "parse_endpoint",
     "parse_peers",

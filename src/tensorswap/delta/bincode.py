@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tensorswap.delta.fragment import DweFragment, DweLayerDelta
+from tensorswap.delta.fragment import KNOWN_SCHEMAS, DweFragment, DweLayerDelta
 from tensorswap.errors import DeltaError
 
 #: The crate's ``MAX_DWE_FRAGMENT_BYTES``: the default cap on one fragment's bincode bytes.
@@ -284,3 +284,22 @@ def decode_fragment_file(
         if length == len(view) - FRAME_PREFIX_BYTES:
             return decode_fragment(view[FRAME_PREFIX_BYTES:], max_bytes=max_bytes)
     return decode_fragment(view, max_bytes=max_bytes)
+
+
+_SCHEMA_BYTES = frozenset(schema.encode() for schema in KNOWN_SCHEMAS)
+
+
+def _starts_with_schema(view: memoryview) -> bool:
+    if len(view) < 8:
+        return False
+    (length,) = _U64.unpack_from(view, 0)
+    return length <= 64 and bytes(view[8 : 8 + length]) in _SCHEMA_BYTES
+
+
+def looks_like_fragment_file(data: bytes | bytearray | memoryview) -> bool:
+    """Cheap sniff: the bytes (framed or bare) start with a known DWE schema string.
+
+    Reads at most the first 100 bytes; a True answer still needs :func:`decode_fragment_file`.
+    """
+    view = memoryview(data).cast("B")
+    return _starts_with_schema(view) or _starts_with_schema(view[FRAME_PREFIX_BYTES:])
