@@ -84,7 +84,9 @@ def _f32(n: int) -> pa.Array:
 
 
 # ── round trips ──────────────────────────────────────────────────────────────
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(
     dtype=st.sampled_from(ALL_DTYPES),
     shape=hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5),
@@ -411,14 +413,14 @@ def test_corrupted_bytes_raise_codec_error_or_decode(which: int) -> None:
             decode_block(bytes(bad))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.binary(max_size=600))
 def test_random_bytes_raise_codec_error(data: bytes) -> None:
     with pytest.raises(CodecError):
         decode_block(data)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, derandomize=True)
 @given(st.binary(max_size=200))
 def test_random_bytes_after_a_valid_schema_raise_codec_error(tail: bytes) -> None:
     raw = bytes(encode_block(_block()))

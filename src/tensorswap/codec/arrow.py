@@ -59,13 +59,18 @@ _header_decoder = msgspec.json.Decoder(BlockHeader)
 
 
 # ── encode ───────────────────────────────────────────────────────────────────
+_WRITE_OPTIONS = {
+    key: pa.ipc.IpcWriteOptions(compression=codec, use_threads=False)
+    for key, codec in _COMPRESSIONS.items()
+}
+
+
 def _options(compression: Compression) -> pa.ipc.IpcWriteOptions:
     try:
-        codec = _COMPRESSIONS[compression]
+        return _WRITE_OPTIONS[compression]
     except (KeyError, TypeError):
         msg = f"compression must be one of lz4, zstd or None, got {compression!r}"
         raise ValueError(msg) from None
-    return pa.ipc.IpcWriteOptions(compression=codec, use_threads=False)
 
 
 def _encoding(encoding: Encoding | str, options: dict[str, Any]) -> tuple[Encoding, TensorEncoding]:
