@@ -12,6 +12,7 @@ from tensorswap.cli import main
 from tensorswap.codec import TensorBlock, encode_block
 from tensorswap.codec.garw import GarwBlock
 from tensorswap.codec.ipfrs import encode_ipfrs_gradient
+from tensorswap.delta import encode_frame, extract_delta_fragment
 from tensorswap.store import MemoryStore, ModelUpdate, put_update
 
 EMPTY_SHA256_RAW = "bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku"
@@ -58,13 +59,24 @@ def samples(tmp_path: Path) -> dict[str, Path]:
         "ipfrs-gradient-arrow-file": _write(tmp_path / "i.arrow", encode_ipfrs_gradient(values)),
         "tensorswap-update-manifest": _write(tmp_path / "m.bin", store.get(manifest)),
         "npy": tmp_path / "x.npy",
+        "dwe-fragment": _write(
+            tmp_path / "f.dwe",
+            encode_frame(extract_delta_fragment("s", 1, [values + 1], [values])),
+        ),
     }
 
 
-@pytest.mark.parametrize(
-    "fmt",
-    ["tensorswap-block", "garw", "ipfrs-gradient-arrow-file", "tensorswap-update-manifest", "npy"],
-)
+FORMATS = [
+    "tensorswap-block",
+    "garw",
+    "ipfrs-gradient-arrow-file",
+    "tensorswap-update-manifest",
+    "npy",
+    "dwe-fragment",
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_inspect_recognises_each_format(
     fmt: str, samples: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -90,6 +102,14 @@ def test_inspect_block_fields_and_all_values(
     assert info["values"] == [float(v) for v in range(12)]
     rc, out, _ = run(capsys, "inspect", str(samples["tensorswap-block"]))
     assert len(json.loads(out)["values"]) == 8
+
+
+def test_inspect_fragment_checks_its_state_hash(
+    samples: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, out, _ = run(capsys, "inspect", str(samples["dwe-fragment"]))
+    info = json.loads(out)
+    assert info["state_hash_ok"] is True and info["values"][:2] == [1.0, 1.0]
 
 
 def test_inspect_garw_reports_the_seed_id(

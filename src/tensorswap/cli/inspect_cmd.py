@@ -19,6 +19,8 @@ from tensorswap.cli._util import mapped
 from tensorswap.codec import decode_block, is_tensorswap_block
 from tensorswap.codec.garw import GarwBlock, compute_garw_cid, is_garw
 from tensorswap.codec.ipfrs import decode_ipfrs_gradient, is_ipfrs_gradient_file
+from tensorswap.delta.bincode import decode_fragment_file, looks_like_fragment_file
+from tensorswap.delta.fragment import compute_state_hash, describe_fragment
 from tensorswap.errors import CodecError, TensorSwapError
 from tensorswap.store.manifest import TensorManifest, decode_manifest, is_manifest
 
@@ -201,12 +203,14 @@ def _starts(magic: bytes) -> Callable[[memoryview], bool]:
     return lambda data: bytes(data[: len(magic)]) == magic
 
 
-def _delta_formats() -> list[_Format]:
-    try:
-        from tensorswap.cli.inspect_delta import FORMAT
-    except ImportError:
-        return []
-    return [FORMAT]
+def _describe_fragment(data: memoryview, all_: bool) -> dict[str, Any]:
+    fragment = decode_fragment_file(data)
+    info = describe_fragment(fragment)
+    info["cid"] = str(Cid.of(data))
+    info["state_hash_ok"] = compute_state_hash(fragment.layers) == fragment.state_hash
+    if fragment.layers:
+        info["values"] = _values(np.asarray(fragment.layers[0].values), all_)
+    return info
 
 
 # Most specific first: the first format whose sniff accepts the bytes describes them.
@@ -219,12 +223,13 @@ FORMATS: list[_Format] = [
     _Format("arrow ipc stream", _starts(_ARROW_CONTINUATION), _describe_arrow_stream),
     _Format("npy", _starts(_NPY_MAGIC), _describe_npy),
     _Format("safetensors", _is_safetensors, _describe_safetensors),
+    _Format("dwe fragment", looks_like_fragment_file, _describe_fragment),
 ]
 
 
 def describe(data: memoryview, *, all_values: bool = False) -> dict[str, Any]:
     """Describe `data` with the first format that recognises it; UnknownFormat otherwise."""
-    for fmt in [*FORMATS, *_delta_formats()]:
+    for fmt in FORMATS:
         if fmt.sniff(data):
             return fmt.describe(data, all_values)
     raise UnknownFormat(
