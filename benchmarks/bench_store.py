@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=None, help="tensor size in MiB")
     parser.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_BYTES / 2**20)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=None, help="threads (default: per core)")
     args = parser.parse_args(argv)
     mib = args.mib or int(os.environ.get("TENSORSWAP_BENCH_STORE_MIB", 16 if args.quick else 256))
     chunk_bytes = int(args.chunk_mib * 2**20)
@@ -43,22 +44,23 @@ def main(argv: list[str] | None = None) -> int:
     fresh_copy = _best(values.copy, args.repeats)
 
     store = MemoryStore()
-    cid = put_tensor(store, block, chunk_bytes=chunk_bytes)
-    back = get_tensor(store, cid)
+    cid = put_tensor(store, block, chunk_bytes=chunk_bytes, workers=args.workers)
+    back = get_tensor(store, cid, workers=args.workers)
     if back != block:
         print("  round trip differs from the input")
         return 1
     del back
 
     def put() -> None:
-        put_tensor(MemoryStore(), block, chunk_bytes=chunk_bytes)
+        put_tensor(MemoryStore(), block, chunk_bytes=chunk_bytes, workers=args.workers)
 
     def load() -> None:
-        get_tensor(store, cid)
+        get_tensor(store, cid, workers=args.workers)
 
     def round_trip() -> None:
         fresh = MemoryStore()
-        get_tensor(fresh, put_tensor(fresh, block, chunk_bytes=chunk_bytes))
+        fresh_cid = put_tensor(fresh, block, chunk_bytes=chunk_bytes, workers=args.workers)
+        get_tensor(fresh, fresh_cid, workers=args.workers)
 
     t_put = _best(put, args.repeats)
     t_load = _best(load, args.repeats)
