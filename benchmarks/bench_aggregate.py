@@ -9,18 +9,22 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tensorswap.aggregate import Contribution, ContributionMatrix, StreamingAccumulator, fedavg
+from tensorswap.aggregate import (
+    Contribution,
+    ContributionMatrix,
+    NonFinitePolicy,
+    StreamingAccumulator,
+    fedavg,
+)
+from tensorswap.aggregate._kernels import blocks, weighted_sum
 
 GOAL = 2.0
 
 
-def _best(fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _time(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         grads.append(g)
     contributions = [Contribution(g, n) for g, n in zip(grads, samples, strict=True)]
     print(f"FedAvg of {k} x {m:,} float32 contributions ({k * m * 4 / 2**20:.0f} MiB)")
+    blas_env = {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE")}
+    print(f"  BLAS environment: {blas_env}, load average {os.getloadavg()[0]:.1f}")
 
     def naive() -> np.ndarray:
         avg = np.zeros(m, dtype=np.float32)
@@ -54,29 +60,30 @@ def main(argv: list[str] | None = None) -> int:
             avg += w * g
         return avg
 
-    def rows_inplace(chunk: int = 1 << 15) -> np.ndarray:
+    def rows_loop() -> np.ndarray:  # the list kernel, on the matrix's rows
         out = np.empty(m, dtype=np.float32)
-        tmp = np.empty(chunk, dtype=np.float32)
-        for start in range(0, m, chunk):
-            stop = min(start + chunk, m)
-            o, t = out[start:stop], tmp[: stop - start]
-            np.multiply(grads[0][start:stop], weights32[0], out=o)
-            for w, g in zip(weights32[1:], grads[1:], strict=True):
-                np.multiply(g[start:stop], w, out=t)
-                np.add(o, t, out=o)
+        weighted_sum(tuple(matrix.matrix), weights32, out)
         return out
 
-    def streaming() -> object:
-        acc = StreamingAccumulator()
+    def gathered_blocks() -> np.ndarray:  # BLAS on cache-sized blocks copied from the rows
+        out = np.empty(m, dtype=np.float32)
+        for start, stop, block in blocks(tuple(grads), np.dtype(np.float32)):
+            np.dot(weights32, block, out=out[start:stop])
+        return out
+
+    def streaming(policy: NonFinitePolicy = NonFinitePolicy.RAISE) -> object:
+        acc = StreamingAccumulator(non_finite=policy)
         for g, n in zip(grads, samples, strict=True):
             acc.add(g, n)
         return acc.result()
 
     variants: dict[str, Callable[[], object]] = {
         "fedavg(ContributionMatrix), one matvec": lambda: fedavg(matrix),
-        "fedavg(list of arrays), blocked matvec": lambda: fedavg(contributions),
-        "in-place out= loop over rows, chunked": rows_inplace,
+        "  alternative: in-place out= loop over its rows": rows_loop,
+        "fedavg(list of arrays), in-place loop": lambda: fedavg(contributions),
+        "  alternative: BLAS on gathered (K, c) blocks": gathered_blocks,
         "StreamingAccumulator, add x K + result": streaming,
+        "StreamingAccumulator, no finiteness check": lambda: streaming(NonFinitePolicy.PROPAGATE),
     }
     reference = naive()
     for name, fn in variants.items():
@@ -86,20 +93,24 @@ def main(argv: list[str] | None = None) -> int:
         if err > 1e-4:
             print(f"  {name}: result differs from the naive loop by {err}")
             return 1
-    timings = {"naive": 0.0, **dict.fromkeys(variants, 0.0)}
-    baseline = _best(naive, args.repeats)
-    for name, fn in variants.items():
-        timings[name] = _best(fn, args.repeats)
-    baseline = min(baseline, _best(naive, args.repeats))  # again, after: the machine is noisy
+    # interleaved rounds, best of each: load from other processes hits every variant alike
+    timings = dict.fromkeys(["naive", *variants], float("inf"))
+    for _ in range(args.repeats):
+        for name, fn in [("naive", naive), *variants.items()]:
+            timings[name] = min(timings[name], _time(fn))
+    baseline = timings["naive"]
     print(f"  naive `avg += w * g` loop: {baseline * 1e3:8.1f} ms   (1.00x)")
     for name in variants:
         t = timings[name]
         print(f"  {name}: {t * 1e3:8.1f} ms   ({baseline / t:.2f}x)")
     headline = baseline / timings["fedavg(ContributionMatrix), one matvec"]
-    listed = baseline / timings["fedavg(list of arrays), blocked matvec"]
+    listed = baseline / timings["fedavg(list of arrays), in-place loop"]
     print(f"FedAvg ratio vs naive: {headline:.2f}x (goal >= {GOAL}x); list input {listed:.2f}x")
     stream = baseline / timings["StreamingAccumulator, add x K + result"]
     print(f"Streaming accumulator ratio vs naive: {stream:.2f}x")
+    if args.quick or m < (16 << 20):
+        print("(the goal applies to 16M values per contribution; not checked at this size)")
+        return 0
     return 0 if headline >= GOAL else 1
 
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tensorswap.aggregate import (
+    AggregateOverflow,
     Contribution,
     InvalidAggregatorOption,
     NonFinitePolicy,
@@ -130,6 +131,14 @@ def test_trimmed_mean_needs_more_than_twice_the_trim() -> None:
     with pytest.raises(TooFewContributions) as info:
         trimmed_mean(contribs(f32([[1], [2], [3], [4]])), trim_count=2)
     assert info.value.have == 4 and info.value.need == 5
+
+
+def test_trimmed_mean_overflow_is_reported() -> None:
+    big = float(np.finfo(np.float32).max)
+    xs = contribs(f32([[big], [big]]))
+    with pytest.raises(AggregateOverflow):
+        trimmed_mean(xs, trim_count=0)
+    assert trimmed_mean(xs, trim_count=0, dtype="float64").values[0] == big
 
 
 def test_trim_options_are_exclusive_and_bounded() -> None:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from tensorswap.aggregate.clip import clip_contributions, l2_norms
-from tensorswap.aggregate.fedavg import AggregateOverflow
+from tensorswap.aggregate.clip import AggregateOverflow, clip_contributions, l2_norms
 from tensorswap.aggregate.matrix import ContributionMatrix, InvalidRow, RowAlreadyFilled
 from tensorswap.aggregate.registry import (
     REGISTRY,

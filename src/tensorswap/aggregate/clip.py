@@ -1,4 +1,4 @@
-"""Per-contribution L2 norms, norm clipping, and the non-finite screen that shares their pass."""
+"""Per-contribution L2 norms and clipping, the non-finite screen sharing their pass, overflow."""
 
 from __future__ import annotations
 
@@ -9,15 +9,38 @@ from dataclasses import dataclass
 import numpy as np
 
 from tensorswap.aggregate._kernels import (
+    all_finite,
     build_values,
     count_nonfinite,
     quiet,
     sumsq,
     sumsq_scaled,
 )
-from tensorswap.aggregate.types import Contribution, InvalidAggregatorOption, NonFinitePolicy
+from tensorswap.aggregate.types import (
+    AggregatorKind,
+    Contribution,
+    InvalidAggregatorOption,
+    NonFinitePolicy,
+    Values,
+)
 from tensorswap.aggregate.validate import Batch, validate
-from tensorswap.errors import EmptyInput, NonFiniteValues
+from tensorswap.errors import AggregationError, EmptyInput, NonFiniteValues
+
+
+class AggregateOverflow(AggregationError):
+    """Finite contributions produced a non-finite aggregate (float32 overflow)."""
+
+    def __init__(self, kind: AggregatorKind) -> None:
+        self.kind = kind
+        super().__init__(
+            f"{kind.value}: finite contributions overflowed the accumulator; use dtype='float64'"
+        )
+
+
+def ensure_finite(values: Values, kind: AggregatorKind, policy: NonFinitePolicy) -> None:
+    """AggregateOverflow if an aggregate of finite inputs is not finite (unless PROPAGATE)."""
+    if policy is not NonFinitePolicy.PROPAGATE and not all_finite(values):
+        raise AggregateOverflow(kind)
 
 
 @dataclass(frozen=True)

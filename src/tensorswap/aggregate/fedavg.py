@@ -1,11 +1,18 @@
-"""FedAvg and the plain mean: weighted sums of contributions as BLAS matrix-vector products."""
+"""FedAvg and the plain mean: weighted sums of contributions, screened through their result."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from tensorswap.aggregate._kernels import all_finite, weighted_values
-from tensorswap.aggregate.clip import all_dropped, check_row, nonfinite_error, screen
+from tensorswap.aggregate.clip import (
+    AggregateOverflow,
+    all_dropped,
+    check_row,
+    ensure_finite,
+    nonfinite_error,
+    screen,
+)
 from tensorswap.aggregate.types import (
     AggregateResult,
     AggregatorKind,
@@ -14,17 +21,7 @@ from tensorswap.aggregate.types import (
     Values,
 )
 from tensorswap.aggregate.validate import Batch
-from tensorswap.errors import AggregationError, NonFiniteValues
-
-
-class AggregateOverflow(AggregationError):
-    """Finite contributions produced a non-finite aggregate (float32 overflow)."""
-
-    def __init__(self, kind: AggregatorKind) -> None:
-        self.kind = kind
-        super().__init__(
-            f"{kind.value}: finite contributions overflowed the accumulator; use dtype='float64'"
-        )
+from tensorswap.errors import NonFiniteValues
 
 
 def sample_weights(kind: AggregatorKind, num_samples: tuple[int, ...]) -> np.ndarray:
@@ -60,8 +57,11 @@ def weighted_aggregate(batch: Batch, spec: AggregatorSpec) -> AggregateResult:
     if scales is not None:
         weights = weights * scales
     values = weighted_values(batch, weights)
-    if not verified and not all_finite(values):
+    if policy is not NonFinitePolicy.PROPAGATE and not all_finite(values):
+        if verified:  # every row was proven finite: the sum overflowed
+            raise AggregateOverflow(kind)
         batch, values = _drop_and_retry(batch, kind, policy, dropped)
+        ensure_finite(values, kind, policy)
     return _result(values, kind, batch, dropped)
 
 
@@ -101,10 +101,7 @@ def _drop_and_retry(
     if not keep:
         raise all_dropped(len(dropped))
     batch = batch.select(keep)
-    values = weighted_values(batch, sample_weights(kind, batch.num_samples))
-    if not all_finite(values):
-        raise AggregateOverflow(kind)
-    return batch, values
+    return batch, weighted_values(batch, sample_weights(kind, batch.num_samples))
 
 
 def _result(

@@ -73,8 +73,9 @@ def fedavg(
 ) -> AggregateResult:
     """FedAvg: Σ (n_i / Σ n) x_i, or the uniform mean when every num_samples is 0.
 
-    float32 contributions are averaged in float32 with float32 weights (one BLAS
-    matrix-vector product); dtype='float64' accumulates in float64 instead.
+    float32 contributions are averaged in float32 with float32 weights (for a
+    ContributionMatrix, one BLAS matrix-vector product); dtype='float64' accumulates in
+    float64 instead.
     """
     spec = AggregatorSpec(
         AggregatorKind.FEDAVG, dtype=dtype, max_norm=max_norm, non_finite=non_finite

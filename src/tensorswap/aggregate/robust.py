@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 
 from tensorswap.aggregate._kernels import blocks, build_values, weighted_values
-from tensorswap.aggregate.clip import Screened, screen
+from tensorswap.aggregate.clip import Screened, ensure_finite, screen
 from tensorswap.aggregate.types import (
     AggregateResult,
     AggregatorKind,
@@ -70,10 +70,16 @@ def _trimmed_reducer(trim: int) -> Reducer:
 
 
 def _result(
-    values: Values, kind: AggregatorKind, screened: Screened, rows: list[int] | None = None
+    values: Values,
+    spec: AggregatorSpec,
+    screened: Screened,
+    rows: list[int] | None = None,
 ) -> AggregateResult:
+    """The result, once it is known finite (AggregateOverflow otherwise, unless PROPAGATE)."""
+    kind, policy = spec.kind, spec.non_finite
     batch = screened.batch
     chosen = range(batch.k) if rows is None else rows
+    ensure_finite(values, kind, policy)
     return AggregateResult(
         values=values,
         kind=kind,
@@ -92,7 +98,7 @@ def median_aggregate(batch_in: Batch, spec: AggregatorSpec) -> AggregateResult:
     """
     screened = screen(batch_in, spec.non_finite, spec.max_norm)
     values = _coordinatewise(screened, _median_reducer)
-    return _result(values, spec.kind, screened)
+    return _result(values, spec, screened)
 
 
 def trimmed_mean_aggregate(batch_in: Batch, spec: AggregatorSpec) -> AggregateResult:
@@ -107,7 +113,7 @@ def trimmed_mean_aggregate(batch_in: Batch, spec: AggregatorSpec) -> AggregateRe
     if 2 * trim >= n:
         raise TooFewContributions(spec.kind, n, 2 * trim + 1, f"2 * trim < n with trim={trim}")
     values = _coordinatewise(screened, _trimmed_reducer(trim))
-    return _result(values, spec.kind, screened)
+    return _result(values, spec, screened)
 
 
 def _gram(screened: Screened) -> np.ndarray:
@@ -163,4 +169,4 @@ def krum_aggregate(batch_in: Batch, spec: AggregatorSpec) -> AggregateResult:
     if screened.scales is not None:
         weights = weights * screened.scales[chosen]
     values = weighted_values(batch.select(chosen), weights)
-    return _result(values, spec.kind, screened, chosen)
+    return _result(values, spec, screened, chosen)

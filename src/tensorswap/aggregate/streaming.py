@@ -6,9 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from tensorswap.aggregate._kernels import all_finite, build_values, quiet
-from tensorswap.aggregate.clip import check_rows, clip_scales
-from tensorswap.aggregate.fedavg import AggregateOverflow
+from tensorswap.aggregate._kernels import build_values, quiet
+from tensorswap.aggregate.clip import check_rows, clip_scales, ensure_finite
 from tensorswap.aggregate.types import (
     AggregateResult,
     AggregatorKind,
@@ -189,8 +188,7 @@ class StreamingAccumulator:
         divisor = self._total if self._weighted else self._uniform
         outs = [np.divide(s, s.dtype.type(divisor)) for s in self._sums]
         values = build_values(self.layout, outs)
-        if self.spec.non_finite is not NonFinitePolicy.PROPAGATE and not all_finite(values):
-            raise AggregateOverflow(self.spec.kind)
+        ensure_finite(values, self.spec.kind, self.spec.non_finite)
         return AggregateResult(
             values=values,
             kind=self.spec.kind,
