@@ -1,0 +1,211 @@
+"""RoundClient: join a coordinator's rounds over tensorswap frames; submit, wait, fetch."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl as ssl_module
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Self
+
+import numpy as np
+
+from tensorswap.cid import Cid
+from tensorswap.rounds.errors import RoundFailed
+from tensorswap.rounds.protocol import (
+    RoundAnswer,
+    RoundCall,
+    RoundRow,
+    RoundsCommit,
+    decode_committed,
+    encode_frame,
+    raise_remote,
+    spec_to_wire,
+)
+from tensorswap.rounds.state import Complete, RoundId, RoundSpec, RoundStatus, status_from_dict
+from tensorswap.store import BlockStore, MemoryStore, ModelUpdate, get_update, put_update
+from tensorswap.wire.client import BlockClient, CompressionChoice, PushResult
+from tensorswap.wire.connection import Timeouts, WireLimits
+from tensorswap.wire.errors import ProtocolViolation
+from tensorswap.wire.frames import Compression, FrameKind
+from tensorswap.wire.messages import wire_cids
+
+__all__ = ["RoundClient", "ServerStatus", "SubmitResult"]
+
+_STREAM_BASE = 1 << 48  # rounds requests use their own stream ids, apart from block requests
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitResult:
+    """What a submit did: the update's CID, the round's status after it, the transfer."""
+
+    cid: Cid
+    status: RoundStatus
+    push: PushResult
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStatus:
+    """Every round the coordinator holds, and its counters."""
+
+    rounds: list[RoundRow]
+    stats: dict[str, float | int | str]
+
+
+class RoundClient:
+    """One connection to a RoundServer (a coordinator); requests run one at a time.
+
+    ``peer`` names this client in the rounds it joins. Every call either returns what the
+    coordinator answered or raises: the same RoundsError leaf the coordinator raised (e.g.
+    DuplicateContribution, with its facts), or a wire error. After a wire error the connection
+    is out of sync: close it and connect again; a submit then resends only missing blocks.
+    """
+
+    def __init__(self, blocks: BlockClient, peer: str, store: BlockStore | None = None) -> None:
+        if not peer:
+            raise ValueError("peer must be a non-empty name")
+        self.blocks = blocks
+        self.peer = peer
+        self.store = store if store is not None else MemoryStore()
+        self._stream = _STREAM_BASE
+        self._lock = asyncio.Lock()  # one request (push + rounds call) at a time
+
+    @classmethod
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        *,
+        peer: str,
+        key: bytes | None = None,
+        ssl: ssl_module.SSLContext | None = None,
+        server_hostname: str | None = None,
+        store: BlockStore | None = None,
+        limits: WireLimits | None = None,
+        timeouts: Timeouts | None = None,
+    ) -> Self:
+        """Connect and authenticate; ``store`` (default: in memory) holds updates and results."""
+        blocks = await BlockClient.connect(
+            host,
+            port,
+            key=key,
+            ssl=ssl,
+            server_hostname=server_hostname,
+            limits=limits,
+            timeouts=timeouts,
+        )
+        return cls(blocks, peer, store)
+
+    async def aclose(self) -> None:
+        await self.blocks.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        await self.blocks.__aexit__(exc_type, exc, tb)
+
+    # ── rounds ───────────────────────────────────────────────────────────────
+    async def start_round(self, round_id: RoundId, spec: RoundSpec) -> bool:
+        """Start a round on the coordinator; False if it already exists (then just join it)."""
+        answer = await self._call(
+            [], RoundCall("start", round_id.round, round_id.initiator, spec=spec_to_wire(spec))
+        )
+        return bool(answer.started)
+
+    async def submit(
+        self,
+        round_id: RoundId,
+        update: ModelUpdate | Mapping[str, Any],
+        num_samples: int = 0,
+        *,
+        compression: CompressionChoice = Compression.NONE,
+    ) -> SubmitResult:
+        """Store the update locally, push what the coordinator lacks, and submit it.
+
+        ``update`` is a ModelUpdate or a dict of named numpy arrays / torch tensors (then
+        ``num_samples`` is its sample count). Returns once the contribution is durable on
+        the coordinator; raises what the coordinator refused it for.
+        """
+        if not isinstance(update, ModelUpdate):
+            update = ModelUpdate(dict(update), num_samples)
+        cid = await asyncio.to_thread(put_update, self.store, update)
+        call = RoundCall("submit", round_id.round, round_id.initiator, peer=self.peer)
+        async with self._lock:
+            push = await self.blocks.push(self.store, cid, compression=compression)
+            answer = await self._call([cid], call, locked=True)
+        return SubmitResult(cid, _status(answer), push)
+
+    async def status(self, round_id: RoundId) -> RoundStatus:
+        """The round's current status (RoundNotFound if the coordinator has no such round)."""
+        answer = await self._call([], RoundCall("status", round_id.round, round_id.initiator))
+        return _status(answer)
+
+    async def server_status(self) -> ServerStatus:
+        """Every round with its peers and bytes, and the coordinator's counters."""
+        answer = await self._call([], RoundCall("status", all=True))
+        return ServerStatus(answer.rounds or [], answer.stats or {})
+
+    async def wait(self, round_id: RoundId, timeout: float | None = None) -> RoundStatus:
+        """Wait until the round is Complete or Failed (RoundTimeout after ``timeout`` s)."""
+        call = RoundCall("wait", round_id.round, round_id.initiator, timeout=timeout)
+        read = self.blocks.conn.timeouts.read
+        limit = None if timeout is None or read is None else timeout + read
+        return _status(await self._call([], call, limit=limit, unbounded=timeout is None))
+
+    async def result(self, round_id: RoundId, timeout: float | None = None) -> Cid:
+        """Wait for the round and return its aggregate's CID (RoundFailed if it failed)."""
+        status = await self.wait(round_id, timeout)
+        if isinstance(status, Complete):
+            return Cid.parse(status.cid)
+        raise RoundFailed(round_id.as_key(), getattr(status, "reason", status.name))
+
+    async def fetch(self, cid: Cid) -> ModelUpdate:
+        """Pull the update ``cid`` into this client's store (only blocks it lacks) and load it."""
+        async with self._lock:
+            await self.blocks.pull(cid, self.store)
+        return await asyncio.to_thread(get_update, self.store, cid)
+
+    async def fetch_result(
+        self, round_id: RoundId, timeout: float | None = None
+    ) -> dict[str, np.ndarray]:
+        """Wait for the round, fetch its aggregate, return the named arrays."""
+        update = await self.fetch(await self.result(round_id, timeout))
+        return dict(update.tensors)
+
+    # ── one request ──────────────────────────────────────────────────────────
+    async def _call(
+        self,
+        roots: list[Cid],
+        call: RoundCall,
+        *,
+        limit: float | None = None,
+        unbounded: bool = False,
+        locked: bool = False,
+    ) -> RoundAnswer:
+        if not locked:
+            async with self._lock:
+                return await self._call(roots, call, limit=limit, unbounded=unbounded, locked=True)
+        conn = self.blocks.conn
+        self._stream += 1
+        message = RoundsCommit(roots=wire_cids(roots), blocks=0, nbytes=0, rounds=call)
+        await conn.transport.send(*encode_frame(message, self._stream))
+        timeout: float | str | None = None if unbounded else (limit or "read")
+        frame = await conn.receive_frame(timeout=timeout)  # type: ignore[arg-type]
+        if frame.header.kind is not FrameKind.COMMITTED:
+            conn.expect(frame)  # raises RemoteError for an Error frame, else ProtocolViolation
+        answer = decode_committed(frame.payload).rounds
+        if answer is None:
+            raise ProtocolViolation(f"{conn.peer} is not a tensorswap coordinator (no rounds)")
+        if answer.error is not None:
+            raise_remote(answer.error, conn.peer)
+        return answer
+
+
+def _status(answer: RoundAnswer) -> RoundStatus:
+    if answer.status is None:
+        raise ProtocolViolation("the coordinator's answer lacks a status")
+    try:
+        return status_from_dict(answer.status)
+    except ValueError as exc:
+        raise ProtocolViolation(f"bad round status from the coordinator: {exc}") from exc

@@ -1,0 +1,217 @@
+"""The rounds extension of the wire protocol: a ``rounds`` field on COMMIT and COMMITTED.
+
+A rounds request rides on a COMMIT frame (its roots: the blocks the request needs complete,
+e.g. the submitted update) and its answer on the COMMITTED frame that confirms them. Both
+messages are msgpack maps, so a plain block server ignores the field and a plain block client
+ignores the answer; a coordinator recognises the request. Layout in ``docs/rounds.md``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tensorswap.errors import TensorSwapError
+from tensorswap.rounds import errors as rounds_errors
+from tensorswap.rounds.errors import RoundsError
+from tensorswap.rounds.state import LayerSpec, RoundId, RoundInfo, RoundSpec
+from tensorswap.wire.errors import ProtocolViolation, RemoteError
+from tensorswap.wire.frames import FrameHeader, FrameKind, crc32c
+from tensorswap.wire.messages import Commit, Committed
+
+__all__ = [
+    "OPS",
+    "ErrorInfo",
+    "RoundAnswer",
+    "RoundCall",
+    "RoundRow",
+    "RoundsCommit",
+    "RoundsCommitted",
+    "SpecWire",
+    "decode_commit",
+    "decode_committed",
+    "encode_frame",
+    "error_info",
+    "raise_remote",
+    "round_id_of",
+    "row_of",
+    "spec_from_wire",
+    "spec_to_wire",
+]
+
+OPS = ("start", "submit", "status", "wait")
+"""Rounds requests: start a round, submit the committed update, status (one or all), wait."""
+
+Param = float | int | str
+
+
+class SpecWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """A RoundSpec on the wire; ``layout`` is ``[[name, dtype, [dims...]], ...]``."""
+
+    expected_peers: int
+    quorum: int | None = None
+    timeout_s: float | None = None
+    strategy: str = "fedavg"
+    params: dict[str, Param] = {}
+    layout: list[tuple[str, str, list[int]]] | None = None
+
+
+class RoundCall(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """A request: ``op`` (see OPS) about round ``(round, initiator)`` on behalf of ``peer``."""
+
+    op: str
+    round: int = 0
+    initiator: str = ""
+    peer: str = ""
+    spec: SpecWire | None = None
+    timeout: float | None = None
+    all: bool = False
+
+
+class ErrorInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """A refused request: the RoundsError leaf's name, its message and its facts."""
+
+    code: str
+    message: str
+    facts: dict[str, Param | None] = {}
+
+
+class RoundRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """One round as ``status`` reports it."""
+
+    round: int
+    initiator: str
+    status: dict[str, Param]
+    received: int
+    expected: int
+    quorum: int
+    strategy: str
+    nbytes: int
+    peers: list[str]
+    created_at: float
+    deadline: float | None
+
+
+class RoundAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """The answer: ``error`` set when refused; otherwise what the op returns."""
+
+    error: ErrorInfo | None = None
+    started: bool | None = None
+    status: dict[str, Param] | None = None
+    rounds: list[RoundRow] | None = None
+    stats: dict[str, Param] | None = None
+
+
+class RoundsCommit(Commit, frozen=True):
+    """COMMIT with an optional rounds request."""
+
+    rounds: RoundCall | None = None
+
+
+class RoundsCommitted(Committed, frozen=True):
+    """COMMITTED with the rounds answer (absent when the server is no coordinator)."""
+
+    rounds: RoundAnswer | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_commit = msgspec.msgpack.Decoder(RoundsCommit)
+_committed = msgspec.msgpack.Decoder(RoundsCommitted)
+
+
+def encode_frame(message: RoundsCommit | RoundsCommitted, stream_id: int) -> tuple[bytes, bytes]:
+    """Header and payload of the COMMIT / COMMITTED frame carrying ``message``."""
+    kind = FrameKind.COMMIT if isinstance(message, RoundsCommit) else FrameKind.COMMITTED
+    payload = _encoder.encode(message)
+    return FrameHeader(kind, len(payload), crc32c(payload), stream_id).pack(), payload
+
+
+def decode_commit(payload: memoryview) -> RoundsCommit:
+    try:
+        return _commit.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ProtocolViolation(f"bad COMMIT message: {exc}") from exc
+
+
+def decode_committed(payload: memoryview) -> RoundsCommitted:
+    try:
+        return _committed.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ProtocolViolation(f"bad COMMITTED message: {exc}") from exc
+
+
+def spec_to_wire(spec: RoundSpec) -> SpecWire:
+    layout = None
+    if spec.layout is not None:
+        layout = [(layer.name, layer.dtype, list(layer.shape)) for layer in spec.layout]
+    return SpecWire(
+        spec.expected_peers, spec.quorum, spec.timeout_s, spec.strategy, dict(spec.params), layout
+    )
+
+
+def spec_from_wire(wire: SpecWire) -> RoundSpec:
+    """The RoundSpec (InvalidRoundSpec when it cannot work)."""
+    layout = None
+    if wire.layout is not None:
+        layout = tuple(LayerSpec(n, d, tuple(int(x) for x in s)) for n, d, s in wire.layout)
+    return RoundSpec(
+        wire.expected_peers, wire.quorum, wire.timeout_s, wire.strategy, wire.params, layout
+    )
+
+
+def row_of(info: RoundInfo) -> RoundRow:
+    spec = info.spec
+    return RoundRow(
+        round=info.round_id.round,
+        initiator=info.round_id.initiator,
+        status=info.status.to_dict(),  # type: ignore[arg-type]
+        received=info.received,
+        expected=spec.expected_peers,
+        quorum=spec.min_peers,
+        strategy=spec.strategy,
+        nbytes=info.nbytes,
+        peers=list(info.peers),
+        created_at=info.created_at,
+        deadline=info.deadline,
+    )
+
+
+def round_id_of(call: RoundCall) -> RoundId:
+    """The call's RoundId; ProtocolViolation for one that is not valid."""
+    try:
+        return RoundId(call.round, call.initiator)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolViolation(f"bad round id in a rounds request: {exc}") from exc
+
+
+# ── errors across the wire ───────────────────────────────────────────────────
+_REMOTE_TYPES: dict[str, type[TensorSwapError]] = {
+    name: cls
+    for name in rounds_errors.__all__
+    if isinstance(cls := getattr(rounds_errors, name), type) and issubclass(cls, RoundsError)
+}
+
+
+def error_info(exc: TensorSwapError) -> ErrorInfo:
+    """What a refusal tells the client: the leaf's name, message and plain-valued facts."""
+    facts = {
+        k: v
+        for k, v in vars(exc).items()
+        if not k.startswith("_") and (v is None or isinstance(v, int | float | str))
+    }
+    return ErrorInfo(type(exc).__name__, str(exc), facts)
+
+
+def raise_remote(info: ErrorInfo, peer: str) -> None:
+    """Raise the error the server reported: the same RoundsError leaf, with its facts.
+
+    Codes that are not rounds errors become the wire's RemoteError(code, message).
+    Only the known leaves are ever built; nothing is looked up by an arbitrary name.
+    """
+    cls = _REMOTE_TYPES.get(info.code)
+    if cls is None:
+        raise RemoteError(info.code, info.message, peer)
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, info.message)
+    for key, value in info.facts.items():
+        setattr(exc, key, value)
+    raise exc

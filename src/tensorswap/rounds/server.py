@@ -1,0 +1,227 @@
+"""RoundServer: the coordinator and the block service on one port, over tensorswap frames."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl as ssl_module
+from dataclasses import dataclass
+from typing import Self
+
+from tensorswap.cid import Cid
+from tensorswap.errors import TensorSwapError
+from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.errors import RoundNotFound, RoundTimeout
+from tensorswap.rounds.protocol import (
+    OPS,
+    RoundAnswer,
+    RoundCall,
+    RoundsCommitted,
+    decode_commit,
+    encode_frame,
+    error_info,
+    round_id_of,
+    row_of,
+    spec_from_wire,
+)
+from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.wire._sink import BlockSink
+from tensorswap.wire.connection import FrameConnection, Timeouts, WireLimits
+from tensorswap.wire.errors import ProtocolViolation, StreamEnded
+from tensorswap.wire.frames import FrameKind
+from tensorswap.wire.messages import Get, Offer, Want, parse_cids, wire_cids
+from tensorswap.wire.server import BlockServer
+from tensorswap.wire.transport import Transport
+
+__all__ = ["RoundServer", "TrafficStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficStats:
+    """Bytes over every connection so far (live ones included) and connections now open."""
+
+    bytes_in: int
+    bytes_out: int
+    connections: int
+    open_connections: int
+
+
+class RoundServer(BlockServer):
+    """A BlockServer that also runs rounds (start, submit, status, wait) for ``coordinator``.
+
+    Rounds requests ride on COMMIT frames (see ``rounds.protocol``): the roots are committed
+    first (every block stored, closures complete), then the request runs and its answer comes
+    back on the COMMITTED frame. A refused request (a RoundsError) is answered in the
+    COMMITTED frame and the connection stays usable; any other failure ends the connection
+    as in BlockServer. ``wait`` requests do not hold a thread: they are woken by the
+    coordinator's status changes. The server does not own the coordinator.
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        *,
+        key: bytes | None = None,
+        limits: WireLimits | None = None,
+        timeouts: Timeouts | None = None,
+        name: str = "tensorswap-coordinator",
+    ) -> None:
+        super().__init__(coordinator.store, key=key, limits=limits, timeouts=timeouts, name=name)
+        self.coordinator = coordinator
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: dict[RoundId, set[asyncio.Event]] = {}
+        self._live: set[Transport] = set()
+        self._closed_in = 0
+        self._closed_out = 0
+        coordinator.subscribe(self._on_change)
+
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, *, ssl: ssl_module.SSLContext | None = None
+    ) -> Self:
+        self._loop = asyncio.get_running_loop()
+        await super().start(host, port, ssl=ssl)
+        log.info("coordinator listening on %s:%d", host, self.port)
+        return self
+
+    def traffic(self) -> TrafficStats:
+        """Bytes in and out so far, over closed and open connections."""
+        live_in = sum(t.bytes_received for t in self._live)
+        live_out = sum(t.bytes_sent for t in self._live)
+        return TrafficStats(
+            self._closed_in + live_in,
+            self._closed_out + live_out,
+            self.stats.connections,
+            len(self._live),
+        )
+
+    # ── connections ──────────────────────────────────────────────────────────
+    async def handle(self, transport: Transport) -> None:
+        self._live.add(transport)
+        try:
+            await super().handle(transport)
+        finally:
+            self._live.discard(transport)
+            self._closed_in += transport.bytes_received
+            self._closed_out += transport.bytes_sent
+            self.coordinator.record_bytes_out(transport.bytes_sent)
+
+    async def _serve(self, conn: FrameConnection, sink: BlockSink) -> None:
+        in_transfer = False
+        while True:
+            try:
+                frame = await conn.receive_frame(timeout="read" if in_transfer else "idle")
+            except StreamEnded:
+                return
+            stream_id = frame.header.stream_id
+            kind = frame.header.kind
+            if kind is FrameKind.BLOCK:
+                block = conn.parse_block(frame)
+                await sink.submit(block.cid, block.data)
+            elif kind is FrameKind.COMMIT:
+                commit = decode_commit(frame.payload)
+                roots = parse_cids(commit.roots, "Commit")
+                await sink.drain()
+                await asyncio.to_thread(self._check_roots, roots)
+                answer = None if commit.rounds is None else await self._call(commit.rounds, roots)
+                reply = RoundsCommitted(
+                    roots=commit.roots, blocks=sink.blocks, nbytes=sink.nbytes, rounds=answer
+                )
+                await conn.transport.send(*encode_frame(reply, stream_id))
+                self.stats.roots_committed += len(roots)
+                in_transfer = False
+            else:
+                message = conn.expect(frame, Offer, Get)
+                if isinstance(message, Offer):
+                    offered = parse_cids(message.cids, "Offer")
+                    lacking = await asyncio.to_thread(self.store.missing, offered)
+                    await conn.send_message(Want(cids=wire_cids(lacking)), stream_id)
+                    in_transfer = bool(lacking)
+                elif isinstance(message, Get):
+                    await self._answer_get(conn, parse_cids(message.cids, "Get"), stream_id)
+
+    # ── rounds requests ──────────────────────────────────────────────────────
+    async def _call(self, call: RoundCall, roots: list[Cid]) -> RoundAnswer:
+        if call.op not in OPS:
+            raise ProtocolViolation(f"unknown rounds op {call.op!r}; known {list(OPS)}")
+        coord = self.coordinator
+        try:
+            if call.op == "status" and call.all:
+                rows = [row_of(info) for info in coord.rounds()]
+                return RoundAnswer(rounds=rows, stats=self._stats())
+            rid = round_id_of(call)
+            if call.op == "start":
+                if call.spec is None:
+                    raise ProtocolViolation("a start request needs a spec")
+                spec = spec_from_wire(call.spec)
+                started = await asyncio.to_thread(coord.start_round, rid, spec)
+                return RoundAnswer(started=started, status=_status_dict(coord, rid))
+            if call.op == "submit":
+                if len(roots) != 1:
+                    raise ProtocolViolation(f"a submit commits one update, got {len(roots)} roots")
+                status = await asyncio.to_thread(coord.submit, rid, call.peer, roots[0])
+                return RoundAnswer(status=status.to_dict())  # type: ignore[arg-type]
+            if call.op == "wait":
+                status = await self._wait(rid, call.timeout)
+                return RoundAnswer(status=status.to_dict())  # type: ignore[arg-type]
+            info = coord.info(rid)
+            if info is None:
+                raise RoundNotFound(rid.as_key())
+            return RoundAnswer(rounds=[row_of(info)], status=info.status.to_dict())  # type: ignore[arg-type]
+        except ProtocolViolation:
+            raise
+        except TensorSwapError as exc:
+            return RoundAnswer(error=error_info(exc))
+
+    async def _wait(self, rid: RoundId, timeout: float | None) -> RoundStatus:
+        event = asyncio.Event()
+        self._waiters.setdefault(rid, set()).add(event)
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    event.clear()
+                    status = self.coordinator.status(rid)
+                    if status is None:
+                        raise RoundNotFound(rid.as_key())
+                    if status.is_terminal:
+                        return status
+                    await event.wait()
+        except TimeoutError:
+            status = self.coordinator.status(rid)
+            name = status.name if status is not None else "gone"
+            raise RoundTimeout(rid.as_key(), timeout or 0.0, name) from None
+        finally:
+            waiting = self._waiters.get(rid)
+            if waiting is not None:
+                waiting.discard(event)
+                if not waiting:
+                    del self._waiters[rid]
+
+    def _on_change(self, rid: RoundId, status: RoundStatus) -> None:
+        """Called by the coordinator from any thread: wake this round's waiters on the loop."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake, rid)
+
+    def _wake(self, rid: RoundId) -> None:
+        for event in self._waiters.get(rid, ()):
+            event.set()
+
+    def _stats(self) -> dict[str, float | int | str]:
+        stats: dict[str, float | int | str] = dict(self.coordinator.stats().to_dict())
+        traffic = self.traffic()
+        stats.update(
+            wire_bytes_in=traffic.bytes_in,
+            wire_bytes_out=traffic.bytes_out,
+            connections=traffic.connections,
+            open_connections=traffic.open_connections,
+            blocks_stored=self.stats.blocks_stored,
+            blocks_served=self.stats.blocks_served,
+        )
+        return stats
+
+
+def _status_dict(coord: Coordinator, rid: RoundId) -> dict[str, float | int | str] | None:
+    status = coord.status(rid)
+    return None if status is None else status.to_dict()  # type: ignore[return-value]
