@@ -29,3 +29,13 @@ def test_errors_share_one_root() -> None:
         obj = getattr(tensorswap, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, tensorswap.TensorSwapError), name
+
+
+def test_subpackages_are_not_shadowed_by_reexports() -> None:
+    import importlib
+    import types
+
+    for name in ("aggregate", "codec", "store", "delta", "cid", "errors"):
+        module = importlib.import_module(f"tensorswap.{name}")
+        assert isinstance(getattr(tensorswap, name), types.ModuleType), name
+        assert getattr(tensorswap, name) is module
