@@ -81,7 +81,7 @@ def test_fedavg_round_completes_by_itself_with_a_stored_result(coord: Coordinato
     assert update.metadata["strategy"] == "fedavg" and update.metadata["contributors"] == "3"
     stats = coord.stats()
     assert (stats.contributions, stats.rounds_completed, stats.rounds_started) == (3, 1, 1)
-    assert stats.bytes_in > 3 * 9 * 4 and stats.aggregation_seconds > 0
+    assert stats.contribution_bytes > 3 * 9 * 4 and stats.aggregation_seconds > 0
 
 
 def test_duplicate_submission_is_refused_and_counted(coord: Coordinator) -> None:

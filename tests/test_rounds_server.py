@@ -76,7 +76,7 @@ async def test_a_round_over_the_wire(server: RoundServer) -> None:
         assert (row.received, row.expected, sorted(row.peers)) == (3, 3, ["a", "b", "c"])
         assert row.status["status"] == "Complete" and row.nbytes > 0
         assert report.stats["contributions"] == 3 and report.stats["rounds_completed"] == 1
-        assert int(report.stats["wire_bytes_in"]) > row.nbytes
+        assert int(report.stats["bytes_in"]) > row.nbytes
 
 
 async def test_refusals_arrive_as_the_same_errors_and_keep_the_connection(

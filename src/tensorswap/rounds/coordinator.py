@@ -59,12 +59,15 @@ STORE_DIRNAME = "blocks"
 
 @dataclass(frozen=True, slots=True)
 class CoordinatorStats:
-    """Counters since this coordinator was built (they are not persisted)."""
+    """Counters since this coordinator was built (they are not persisted).
+
+    ``contribution_bytes`` sums the accepted updates' block sizes (manifests and chunks),
+    whether or not their blocks crossed a wire (the server counts wire bytes).
+    """
 
     contributions: int = 0
     rejected: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
+    contribution_bytes: int = 0
     rounds_started: int = 0
     rounds_completed: int = 0
     rounds_failed: int = 0
@@ -219,7 +222,7 @@ class Coordinator:
             self._count(rejected=1)
             log.info("round %s: contribution from %r refused: %s", key, peer, exc)
             raise
-        self._count(contributions=1, bytes_in=facts.nbytes)
+        self._count(contributions=1, contribution_bytes=facts.nbytes)
         log.debug("round %s: %s contributed %d bytes -> %s", key, peer, facts.nbytes, status)
         return status
 
@@ -283,10 +286,6 @@ class Coordinator:
         with self._lock:
             stats = self._stats
         return _replace(stats, active_rounds=self.tracker.active_count())
-
-    def record_bytes_out(self, nbytes: int) -> None:
-        """Count bytes served to peers (called by the server)."""
-        self._count(bytes_out=nbytes)
 
     def _count(self, **deltas: float) -> None:
         with self._lock:

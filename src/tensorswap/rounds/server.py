@@ -105,7 +105,6 @@ class RoundServer(BlockServer):
             self._live.discard(transport)
             self._closed_in += transport.bytes_received
             self._closed_out += transport.bytes_sent
-            self.coordinator.record_bytes_out(transport.bytes_sent)
 
     async def _serve(self, conn: FrameConnection, sink: BlockSink) -> None:
         in_transfer = False
@@ -212,8 +211,8 @@ class RoundServer(BlockServer):
         stats: dict[str, float | int | str] = dict(self.coordinator.stats().to_dict())
         traffic = self.traffic()
         stats.update(
-            wire_bytes_in=traffic.bytes_in,
-            wire_bytes_out=traffic.bytes_out,
+            bytes_in=traffic.bytes_in,
+            bytes_out=traffic.bytes_out,
             connections=traffic.connections,
             open_connections=traffic.open_connections,
             blocks_stored=self.stats.blocks_stored,

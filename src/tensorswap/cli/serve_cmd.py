@@ -1,0 +1,118 @@
+"""`tensorswap serve`: run the coordinator (rounds) and the block service on one port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import ssl as ssl_module
+
+import click
+
+from tensorswap.cli._util import parse_host_port
+from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.server import RoundServer
+from tensorswap.wire.auth import load_key, server_ssl_context
+from tensorswap.wire.connection import Timeouts
+
+__all__ = ["resolve_key", "serve"]
+
+
+def resolve_key(key: str | None, key_file: str | None) -> bytes | None:
+    """The shared key: ``--key`` text, else ``--key-file``, else ``$TENSORSWAP_KEY``, else None."""
+    if key is not None and key_file is not None:
+        raise click.UsageError("give --key or --key-file, not both")
+    if key is not None:
+        if not key:
+            raise click.BadParameter("the key is empty", param_hint="--key")
+        return key.encode()
+    return load_key(key_file)
+
+
+async def _run(
+    host: str,
+    port: int,
+    data: str,
+    key: bytes | None,
+    ssl: ssl_module.SSLContext | None,
+    timeouts: Timeouts,
+    durable: bool,
+) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    coordinator = await asyncio.to_thread(Coordinator.open, data, durable=durable)
+    try:
+        server = RoundServer(coordinator, key=key, timeouts=timeouts)
+        async with await server.start(host, port, ssl=ssl):
+            active = coordinator.tracker.active_count()
+            click.echo(f"listening on {host}:{server.port}", err=True)
+            click.echo(f"data in {data}; {active} active round(s) restored", err=True)
+            await stop.wait()
+    finally:
+        await asyncio.to_thread(coordinator.close)
+
+
+@click.command("serve")
+@click.option("--listen", required=True, metavar="HOST:PORT", help="Where to listen (port 0: any).")
+@click.option(
+    "--data",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Directory for the round database and the block store (created if absent).",
+)
+@click.option("--key", help="Shared secret clients must prove (HMAC-SHA256).")
+@click.option(
+    "--key-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Read the shared secret from a file (default: $TENSORSWAP_KEY if set).",
+)
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="TLS certificate.")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="TLS private key.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds per frame.")
+@click.option(
+    "--fast-commit",
+    is_flag=True,
+    help="SQLite synchronous=NORMAL: survives a crash of the server, maybe not of the machine.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+def serve(
+    listen: str,
+    data: str,
+    key: str | None,
+    key_file: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    timeout: float,
+    fast_commit: bool,
+    log_level: str,
+) -> None:
+    """Run a coordinator: rounds (start, submit, status, wait) and blocks on one port.
+
+    Round state lives in SQLite (WAL) under DATA and blocks in a directory store under
+    DATA/blocks: stop or kill the server at any point, start it again on the same DATA, and
+    rounds go on with every accepted contribution. Prints "listening on HOST:PORT" to stderr
+    once ready; stops cleanly on SIGINT or SIGTERM.
+    """
+    host, port = parse_host_port(listen)
+    secret = resolve_key(key, key_file)
+    if tls_key and not tls_cert:
+        raise click.UsageError("--tls-key needs --tls-cert")
+    ssl = server_ssl_context(tls_cert, tls_key) if tls_cert else None
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    asyncio.run(_run(host, port, data, secret, ssl, Timeouts(read=timeout), not fast_commit))
+
+
+if __name__ == "__main__":  # `python -m tensorswap.cli.serve_cmd` before the group lists it
+    serve()

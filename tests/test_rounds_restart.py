@@ -1,0 +1,157 @@
+"""`tensorswap serve` as a process: kill -9 mid-round, restart, the round goes on; `status`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from tensorswap.cli.status_cmd import status as status_command
+from tensorswap.rounds.client import RoundClient
+from tensorswap.rounds.errors import DuplicateContribution
+from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
+
+RID = RoundId(1, "lead")
+SECRET = "restart-test-secret"
+
+
+class Server:
+    """A `tensorswap serve` child process on a free loopback port."""
+
+    def __init__(self, data: Path) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tensorswap.cli.serve_cmd",
+                "--listen",
+                "127.0.0.1:0",
+                "--data",
+                str(data),
+                "--key",
+                SECRET,
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.port = self._wait_listening(timeout=60.0)
+
+    def _wait_listening(self, timeout: float) -> int:
+        assert self.proc.stderr is not None
+        seen = []
+        while True:
+            ready, _, _ = select.select([self.proc.stderr], [], [], timeout)
+            if not ready:
+                self.kill()
+                raise AssertionError(f"server did not start: {seen}")
+            line = self.proc.stderr.readline()
+            if not line:
+                self.kill()
+                raise AssertionError(f"server exited: {seen}")
+            seen.append(line)
+            if line.startswith("listening on "):
+                return int(line.rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        """SIGKILL, then reap."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+    def stop(self) -> int:
+        """SIGTERM, reap, the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=30)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        return code
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Server]]:
+    started: list[Server] = []
+    yield started
+    for server in started:
+        server.kill()
+
+
+def update(value: float) -> dict[str, np.ndarray]:
+    return {"w": np.full((8, 8), value, np.float32), "b": np.full(8, value, np.float32)}
+
+
+async def client(port: int, peer: str) -> RoundClient:
+    return await RoundClient.connect("127.0.0.1", port, peer=peer, key=SECRET.encode())
+
+
+async def first_half(port: int) -> None:
+    async with await client(port, "lead") as lead:
+        assert await lead.start_round(RID, RoundSpec(3))
+    for peer, value, n in (("a", 1.0, 10), ("b", 2.0, 20)):
+        async with await client(port, peer) as c:
+            await c.submit(RID, update(value), n)
+
+
+async def second_half(port: int) -> dict[str, np.ndarray]:
+    async with await client(port, "a") as a:
+        assert await a.status(RID) == Collecting(2, 3)
+        with pytest.raises(DuplicateContribution):
+            await a.submit(RID, update(9.0), 1)
+    async with await client(port, "c") as c:
+        await c.submit(RID, update(4.0), 70)
+        assert isinstance(await c.wait(RID, timeout=60), Complete)
+        return await c.fetch_result(RID, timeout=60)
+
+
+@pytest.mark.timeout(180)
+def test_kill_9_mid_round_then_restart_keeps_every_contribution(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    data = tmp_path / "coordinator"
+    first = Server(data)
+    servers.append(first)
+    asyncio.run(first_half(first.port))
+    first.kill()  # SIGKILL in the middle of the round
+    second = Server(data)
+    servers.append(second)
+    result = asyncio.run(second_half(second.port))
+    expected = (1.0 * 10 + 2.0 * 20 + 4.0 * 70) / 100
+    np.testing.assert_allclose(result["w"], expected, rtol=1e-6)
+
+    runner = CliRunner()
+    out = runner.invoke(
+        status_command,
+        [f"127.0.0.1:{second.port}", "--json", "--key", SECRET],
+        catch_exceptions=False,
+    )
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output)
+    (row,) = report["rounds"]
+    assert row["status"]["status"] == "Complete"
+    assert (row["received"], row["expected"], sorted(row["peers"])) == (3, 3, ["a", "b", "c"])
+    assert report["stats"]["contributions"] == 1  # counters restart with the process
+
+    table = runner.invoke(status_command, [f"127.0.0.1:{second.port}", "--key", SECRET])
+    assert table.exit_code == 0, table.output
+    assert "1-lead" in table.output and "Complete" in table.output and "3/3" in table.output
+    assert second.stop() == 0
+
+
+def test_status_without_the_key_is_refused(tmp_path: Path, servers: list[Server]) -> None:
+    server = Server(tmp_path / "coordinator")
+    servers.append(server)
+    result = CliRunner().invoke(status_command, [f"127.0.0.1:{server.port}", "--json"])
+    assert result.exit_code != 0
