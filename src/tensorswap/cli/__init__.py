@@ -21,6 +21,10 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("tensorswap.cli.demo_cmd", "demo", "Run the built-in end-to-end job."),
     "flow": ("tensorswap.cli.flow_cmd", "flow", "Typed training messages over ZeroMQ."),
     "delta": ("tensorswap.cli.delta_cmd", "delta", "Weight-delta fragments over TCP (axiom DWE)."),
+    "send": ("tensorswap.cli.send_cmd", "send", "Send a tensor file to a receiver."),
+    "recv": ("tensorswap.cli.recv_cmd", "recv", "Receive tensors into a directory store."),
+    "serve": ("tensorswap.cli.serve_cmd", "serve", "Run the round coordinator and block service."),
+    "status": ("tensorswap.cli.status_cmd", "status", "Show a coordinator's rounds and counters."),
 }
 
 
