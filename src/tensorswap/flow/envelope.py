@@ -1,0 +1,277 @@
+"""The wire envelope: canonical encode, serde's bare message form, and versioned decode.
+
+``encode`` writes ``{"payload":<message>,"wire_version":1}`` byte for byte as corpus-ipc's
+``encode_canonical_ipc_message`` does: compact, keys sorted at every level, UTF-8, each f32
+widened to f64 and printed with serde_json's shortest f64 digits (``0.1f32`` is
+``0.10000000149011612``), ``-0.0`` kept. ``encode_message`` writes the bare externally tagged
+message as ``serde_json::to_vec`` does: fields in declaration order, f32 digits (``0.1``).
+``decode`` reads both, checks ``wire_version`` before the payload is interpreted, and validates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+from msgspec.structs import astuple
+
+from tensorswap.flow.errors import FieldTypeError, MalformedMessage, WireVersionError
+from tensorswap.flow.floats import plus_exponents, serde_f32
+from tensorswap.flow.messages import (
+    U32_MAX,
+    UNIT_MESSAGES,
+    UNIT_VARIANTS,
+    VARIANTS,
+    BatchMetadata,
+    ConfigPayload,
+    EmbeddingBatch,
+    GradientBatch,
+    GradientUpdate,
+    IpcMessage,
+    Loss,
+    NeuromodulatorSnapshot,
+    SpikeBatch,
+    SpikeEvent,
+    StimulusBatch,
+    TraceBatch,
+    TraceData,
+)
+from tensorswap.flow.validate import checked, validate
+
+WIRE_VERSION = 1
+"""The envelope version this module writes."""
+MIN_WIRE_VERSION = 1
+"""The oldest envelope version it reads; an unversioned (bare) message counts as version 1."""
+
+_ENCODER = msgspec.json.Encoder()
+_SORTED = msgspec.json.Encoder(order="sorted")
+
+
+def _payload(message: IpcMessage) -> Any:
+    name = message.variant
+    if name in UNIT_VARIANTS:
+        return name
+    if type(message) is Loss:
+        return {name: message.value}
+    return {name: message}
+
+
+def _has_unsorted_map(message: IpcMessage) -> bool:
+    # Struct fields are declared in sorted order; only dicts with 2+ keys need sorting.
+    if type(message) is ConfigPayload:
+        return len(message.config) > 1
+    metadata = getattr(message, "metadata", None)
+    return metadata is not None and len(metadata.custom) > 1
+
+
+def _canonical(message: IpcMessage, peak: float) -> bytes:
+    """Envelope bytes of an already validated message whose floats are at most ``peak``."""
+    encoder = _SORTED if _has_unsorted_map(message) else _ENCODER
+    data = encoder.encode({"payload": _payload(message), "wire_version": WIRE_VERSION})
+    # Only a float of magnitude >= 1e16 is printed with a positive exponent.
+    return plus_exponents(data) if peak >= 1e16 else data
+
+
+def encode(message: IpcMessage) -> bytes:
+    """Validate ``message`` and return its canonical wire-version-1 envelope bytes.
+
+    Raises ValidationError or FieldTypeError (both InvalidInput) before any bytes exist.
+    """
+    return _canonical(*checked(message))
+
+
+# serde's field order (the order of declaration in corpus-ipc) for the bare form.
+_SERDE_FIELDS: dict[type, tuple[str, ...]] = {
+    SpikeBatch: ("session_id", "batch_id", "timestamp", "spikes", "metadata"),
+    SpikeEvent: ("channel", "time", "strength"),
+    BatchMetadata: ("processing_latency_ns", "source", "custom"),
+    EmbeddingBatch: ("session_id", "batch_id", "embedding", "sequence_length"),
+    StimulusBatch: ("session_id", "batch_id", "timestamp", "values", "valid_mask", "metadata"),
+    NeuromodulatorSnapshot: ("tick", "dopamine", "cortisol", "acetylcholine", "tempo"),
+    ConfigPayload: ("session_id", "config"),
+    GradientBatch: ("session_id", "batch_id", "gradients"),
+    GradientUpdate: ("layer_id", "gradients", "eligibility_trace"),
+    TraceBatch: ("session_id", "batch_id", "traces"),
+    TraceData: ("channel_id", "trace_value", "last_spike_time"),
+}
+
+
+def _serde(value: Any) -> Any:
+    cls = type(value)
+    if cls is float:
+        return msgspec.Raw(serde_f32(value).encode())
+    if cls is list:
+        return [_serde(item) for item in value]
+    if cls is dict:
+        return {key: _serde(item) for key, item in value.items()}
+    fields = _SERDE_FIELDS.get(cls)
+    if fields is not None:
+        return {name: _serde(getattr(value, name)) for name in fields}
+    return value
+
+
+def encode_message(message: IpcMessage) -> bytes:
+    """Validate ``message`` and return the bare message as ``serde_json::to_vec`` writes it.
+
+    This is the unversioned form (``{"Loss":0.25}``, ``"Ping"``), read as wire version 1.
+    """
+    return msgspec.json.encode(_serde(_payload(validate(message))))
+
+
+# ── decode ─────────────────────────────────────────────────────────────────────────────────────
+class _Payload(msgspec.Struct, forbid_unknown_fields=True):
+    """An externally tagged message: exactly one of these keys is set."""
+
+    ConfigUpdate: ConfigPayload | UnsetType = UNSET
+    EligibilityTraces: TraceBatch | UnsetType = UNSET
+    Embeddings: EmbeddingBatch | UnsetType = UNSET
+    GradientUpdate: GradientBatch | UnsetType = UNSET
+    Loss: float | UnsetType = UNSET
+    Neuromodulators: NeuromodulatorSnapshot | UnsetType = UNSET
+    Ping: UnsetType | None = UNSET
+    Shutdown: UnsetType | None = UNSET
+    Spikes: SpikeBatch | UnsetType = UNSET
+    Stimuli: StimulusBatch | UnsetType = UNSET
+    TrainingComplete: UnsetType | None = UNSET
+
+
+class _Envelope(msgspec.Struct):
+    payload: _Payload | str
+    wire_version: int
+
+
+_FAST = msgspec.json.Decoder(_Envelope)
+_PAYLOAD_FIELDS = _Payload.__struct_fields__
+_EXPECTED = ", ".join(f"`{name}`" for name in VARIANTS)
+
+
+def _bad_payload(reason: object) -> MalformedMessage:
+    return MalformedMessage(f"failed to decode envelope payload: {reason}")
+
+
+def _unknown(name: str) -> MalformedMessage:
+    return _bad_payload(f"unknown variant `{name}`, expected one of {_EXPECTED}")
+
+
+def _json_text(value: object) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def _build(name: str, body: Any) -> IpcMessage:
+    """The message for variant ``name`` from its already typed ``body``."""
+    cls = VARIANTS[name]
+    if name in UNIT_VARIANTS:
+        if body is not None:
+            raise _bad_payload(f"invalid type: {_json_text(body)}, expected unit variant {name}")
+        return UNIT_MESSAGES[name]
+    if cls is Loss:
+        return Loss(body)
+    message: IpcMessage = body
+    return message
+
+
+def _alias_neuron_id(body: Any) -> Any:
+    """corpus-ipc accepts ``neuron_id`` as an alias of ``TraceData.channel_id``."""
+    if not isinstance(body, dict) or not isinstance(body.get("traces"), list):
+        return body
+    rows = []
+    for row in body["traces"]:
+        if isinstance(row, dict) and "neuron_id" in row:
+            if "channel_id" in row:
+                raise _bad_payload("duplicate field `channel_id` (also given as `neuron_id`)")
+            row = {("channel_id" if k == "neuron_id" else k): v for k, v in row.items()}
+        rows.append(row)
+    return {**body, "traces": rows}
+
+
+def _message(value: Any) -> IpcMessage:
+    """An ``IpcMessage`` from generic JSON, reporting structural faults as serde would."""
+    if isinstance(value, str):
+        if value in UNIT_MESSAGES:
+            return UNIT_MESSAGES[value]
+        if value in VARIANTS:
+            raise _bad_payload(f"invalid type: unit variant, expected variant {value} with data")
+        raise _unknown(value)
+    if not isinstance(value, dict):
+        raise _bad_payload(f"invalid type: {_json_text(value)}, expected an IpcMessage")
+    if len(value) != 1:
+        raise _bad_payload(f"a message object has exactly one variant key, found {len(value)}")
+    ((name, body),) = value.items()
+    cls = VARIANTS.get(name)
+    if cls is None:
+        raise _unknown(name)
+    if name in UNIT_VARIANTS:
+        return _build(name, body)
+    if cls is TraceBatch:
+        body = _alias_neuron_id(body)
+    try:
+        typed = msgspec.convert(body, float if cls is Loss else cls)
+    except msgspec.ValidationError as exc:
+        raise _bad_payload(f"{name}: {exc}") from exc
+    return _build(name, typed)
+
+
+def _check_version(value: object) -> None:
+    if type(value) is not int or not 0 <= value <= U32_MAX:
+        raise MalformedMessage(
+            f"wire_version must be a non-negative integer fitting u32, got {_json_text(value)}"
+        )
+    if not MIN_WIRE_VERSION <= value <= WIRE_VERSION:
+        raise WireVersionError(value, MIN_WIRE_VERSION, WIRE_VERSION)
+
+
+def _decode_careful(data: bytes | str) -> IpcMessage:
+    """corpus-ipc's decode order: JSON, version (before the payload), then the payload."""
+    try:
+        value = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise MalformedMessage(f"failed to decode envelope JSON: {exc}") from exc
+    if isinstance(value, dict) and "wire_version" in value:
+        _check_version(value["wire_version"])
+        if "payload" not in value:
+            raise MalformedMessage("missing payload on compatibility envelope")
+        return _message(value["payload"])
+    if isinstance(value, dict | str):  # a bare message: legacy, unversioned, version 1
+        return _message(value)
+    raise MalformedMessage("compatibility envelope must be a JSON object")
+
+
+def _decode_fast(data: bytes | str) -> IpcMessage | None:
+    """One typed pass for a well-formed current envelope; ``None`` sends it the careful way."""
+    try:
+        envelope = _FAST.decode(data)
+    except msgspec.MsgspecError:
+        return None
+    if envelope.wire_version != WIRE_VERSION:
+        return None
+    payload = envelope.payload
+    if isinstance(payload, str):
+        return UNIT_MESSAGES.get(payload)
+    values = astuple(payload)
+    if values.count(UNSET) != len(values) - 1:
+        return None
+    for name, value in zip(_PAYLOAD_FIELDS, values, strict=True):
+        if value is not UNSET:
+            return _build(name, value)
+    return None  # pragma: no cover - exactly one value is set
+
+
+def decode(data: bytes | bytearray | memoryview | str) -> IpcMessage:
+    """Decode a canonical envelope or a bare (unversioned) message, then validate it.
+
+    Raises MalformedMessage (JSON, shape, types, integer widths) or WireVersionError, both
+    CommunicationError; ValidationError (InvalidInput) when a well-formed message breaks a rule.
+    """
+    if isinstance(data, bytearray | memoryview):
+        data = bytes(data)
+    message = _decode_fast(data)
+    if message is None:
+        message = _decode_careful(data)
+    try:
+        return checked(message, trusted=True, track_peak=False)[0]
+    except FieldTypeError as exc:  # a u64 above 2**64 - 1: the wire type cannot hold it
+        raise _bad_payload(exc) from exc
+
+
+__all__ = ["MIN_WIRE_VERSION", "WIRE_VERSION", "decode", "encode", "encode_message"]
