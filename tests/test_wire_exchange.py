@@ -38,7 +38,8 @@ from tensorswap.wire.errors import (
 from tensorswap.wire.frames import Compression
 from tensorswap.wire.messages import Commit, Committed, Offer, Want, wire_cids
 from tensorswap.wire.server import BlockServer
-from tensorswap.wire.transport import Transport, connect_tcp, memory_pair, serve_tcp
+from tensorswap.wire.tcp import connect_tcp, serve_tcp
+from tensorswap.wire.transport import Transport, memory_pair
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -362,3 +363,89 @@ async def test_server_drops_an_idle_client() -> None:
     await serving
     assert isinstance(server.errors[-1], PeerTimeout)
     await a.aclose()
+
+
+# ── pipelined pushes ─────────────────────────────────────────────────────────
+async def test_push_tensor_pipeline_matches_put_tensor_and_dedups() -> None:
+    values = np.random.default_rng(3).standard_normal(50_000).astype(np.float32)
+    values[:20_000] = 0.0  # several identical all-zero chunks
+    tensor = TensorBlock("t", values, num_samples=9, metadata={"k": "v"})
+    expected_store = MemoryStore()
+    expected = put_tensor(expected_store, tensor, chunk_bytes=CHUNK)
+    closure = manifest_closure(expected_store, expected)
+    dst = MemoryStore()
+    async with (
+        await BlockServer(dst).start() as server,
+        await BlockClient.connect("127.0.0.1", server.port) as client,
+    ):
+        first = await client.push_tensor(tensor, chunk_bytes=CHUNK, batch=3)
+        again = await client.push_tensor(tensor, chunk_bytes=CHUNK, batch=3)
+    assert first.roots == (expected,)
+    assert first.offered == first.sent_blocks == len(closure)  # each unique block once
+    assert first.sent_bytes == block_sizes(expected_store, closure)
+    assert (again.sent_blocks, again.offered) == (0, len(closure))
+    np.testing.assert_array_equal(get_tensor(dst, expected).values, values)
+
+
+async def test_push_update_pipeline_matches_put_update() -> None:
+    update = ModelUpdate(
+        {"a": np.ones((30, 40), np.float32), "b": np.arange(5000.0)}, 7, {"m": "1"}, "u"
+    )
+    expected = put_update(MemoryStore(), update, chunk_bytes=CHUNK)
+    dst = MemoryStore()
+    async with (
+        await BlockServer(dst).start() as server,
+        await BlockClient.connect("127.0.0.1", server.port) as client,
+    ):
+        result = await client.push_update(update, chunk_bytes=CHUNK, compression="auto")
+    assert result.roots == (expected,)
+    got = get_update(dst, expected)
+    np.testing.assert_array_equal(got.tensors["a"], update.tensors["a"])
+
+
+async def test_killed_push_tensor_resumes(tcp_pair: tuple[Transport, Transport]) -> None:
+    values = np.random.default_rng(4).standard_normal(200_000).astype(np.float32)
+    tensor = TensorBlock("w", values)
+    dst = MemoryStore()
+    server = BlockServer(dst)
+    client_end, server_end = tcp_pair
+    serving = asyncio.ensure_future(server.handle(server_end))
+    client = await BlockClient.open(KillAfter(client_end, values.nbytes // 2))
+    with pytest.raises(ConnectionFailed):
+        await client.push_tensor(tensor, chunk_bytes=CHUNK)
+    await serving
+    held = dst.size().blocks
+    assert held > 0
+    async with (
+        await server.start() as listening,
+        await BlockClient.connect("127.0.0.1", listening.port) as again,
+    ):
+        result = await again.push_tensor(tensor, chunk_bytes=CHUNK)
+    assert result.sent_blocks == result.offered - held
+    np.testing.assert_array_equal(get_tensor(dst, result.roots[0]).values, values)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "float64"])
+def test_chunker_blocks_equal_put_tensor_blocks(dtype: str) -> None:
+    from tensorswap.codec import DType
+    from tensorswap.wire._chunks import TensorChunker
+
+    values = (np.arange(10_001) % 97).astype(DType.parse(dtype).numpy).reshape(73, 137)
+    tensor = TensorBlock("x", values)
+    store = MemoryStore()
+    root = put_tensor(store, tensor, chunk_bytes=4096)
+    chunker = TensorChunker(tensor, chunk_bytes=4096)
+    chunks = [chunker.prepare(start) for start in chunker.starts]
+    for chunk in chunks:
+        assert b"".join(bytes(p) for p in chunk.frame.parts) == bytes(store.get(chunk.cid))
+    assert chunker.manifest([c.ref for c in chunks if c.ref]).cid == root
+
+
+def test_chunker_of_an_empty_tensor_matches_put_tensor() -> None:
+    from tensorswap.wire._chunks import TensorChunker
+
+    tensor = TensorBlock("empty", np.empty((0, 3), np.float32))
+    root = put_tensor(MemoryStore(), tensor)
+    chunker = TensorChunker(tensor, chunk_bytes=1024)
+    assert list(chunker.starts) == []
+    assert chunker.manifest([]).cid == root

@@ -37,7 +37,8 @@ from tensorswap.wire.ipfrs import (
     IpfrsLimits,
     chunk_count,
 )
-from tensorswap.wire.transport import Transport, connect_tcp, memory_pair, serve_tcp
+from tensorswap.wire.tcp import connect_tcp, serve_tcp
+from tensorswap.wire.transport import Transport, memory_pair
 
 
 def gradient(n: int, seed: int = 0) -> np.ndarray:

@@ -17,13 +17,8 @@ from tensorswap.wire.errors import (
     TransportClosed,
     UnexpectedEof,
 )
-from tensorswap.wire.transport import (
-    DIRECT_RECEIVE_BYTES,
-    Transport,
-    connect_tcp,
-    memory_pair,
-    serve_tcp,
-)
+from tensorswap.wire.tcp import DIRECT_RECEIVE_BYTES, connect_tcp, serve_tcp
+from tensorswap.wire.transport import Transport, memory_pair
 
 Pair = tuple[Transport, Transport]
 

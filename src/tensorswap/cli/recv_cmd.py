@@ -19,7 +19,8 @@ from tensorswap.wire.connection import Timeouts
 from tensorswap.wire.errors import StreamEnded
 from tensorswap.wire.ipfrs import GradientStreamSession
 from tensorswap.wire.server import BlockServer
-from tensorswap.wire.transport import Transport, serve_tcp
+from tensorswap.wire.tcp import serve_tcp
+from tensorswap.wire.transport import Transport
 
 __all__ = ["describe_root", "recv"]
 

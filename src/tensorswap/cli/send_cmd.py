@@ -14,18 +14,17 @@ from typing import Any
 import click
 import numpy as np
 
-from tensorswap.cid import Cid
 from tensorswap.cli._util import parse_host_port
 from tensorswap.codec import TensorBlock, decode_block, is_tensorswap_block
 from tensorswap.codec.ipfrs import decode_ipfrs_gradient, is_ipfrs_gradient_file
 from tensorswap.errors import CodecError
-from tensorswap.store import DEFAULT_CHUNK_BYTES, MemoryStore, ModelUpdate, put_tensor, put_update
+from tensorswap.store import DEFAULT_CHUNK_BYTES, ModelUpdate
 from tensorswap.wire.auth import client_ssl_context, load_key
 from tensorswap.wire.client import BlockClient, CompressionChoice
 from tensorswap.wire.connection import Timeouts
 from tensorswap.wire.frames import Compression
 from tensorswap.wire.ipfrs import DEFAULT_CHUNK_SIZE, GradientStreamSession
-from tensorswap.wire.transport import connect_tcp
+from tensorswap.wire.tcp import connect_tcp
 
 __all__ = ["load_tensors", "send"]
 
@@ -76,6 +75,11 @@ def load_tensors(path: str | Path, name: str | None = None) -> TensorBlock | Mod
     )
 
 
+def item_nbytes(update: ModelUpdate) -> int:
+    """Bytes of all tensors of ``update``."""
+    return sum(int(values.nbytes) for values in update.tensors.values())
+
+
 @contextmanager
 def _progress(total: int, show: bool | None) -> Iterator[Callable[[int, int], None] | None]:
     enabled = show if show is not None else (total >= PROGRESS_MIN_BYTES and sys.stderr.isatty())
@@ -112,17 +116,21 @@ async def _send_blocks(
     timeouts: Timeouts,
     show_progress: bool | None,
 ) -> str:
-    store = MemoryStore()
+    total = item.nbytes if isinstance(item, TensorBlock) else item_nbytes(item)
     start = time.perf_counter()
-    if isinstance(item, TensorBlock):
-        root: Cid = await asyncio.to_thread(put_tensor, store, item, chunk_bytes=chunk_bytes)
-    else:
-        root = await asyncio.to_thread(put_update, store, item, chunk_bytes=chunk_bytes)
-    with _progress(store.size().nbytes, show_progress) as progress:
+    with _progress(total, show_progress) as progress:
         async with await BlockClient.connect(
             host, port, key=key, ssl=ssl, timeouts=timeouts
         ) as client:
-            result = await client.push(store, root, compression=compression, progress=progress)
+            if isinstance(item, TensorBlock):
+                result = await client.push_tensor(
+                    item, chunk_bytes=chunk_bytes, compression=compression, progress=progress
+                )
+            else:
+                result = await client.push_update(
+                    item, chunk_bytes=chunk_bytes, compression=compression, progress=progress
+                )
+    root = result.roots[0]
     seconds = time.perf_counter() - start
     return (
         f"{root}  {result.wire_bytes} bytes  {seconds:.3f} s  "

@@ -36,15 +36,8 @@ from tensorswap.wire.ipfrs import (
     chunk_count,
 )
 from tensorswap.wire.server import BlockServer, ServerStats
-from tensorswap.wire.transport import (
-    MemoryTransport,
-    TcpListener,
-    TcpTransport,
-    Transport,
-    connect_tcp,
-    memory_pair,
-    serve_tcp,
-)
+from tensorswap.wire.tcp import TcpListener, TcpTransport, connect_tcp, serve_tcp
+from tensorswap.wire.transport import MemoryTransport, Transport, memory_pair
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",

@@ -30,7 +30,7 @@ class BlockSink:
         self.depth = depth
         self.blocks = 0
         self.nbytes = 0
-        self._pending: deque[asyncio.Future[int]] = deque()
+        self._pending: deque[tuple[Cid, asyncio.Future[int]]] = deque()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-sink")
 
     def _put(self, cid: Cid, data: memoryview) -> int:
@@ -45,10 +45,15 @@ class BlockSink:
         while len(self._pending) >= self.depth:
             await self._settle_oldest()
         loop = asyncio.get_running_loop()
-        self._pending.append(loop.run_in_executor(self._pool, self._put, cid, data))
+        self._pending.append((cid, loop.run_in_executor(self._pool, self._put, cid, data)))
+
+    @property
+    def queued(self) -> set[Cid]:
+        """CIDs submitted and not yet stored (they will be, or the connection fails)."""
+        return {cid for cid, _ in self._pending}
 
     async def _settle_oldest(self) -> None:
-        future = self._pending[0]
+        _, future = self._pending[0]
         try:
             nbytes = await asyncio.shield(future)
         finally:
@@ -66,7 +71,7 @@ class BlockSink:
         """Finish the blocks already submitted (their errors are dropped) and stop the worker."""
         try:
             while self._pending:
-                future = self._pending.popleft()
+                _, future = self._pending.popleft()
                 try:
                     nbytes = await asyncio.shield(future)
                 except asyncio.CancelledError:

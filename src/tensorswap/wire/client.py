@@ -8,11 +8,19 @@ import ssl as ssl_module
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Self
+from typing import Self
 
-from tensorswap.cid import Cid, Multicodec
+from tensorswap.cid import Cid, HashFunction, Multicodec
+from tensorswap.codec import TensorBlock
 from tensorswap.store.base import BlockStore
-from tensorswap.store.manifest import manifest_closure, read_manifest
+from tensorswap.store.manifest import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkRef,
+    ModelUpdate,
+    manifest_closure,
+    read_manifest,
+)
+from tensorswap.wire._chunks import PreparedChunk, TensorChunker, update_manifest_chunk
 from tensorswap.wire._pipeline import prefetched
 from tensorswap.wire._sink import BlockSink
 from tensorswap.wire.auth import client_handshake
@@ -24,7 +32,7 @@ from tensorswap.wire.connection import (
     prepare_block,
 )
 from tensorswap.wire.errors import FrameTooLarge, ProtocolViolation, RemoteError
-from tensorswap.wire.frames import Compression, FrameKind, compress
+from tensorswap.wire.frames import Compression, CompressionChoice, FrameKind, choose_compression
 from tensorswap.wire.messages import (
     Commit,
     Committed,
@@ -36,18 +44,15 @@ from tensorswap.wire.messages import (
     parse_cids,
     wire_cids,
 )
-from tensorswap.wire.transport import Transport, connect_tcp
+from tensorswap.wire.tcp import connect_tcp
+from tensorswap.wire.transport import Transport
 
 __all__ = ["BlockClient", "CompressionChoice", "Progress", "PullResult", "PushResult"]
 
-CompressionChoice = Compression | Literal["auto"]
-"""Per-block compression: a fixed codec, or "auto" (zstd where a sample shrinks by 15%+)."""
 Progress = Callable[[int, int], None]
 """Called as ``progress(bytes_done, bytes_total)`` after each block is handed to the socket."""
 
 _CIDS_PER_MESSAGE = 65_536  # ~2.6 MB of binary CIDs, well under the default message limit
-_AUTO_SAMPLE = 64 * 1024
-_AUTO_RATIO = 0.85
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,15 +80,28 @@ class PullResult:
     seconds: float
 
 
-def choose_compression(data: memoryview, choice: CompressionChoice) -> Compression:
-    """The codec for one block: ``choice`` itself, or for "auto" zstd if a sample shrinks."""
-    if choice != "auto":
-        return Compression(choice)
-    sample = data[:_AUTO_SAMPLE]
-    if sample.nbytes < 512:
-        return Compression.NONE
-    packed = memoryview(compress(sample, Compression.ZSTD)).nbytes
-    return Compression.ZSTD if packed < _AUTO_RATIO * sample.nbytes else Compression.NONE
+@dataclass
+class _Tally:
+    """Counters of one push in progress."""
+
+    start: float
+    wire_start: int
+    offered: int = 0
+    sent_blocks: int = 0
+    sent_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.seen: set[Cid] = set()
+
+    def result(self, roots: list[Cid], wire_now: int) -> PushResult:
+        return PushResult(
+            roots=tuple(roots),
+            offered=self.offered,
+            sent_blocks=self.sent_blocks,
+            sent_bytes=self.sent_bytes,
+            wire_bytes=wire_now - self.wire_start,
+            seconds=time.perf_counter() - self.start,
+        )
 
 
 class BlockClient:
@@ -211,6 +229,134 @@ class BlockClient:
             seconds=time.perf_counter() - start,
         )
 
+    async def push_tensor(
+        self,
+        tensor: TensorBlock,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        hash: HashFunction = HashFunction.BLAKE3,
+        compression: CompressionChoice = Compression.NONE,
+        progress: Progress | None = None,
+        prefetch: int = 2,
+        batch: int = 8,
+    ) -> PushResult:
+        """Chunk, hash and send ``tensor`` in one pipeline, then commit its manifest.
+
+        Chunks are hashed and checksummed in worker threads, at most ``prefetch`` ahead of
+        the socket, and sent straight from the tensor's memory (no chunk is copied unless it
+        is compressed). Every ``batch`` chunks are offered first and only those the server
+        lacks are sent, so calling this again after a broken connection resumes the
+        transfer. The root CID equals ``put_tensor(store, tensor, chunk_bytes=...,
+        hash=...)``. The tensor must not be modified until this returns.
+        """
+        async with self._lock:
+            tally = _Tally(time.perf_counter(), self.transport.bytes_sent)
+            root = await self._stream_tensor(
+                tensor, tally, chunk_bytes, hash, compression, progress, prefetch, batch, None
+            )
+            await self._commit([root], tally.sent_blocks, tally.sent_bytes)
+        return tally.result([root], self.transport.bytes_sent)
+
+    async def push_update(
+        self,
+        update: ModelUpdate,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        hash: HashFunction = HashFunction.BLAKE3,
+        compression: CompressionChoice = Compression.NONE,
+        progress: Progress | None = None,
+        prefetch: int = 2,
+        batch: int = 8,
+    ) -> PushResult:
+        """``push_tensor`` for every tensor of ``update``, then its update manifest; commit.
+
+        The root equals ``put_update(store, update, chunk_bytes=..., hash=...)``.
+        """
+        async with self._lock:
+            tally = _Tally(time.perf_counter(), self.transport.bytes_sent)
+            total = sum(int(values.nbytes) for values in update.tensors.values())
+            tensors: list[tuple[str, Cid]] = []
+            for name, values in update.tensors.items():
+                cid = await self._stream_tensor(
+                    TensorBlock(name, values),
+                    tally,
+                    chunk_bytes,
+                    hash,
+                    compression,
+                    progress,
+                    prefetch,
+                    batch,
+                    total,
+                )
+                tensors.append((name, cid))
+            manifest = update_manifest_chunk(
+                update.name, update.num_samples, tensors, dict(update.metadata), hash
+            )
+            await self._offer_and_send([manifest], tally, None, 0)
+            await self._commit([manifest.cid], tally.sent_blocks, tally.sent_bytes)
+        return tally.result([manifest.cid], self.transport.bytes_sent)
+
+    async def _stream_tensor(
+        self,
+        tensor: TensorBlock,
+        tally: _Tally,
+        chunk_bytes: int,
+        hash: HashFunction,
+        compression: CompressionChoice,
+        progress: Progress | None,
+        prefetch: int,
+        batch: int,
+        total: int | None,
+    ) -> Cid:
+        chunker = await asyncio.to_thread(
+            TensorChunker, tensor, chunk_bytes=chunk_bytes, hash=hash, compression=compression
+        )
+        refs: list[ChunkRef] = []
+        waiting: list[PreparedChunk] = []
+        total = tensor.nbytes if total is None else total
+        async with contextlib.aclosing(
+            prefetched(chunker.starts, chunker.prepare, prefetch)
+        ) as chunks:
+            async for chunk in chunks:
+                assert chunk.ref is not None  # chunks always have one
+                refs.append(chunk.ref)
+                waiting.append(chunk)
+                if len(waiting) >= batch:
+                    await self._offer_and_send(waiting, tally, progress, total)
+                    waiting = []
+        if waiting:
+            await self._offer_and_send(waiting, tally, progress, total)
+        manifest = chunker.manifest(refs)
+        await self._offer_and_send([manifest], tally, None, 0)
+        return manifest.cid
+
+    async def _offer_and_send(
+        self,
+        chunks: list[PreparedChunk],
+        tally: _Tally,
+        progress: Progress | None,
+        total: int,
+    ) -> None:
+        fresh = []
+        for chunk in chunks:  # equal chunks of one tensor are offered and sent once
+            if chunk.cid not in tally.seen:
+                tally.seen.add(chunk.cid)
+                fresh.append(chunk)
+        tally.offered += len(fresh)
+        if not fresh:
+            return
+        wanted = set(await self._missing([c.cid for c in fresh]))
+        limit = self.welcome.max_block_bytes
+        for chunk in fresh:
+            if chunk.frame.raw_len > limit:
+                raise FrameTooLarge(f"block {chunk.cid}", chunk.frame.raw_len, limit)
+            if chunk.cid in wanted:
+                await self.conn.send_prepared(chunk.frame)
+                tally.sent_blocks += 1
+                tally.sent_bytes += chunk.frame.raw_len
+                if progress is not None:
+                    progress(tally.sent_bytes, total)
+
     async def put_blocks(
         self,
         store: BlockStore,
@@ -244,13 +390,12 @@ class BlockClient:
         prefetch: int,
     ) -> int:
         limit = self.welcome.max_block_bytes
-        stream = self._stream_id
 
         def load(cid: Cid) -> PreparedBlock:
             data = store.get(cid)
             if data.nbytes > limit:
                 raise FrameTooLarge(f"block {cid}", data.nbytes, limit)
-            return prepare_block(cid, data, choose_compression(data, compression), stream)
+            return prepare_block(cid, data, choose_compression(data, compression))
 
         total = sum(await asyncio.to_thread(_sizes, store, cids)) if progress else 0
         done = 0

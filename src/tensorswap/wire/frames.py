@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Literal, Self
 
 import google_crc32c
 import pyarrow as pa
@@ -24,8 +24,10 @@ __all__ = [
     "PROTOCOL_VERSION",
     "BlockPrefix",
     "Compression",
+    "CompressionChoice",
     "FrameHeader",
     "FrameKind",
+    "choose_compression",
     "compress",
     "crc32c",
     "decompress",
@@ -83,6 +85,11 @@ class Compression(IntEnum):
 
 
 _CODECS: dict[Compression, str] = {Compression.ZSTD: "zstd", Compression.LZ4: "lz4"}
+
+CompressionChoice = Compression | Literal["auto"]
+"""Per-block compression: a fixed codec, or "auto" (zstd where a sample shrinks by 15%+)."""
+_AUTO_SAMPLE = 64 * 1024
+_AUTO_RATIO = 0.85
 
 
 def crc32c(data: Buffer, value: int = 0) -> int:
@@ -233,3 +240,14 @@ def decompress(data: Buffer, compression: Compression, raw_len: int) -> Buffer:
             f"{compression.name} block decompressed to {out.size} bytes, raw_len {raw_len}"
         )
     return out
+
+
+def choose_compression(data: memoryview, choice: CompressionChoice) -> Compression:
+    """The codec for one block: ``choice`` itself, or for "auto" zstd if a sample shrinks."""
+    if choice != "auto":
+        return Compression(choice)
+    sample = data[:_AUTO_SAMPLE]
+    if sample.nbytes < 512:
+        return Compression.NONE
+    packed = memoryview(compress(sample, Compression.ZSTD)).nbytes
+    return Compression.ZSTD if packed < _AUTO_RATIO * sample.nbytes else Compression.NONE

@@ -336,10 +336,11 @@ async def _write(stream: StreamWriter, header: bytes, payload: Buffer) -> None:
 
 async def _read(
     stream: StreamReader, n: int, what: str, *, partial_ok: bool = True
-) -> bytearray | bytes | None:
+) -> memoryview | bytes | None:
     """``n`` bytes; None for EOF before the first byte (if ``partial_ok``); else UnexpectedEof."""
     if isinstance(stream, Transport):
-        buf = bytearray(n)
+        # n is bounded by the caller; uninitialised memory, filled completely before use
+        buf = memoryview(np.empty(n, dtype=np.uint8))  # type: ignore[arg-type]
         got = await stream.receive_into(buf)
         if got == n:
             return buf

@@ -45,7 +45,8 @@ from tensorswap.wire.messages import (
     parse_cids,
     wire_cids,
 )
-from tensorswap.wire.transport import TcpListener, Transport, serve_tcp
+from tensorswap.wire.tcp import TcpListener, serve_tcp
+from tensorswap.wire.transport import Transport
 
 __all__ = ["BlockServer", "ServerStats", "error_code"]
 
@@ -195,6 +196,8 @@ class BlockServer:
             if isinstance(message, Offer):
                 offered = parse_cids(message.cids, "Offer")
                 lacking = await asyncio.to_thread(self.store.missing, offered)
+                queued = sink.queued  # arrived and being stored: not wanted again
+                lacking = [cid for cid in lacking if cid not in queued]
                 await conn.send_message(Want(cids=wire_cids(lacking)), stream_id)
                 in_transfer = bool(lacking)
             elif isinstance(message, Commit):

@@ -1,0 +1,155 @@
+"""Chunk a tensor exactly as ``store.put_tensor`` does, framed for the wire without copies."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import blake3
+import numpy as np
+
+from tensorswap.cid import Cid, HashFunction, Multicodec
+from tensorswap.codec import TensorBlock, encode_block
+from tensorswap.store.manifest import (
+    ChunkRef,
+    TensorManifest,
+    TensorRef,
+    UpdateManifest,
+    encode_manifest,
+)
+from tensorswap.wire.connection import PreparedBlock, prepare_block
+from tensorswap.wire.frames import Compression, CompressionChoice, choose_compression
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["PreparedChunk", "TensorChunker", "manifest_chunk", "update_manifest_chunk"]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedChunk:
+    """One block ready to offer and send: its CID, manifest entry and frame."""
+
+    cid: Cid
+    ref: ChunkRef | None
+    frame: PreparedBlock
+
+
+def _digest(parts: tuple[Buffer, ...], hash: HashFunction) -> bytes:
+    hasher = blake3.blake3() if hash is HashFunction.BLAKE3 else hashlib.sha256()
+    for part in parts:
+        hasher.update(part)
+    return hasher.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """The bytes around the values in a chunk block of ``n`` values (dense, uncompressed)."""
+
+    head: bytes
+    tail: bytes
+
+
+@functools.lru_cache(maxsize=64)
+def _template(dtype: np.dtype, n: int) -> _Template | None:
+    """Find where the values sit in ``encode_block`` of n values: encode twice, diff.
+
+    Returns None if the encoding does not hold the values verbatim in one place (then the
+    caller encodes each chunk instead). Cached: chunk sizes repeat across tensors.
+    """
+    nbytes = n * dtype.itemsize
+    zeros = np.zeros(n, dtype=dtype)
+    ones = np.full(nbytes, 0xFF, dtype=np.uint8).view(dtype)
+    a = memoryview(encode_block(TensorBlock("", zeros))).cast("B")
+    b = memoryview(encode_block(TensorBlock("", ones))).cast("B")
+    if a.nbytes != b.nbytes:
+        return None
+    if n == 0:
+        return _Template(bytes(a), b"") if a == b else None
+    differ = np.flatnonzero(np.frombuffer(a, np.uint8) != np.frombuffer(b, np.uint8))
+    start, end = int(differ[0]), int(differ[-1]) + 1
+    if end - start != nbytes or bytes(a[start:end]) != bytes(nbytes):
+        return None
+    return _Template(bytes(a[:start]), bytes(a[end:]))
+
+
+class TensorChunker:
+    """Cuts ``tensor`` into the chunk blocks ``put_tensor(store, tensor, chunk_bytes=...,
+    hash=...)`` stores (dense encoding, no Arrow compression), so the root CIDs are equal.
+
+    Each chunk block is the codec's header, the tensor's own values and a trailer; it is
+    hashed and checksummed part by part and framed with the values as a view of the
+    tensor, so no chunk is copied (unless it is compressed). ``prepare`` is CPU-bound and
+    thread-safe, meant for worker threads; the tensor must not change until it is sent.
+    """
+
+    def __init__(
+        self,
+        tensor: TensorBlock,
+        *,
+        chunk_bytes: int,
+        hash: HashFunction = HashFunction.BLAKE3,
+        compression: CompressionChoice = Compression.NONE,
+    ) -> None:
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.tensor = tensor
+        self.hash = HashFunction(hash)
+        self.compression = compression
+        self._flat = tensor.flat()
+        self._per_chunk = max(1, chunk_bytes // tensor.dtype.itemsize)
+        self.starts = range(0, self._flat.size, self._per_chunk)
+        sizes = {min(self._per_chunk, self._flat.size - s) for s in self.starts}
+        self._templates = {n: _template(self._flat.dtype, n) for n in sizes}
+
+    def prepare(self, start: int) -> PreparedChunk:
+        values = self._flat[start : start + self._per_chunk]
+        template = self._templates[values.size]
+        if template is None:
+            parts: tuple[Buffer, ...] = (encode_block(TensorBlock("", values)),)
+        else:
+            parts = (template.head, values.view(np.uint8).data, template.tail)
+        cid = Cid(Multicodec.RAW, self.hash, _digest(parts, self.hash))
+        sample = values.view(np.uint8).data
+        frame = prepare_block(cid, parts, choose_compression(sample, self.compression))
+        return PreparedChunk(cid, ChunkRef(cid.to_bytes(), values.size, frame.raw_len), frame)
+
+    def manifest(self, refs: list[ChunkRef]) -> PreparedChunk:
+        """The tensor manifest block listing ``refs`` (in order)."""
+        tensor = self.tensor
+        manifest = TensorManifest(
+            name=tensor.name,
+            dtype=tensor.dtype.value,
+            shape=tensor.shape,
+            num_samples=tensor.num_samples,
+            encoding="dense",
+            compression="",
+            chunks=tuple(refs),
+            metadata=dict(tensor.metadata),
+        )
+        return manifest_chunk(encode_manifest(manifest), self.hash)
+
+
+def manifest_chunk(data: bytes, hash: HashFunction = HashFunction.BLAKE3) -> PreparedChunk:
+    """A manifest block ready to send."""
+    cid = Cid.of(data, codec=Multicodec.TENSORSWAP_MANIFEST, hash=hash)
+    return PreparedChunk(cid, None, prepare_block(cid, data))
+
+
+def update_manifest_chunk(
+    name: str,
+    num_samples: int,
+    tensors: list[tuple[str, Cid]],
+    metadata: dict[str, str],
+    hash: HashFunction = HashFunction.BLAKE3,
+) -> PreparedChunk:
+    """The update manifest block ``put_update`` would store for these tensor manifests."""
+    manifest = UpdateManifest(
+        name=name,
+        num_samples=num_samples,
+        tensors=tuple(TensorRef(n, cid.to_bytes()) for n, cid in tensors),
+        metadata=metadata,
+    )
+    return manifest_chunk(encode_manifest(manifest), hash)
