@@ -324,3 +324,33 @@ def test_result_cid_is_a_manifest(coord: Coordinator) -> None:
     coord.start_round(RID, RoundSpec(1))
     coord.submit(RID, "a", put(coord.store, 5, 1.0))
     assert coord.result(RID, timeout=30).codec is Multicodec.TENSORSWAP_MANIFEST
+
+
+def test_updates_cut_into_different_chunks_fold_to_the_same_aggregate(coord: Coordinator) -> None:
+    coord.start_round(RID, RoundSpec(3))
+    rng = np.random.default_rng(1)
+    values = [rng.standard_normal((10, 7)).astype(np.float32) for _ in range(3)]
+    for peer, v, chunk in zip("abc", values, [64, 100, 1 << 20], strict=True):
+        cid = put_update(coord.store, ModelUpdate({"w": v}, 2), chunk_bytes=chunk)
+        coord.submit(RID, peer, cid)
+    out = get_update(coord.store, coord.result(RID, timeout=30))
+    np.testing.assert_allclose(out.tensors["w"], sum(values) / 3, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_scalar_and_empty_tensors(coord: Coordinator) -> None:
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    coord.start_round(RID, RoundSpec(2))
+    for peer, value in (("a", 1.0), ("b", 3.0)):
+        tensors = {
+            "h": np.full(300, value, bf16),
+            "s": np.array(value, np.float32),
+            "e": np.zeros((0, 4), np.float32),
+        }
+        coord.submit(RID, peer, put_update(coord.store, ModelUpdate(tensors, 1), chunk_bytes=128))
+    out = get_update(coord.store, coord.result(RID, timeout=30))
+    assert out.tensors["h"].dtype == bf16
+    np.testing.assert_allclose(out.tensors["h"].astype(np.float32), 2.0)
+    assert out.tensors["s"].shape == () and float(out.tensors["s"]) == 2.0
+    assert out.tensors["e"].shape == (0, 4)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import signal
 import ssl as ssl_module
+import sys
 
 import click
 
@@ -16,7 +19,27 @@ from tensorswap.rounds.server import RoundServer
 from tensorswap.wire.auth import load_key, server_ssl_context
 from tensorswap.wire.connection import Timeouts
 
-__all__ = ["resolve_key", "serve"]
+__all__ = ["release_large_frees", "resolve_key", "serve"]
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def release_large_frees(threshold: int = 1 << 20) -> bool:
+    """Make glibc serve allocations >= ``threshold`` bytes by mmap, returned to the OS on free.
+
+    By default glibc raises this threshold as large blocks are freed, after which every
+    received multi-MiB frame lands in the heap and the freed memory stays in the process:
+    a coordinator receiving many peers' blocks then holds far more than it uses. Fixing the
+    threshold keeps its resident memory near what is live. True if it took effect.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
 
 
 def resolve_key(key: str | None, key_file: str | None) -> bytes | None:
@@ -107,6 +130,7 @@ def serve(
     if tls_key and not tls_cert:
         raise click.UsageError("--tls-key needs --tls-cert")
     ssl = server_ssl_context(tls_cert, tls_key) if tls_cert else None
+    release_large_frees()
     logging.basicConfig(
         level=getattr(logging, log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -116,20 +116,24 @@ class RoundClient:
     async def submit(
         self,
         round_id: RoundId,
-        update: ModelUpdate | Mapping[str, Any],
+        update: ModelUpdate | Mapping[str, Any] | Cid,
         num_samples: int = 0,
         *,
         compression: CompressionChoice = Compression.NONE,
     ) -> SubmitResult:
         """Store the update locally, push what the coordinator lacks, and submit it.
 
-        ``update`` is a ModelUpdate or a dict of named numpy arrays / torch tensors (then
-        ``num_samples`` is its sample count). Returns once the contribution is durable on
-        the coordinator; raises what the coordinator refused it for.
+        ``update`` is a ModelUpdate, a dict of named numpy arrays / torch tensors (then
+        ``num_samples`` is its sample count), or the CID of an update already in this
+        client's store. Returns once the contribution is durable on the coordinator; raises
+        what the coordinator refused it for.
         """
-        if not isinstance(update, ModelUpdate):
-            update = ModelUpdate(dict(update), num_samples)
-        cid = await asyncio.to_thread(put_update, self.store, update)
+        if isinstance(update, Cid):
+            cid = update
+        else:
+            if not isinstance(update, ModelUpdate):
+                update = ModelUpdate(dict(update), num_samples)
+            cid = await asyncio.to_thread(put_update, self.store, update)
         call = RoundCall("submit", round_id.round, round_id.initiator, peer=self.peer)
         async with self._lock:
             push = await self.blocks.push(self.store, cid, compression=compression)

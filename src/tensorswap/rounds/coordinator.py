@@ -13,6 +13,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+import numpy as np
+
 from tensorswap.aggregate import AggregatorSpec, StreamingAccumulator, aggregate
 from tensorswap.aggregate import Contribution as AggregateInput
 from tensorswap.cid import Cid
@@ -27,6 +29,7 @@ from tensorswap.rounds.deadline import (
     next_deadline,
 )
 from tensorswap.rounds.errors import InvalidUpdate, RoundFailed, RoundNotFound, UpdateMismatch
+from tensorswap.rounds.fold import Bounds, assemble, load_pieces
 from tensorswap.rounds.persist import RoundDatabase
 from tensorswap.rounds.state import (
     Complete,
@@ -82,12 +85,24 @@ class CoordinatorStats:
 class _Work:
     """Per-round aggregation state; its lock serializes every change to the round."""
 
-    __slots__ = ("acc", "folded", "lock")
+    __slots__ = ("acc", "bounds", "folded", "lock")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.acc: StreamingAccumulator | None = None
         self.folded: set[str] = set()
+        self.bounds: Bounds | None = None
+
+    def reset(self, spec: AggregatorSpec | None = None) -> None:
+        """Empty sums (a new accumulator for ``spec``, or none at all)."""
+        self.acc = None if spec is None else new_accumulator(spec)
+        self.folded = set()
+        self.bounds = None
+
+    def fold(self, pieces: dict[str, np.ndarray], bounds: Bounds, num_samples: int) -> None:
+        assert self.acc is not None
+        self.acc.add(pieces, num_samples)
+        self.bounds = bounds
 
 
 class Coordinator:
@@ -212,7 +227,7 @@ class Coordinator:
                     status = self.tracker.submit(contribution, layout=facts.layout)
                 except BaseException:
                     if folded:  # the sums hold an unaccepted update: rebuild them at the end
-                        work.acc, work.folded = None, set()
+                        work.reset()
                     raise
                 if folded:
                     work.folded.add(peer)
@@ -305,10 +320,10 @@ class Coordinator:
         """Fold the update into the round's sums (streaming) or check it; True if folded."""
         if spec.kind in STREAMING_KINDS:
             if work.acc is None:
-                work.acc, work.folded = new_accumulator(spec), set()
-            update = get_update(self.store, cid, verify=self._verify)
+                work.reset(spec)
+            pieces, bounds, n = load_pieces(self.store, cid, work.bounds, verify=self._verify)
             try:
-                work.acc.add(dict(update.tensors), update.num_samples)
+                work.fold(pieces, bounds, n)
             except NonFiniteValues as exc:
                 raise InvalidUpdate(key, peer, f"{exc.count} non-finite values") from exc
             except AggregationError as exc:
@@ -353,14 +368,17 @@ class Coordinator:
         with work.lock:
             if spec.kind in STREAMING_KINDS:
                 if work.acc is None:
-                    work.acc, work.folded = new_accumulator(spec), set()
+                    work.reset(spec)
                 for c in contributions:  # after a restart, or a rebuild: fold what is missing
                     if c.peer not in work.folded:
-                        update = self._load(c)
-                        work.acc.add(dict(update.tensors), update.num_samples)
+                        cid = Cid.parse(c.update_cid)
+                        work.fold(*load_pieces(self.store, cid, work.bounds, verify=self._verify))
                         work.folded.add(c.peer)
-                result = work.acc.result()
-                work.acc, work.folded = None, set()  # free the sums before storing the result
+                assert work.acc is not None and work.bounds is not None
+                result, bounds = work.acc.result(), work.bounds
+                work.reset()  # free the sums before building and storing the result
+                layout = info.layout or self._layout_of(contributions[0])
+                values = assemble(result.values, bounds, layout)  # type: ignore[arg-type]
             else:
                 inputs = [
                     AggregateInput(dict(self._load(c).tensors), c.num_samples)
@@ -368,13 +386,12 @@ class Coordinator:
                 ]
                 result = aggregate(inputs, spec)
                 del inputs
-        values = result.values
-        assert isinstance(values, dict)  # inputs were dicts, so the aggregate is one too
-        if info.layout is not None:
-            for layer in info.layout:
-                want = DType.parse(layer.dtype).numpy
-                if values[layer.name].dtype != want:
-                    values[layer.name] = values[layer.name].astype(want)
+                values = result.values  # type: ignore[assignment]
+                assert isinstance(values, dict)  # inputs were dicts, so the aggregate is one too
+                for layer in info.layout or ():
+                    want = DType.parse(layer.dtype).numpy
+                    if values[layer.name].dtype != want:
+                        values[layer.name] = values[layer.name].astype(want)
         metadata = {
             "round": info.round_id.as_key(),
             "strategy": info.spec.strategy,
@@ -383,6 +400,12 @@ class Coordinator:
         }
         update = ModelUpdate(values, result.total_samples, metadata, name=info.round_id.as_key())
         return put_update(self.store, update)
+
+    def _layout_of(self, contribution: Contribution) -> Layout:
+        """The layout of a stored contribution (for rounds journaled without one)."""
+        cid = Cid.parse(contribution.update_cid)
+        key = contribution.round_id.as_key()
+        return inspect_update(self.store, cid, key, contribution.peer, verify=self._verify).layout
 
     def _load(self, contribution: Contribution) -> ModelUpdate:
         return get_update(self.store, Cid.parse(contribution.update_cid), verify=self._verify)

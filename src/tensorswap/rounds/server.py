@@ -56,7 +56,9 @@ class RoundServer(BlockServer):
     back on the COMMITTED frame. A refused request (a RoundsError) is answered in the
     COMMITTED frame and the connection stays usable; any other failure ends the connection
     as in BlockServer. ``wait`` requests do not hold a thread: they are woken by the
-    coordinator's status changes. The server does not own the coordinator.
+    coordinator's status changes. ``store_depth`` bounds the received blocks waiting to be
+    stored per connection (memory: about ``connections * (store_depth + 1)`` blocks). The
+    server does not own the coordinator.
     """
 
     def __init__(
@@ -67,8 +69,16 @@ class RoundServer(BlockServer):
         limits: WireLimits | None = None,
         timeouts: Timeouts | None = None,
         name: str = "tensorswap-coordinator",
+        store_depth: int = 2,
     ) -> None:
-        super().__init__(coordinator.store, key=key, limits=limits, timeouts=timeouts, name=name)
+        super().__init__(
+            coordinator.store,
+            key=key,
+            limits=limits,
+            timeouts=timeouts,
+            name=name,
+            store_depth=store_depth,
+        )
         self.coordinator = coordinator
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[RoundId, set[asyncio.Event]] = {}

@@ -1,0 +1,115 @@
+"""Reading stored updates as chunk-sized pieces, zero-copy, for the streaming accumulator.
+
+A FedAvg or mean round folds each contribution as a dict of pieces (one per stored chunk)
+rather than of whole tensors: an accumulator sees the same values, weights, norms and
+finiteness checks either way, but pieces are read straight from the memory-mapped chunk
+blocks, so folding a contribution copies nothing. The first contribution fixes where the
+pieces are cut; a later one stored with other chunk sizes is loaded whole and sliced the
+same way (one copy, still correct).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import numpy as np
+
+from tensorswap.cid import Cid
+from tensorswap.codec import DType, decode_block
+from tensorswap.errors import CodecError
+from tensorswap.rounds.state import Layout
+from tensorswap.store import (
+    BlockStore,
+    MalformedManifest,
+    TensorManifest,
+    UpdateManifest,
+    get_tensor,
+    read_manifest,
+)
+
+__all__ = ["Bounds", "assemble", "load_pieces", "piece_key"]
+
+Bounds = dict[str, tuple[int, ...]]
+"""Per tensor, the flat offsets where pieces start, then its size: ``(0, c0, c0 + c1, ..., n)``."""
+
+
+def piece_key(name: str, start: int) -> str:
+    """The accumulator key of tensor ``name``'s piece starting at flat offset ``start``."""
+    return f"{start}@{name}"
+
+
+def load_pieces(
+    store: BlockStore, cid: Cid, bounds: Bounds | None, *, verify: bool | None = None
+) -> tuple[dict[str, np.ndarray], Bounds, int]:
+    """The update ``cid`` as flat pieces, the bounds they follow, and its num_samples.
+
+    With ``bounds`` None the update's own chunks are the pieces. The update must already
+    have been checked (``inspect_update``); a chunk that does not decode to what its
+    manifest says raises MalformedManifest.
+    """
+    manifest = read_manifest(store, cid, verify=verify)
+    if not isinstance(manifest, UpdateManifest):
+        raise MalformedManifest("expected an update manifest", cid)
+    pieces: dict[str, np.ndarray] = {}
+    used: Bounds = {}
+    for ref in manifest.tensors:
+        tensor = read_manifest(store, ref.cid, verify=verify)
+        if not isinstance(tensor, TensorManifest):
+            raise MalformedManifest(f"entry {ref.name!r} is not a tensor", cid)
+        own = (0, *itertools.accumulate(chunk.values for chunk in tensor.chunks))
+        if tensor.size == 0:
+            own = (0,)
+        want = own if bounds is None else bounds.get(ref.name, own)
+        used[ref.name] = want
+        if want == own:
+            dtype = DType.parse(tensor.dtype)
+            for i in range(len(tensor.chunks)):
+                pieces[piece_key(ref.name, own[i])] = _chunk_values(store, tensor, i, dtype, verify)
+        else:
+            flat = get_tensor(store, ref.cid, verify=verify).flat()
+            for start, stop in itertools.pairwise(want):
+                pieces[piece_key(ref.name, start)] = flat[start:stop]
+    return pieces, used, manifest.num_samples
+
+
+def _chunk_values(
+    store: BlockStore, tensor: TensorManifest, index: int, dtype: DType, verify: bool | None
+) -> np.ndarray:
+    chunk = tensor.chunks[index]
+    data = store.get(chunk.cid, verify=verify)
+    try:
+        piece = decode_block(data, max_values=chunk.values)
+    except CodecError as exc:
+        raise MalformedManifest(f"chunk {index} of {tensor.name!r}: {exc}") from exc
+    if piece.dtype is not dtype or piece.shape != (chunk.values,):
+        raise MalformedManifest(
+            f"chunk {index} of {tensor.name!r} holds {piece.dtype} {list(piece.shape)}, "
+            f"manifest says {dtype} [{chunk.values}]"
+        )
+    return piece.values
+
+
+def assemble(
+    pieces: dict[str, np.ndarray], bounds: Bounds, layout: Layout
+) -> dict[str, np.ndarray]:
+    """Whole tensors in the round's layout (names, dtypes, shapes) from aggregated pieces.
+
+    Each piece is removed from ``pieces`` once copied, so its memory can go before the
+    next tensor is built; values are cast to the layout's dtype.
+    """
+    out: dict[str, np.ndarray] = {}
+    for layer in layout:
+        size = int(np.prod(layer.shape, dtype=np.int64))
+        values = np.empty(size, dtype=DType.parse(layer.dtype).numpy)
+        edges = bounds.get(layer.name, (0, size))
+        for start, stop in itertools.pairwise(edges):
+            piece = pieces.pop(piece_key(layer.name, start))
+            np.copyto(values[start:stop], piece, casting="unsafe")  # narrowing is intended
+        out[layer.name] = values.reshape(layer.shape)
+    return out
+
+
+def describe(bounds: Mapping[str, tuple[int, ...]]) -> str:
+    """``name: k pieces`` per tensor, for logs."""
+    return ", ".join(f"{name}: {max(len(b) - 1, 0)} pieces" for name, b in bounds.items())
