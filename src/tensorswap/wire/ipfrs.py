@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
@@ -50,6 +51,7 @@ DEFAULT_CHUNK_SIZE = 65_536
 """Values per chunk in ipfrs (65,536 float32, about 256 KiB of values)."""
 FRAME_HEADER_SIZE = 16
 _FRAME = struct.Struct("<IIII")
+_CHECK_DEPTH = 4  # chunks checked (CRC-32, decode) in worker threads while the next arrive
 _U32_MAX = 2**32 - 1
 
 StreamReader = asyncio.StreamReader | Transport
@@ -134,15 +136,23 @@ class GradientReassembler:
     ``add`` raises, for the chunk at hand: ChunkIndexOutOfRange, TotalChunksMismatch (against
     the first chunk added), DuplicateChunk, ChecksumMismatch or InvalidChunkPayload; a chunk
     that raised is not kept. ``result`` raises IncompleteStream until every chunk is in.
+    ``add`` is ``claim`` + ``verify`` + ``accept``; a receiver may run ``verify`` (CRC-32 and
+    decoding, thread-safe) in a worker thread between the other two.
     """
 
     def __init__(self) -> None:
         self.total: int | None = None
+        self._claimed: set[int] = set()
         self._parts: dict[int, np.ndarray] = {}
 
     @property
     def received(self) -> int:
         return len(self._parts)
+
+    @property
+    def claimed(self) -> int:
+        """Chunks whose headers were accepted (verified or not yet)."""
+        return len(self._claimed)
 
     @property
     def complete(self) -> bool:
@@ -155,20 +165,40 @@ class GradientReassembler:
             raise ChunkIndexOutOfRange(index, total)
         if self.total is not None and total != self.total:
             raise TotalChunksMismatch(index, self.total, total)
-        if index in self._parts:
+        if index in self._claimed:
             raise DuplicateChunk(index)
 
-    def add(self, chunk: GradientChunk) -> None:
-        self.check_header(chunk.header)
+    def claim(self, header: IpfrsFrameHeader) -> None:
+        """Check and reserve the header's index (the stream's total is fixed by the first)."""
+        self.check_header(header)
+        self.total = header.total_chunks
+        self._claimed.add(header.chunk_index)
+
+    @staticmethod
+    def verify(chunk: GradientChunk) -> np.ndarray:
+        """The chunk's values after its CRC-32 and payload are checked."""
         actual = crc32(chunk.payload)
         if actual != chunk.checksum:
             raise ChecksumMismatch(chunk.chunk_index, chunk.checksum, actual)
         try:
-            values = decode_ipfrs_gradient(chunk.payload)
+            return decode_ipfrs_gradient(chunk.payload)
         except CodecError as exc:
             raise InvalidChunkPayload(chunk.chunk_index, str(exc)) from exc
-        self.total = chunk.total_chunks
-        self._parts[chunk.chunk_index] = values
+
+    def accept(self, index: int, values: np.ndarray) -> None:
+        """Keep the verified values of a claimed chunk."""
+        self._parts[index] = values
+
+    def add(self, chunk: GradientChunk) -> None:
+        total = self.total
+        self.claim(chunk.header)
+        try:
+            values = self.verify(chunk)
+        except BaseException:
+            self._claimed.discard(chunk.chunk_index)
+            self.total = total if not self._claimed else self.total
+            raise
+        self.accept(chunk.chunk_index, values)
 
     def result(self) -> np.ndarray:
         """The gradient (float32, 1-D), chunks joined in index order."""
@@ -288,14 +318,41 @@ class GradientStreamSession:
         frame takes longer than ``read_timeout``, and the reassembler's chunk errors.
         """
         assembler = GradientReassembler()
+        checking: deque[tuple[int, asyncio.Future[np.ndarray]]] = deque()
+
+        async def settle_oldest() -> None:
+            index, future = checking.popleft()
+            assembler.accept(index, await future)
+
+        try:
+            await self._receive_frames(stream, assembler, checking, settle_oldest)
+            while checking:
+                await settle_oldest()
+        finally:
+            for _, future in checking:
+                future.cancel()
+            if checking:
+                await asyncio.gather(*(f for _, f in checking), return_exceptions=True)
+        return assembler.result()
+
+    async def _receive_frames(
+        self,
+        stream: StreamReader,
+        assembler: GradientReassembler,
+        checking: deque[tuple[int, asyncio.Future[np.ndarray]]],
+        settle_oldest: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Read frames until every chunk is claimed; CRC and decoding run in worker threads."""
         total_bytes = 0
-        while not assembler.complete:
+        while assembler.total is None or assembler.claimed < assembler.total:
             try:
                 async with asyncio.timeout(self.read_timeout):
                     raw = await _read(stream, FRAME_HEADER_SIZE, "ipfrs frame header")
                     if raw is None:
-                        if assembler.received == 0:
+                        if assembler.claimed == 0:
                             raise StreamEnded("ipfrs gradient stream")
+                        while checking:  # a bad chunk already in is the better error
+                            await settle_oldest()
                         raise IncompleteStream(assembler.received, assembler.total)
                     header = IpfrsFrameHeader.unpack(raw, self.limits)
                     assembler.check_header(header)
@@ -313,16 +370,14 @@ class GradientStreamSession:
             except OSError as exc:
                 raise ConnectionFailed(_peer(stream), str(exc)) from exc
             assert payload is not None
-            assembler.add(
-                GradientChunk(
-                    self.session_id,
-                    header.chunk_index,
-                    header.total_chunks,
-                    payload,
-                    header.checksum,
-                )
+            assembler.claim(header)
+            chunk = GradientChunk(
+                self.session_id, header.chunk_index, header.total_chunks, payload, header.checksum
             )
-        return assembler.result()
+            while len(checking) >= _CHECK_DEPTH:
+                await settle_oldest()
+            future = asyncio.ensure_future(asyncio.to_thread(assembler.verify, chunk))
+            checking.append((header.chunk_index, future))
 
 
 async def _write(stream: StreamWriter, header: bytes, payload: Buffer) -> None:
