@@ -78,6 +78,23 @@ def test_round_trip_dtypes_and_shapes(
     assert _same(back.values, values)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(["float32", "float16", "bfloat16", "int8", "int64"]),
+    shape=st.lists(st.integers(0, 9), max_size=3).map(tuple),
+    chunk_bytes=st.integers(1, 100),
+    seed=st.integers(0, 3),
+)
+def test_round_trip_property(
+    dtype: str, shape: tuple[int, ...], chunk_bytes: int, seed: int
+) -> None:
+    store = MemoryStore()
+    values = _values(dtype, shape, seed)
+    cid = put_tensor(store, TensorBlock("x", values), chunk_bytes=chunk_bytes)
+    assert _same(get_tensor(store, cid).values, values)
+    assert store.missing(manifest_closure(store, cid)) == []
+
+
 @pytest.mark.parametrize("extra", [-1, 0, 1])
 @pytest.mark.parametrize("chunks", [1, 2, 3])
 def test_chunk_boundaries(store: BlockStore, chunks: int, extra: int) -> None:
