@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl as ssl_module
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Self
@@ -23,7 +24,14 @@ from tensorswap.rounds.protocol import (
     spec_to_wire,
 )
 from tensorswap.rounds.state import Complete, RoundId, RoundSpec, RoundStatus, status_from_dict
-from tensorswap.store import BlockStore, MemoryStore, ModelUpdate, get_update, put_update
+from tensorswap.store import (
+    BlockStore,
+    MemoryStore,
+    ModelUpdate,
+    get_update,
+    manifest_closure,
+    put_update,
+)
 from tensorswap.wire.client import BlockClient, CompressionChoice, PushResult
 from tensorswap.wire.connection import Timeouts, WireLimits
 from tensorswap.wire.errors import ProtocolViolation
@@ -136,8 +144,20 @@ class RoundClient:
             cid = await asyncio.to_thread(put_update, self.store, update)
         call = RoundCall("submit", round_id.round, round_id.initiator, peer=self.peer)
         async with self._lock:
-            push = await self.blocks.push(self.store, cid, compression=compression)
-            answer = await self._call([cid], call, locked=True)
+            start, wire_start = time.perf_counter(), self.blocks.transport.bytes_sent
+            closure = await asyncio.to_thread(_children_first, self.store, cid)
+            lacking = await self.blocks.missing(closure)
+            sent = await self.blocks.put_blocks(self.store, lacking, compression=compression)
+            # The submit itself commits the blocks: one round trip for commit and submit.
+            answer = await self._call([cid], call, locked=True, blocks=len(lacking), nbytes=sent)
+            push = PushResult(
+                roots=(cid,),
+                offered=len(closure),
+                sent_blocks=len(lacking),
+                sent_bytes=sent,
+                wire_bytes=self.blocks.transport.bytes_sent - wire_start,
+                seconds=time.perf_counter() - start,
+            )
         return SubmitResult(cid, _status(answer), push)
 
     async def status(self, round_id: RoundId) -> RoundStatus:
@@ -186,13 +206,15 @@ class RoundClient:
         limit: float | None = None,
         unbounded: bool = False,
         locked: bool = False,
+        blocks: int = 0,
+        nbytes: int = 0,
     ) -> RoundAnswer:
         if not locked:
             async with self._lock:
                 return await self._call(roots, call, limit=limit, unbounded=unbounded, locked=True)
         conn = self.blocks.conn
         self._stream += 1
-        message = RoundsCommit(roots=wire_cids(roots), blocks=0, nbytes=0, rounds=call)
+        message = RoundsCommit(roots=wire_cids(roots), blocks=blocks, nbytes=nbytes, rounds=call)
         await conn.transport.send(*encode_frame(message, self._stream))
         timeout: float | str | None = None if unbounded else (limit or "read")
         frame = await conn.receive_frame(timeout=timeout)  # type: ignore[arg-type]
@@ -204,6 +226,11 @@ class RoundClient:
         if answer.error is not None:
             raise_remote(answer.error, conn.peer)
         return answer
+
+
+def _children_first(store: BlockStore, root: Cid) -> list[Cid]:
+    """The blocks of ``root``, chunks before the manifests that list them (what a push sends)."""
+    return list(reversed(manifest_closure(store, root)))
 
 
 def _status(answer: RoundAnswer) -> RoundStatus:

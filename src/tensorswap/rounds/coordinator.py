@@ -44,6 +44,7 @@ from tensorswap.rounds.state import (
 )
 from tensorswap.rounds.updates import (
     STREAMING_KINDS,
+    UpdateFacts,
     aggregator_spec,
     check_finite,
     inspect_update,
@@ -152,7 +153,7 @@ class Coordinator:
         self.tracker.default_spec = spec
         self._lock = threading.Lock()
         self._work: dict[RoundId, _Work] = {}
-        self._stats = CoordinatorStats()
+        self._counters: dict[str, float] = asdict(CoordinatorStats())
         self._closed = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-aggregate")
         self._timer: DeadlineTimer | None = None
@@ -218,7 +219,7 @@ class Coordinator:
             work = self._work_for(round_id)
             with work.lock:
                 self.tracker.check_submit(round_id, peer)
-                folded = self._screen(work, spec, facts.cid, key, peer)
+                folded = self._screen(work, spec, facts, key, peer)
                 now = self.clock.now()
                 contribution = Contribution(
                     round_id, peer, str(facts.cid), facts.num_samples, facts.nbytes, now
@@ -299,15 +300,14 @@ class Coordinator:
     # ── counters ─────────────────────────────────────────────────────────────
     def stats(self) -> CoordinatorStats:
         with self._lock:
-            stats = self._stats
-        return _replace(stats, active_rounds=self.tracker.active_count())
+            counters = dict(self._counters)
+        counters["active_rounds"] = self.tracker.active_count()
+        return CoordinatorStats(**counters)  # type: ignore[arg-type]
 
     def _count(self, **deltas: float) -> None:
         with self._lock:
-            current = self._stats
-            self._stats = _replace(
-                current, **{k: getattr(current, k) + v for k, v in deltas.items()}
-            )
+            for name, delta in deltas.items():
+                self._counters[name] += delta
 
     # ── aggregation ──────────────────────────────────────────────────────────
     def _check_layout(self, info: RoundInfo, layout: Layout, peer: str) -> None:
@@ -316,12 +316,15 @@ class Coordinator:
             if detail is not None:
                 raise UpdateMismatch(info.round_id.as_key(), peer, detail)
 
-    def _screen(self, work: _Work, spec: AggregatorSpec, cid: Cid, key: str, peer: str) -> bool:
+    def _screen(
+        self, work: _Work, spec: AggregatorSpec, facts: UpdateFacts, key: str, peer: str
+    ) -> bool:
         """Fold the update into the round's sums (streaming) or check it; True if folded."""
+        cid = facts.cid
         if spec.kind in STREAMING_KINDS:
             if work.acc is None:
                 work.reset(spec)
-            pieces, bounds, n = load_pieces(self.store, cid, work.bounds, verify=self._verify)
+            pieces, bounds, n = load_pieces(self.store, facts, work.bounds, verify=self._verify)
             try:
                 work.fold(pieces, bounds, n)
             except NonFiniteValues as exc:
@@ -355,7 +358,7 @@ class Coordinator:
         self.tracker.mark_complete(round_id, str(cid))
         self._count(rounds_completed=1, aggregation_seconds=seconds)
         with self._lock:
-            self._stats = _replace(self._stats, last_aggregation_seconds=seconds)
+            self._counters["last_aggregation_seconds"] = seconds
         log.info("round %s complete in %.3f s: %s", round_id, seconds, cid)
 
     def _compute(self, round_id: RoundId) -> Cid:
@@ -371,8 +374,8 @@ class Coordinator:
                     work.reset(spec)
                 for c in contributions:  # after a restart, or a rebuild: fold what is missing
                     if c.peer not in work.folded:
-                        cid = Cid.parse(c.update_cid)
-                        work.fold(*load_pieces(self.store, cid, work.bounds, verify=self._verify))
+                        facts = self._facts(c)
+                        work.fold(*load_pieces(self.store, facts, work.bounds, verify=self._verify))
                         work.folded.add(c.peer)
                 assert work.acc is not None and work.bounds is not None
                 result, bounds = work.acc.result(), work.bounds
@@ -401,11 +404,15 @@ class Coordinator:
         update = ModelUpdate(values, result.total_samples, metadata, name=info.round_id.as_key())
         return put_update(self.store, update)
 
-    def _layout_of(self, contribution: Contribution) -> Layout:
-        """The layout of a stored contribution (for rounds journaled without one)."""
+    def _facts(self, contribution: Contribution) -> UpdateFacts:
+        """What the manifests of an accepted contribution say."""
         cid = Cid.parse(contribution.update_cid)
         key = contribution.round_id.as_key()
-        return inspect_update(self.store, cid, key, contribution.peer, verify=self._verify).layout
+        return inspect_update(self.store, cid, key, contribution.peer, verify=self._verify)
+
+    def _layout_of(self, contribution: Contribution) -> Layout:
+        """The layout of a stored contribution (for rounds journaled without one)."""
+        return self._facts(contribution).layout
 
     def _load(self, contribution: Contribution) -> ModelUpdate:
         return get_update(self.store, Cid.parse(contribution.update_cid), verify=self._verify)
@@ -471,9 +478,3 @@ class Coordinator:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _replace(stats: CoordinatorStats, **changes: float) -> CoordinatorStats:
-    fields = asdict(stats)
-    fields.update(changes)
-    return CoordinatorStats(**fields)

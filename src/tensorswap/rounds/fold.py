@@ -15,18 +15,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from tensorswap.cid import Cid
 from tensorswap.codec import DType, decode_block
 from tensorswap.errors import CodecError
 from tensorswap.rounds.state import Layout
-from tensorswap.store import (
-    BlockStore,
-    MalformedManifest,
-    TensorManifest,
-    UpdateManifest,
-    get_tensor,
-    read_manifest,
-)
+from tensorswap.rounds.updates import UpdateFacts
+from tensorswap.store import BlockStore, MalformedManifest, TensorManifest, get_tensor
 
 __all__ = ["Bounds", "assemble", "load_pieces", "piece_key"]
 
@@ -40,37 +33,31 @@ def piece_key(name: str, start: int) -> str:
 
 
 def load_pieces(
-    store: BlockStore, cid: Cid, bounds: Bounds | None, *, verify: bool | None = None
+    store: BlockStore, facts: UpdateFacts, bounds: Bounds | None, *, verify: bool | None = None
 ) -> tuple[dict[str, np.ndarray], Bounds, int]:
-    """The update ``cid`` as flat pieces, the bounds they follow, and its num_samples.
+    """The checked update ``facts`` as flat pieces, the bounds they follow, its num_samples.
 
-    With ``bounds`` None the update's own chunks are the pieces. The update must already
-    have been checked (``inspect_update``); a chunk that does not decode to what its
-    manifest says raises MalformedManifest.
+    With ``bounds`` None the update's own chunks are the pieces. A chunk that does not
+    decode to what its manifest says raises MalformedManifest.
     """
-    manifest = read_manifest(store, cid, verify=verify)
-    if not isinstance(manifest, UpdateManifest):
-        raise MalformedManifest("expected an update manifest", cid)
     pieces: dict[str, np.ndarray] = {}
     used: Bounds = {}
-    for ref in manifest.tensors:
-        tensor = read_manifest(store, ref.cid, verify=verify)
-        if not isinstance(tensor, TensorManifest):
-            raise MalformedManifest(f"entry {ref.name!r} is not a tensor", cid)
+    for tensor_cid, tensor in facts.tensors:
+        name = tensor.name
         own = (0, *itertools.accumulate(chunk.values for chunk in tensor.chunks))
         if tensor.size == 0:
             own = (0,)
-        want = own if bounds is None else bounds.get(ref.name, own)
-        used[ref.name] = want
+        want = own if bounds is None else bounds.get(name, own)
+        used[name] = want
         if want == own:
             dtype = DType.parse(tensor.dtype)
             for i in range(len(tensor.chunks)):
-                pieces[piece_key(ref.name, own[i])] = _chunk_values(store, tensor, i, dtype, verify)
+                pieces[piece_key(name, own[i])] = _chunk_values(store, tensor, i, dtype, verify)
         else:
-            flat = get_tensor(store, ref.cid, verify=verify).flat()
+            flat = get_tensor(store, tensor_cid, verify=verify).flat()
             for start, stop in itertools.pairwise(want):
-                pieces[piece_key(ref.name, start)] = flat[start:stop]
-    return pieces, used, manifest.num_samples
+                pieces[piece_key(name, start)] = flat[start:stop]
+    return pieces, used, facts.num_samples
 
 
 def _chunk_values(

@@ -154,10 +154,9 @@ class RoundDatabase:
     ) -> None:
         rid = contribution.round_id
         key = (_round_number(rid), rid.initiator)
+        # Acceptance order: the tracker passes Collecting(received) with this one counted.
+        seq = status.received - 1 if isinstance(status, Collecting) else 0
         with self._transaction() as db:
-            seq = db.execute(
-                "SELECT COUNT(*) FROM contributions WHERE round = ? AND initiator = ?", key
-            ).fetchone()[0]
             db.execute(
                 "INSERT INTO contributions (round, initiator, peer, seq, update_cid,"
                 " num_samples, nbytes, submitted_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",

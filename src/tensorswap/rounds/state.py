@@ -302,7 +302,16 @@ class RoundJournal(Protocol):
 
 
 class _Round:
-    __slots__ = ("contributions", "created_at", "deadline", "id", "layout", "spec", "status")
+    __slots__ = (
+        "contributions",
+        "created_at",
+        "deadline",
+        "id",
+        "layout",
+        "nbytes",
+        "spec",
+        "status",
+    )
 
     def __init__(self, info: RoundInfo, contributions: Iterable[Contribution] = ()) -> None:
         self.id = info.round_id
@@ -312,6 +321,11 @@ class _Round:
         self.deadline = info.deadline
         self.layout = info.layout
         self.contributions: dict[str, Contribution] = {c.peer: c for c in contributions}
+        self.nbytes = sum(c.nbytes for c in self.contributions.values())
+
+    def add(self, contribution: Contribution) -> None:
+        self.contributions[contribution.peer] = contribution
+        self.nbytes += contribution.nbytes
 
     def snapshot(self) -> RoundInfo:
         return RoundInfo(
@@ -319,7 +333,7 @@ class _Round:
             self.spec,
             self.status,
             tuple(self.contributions),
-            sum(c.nbytes for c in self.contributions.values()),
+            self.nbytes,
             self.created_at,
             self.deadline,
             self.layout,
@@ -423,7 +437,7 @@ class RoundTracker:
             status = Collecting(len(entry.contributions) + 1, entry.spec.expected_peers)
             if self._journal is not None:
                 self._journal.add_contribution(contribution, status, new_layout)
-            entry.contributions[contribution.peer] = contribution
+            entry.add(contribution)
             entry.status = status
             if new_layout is not None:
                 entry.layout = new_layout

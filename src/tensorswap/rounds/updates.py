@@ -95,6 +95,8 @@ class UpdateFacts:
     layout: Layout
     num_samples: int
     nbytes: int
+    tensors: tuple[tuple[Cid, TensorManifest], ...] = ()
+    """Each layer's tensor manifest CID and decoded manifest, in layout order."""
 
 
 def inspect_update(
@@ -110,10 +112,13 @@ def inspect_update(
     if not isinstance(manifest, UpdateManifest):
         raise UpdateMismatch(key, peer, f"{cid} is a tensor manifest, not a model update")
     layers = []
+    tensors = []
     for ref in manifest.tensors:
         tensor, size = _manifest(store, ref.cid, key, peer, verify, f"tensor {ref.name!r}")
         if not isinstance(tensor, TensorManifest):
             raise UpdateMismatch(key, peer, f"entry {ref.name!r} links an update, not a tensor")
+        if tensor.name != ref.name:
+            raise UpdateMismatch(key, peer, f"entry {ref.name!r} links tensor {tensor.name!r}")
         missing = store.missing(tensor.links())
         if missing:
             detail = f"tensor {ref.name!r} lacks {len(missing)} of {len(tensor.chunks)} chunks"
@@ -124,7 +129,8 @@ def inspect_update(
             )
         nbytes += size + sum(chunk.nbytes for chunk in tensor.chunks)
         layers.append(LayerSpec(ref.name, tensor.dtype, tuple(tensor.shape)))
-    return UpdateFacts(cid, tuple(layers), manifest.num_samples, nbytes)
+        tensors.append((ref.cid, tensor))
+    return UpdateFacts(cid, tuple(layers), manifest.num_samples, nbytes, tuple(tensors))
 
 
 def _manifest(
