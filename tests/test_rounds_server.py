@@ -182,3 +182,21 @@ async def test_200_concurrent_peers_in_one_round(server: RoundServer) -> None:
         got = await lead.fetch_result(RID, timeout=30)
         np.testing.assert_allclose(got["w"], (n - 1) / 2, rtol=1e-6)
         assert server.coordinator.stats().contributions == n
+
+
+async def test_blocking_client_with_torch_tensors(server: RoundServer) -> None:
+    torch = pytest.importorskip("torch")
+    from tensorswap.rounds.blocking import BlockingRoundClient
+
+    def peer_loop(name: str, value: float) -> dict[str, np.ndarray]:
+        with BlockingRoundClient("127.0.0.1", server.port, peer=name, key=KEY) as client:
+            client.start_round(RID, RoundSpec(2))
+            state = {"layer.weight": torch.full((3, 2), value), "layer.bias": torch.zeros(2)}
+            client.submit(RID, state, num_samples=1)
+            return client.fetch_result(RID, timeout=60)
+
+    a, b = await asyncio.gather(
+        asyncio.to_thread(peer_loop, "a", 1.0), asyncio.to_thread(peer_loop, "b", 3.0)
+    )
+    np.testing.assert_allclose(a["layer.weight"], 2.0)
+    np.testing.assert_array_equal(a["layer.weight"], b["layer.weight"])

@@ -345,3 +345,11 @@ def test_concurrent_submits_are_each_counted_once() -> None:
     assert len(errors) == 32
     assert tracker.status(rid) == Collecting(32, 64)
     assert sorted(c.peer for c in tracker.contributions(rid)) == sorted(f"p{i}" for i in range(32))
+
+
+def test_public_names_import() -> None:
+    import tensorswap.rounds as rounds
+
+    assert rounds.__all__ == sorted(rounds.__all__)
+    for name in rounds.__all__:
+        assert getattr(rounds, name) is not None

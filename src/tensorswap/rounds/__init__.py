@@ -1,5 +1,7 @@
 """Rounds: the coordinator's state machine, deadlines and quorum, persisted in SQLite."""
 
+from tensorswap.rounds.blocking import BlockingRoundClient
+from tensorswap.rounds.client import RoundClient, ServerStatus, SubmitResult
 from tensorswap.rounds.coordinator import Coordinator, CoordinatorStats
 from tensorswap.rounds.deadline import Clock, FakeClock, SystemClock, expiry_verdict
 from tensorswap.rounds.errors import (
@@ -15,6 +17,7 @@ from tensorswap.rounds.errors import (
     UpdateMismatch,
 )
 from tensorswap.rounds.persist import RoundDatabase
+from tensorswap.rounds.server import RoundServer, TrafficStats
 from tensorswap.rounds.state import (
     Aggregating,
     Collecting,
@@ -32,6 +35,7 @@ from tensorswap.rounds.state import (
 
 __all__ = [
     "Aggregating",
+    "BlockingRoundClient",
     "Clock",
     "Collecting",
     "Complete",
@@ -46,17 +50,22 @@ __all__ = [
     "LayerSpec",
     "Pending",
     "RoundAlreadyTerminal",
+    "RoundClient",
     "RoundClosed",
     "RoundDatabase",
     "RoundFailed",
     "RoundId",
     "RoundInfo",
     "RoundNotFound",
+    "RoundServer",
     "RoundSpec",
     "RoundStatus",
     "RoundTimeout",
     "RoundTracker",
+    "ServerStatus",
+    "SubmitResult",
     "SystemClock",
+    "TrafficStats",
     "UnknownUpdate",
     "UpdateMismatch",
     "expiry_verdict",
