@@ -231,3 +231,15 @@ async def test_connect_timeout_covers_a_stalled_tls_handshake(
             await connect_tcp("127.0.0.1", port, ssl=client_ssl_context(cert_files[0]), timeout=0.1)
         assert info.value.what == "connect"
         release.set()
+
+
+async def test_abort_during_a_large_send_fails_the_send(pair: Pair) -> None:
+    a, _ = pair
+    big = bytes(64 * 1024 * 1024)  # more than the socket buffers hold: the send must wait
+    sending = asyncio.ensure_future(a.send(big))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not sending.done()
+    a.abort()
+    with pytest.raises((ConnectionFailed, TransportClosed)):
+        await asyncio.wait_for(sending, 5)

@@ -30,6 +30,7 @@ DIRECT_SEND_BYTES = 64 * 1024
 
 _SPILL_BYTES = 256 * 1024  # bounded read-ahead for small reads (headers, control messages)
 _WRITE_HIGH_WATER = 1024 * 1024
+_WRITE_SLICE = 256 * 1024
 _CLOSE_FLUSH_SECONDS = 10.0
 
 
@@ -194,6 +195,7 @@ class TcpTransport(Transport):
         self.bytes_received = 0
         self._closed = False
         self._direct: socket.socket | None = None
+        self._sending: asyncio.Future[None] | None = None
         sock = self._transport.get_extra_info("socket")
         if not protocol.tls and sock is not None and sock.type == socket.SOCK_STREAM:
             self._direct = sock.dup()
@@ -218,18 +220,40 @@ class TcpTransport(Transport):
             if self._direct is not None and view.nbytes >= DIRECT_SEND_BYTES:
                 await self._protocol.drain(empty=True)
                 self._check_open()
-                try:
-                    await asyncio.get_running_loop().sock_sendall(self._direct, view)
-                except OSError as exc:
-                    raise ConnectionFailed(self.peer, _describe(exc, "send failed")) from exc
-            elif view.nbytes:
+                await self._send_direct(self._direct, view)
+            elif view.nbytes <= _WRITE_SLICE:
                 self._transport.write(view)
+            else:
+                # In slices with backpressure between them: asyncio's TLS layer would take a
+                # large buffer whole (encrypted) into its own buffers.
+                for start in range(0, view.nbytes, _WRITE_SLICE):
+                    self._transport.write(view[start : start + _WRITE_SLICE])
+                    await self._protocol.drain()
+                    self._check_open()
             self.bytes_sent += view.nbytes
         await self._protocol.drain()
         if self._protocol.lost:
             raise ConnectionFailed(self.peer, _describe(self._protocol.error, "connection lost"))
 
+    async def _send_direct(self, sock: socket.socket, view: memoryview) -> None:
+        sending = asyncio.ensure_future(asyncio.get_running_loop().sock_sendall(sock, view))
+        self._sending = sending
+        try:
+            await sending
+        except OSError as exc:
+            raise ConnectionFailed(self.peer, _describe(exc, "send failed")) from exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and task is not None and not task.cancelling():
+                raise ConnectionFailed(self.peer, "transport closed during a send") from None
+            raise
+        finally:
+            self._sending = None
+
     def _close_direct(self) -> None:
+        if self._sending is not None:
+            # cancel first: its done-callback unregisters the socket from the event loop
+            self._sending.cancel()
         if self._direct is not None:
             self._direct.close()
             self._direct = None
