@@ -35,7 +35,7 @@ def test_subpackages_are_not_shadowed_by_reexports() -> None:
     import importlib
     import types
 
-    for name in ("aggregate", "codec", "store", "delta", "cid", "errors"):
+    for name in ("aggregate", "codec", "store", "delta", "cid", "errors", "wire", "rounds", "flow"):
         module = importlib.import_module(f"tensorswap.{name}")
         assert isinstance(getattr(tensorswap, name), types.ModuleType), name
         assert getattr(tensorswap, name) is module
