@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tensorswap.cid import Cid
 from tensorswap.cli import main
 from tensorswap.codec import TensorBlock, encode_block
 from tensorswap.codec.garw import GarwBlock
 from tensorswap.codec.ipfrs import encode_ipfrs_gradient
 from tensorswap.delta import encode_frame, extract_delta_fragment
-from tensorswap.store import MemoryStore, ModelUpdate, put_update
+from tensorswap.store import MemoryStore, ModelUpdate, put_update, read_manifest
 
 EMPTY_SHA256_RAW = "bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku"
 
@@ -45,6 +46,11 @@ def _write(path: Path, data: object) -> Path:
     return path
 
 
+def _first_chunk(store: MemoryStore, update: Cid) -> Cid:
+    tensor = read_manifest(store, read_manifest(store, update).links()[0])
+    return tensor.links()[0]
+
+
 @pytest.fixture
 def samples(tmp_path: Path) -> dict[str, Path]:
     values = np.arange(12, dtype=np.float32)
@@ -59,6 +65,7 @@ def samples(tmp_path: Path) -> dict[str, Path]:
         "ipfrs-gradient-arrow-file": _write(tmp_path / "i.arrow", encode_ipfrs_gradient(values)),
         "tensorswap-update-manifest": _write(tmp_path / "m.bin", store.get(manifest)),
         "npy": tmp_path / "x.npy",
+        "tensorswap-chunk": _write(tmp_path / "c.blk", store.get(_first_chunk(store, manifest))),
         "dwe-fragment": _write(
             tmp_path / "f.dwe",
             encode_frame(extract_delta_fragment("s", 1, [values + 1], [values])),
@@ -73,6 +80,7 @@ FORMATS = [
     "tensorswap-update-manifest",
     "npy",
     "dwe-fragment",
+    "tensorswap-chunk",
 ]
 
 

@@ -91,8 +91,12 @@ def _describe_block(data: memoryview, all_: bool) -> dict[str, Any]:
     block = decode_block(data)
     reader = pa.ipc.open_stream(pa.py_buffer(data))
     header = json.loads((reader.schema.metadata or {})[b"tensorswap.block"])
+    # Manifest chunks are unnamed 1-D blocks with no samples or metadata (see store.manifest).
+    is_chunk = header.get("kind") == "chunk" or (
+        block.name == "" and len(block.shape) == 1 and block.num_samples == 0 and not block.metadata
+    )
     return {
-        "format": "tensorswap-block",
+        "format": "tensorswap-chunk" if is_chunk else "tensorswap-block",
         "cid": str(Cid.of(data)),
         "encoding": header.get("encoding", "dense"),
         "metadata": dict(block.metadata),
