@@ -1,4 +1,13 @@
-"""Run every benchmark module (`python -m benchmarks [--quick] [NAME ...]`)."""
+"""Run every benchmark module (`python -m benchmarks [--quick] [NAME ...]`).
+
+`tensorswap bench` runs each suite through this entry point and reads the ratios from its
+output. A suite may print machine-readable lines for that, which then replace the heuristic
+reading of its human-readable lines (see `tensorswap.cli.bench_cmd`)::
+
+    RATIO <name> <value> [>= | <= <goal>]      e.g.  RATIO fedavg_vs_naive 2.31 >= 2
+
+`ratio_line` formats one.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +28,14 @@ def available() -> list[str]:
         for m in pkgutil.iter_modules([str(here)])
         if m.name.startswith("bench_")
     )
+
+
+def ratio_line(name: str, value: float, op: str | None = None, goal: float | None = None) -> str:
+    """The machine-readable line for one ratio (``name`` without spaces)."""
+    if " " in name or not name:
+        raise ValueError(f"a ratio name is one word, got {name!r}")
+    tail = "" if op is None or goal is None else f" {op} {goal:g}"
+    return f"RATIO {name} {value:.4g}{tail}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The tensorswap command: cid, inspect and demo, run in-process through main()."""
+"""The tensorswap command: cid and inspect, run in-process through main()."""
 
 from __future__ import annotations
 
@@ -150,10 +150,3 @@ def test_inspect_truncated_block_is_an_error(
 def test_inspect_missing_file_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run(capsys, "inspect", str(tmp_path / "nope"))
     assert rc == 2 and "error" in err
-
-
-def test_demo_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, _ = run(capsys, "demo", "--peers", "2", "--data", str(tmp_path))
-    assert rc == 0
-    assert "aggregate CID" in out
-    assert any((tmp_path / "blocks").rglob("*"))

@@ -19,6 +19,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
         "Describe a tensor file as JSON.",
     ),
     "demo": ("tensorswap.cli.demo_cmd", "demo", "Run the built-in end-to-end job."),
+    "bench": ("tensorswap.cli.bench_cmd", "bench", "Run the benchmarks: one table of ratios."),
     "flow": ("tensorswap.cli.flow_cmd", "flow", "Typed training messages over ZeroMQ."),
     "delta": ("tensorswap.cli.delta_cmd", "delta", "Weight-delta fragments over TCP (axiom DWE)."),
     "send": ("tensorswap.cli.send_cmd", "send", "Send a tensor file to a receiver."),

@@ -1,0 +1,407 @@
+"""One federated peer of `tensorswap demo`: `python -m tensorswap.demo.peer --index I ...`.
+
+The peer holds its own non-IID shard of digits (see `tensorswap.demo.task`) and a copy of the
+model. The driver (`tensorswap.demo.driver`) sends it commands on stdin, one JSON object a line:
+
+    {"cmd": "peers", "endpoints": ["127.0.0.1:40001", ...]}   # p2p only: the other peers
+    {"cmd": "round", "round": 3, "initiator": "demo-1a2b", "deadline_s": 20.0,
+     "expect": ["peer-0", "peer-1", ...]}                     # one round
+    {"cmd": "stop"}                                           # (or end of input)
+
+and reads its reports on stdout, one JSON object a line (never pickle): ``ready``,
+``trained``, ``submitted``, ``round`` and ``error`` events (see `docs/demo.md`). Logs and
+tracebacks go to stderr.
+
+Star topology: the peer trains locally, submits its update to the coordinator's round
+(`RoundClient`), waits for the aggregate, fetches it (only blocks it lacks) and evaluates it.
+With ``--compression`` other than ``none`` it submits its weight *delta* against the round's
+global model, stored with that lossy encoding, and keeps what the encoding lost as a residual
+added to the next round's delta (error feedback); the aggregate is then a delta too, which the
+peer adds to the global model it started from.
+
+P2P topology: no coordinator. The peer broadcasts its delta as a DWE fragment on the delta bus
+to every other peer, collects the others' fragments for the round (until the deadline), and
+aggregates the deltas itself, weighting by each peer's sample count (known to every peer, as
+the shards are a deterministic split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["COMPRESSIONS", "main"]
+
+COMPRESSIONS = ("none", "f16", "int8", "topk")
+# p2p fragments of round r carry sequence r * SEQ_STRIDE (room for the parts of a split delta).
+SEQ_STRIDE = 1000
+
+
+def emit(event: str, **fields: Any) -> None:
+    """One JSON report line on stdout."""
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def fail(message: str, code: int = 2) -> int:
+    """Report a fatal error (stdout event + stderr line) and return the exit code."""
+    emit("error", message=message)
+    print(f"tensorswap demo peer: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _copy(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.array(v, copy=True) for k, v in tensors.items()}
+
+
+@dataclass
+class PeerState:
+    """What one peer holds between rounds."""
+
+    args: argparse.Namespace
+    name: str
+    model: Any
+    shard: Any
+    test_x: np.ndarray
+    test_y: np.ndarray
+    samples_of: dict[str, int]
+    residual: dict[str, np.ndarray] | None = None
+    pending: dict[int, dict[str, Any]] = field(default_factory=dict)  # p2p: round -> session -> f
+
+    def weights(self) -> dict[str, np.ndarray]:
+        from tensorswap.torch import tensors_of
+
+        return _copy(tensors_of(self.model))
+
+    def load(self, tensors: Mapping[str, np.ndarray]) -> None:
+        from tensorswap.torch import load_tensors
+
+        load_tensors(self.model, tensors)
+
+    def accuracy(self) -> float:
+        from tensorswap.demo.task import evaluate
+
+        return evaluate(self.model, self.test_x, self.test_y)
+
+    def train(self, round_number: int) -> tuple[dict[str, np.ndarray], float]:
+        """Train from the current (global) weights; (weights before, mean loss)."""
+        from tensorswap.demo.task import train_local
+
+        base = self.weights()
+        seed = self.args.seed * 1_000_003 + round_number * 1009 + self.args.index
+        loss = train_local(self.model, self.shard, epochs=self.args.local_epochs, seed=seed)
+        return base, loss
+
+
+# ── star: through the coordinator ────────────────────────────────────────────
+def _closure_bytes(store: Any, cid: Any) -> int:
+    from tensorswap.store import manifest_closure
+
+    return sum(store.get(c).nbytes for c in manifest_closure(store, cid))
+
+
+async def star_round(state: PeerState, client: Any, cmd: Mapping[str, Any]) -> None:
+    from tensorswap.cid import Cid
+    from tensorswap.rounds import Complete, RoundAlreadyTerminal, RoundClosed, RoundId
+    from tensorswap.store import ModelUpdate, get_update, put_update
+
+    number = int(cmd["round"])
+    rid = RoundId(number, str(cmd["initiator"]))
+    wait_s = float(cmd.get("deadline_s") or 60.0) + 60.0
+    start = time.perf_counter()
+    base, loss = await asyncio.to_thread(state.train, number)
+    trained = state.weights()
+    emit("trained", peer=state.name, round=number, loss=loss)
+    n = state.shard.num_samples
+    compression = state.args.compression
+    dense_bytes = sum(v.nbytes for v in trained.values())
+    if compression == "none":
+        cid = await asyncio.to_thread(put_update, client.store, ModelUpdate(trained, n))
+    else:
+        delta = {k: trained[k] - base[k] for k in base}
+        if state.residual is not None:
+            delta = {k: delta[k] + state.residual[k] for k in delta}
+        update = ModelUpdate(delta, n)
+        cid = await asyncio.to_thread(put_update, client.store, update, encoding=compression)
+        sent = get_update(client.store, cid).tensors  # what the coordinator will decode
+        state.residual = {k: delta[k] - sent[k] for k in delta}
+    stored = _closure_bytes(client.store, cid)
+    late = ""
+    sent_bytes = saved = 0
+    try:
+        result = await client.submit(rid, cid)
+        sent_bytes = result.push.sent_bytes
+        saved = max(stored - sent_bytes, 0)
+    except (RoundAlreadyTerminal, RoundClosed) as exc:
+        late = str(exc)  # the round closed (deadline) before this peer's update came in
+    emit(
+        "submitted",
+        peer=state.name,
+        round=number,
+        sent_bytes=sent_bytes,
+        saved_bytes=saved,
+        dense_bytes=dense_bytes,
+        late=late,
+    )
+    status = await client.wait(rid, timeout=wait_s)
+    if not isinstance(status, Complete):
+        state.load(base)  # keep the model the round started from
+        emit(
+            "round",
+            peer=state.name,
+            round=number,
+            ok=False,
+            reason=getattr(status, "reason", status.name),
+            accuracy=state.accuracy(),
+            sent_bytes=sent_bytes,
+            saved_bytes=saved,
+            pulled_bytes=0,
+            pull_saved_bytes=0,
+            seconds=time.perf_counter() - start,
+        )
+        return
+    agg_cid = Cid.parse(status.cid)
+    pull = await client.blocks.pull(agg_cid, client.store)
+    aggregate = await asyncio.to_thread(get_update, client.store, agg_cid)
+    pulled_total = _closure_bytes(client.store, agg_cid)
+    if compression == "none":
+        state.load(aggregate.tensors)
+    else:
+        state.load({k: base[k] + aggregate.tensors[k] for k in base})
+    emit(
+        "round",
+        peer=state.name,
+        round=number,
+        ok=True,
+        aggregate=str(agg_cid),
+        contributors=int(aggregate.metadata.get("contributors", "0") or 0),
+        loss=loss,
+        accuracy=state.accuracy(),
+        sent_bytes=sent_bytes,
+        dense_bytes=dense_bytes,
+        saved_bytes=saved,
+        pulled_bytes=pull.fetched_bytes,
+        pull_saved_bytes=max(pulled_total - pull.fetched_bytes, 0),
+        late=late,
+        seconds=time.perf_counter() - start,
+    )
+
+
+# ── p2p: the delta bus ───────────────────────────────────────────────────────
+async def p2p_round(
+    state: PeerState, bus: Any, inbox: asyncio.Queue[Any], cmd: Mapping[str, Any]
+) -> None:
+    from tensorswap.aggregate import AggregatorKind, AggregatorSpec, aggregate
+    from tensorswap.delta import apply_fragment, extract_delta_fragment, split_fragment
+
+    number = int(cmd["round"])
+    deadline_s = float(cmd.get("deadline_s") or 60.0)
+    expect = [str(p) for p in cmd.get("expect", []) if str(p) != state.name]
+    loop = asyncio.get_running_loop()
+    until = loop.time() + deadline_s
+    start = time.perf_counter()
+    base, loss = await asyncio.to_thread(state.train, number)
+    trained = state.weights()
+    emit("trained", peer=state.name, round=number, loss=loss)
+    own = {k: trained[k] - base[k] for k in base}
+    before = bus.telemetry().sent_bytes
+    fragment = extract_delta_fragment(state.name, number * SEQ_STRIDE, trained, base)
+    for part in split_fragment(fragment):
+        await bus.put(part)
+    emit("submitted", peer=state.name, round=number, sent_bytes=0, saved_bytes=0, late="")
+
+    got = state.pending.setdefault(number, {})
+    timed_out = False
+    while not all(p in got for p in expect):
+        remaining = until - loop.time()
+        if remaining <= 0:
+            timed_out = True
+            break
+        try:
+            frag = await asyncio.wait_for(inbox.get(), remaining)
+        except TimeoutError:
+            timed_out = True
+            break
+        state.pending.setdefault(int(frag.sequence) // SEQ_STRIDE, {})[frag.session_id] = frag
+    state.pending.pop(number, None)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(bus.flush(), 5.0)
+    sent_bytes = bus.telemetry().sent_bytes - before
+
+    names = list(base)
+    contributions: list[tuple[dict[str, np.ndarray], int]] = [(own, state.shard.num_samples)]
+    for session, frag in sorted(got.items()):
+        if session not in state.samples_of:
+            continue  # not a peer of this demo
+        states = [np.zeros_like(base[k]) for k in names]
+        apply_fragment(states, frag)  # checks every layer's index and shape first
+        contributions.append((dict(zip(names, states, strict=True)), state.samples_of[session]))
+    spec = AggregatorSpec(AggregatorKind(state.args.aggregator))
+    result = aggregate(contributions, spec)
+    assert isinstance(result.values, dict)
+    state.load({k: base[k] + result.values[k] for k in names})
+    emit(
+        "round",
+        peer=state.name,
+        round=number,
+        ok=True,
+        contributors=len(contributions),
+        expected=len(expect) + 1,
+        timed_out=timed_out,
+        loss=loss,
+        accuracy=state.accuracy(),
+        sent_bytes=sent_bytes,
+        saved_bytes=0,
+        pulled_bytes=0,
+        pull_saved_bytes=0,
+        seconds=time.perf_counter() - start,
+    )
+
+
+# ── the command loop ─────────────────────────────────────────────────────────
+async def _commands() -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    return reader
+
+
+async def _next(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    while True:
+        line = await reader.readline()
+        if not line:
+            return None
+        if line.strip():
+            cmd = json.loads(line)
+            if not isinstance(cmd, dict):
+                raise ValueError(f"a command must be a JSON object, got {line!r}")
+            return cmd
+
+
+def _build_state(args: argparse.Namespace) -> PeerState:
+    import torch
+
+    from tensorswap.demo.task import load_dataset, make_model
+
+    torch.set_num_threads(1)
+    data = load_dataset(args.peers, seed=args.seed)
+    samples_of = {f"peer-{i}": s.num_samples for i, s in enumerate(data.shards)}
+    model = make_model(args.seed)
+    if args.freeze_first_layer:
+        # Federated fine-tuning: the first layer keeps the shared initial weights.
+        for param in model[0].parameters():
+            param.requires_grad_(False)
+    return PeerState(
+        args=args,
+        name=f"peer-{args.index}",
+        model=model,
+        shard=data.shards[args.index],
+        test_x=data.test_x,
+        test_y=data.test_y,
+        samples_of=samples_of,
+    )
+
+
+async def run_star(args: argparse.Namespace) -> int:
+    from tensorswap.errors import WireError
+    from tensorswap.rounds.client import RoundClient
+    from tensorswap.wire.connection import Timeouts
+
+    name = f"peer-{args.index}"
+    host, _, port = args.coordinator.rpartition(":")
+    try:
+        client = await RoundClient.connect(
+            host.strip("[]"), int(port), peer=name, timeouts=Timeouts(connect=10.0)
+        )
+    except (OSError, TimeoutError, WireError) as exc:
+        reason = str(exc) or type(exc).__name__
+        return fail(
+            f"{name} cannot reach the coordinator at {args.coordinator}: {reason} "
+            "(is `tensorswap serve` listening there?)"
+        )
+    async with client:
+        state = await asyncio.to_thread(_build_state, args)
+        emit(
+            "ready",
+            peer=state.name,
+            samples=state.shard.num_samples,
+            accuracy=state.accuracy(),
+            pid=os.getpid(),
+        )
+        reader = await _commands()
+        while (cmd := await _next(reader)) is not None and cmd.get("cmd") != "stop":
+            if cmd.get("cmd") == "round":
+                await star_round(state, client, cmd)
+    return 0
+
+
+async def run_p2p(args: argparse.Namespace) -> int:
+    from tensorswap.delta import DweBus, DweListener
+
+    state = await asyncio.to_thread(_build_state, args)
+    inbox: asyncio.Queue[Any] = asyncio.Queue()
+    async with DweListener(inbox) as listener:
+        emit(
+            "ready",
+            peer=state.name,
+            samples=state.shard.num_samples,
+            accuracy=state.accuracy(),
+            listen=str(listener.endpoint),
+            pid=os.getpid(),
+        )
+        reader = await _commands()
+        cmd = await _next(reader)
+        if cmd is None or cmd.get("cmd") == "stop":
+            return 0
+        if cmd.get("cmd") != "peers":
+            return fail(f"expected the peers command first, got {cmd!r}")
+        others = [e for e in cmd["endpoints"] if e != str(listener.endpoint)]
+        async with DweBus(others, drain_timeout=1.0) as bus:
+            while (cmd := await _next(reader)) is not None and cmd.get("cmd") != "stop":
+                if cmd.get("cmd") == "round":
+                    await p2p_round(state, bus, inbox, cmd)
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tensorswap.demo.peer", description=__doc__)
+    parser.add_argument("--index", type=int, required=True, help="this peer's shard, 0-based")
+    parser.add_argument("--peers", type=int, required=True, help="how many shards in all")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--local-epochs", type=int, default=2)
+    parser.add_argument("--topology", choices=("star", "p2p"), default="star")
+    parser.add_argument("--coordinator", default="", help="HOST:PORT (star)")
+    parser.add_argument("--compression", choices=COMPRESSIONS, default="none")
+    parser.add_argument("--aggregator", default="fedavg", help="p2p: how deltas are combined")
+    parser.add_argument("--freeze-first-layer", action="store_true", help="train the head only")
+    args = parser.parse_args(argv)
+    if not 0 <= args.index < args.peers:
+        parser.error(f"--index must be in [0, {args.peers})")
+    if args.topology == "star" and ":" not in args.coordinator:
+        parser.error("--coordinator HOST:PORT is required with --topology star")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runner = run_star if args.topology == "star" else run_p2p
+    try:
+        return asyncio.run(runner(args))
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 1  # the driver went away
+
+
+if __name__ == "__main__":
+    sys.exit(main())
