@@ -7,19 +7,19 @@ import ssl as ssl_module
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import numpy as np
 
 from tensorswap.cid import Cid
 from tensorswap.rounds.errors import RoundFailed
 from tensorswap.rounds.protocol import (
+    APP,
     RoundAnswer,
     RoundCall,
     RoundRow,
-    RoundsCommit,
-    decode_committed,
-    encode_frame,
+    decode_answer,
+    encode_call,
     raise_remote,
     spec_to_wire,
 )
@@ -32,15 +32,18 @@ from tensorswap.store import (
     manifest_closure,
     put_update,
 )
-from tensorswap.wire.client import BlockClient, CompressionChoice, PushResult
-from tensorswap.wire.connection import Timeouts, WireLimits
-from tensorswap.wire.errors import ProtocolViolation
-from tensorswap.wire.frames import Compression, FrameKind
-from tensorswap.wire.messages import wire_cids
+from tensorswap.wire import (
+    BlockClient,
+    Compression,
+    ProtocolViolation,
+    PushResult,
+    RemoteError,
+    Timeouts,
+    WireLimits,
+)
+from tensorswap.wire.frames import CompressionChoice
 
 __all__ = ["RoundClient", "ServerStatus", "SubmitResult"]
-
-_STREAM_BASE = 1 << 48  # rounds requests use their own stream ids, apart from block requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +78,6 @@ class RoundClient:
         self.blocks = blocks
         self.peer = peer
         self.store = store if store is not None else MemoryStore()
-        self._stream = _STREAM_BASE
         self._lock = asyncio.Lock()  # one request (push + rounds call) at a time
 
     @classmethod
@@ -117,7 +119,7 @@ class RoundClient:
     async def start_round(self, round_id: RoundId, spec: RoundSpec) -> bool:
         """Start a round on the coordinator; False if it already exists (then just join it)."""
         answer = await self._call(
-            [], RoundCall("start", round_id.round, round_id.initiator, spec=spec_to_wire(spec))
+            RoundCall("start", round_id.round, round_id.initiator, spec=spec_to_wire(spec))
         )
         return bool(answer.started)
 
@@ -142,14 +144,17 @@ class RoundClient:
             if not isinstance(update, ModelUpdate):
                 update = ModelUpdate(dict(update), num_samples)
             cid = await asyncio.to_thread(put_update, self.store, update)
-        call = RoundCall("submit", round_id.round, round_id.initiator, peer=self.peer)
+        call = RoundCall(
+            "submit", round_id.round, round_id.initiator, peer=self.peer, update=cid.to_bytes()
+        )
         async with self._lock:
             start, wire_start = time.perf_counter(), self.blocks.transport.bytes_sent
             closure = await asyncio.to_thread(_children_first, self.store, cid)
             lacking = await self.blocks.missing(closure)
             sent = await self.blocks.put_blocks(self.store, lacking, compression=compression)
-            # The submit itself commits the blocks: one round trip for commit and submit.
-            answer = await self._call([cid], call, locked=True, blocks=len(lacking), nbytes=sent)
+            # The server stores every block sent before it runs the submit: no separate
+            # commit, one round trip.
+            answer = await self._call(call, locked=True)
             push = PushResult(
                 roots=(cid,),
                 offered=len(closure),
@@ -162,12 +167,12 @@ class RoundClient:
 
     async def status(self, round_id: RoundId) -> RoundStatus:
         """The round's current status (RoundNotFound if the coordinator has no such round)."""
-        answer = await self._call([], RoundCall("status", round_id.round, round_id.initiator))
+        answer = await self._call(RoundCall("status", round_id.round, round_id.initiator))
         return _status(answer)
 
     async def server_status(self) -> ServerStatus:
         """Every round with its peers and bytes, and the coordinator's counters."""
-        answer = await self._call([], RoundCall("status", all=True))
+        answer = await self._call(RoundCall("status", all=True))
         return ServerStatus(answer.rounds or [], answer.stats or {})
 
     async def wait(self, round_id: RoundId, timeout: float | None = None) -> RoundStatus:
@@ -175,7 +180,7 @@ class RoundClient:
         call = RoundCall("wait", round_id.round, round_id.initiator, timeout=timeout)
         read = self.blocks.conn.timeouts.read
         limit = None if timeout is None or read is None else timeout + read
-        return _status(await self._call([], call, limit=limit, unbounded=timeout is None))
+        return _status(await self._call(call, limit=limit, unbounded=timeout is None))
 
     async def result(self, round_id: RoundId, timeout: float | None = None) -> Cid:
         """Wait for the round and return its aggregate's CID (RoundFailed if it failed)."""
@@ -200,31 +205,26 @@ class RoundClient:
     # ── one request ──────────────────────────────────────────────────────────
     async def _call(
         self,
-        roots: list[Cid],
         call: RoundCall,
         *,
         limit: float | None = None,
         unbounded: bool = False,
         locked: bool = False,
-        blocks: int = 0,
-        nbytes: int = 0,
     ) -> RoundAnswer:
         if not locked:
             async with self._lock:
-                return await self._call(roots, call, limit=limit, unbounded=unbounded, locked=True)
-        conn = self.blocks.conn
-        self._stream += 1
-        message = RoundsCommit(roots=wire_cids(roots), blocks=blocks, nbytes=nbytes, rounds=call)
-        await conn.transport.send(*encode_frame(message, self._stream))
-        timeout: float | str | None = None if unbounded else (limit or "read")
-        frame = await conn.receive_frame(timeout=timeout)  # type: ignore[arg-type]
-        if frame.header.kind is not FrameKind.COMMITTED:
-            conn.expect(frame)  # raises RemoteError for an Error frame, else ProtocolViolation
-        answer = decode_committed(frame.payload).rounds
-        if answer is None:
-            raise ProtocolViolation(f"{conn.peer} is not a tensorswap coordinator (no rounds)")
+                return await self._call(call, limit=limit, unbounded=unbounded, locked=True)
+        timeout: float | Literal["read"] | None = None if unbounded else (limit or "read")
+        try:
+            body = await self.blocks.request(APP, encode_call(call), timeout=timeout)
+        except RemoteError as exc:
+            if exc.code == "unsupported":
+                peer = self.blocks.conn.peer
+                raise ProtocolViolation(f"{peer} is not a tensorswap coordinator") from exc
+            raise
+        answer = decode_answer(body)
         if answer.error is not None:
-            raise_remote(answer.error, conn.peer)
+            raise_remote(answer.error, self.blocks.conn.peer)
         return answer
 
 

@@ -1,9 +1,9 @@
-"""The rounds extension of the wire protocol: a ``rounds`` field on COMMIT and COMMITTED.
+"""The rounds application on the wire: RoundCall / RoundAnswer in REQUEST / REPLY frames.
 
-A rounds request rides on a COMMIT frame (its roots: the blocks the request needs complete,
-e.g. the submitted update) and its answer on the COMMITTED frame that confirms them. Both
-messages are msgpack maps, so a plain block server ignores the field and a plain block client
-ignores the answer; a coordinator recognises the request. Layout in ``docs/rounds.md``.
+A rounds request is the body of a wire REQUEST frame for the application ``"rounds"`` and
+its answer the body of the REPLY (the wire's public extension point: ``BlockServer``
+``handlers`` and ``BlockClient.request``). Both bodies are msgpack maps. A server without a
+rounds handler replies ``handled=False``. Layout in ``docs/rounds.md``.
 """
 
 from __future__ import annotations
@@ -15,21 +15,19 @@ from tensorswap.rounds import errors as rounds_errors
 from tensorswap.rounds.errors import RoundsError
 from tensorswap.rounds.state import LayerSpec, RoundId, RoundInfo, RoundSpec
 from tensorswap.wire.errors import ProtocolViolation, RemoteError
-from tensorswap.wire.frames import FrameHeader, FrameKind, crc32c
-from tensorswap.wire.messages import Commit, Committed
 
 __all__ = [
+    "APP",
     "OPS",
     "ErrorInfo",
     "RoundAnswer",
     "RoundCall",
     "RoundRow",
-    "RoundsCommit",
-    "RoundsCommitted",
     "SpecWire",
-    "decode_commit",
-    "decode_committed",
-    "encode_frame",
+    "decode_answer",
+    "decode_call",
+    "encode_answer",
+    "encode_call",
     "error_info",
     "raise_remote",
     "round_id_of",
@@ -37,6 +35,9 @@ __all__ = [
     "spec_from_wire",
     "spec_to_wire",
 ]
+
+APP = "rounds"
+"""The application name rounds requests are addressed to (``Request.app``)."""
 
 OPS = ("start", "submit", "status", "wait")
 """Rounds requests: start a round, submit the committed update, status (one or all), wait."""
@@ -56,7 +57,10 @@ class SpecWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 
 class RoundCall(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """A request: ``op`` (see OPS) about round ``(round, initiator)`` on behalf of ``peer``."""
+    """A request: ``op`` (see OPS) about round ``(round, initiator)`` on behalf of ``peer``.
+
+    ``update`` is the binary CID of the submitted model update (``submit`` only).
+    """
 
     op: str
     round: int = 0
@@ -65,6 +69,7 @@ class RoundCall(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     spec: SpecWire | None = None
     timeout: float | None = None
     all: bool = False
+    update: bytes | None = None
 
 
 class ErrorInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -101,42 +106,35 @@ class RoundAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     stats: dict[str, Param] | None = None
 
 
-class RoundsCommit(Commit, frozen=True):
-    """COMMIT with an optional rounds request."""
-
-    rounds: RoundCall | None = None
-
-
-class RoundsCommitted(Committed, frozen=True):
-    """COMMITTED with the rounds answer (absent when the server is no coordinator)."""
-
-    rounds: RoundAnswer | None = None
-
-
 _encoder = msgspec.msgpack.Encoder()
-_commit = msgspec.msgpack.Decoder(RoundsCommit)
-_committed = msgspec.msgpack.Decoder(RoundsCommitted)
+_call_decoder = msgspec.msgpack.Decoder(RoundCall)
+_answer_decoder = msgspec.msgpack.Decoder(RoundAnswer)
 
 
-def encode_frame(message: RoundsCommit | RoundsCommitted, stream_id: int) -> tuple[bytes, bytes]:
-    """Header and payload of the COMMIT / COMMITTED frame carrying ``message``."""
-    kind = FrameKind.COMMIT if isinstance(message, RoundsCommit) else FrameKind.COMMITTED
-    payload = _encoder.encode(message)
-    return FrameHeader(kind, len(payload), crc32c(payload), stream_id).pack(), payload
+def encode_call(call: RoundCall) -> bytes:
+    """The REQUEST body carrying ``call``."""
+    return _encoder.encode(call)
 
 
-def decode_commit(payload: memoryview) -> RoundsCommit:
+def decode_call(body: bytes) -> RoundCall:
+    """A RoundCall from a client's REQUEST body; ProtocolViolation when it is none."""
     try:
-        return _commit.decode(payload)
+        return _call_decoder.decode(body)
     except msgspec.DecodeError as exc:
-        raise ProtocolViolation(f"bad COMMIT message: {exc}") from exc
+        raise ProtocolViolation(f"bad rounds request: {exc}") from exc
 
 
-def decode_committed(payload: memoryview) -> RoundsCommitted:
+def encode_answer(answer: RoundAnswer) -> bytes:
+    """The REPLY body carrying ``answer``."""
+    return _encoder.encode(answer)
+
+
+def decode_answer(body: bytes) -> RoundAnswer:
+    """A RoundAnswer from the coordinator's REPLY body; ProtocolViolation when it is none."""
     try:
-        return _committed.decode(payload)
+        return _answer_decoder.decode(body)
     except msgspec.DecodeError as exc:
-        raise ProtocolViolation(f"bad COMMITTED message: {exc}") from exc
+        raise ProtocolViolation(f"bad rounds answer: {exc}") from exc
 
 
 def spec_to_wire(spec: RoundSpec) -> SpecWire:

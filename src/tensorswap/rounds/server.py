@@ -9,29 +9,30 @@ from dataclasses import dataclass
 from typing import Self
 
 from tensorswap.cid import Cid
-from tensorswap.errors import TensorSwapError
+from tensorswap.errors import InvalidCid, TensorSwapError
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.errors import RoundNotFound, RoundTimeout
 from tensorswap.rounds.protocol import (
+    APP,
     OPS,
     RoundAnswer,
     RoundCall,
-    RoundsCommitted,
-    decode_commit,
-    encode_frame,
+    decode_call,
+    encode_answer,
     error_info,
     round_id_of,
     row_of,
     spec_from_wire,
 )
 from tensorswap.rounds.state import RoundId, RoundStatus
-from tensorswap.wire._sink import BlockSink
-from tensorswap.wire.connection import FrameConnection, Timeouts, WireLimits
-from tensorswap.wire.errors import ProtocolViolation, StreamEnded
-from tensorswap.wire.frames import FrameKind
-from tensorswap.wire.messages import Get, Offer, Want, parse_cids, wire_cids
-from tensorswap.wire.server import BlockServer
-from tensorswap.wire.transport import Transport
+from tensorswap.wire import (
+    AppRequest,
+    BlockServer,
+    ProtocolViolation,
+    Timeouts,
+    Transport,
+    WireLimits,
+)
 
 __all__ = ["RoundServer", "TrafficStats"]
 
@@ -51,14 +52,14 @@ class TrafficStats:
 class RoundServer(BlockServer):
     """A BlockServer that also runs rounds (start, submit, status, wait) for ``coordinator``.
 
-    Rounds requests ride on COMMIT frames (see ``rounds.protocol``): the roots are committed
-    first (every block stored, closures complete), then the request runs and its answer comes
-    back on the COMMITTED frame. A refused request (a RoundsError) is answered in the
-    COMMITTED frame and the connection stays usable; any other failure ends the connection
-    as in BlockServer. ``wait`` requests do not hold a thread: they are woken by the
-    coordinator's status changes. ``store_depth`` bounds the received blocks waiting to be
-    stored per connection (memory: about ``connections * (store_depth + 1)`` blocks). The
-    server does not own the coordinator.
+    Rounds requests are wire application requests for the app ``"rounds"`` (see
+    ``rounds.protocol``): the block service stores every block sent before a request, then
+    the request runs and its answer comes back in the REPLY. A refused request (a
+    RoundsError) is answered in the reply and the connection stays usable; any other
+    failure ends the connection as in BlockServer. ``wait`` requests do not hold a thread:
+    they are woken by the coordinator's status changes. ``store_depth`` bounds the received
+    blocks waiting to be stored per connection (memory: about ``connections * (store_depth
+    + 1)`` blocks). The server does not own the coordinator.
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class RoundServer(BlockServer):
             timeouts=timeouts,
             name=name,
             store_depth=store_depth,
+            handlers={APP: self._on_request},
         )
         self.coordinator = coordinator
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -116,45 +118,11 @@ class RoundServer(BlockServer):
             self._closed_in += transport.bytes_received
             self._closed_out += transport.bytes_sent
 
-    async def _serve(self, conn: FrameConnection, sink: BlockSink) -> None:
-        in_transfer = False
-        while True:
-            try:
-                frame = await conn.receive_frame(timeout="read" if in_transfer else "idle")
-            except StreamEnded:
-                return
-            stream_id = frame.header.stream_id
-            kind = frame.header.kind
-            if kind is FrameKind.BLOCK:
-                block = conn.parse_block(frame)
-                await sink.submit(block.cid, block.data)
-            elif kind is FrameKind.COMMIT:
-                commit = decode_commit(frame.payload)
-                roots = parse_cids(commit.roots, "Commit")
-                await sink.drain()
-                call = commit.rounds
-                if call is None or call.op != "submit":
-                    # A submit's update is checked whole by the coordinator itself.
-                    await asyncio.to_thread(self._check_roots, roots)
-                answer = None if call is None else await self._call(call, roots)
-                reply = RoundsCommitted(
-                    roots=commit.roots, blocks=sink.blocks, nbytes=sink.nbytes, rounds=answer
-                )
-                await conn.transport.send(*encode_frame(reply, stream_id))
-                self.stats.roots_committed += len(roots)
-                in_transfer = False
-            else:
-                message = conn.expect(frame, Offer, Get)
-                if isinstance(message, Offer):
-                    offered = parse_cids(message.cids, "Offer")
-                    lacking = await asyncio.to_thread(self.store.missing, offered)
-                    await conn.send_message(Want(cids=wire_cids(lacking)), stream_id)
-                    in_transfer = bool(lacking)
-                elif isinstance(message, Get):
-                    await self._answer_get(conn, parse_cids(message.cids, "Get"), stream_id)
-
     # ── rounds requests ──────────────────────────────────────────────────────
-    async def _call(self, call: RoundCall, roots: list[Cid]) -> RoundAnswer:
+    async def _on_request(self, request: AppRequest) -> bytes:
+        return encode_answer(await self._call(decode_call(request.body)))
+
+    async def _call(self, call: RoundCall) -> RoundAnswer:
         if call.op not in OPS:
             raise ProtocolViolation(f"unknown rounds op {call.op!r}; known {list(OPS)}")
         coord = self.coordinator
@@ -170,9 +138,8 @@ class RoundServer(BlockServer):
                 started = await asyncio.to_thread(coord.start_round, rid, spec)
                 return RoundAnswer(started=started, status=_status_dict(coord, rid))
             if call.op == "submit":
-                if len(roots) != 1:
-                    raise ProtocolViolation(f"a submit commits one update, got {len(roots)} roots")
-                status = await asyncio.to_thread(coord.submit, rid, call.peer, roots[0])
+                update = _update_cid(call)
+                status = await asyncio.to_thread(coord.submit, rid, call.peer, update)
                 return RoundAnswer(status=status.to_dict())  # type: ignore[arg-type]
             if call.op == "wait":
                 status = await self._wait(rid, call.timeout)
@@ -232,6 +199,15 @@ class RoundServer(BlockServer):
             blocks_served=self.stats.blocks_served,
         )
         return stats
+
+
+def _update_cid(call: RoundCall) -> Cid:
+    if call.update is None:
+        raise ProtocolViolation("a submit request names no update")
+    try:
+        return Cid.parse(call.update)
+    except InvalidCid as exc:
+        raise ProtocolViolation(f"a submit request names an invalid CID: {exc.reason}") from exc
 
 
 def _status_dict(coord: Coordinator, rid: RoundId) -> dict[str, float | int | str] | None:

@@ -35,12 +35,13 @@ from tensorswap.wire.ipfrs import (
     IpfrsLimits,
     chunk_count,
 )
-from tensorswap.wire.server import BlockServer, ServerStats
+from tensorswap.wire.server import AppRequest, BlockServer, RequestHandler, ServerStats
 from tensorswap.wire.tcp import TcpListener, TcpTransport, connect_tcp, serve_tcp
 from tensorswap.wire.transport import MemoryTransport, Transport, memory_pair
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "AppRequest",
     "AuthenticationFailed",
     "BlockClient",
     "BlockHashMismatch",
@@ -67,6 +68,7 @@ __all__ = [
     "PullResult",
     "PushResult",
     "RemoteError",
+    "RequestHandler",
     "ServerStats",
     "StreamEnded",
     "TcpListener",

@@ -8,7 +8,7 @@ import ssl as ssl_module
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Self
+from typing import Literal, Self
 
 from tensorswap.cid import Cid, HashFunction, Multicodec
 from tensorswap.codec import TensorBlock
@@ -39,6 +39,8 @@ from tensorswap.wire.messages import (
     Get,
     Got,
     Offer,
+    Reply,
+    Request,
     Want,
     Welcome,
     parse_cids,
@@ -406,6 +408,36 @@ class BlockClient:
                 if progress is not None:
                     progress(done, total)
         return done
+
+    # ── application requests ─────────────────────────────────────────────────
+    async def request(
+        self,
+        app: str,
+        body: bytes,
+        *,
+        timeout: float | Literal["read"] | None = "read",
+    ) -> bytes:
+        """Send a request to the server's handler for ``app``; return its reply body.
+
+        Every block sent on this connection before the request is stored on the server
+        before its handler runs, so a request may name blocks just pushed. ``timeout``
+        bounds the wait for the reply (default ``Timeouts.read``; None waits forever).
+        Raises RemoteError with code ``unsupported`` when the server has no handler for
+        ``app`` (the connection stays usable), RemoteError for an Error frame (the server
+        then closes the connection), PeerTimeout or ProtocolViolation.
+        """
+        async with self._lock:
+            stream = self._next_stream()
+            await self.conn.send_message(Request(app=app, body=body), stream)
+            reply, answered = await self.conn.receive_message(Reply, timeout=timeout)
+            if answered != stream or reply.app != app:
+                raise ProtocolViolation(
+                    f"Reply for {reply.app!r} on stream {answered}, expected {app!r} on {stream}"
+                )
+            if not reply.handled:
+                msg = f"the server has no handler for application {app!r}"
+                raise RemoteError("unsupported", msg, self.conn.peer)
+            return reply.body
 
     # ── fetching ─────────────────────────────────────────────────────────────
     async def get_blocks(self, cids: Sequence[Cid], into: BlockStore) -> list[Cid]:

@@ -74,6 +74,10 @@ class FrameKind(IntEnum):
     """client -> server: send me these blocks; answered by BLOCK frames then GOT."""
     GOT = 11
     """server -> client: end of a GET answer, naming the CIDs the server does not hold."""
+    REQUEST = 12
+    """client -> server: an application request (app name + opaque body); answered by REPLY."""
+    REPLY = 13
+    """server -> client: the answer to a REQUEST, from the handler registered for its app."""
 
 
 class Compression(IntEnum):

@@ -24,6 +24,8 @@ __all__ = [
     "Message",
     "Offer",
     "Ready",
+    "Reply",
+    "Request",
     "Want",
     "Welcome",
     "decode_message",
@@ -112,7 +114,32 @@ class Got(_Base, frozen=True):
     missing: list[bytes]
 
 
-Message = Welcome | Hello | Ready | Error | Offer | Want | Commit | Committed | Get | Got
+class Request(_Base, frozen=True):
+    """Client -> server: a request for the application ``app`` (see ``BlockServer.handlers``).
+
+    ``body`` is opaque to the wire layer; the application defines it. Every block the client
+    sent before this frame is stored before the handler sees the request.
+    """
+
+    app: str
+    body: bytes
+
+
+class Reply(_Base, frozen=True):
+    """Server -> client: the answer to a Request, same stream id.
+
+    ``handled`` is False (and ``body`` empty) when the server has no handler for ``app``;
+    the connection stays usable.
+    """
+
+    app: str
+    body: bytes
+    handled: bool = True
+
+
+Message = (Welcome | Hello | Ready | Error | Offer | Want | Commit | Committed | Get | Got) | (
+    Request | Reply
+)
 
 MESSAGE_TYPES: dict[FrameKind, type[_Base]] = {
     FrameKind.WELCOME: Welcome,
@@ -125,6 +152,8 @@ MESSAGE_TYPES: dict[FrameKind, type[_Base]] = {
     FrameKind.COMMITTED: Committed,
     FrameKind.GET: Get,
     FrameKind.GOT: Got,
+    FrameKind.REQUEST: Request,
+    FrameKind.REPLY: Reply,
 }
 """The registry: each control FrameKind and the Struct its payload decodes to."""
 

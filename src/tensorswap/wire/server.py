@@ -7,7 +7,7 @@ import contextlib
 import logging
 import ssl as ssl_module
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Self
 
@@ -41,6 +41,8 @@ from tensorswap.wire.messages import (
     Get,
     Got,
     Offer,
+    Reply,
+    Request,
     Want,
     parse_cids,
     wire_cids,
@@ -48,7 +50,7 @@ from tensorswap.wire.messages import (
 from tensorswap.wire.tcp import TcpListener, serve_tcp
 from tensorswap.wire.transport import Transport
 
-__all__ = ["BlockServer", "ServerStats", "error_code"]
+__all__ = ["AppRequest", "BlockServer", "RequestHandler", "ServerStats", "error_code"]
 
 logger = logging.getLogger("tensorswap.wire")
 
@@ -63,6 +65,25 @@ class ServerStats:
     roots_committed: int = 0
     blocks_served: int = 0
     failed_connections: int = 0
+    requests: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AppRequest:
+    """An application request (a REQUEST frame) as its handler receives it."""
+
+    app: str
+    """The application name the client addressed (the key in ``BlockServer.handlers``)."""
+    body: bytes
+    """The request body, opaque to the wire layer (untrusted: the handler validates it)."""
+    peer: str
+    """The client's address, for logs and errors."""
+    stream_id: int
+
+
+RequestHandler = Callable[[AppRequest], Awaitable[bytes]]
+"""``async handler(request) -> reply body``. A TensorSwapError it raises fails the connection
+(ERROR frame, then closed); answer refusals the client should survive inside the reply body."""
 
 
 def error_code(exc: BaseException) -> str:
@@ -98,6 +119,10 @@ class BlockServer:
     - Commit -> Committed, once every block is stored and each root's closure is complete;
       ``on_root(root)`` is called for each root then.
     - Get -> BLOCK frames for the CIDs held, then Got naming those not held.
+    - Request -> Reply: once every block received before it is stored, the handler
+      registered for its ``app`` in ``handlers`` answers it; an unknown app gets a Reply
+      with ``handled=False`` and the connection goes on. Requests on one connection are
+      answered one at a time, in order.
 
     A failure is answered with an Error frame (when the connection still works), counted,
     kept in ``errors`` (the last 100) and logged; the connection is then closed.
@@ -114,6 +139,7 @@ class BlockServer:
         on_root: Callable[[Cid], None] | None = None,
         name: str = "tensorswap",
         store_depth: int = 4,
+        handlers: Mapping[str, RequestHandler] | None = None,
     ) -> None:
         self.store = store
         self.key = key
@@ -123,6 +149,8 @@ class BlockServer:
         self.on_root = on_root
         self.name = name
         self.store_depth = store_depth
+        self.handlers: dict[str, RequestHandler] = dict(handlers or {})
+        """Application request handlers by app name (see ``AppRequest``)."""
         self.stats = ServerStats()
         self.errors: deque[BaseException] = deque(maxlen=100)
         self.listener: TcpListener | None = None
@@ -192,7 +220,7 @@ class BlockServer:
                 block = conn.parse_block(frame)
                 await sink.submit(block.cid, block.data)
                 continue
-            message = conn.expect(frame, Offer, Commit, Get)
+            message = conn.expect(frame, Offer, Commit, Get, Request)
             if isinstance(message, Offer):
                 offered = parse_cids(message.cids, "Offer")
                 lacking = await asyncio.to_thread(self.store.missing, offered)
@@ -215,6 +243,19 @@ class BlockServer:
                         self.on_root(root)
             elif isinstance(message, Get):
                 await self._answer_get(conn, parse_cids(message.cids, "Get"), stream_id)
+            elif isinstance(message, Request):
+                await sink.drain()
+                reply = await self._answer_request(message, conn.peer, stream_id)
+                await conn.send_message(reply, stream_id)
+                in_transfer = False
+
+    async def _answer_request(self, message: Request, peer: str, stream_id: int) -> Reply:
+        self.stats.requests += 1
+        handler = self.handlers.get(message.app)
+        if handler is None:
+            return Reply(app=message.app, body=b"", handled=False)
+        body = await handler(AppRequest(message.app, message.body, peer, stream_id))
+        return Reply(app=message.app, body=bytes(body))
 
     def _check_roots(self, roots: list[Cid]) -> None:
         for root in roots:
