@@ -127,4 +127,8 @@ def demo(
         report = asyncio.run(run_demo(cfg, console))
     except DemoError as exc:
         raise click.ClickException(str(exc)) from exc
+    except KeyboardInterrupt:
+        # asyncio.run cancelled the run first: its cleanup stopped and reaped every process.
+        console.print("interrupted: the coordinator and every peer process were stopped")
+        return 130
     return 0 if all(r.ok for r in report.rounds) else 1
