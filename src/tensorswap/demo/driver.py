@@ -483,7 +483,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoRepor
         report = DemoReport(_config_json(cfg), initial)
 
         if cfg.topology == "p2p":
-            endpoints = [str(p.ready["listen"]) for p in fleet.peers if p.ready]
+            endpoints = {p.name: str(p.ready["listen"]) for p in fleet.peers if p.ready}
             for peer in fleet.peers:
                 await fleet.send(peer, {"cmd": "peers", "endpoints": endpoints})
         else:

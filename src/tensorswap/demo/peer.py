@@ -3,7 +3,7 @@
 The peer holds its own non-IID shard of digits (see `tensorswap.demo.task`) and a copy of the
 model. The driver (`tensorswap.demo.driver`) sends it commands on stdin, one JSON object a line:
 
-    {"cmd": "peers", "endpoints": ["127.0.0.1:40001", ...]}   # p2p only: the other peers
+    {"cmd": "peers", "endpoints": {"peer-0": "127.0.0.1:40001", ...}}   # p2p only
     {"cmd": "round", "round": 3, "initiator": "demo-1a2b", "deadline_s": 20.0,
      "expect": ["peer-0", "peer-1", ...]}                     # one round
     {"cmd": "stop"}                                           # (or end of input)
@@ -365,11 +365,27 @@ async def run_p2p(args: argparse.Namespace) -> int:
             return 0
         if cmd.get("cmd") != "peers":
             return fail(f"expected the peers command first, got {cmd!r}")
-        others = [e for e in cmd["endpoints"] if e != str(listener.endpoint)]
-        async with DweBus(others, drain_timeout=1.0) as bus:
+        endpoints: dict[str, str] = dict(cmd["endpoints"])
+        bus: DweBus | None = None
+        members: tuple[str, ...] | None = None
+        try:
             while (cmd := await _next(reader)) is not None and cmd.get("cmd") != "stop":
-                if cmd.get("cmd") == "round":
-                    await p2p_round(state, bus, inbox, cmd)
+                if cmd.get("cmd") != "round":
+                    continue
+                # One bus to the peers this round expects: a peer that left is dropped
+                # rather than retried (with backoff) round after round.
+                want = tuple(p for p in cmd.get("expect", []) if p != state.name)
+                if want != members:
+                    if bus is not None:
+                        await bus.aclose()
+                    bus = DweBus([endpoints[p] for p in want if p in endpoints], drain_timeout=1.0)
+                    await bus.start()
+                    members = want
+                assert bus is not None
+                await p2p_round(state, bus, inbox, cmd)
+        finally:
+            if bus is not None:
+                await bus.aclose()
     return 0
 
 
