@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import ml_dtypes
 import msgspec
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensorswap.cid import Cid, HashFunction, Multicodec
-from tensorswap.codec import TensorBlock
+from tensorswap.codec import Encoding, TensorBlock
+from tensorswap.codec.lossy import ENCODINGS
 from tensorswap.errors import BlockNotFound, StoreError, UnsupportedDtype
 from tensorswap.store import (
     MANIFEST_MAGIC,
@@ -370,6 +373,64 @@ def test_compressed_chunks_are_checked_before_allocating(store: BlockStore) -> N
     cid = store.put(encode_manifest(lie), codec=Multicodec.TENSORSWAP_MANIFEST)
     with pytest.raises(MalformedManifest, match="holds float32 \\[4\\]"):
         get_tensor(store, cid)
+
+
+@pytest.mark.parametrize(
+    "options", [{"compression": "zstd"}, {"encoding": "f16"}, {"encoding": "topk"}]
+)
+@pytest.mark.parametrize("shape", [(0,), (3, 0, 2)])
+def test_tensor_of_zero_values_round_trips_with_any_encoding(
+    store: BlockStore, options: dict[str, str], shape: tuple[int, ...]
+) -> None:
+    block = TensorBlock("e", np.zeros(shape, np.float32))
+    cid = put_tensor(store, block, **options)  # type: ignore[arg-type]
+    back = get_tensor(store, cid).values
+    assert back.dtype == np.float32 and back.shape == shape
+
+
+def _topk_block_claiming(shape: tuple[int, ...]) -> bytes:
+    """A valid topk block keeping no entry (k=0) of a tensor of `shape`: a few hundred bytes."""
+    header = {
+        "dtype": "float32",
+        "encoding": "topk",
+        "kind": "tensor",
+        "meta": {},
+        "name": "",
+        "num_samples": 0,
+        "params": {"k": 0},
+        "shape": list(shape),
+        "v": 1,
+    }
+    fields = [pa.field("indices", pa.int64(), False), pa.field("values", pa.float32(), False)]
+    schema = pa.schema(fields, metadata={b"tensorswap.block": json.dumps(header).encode()})
+    columns = [pa.array([], pa.int64()), pa.array([], pa.float32())]
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def test_chunk_header_cannot_claim_more_values_than_the_manifest(
+    store: BlockStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    topk = type(ENCODINGS[Encoding.TOPK])
+    built: list[int] = []
+    real_decode = topk.decode
+
+    def spy(self: object, cols: object, params: object, dtype: object, size: int) -> np.ndarray:
+        built.append(size)
+        return real_decode(self, cols, params, dtype, size)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(topk, "decode", spy)
+    raw = _topk_block_claiming((1 << 20,))
+    chunk = store.put(raw)
+    lie = _tensor_manifest(
+        shape=(1,), encoding="topk", chunks=(ChunkRef(chunk.to_bytes(), 1, len(raw)),)
+    )
+    cid = store.put(encode_manifest(lie), codec=Multicodec.TENSORSWAP_MANIFEST)
+    with pytest.raises(MalformedManifest, match="chunk 0"):
+        get_tensor(store, cid)
+    assert built == []  # refused from the header: no tensor of 2**20 values was built
 
 
 def test_model_update_validates() -> None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from tensorswap.cid import Cid, HashFunction, Multicodec, byte_view
 from tensorswap.codec import DType, Encoding, TensorBlock, as_numpy, decode_block, encode_block
+from tensorswap.codec.arrow import MAX_DECODED_VALUES
 from tensorswap.errors import CodecError, InvalidCid, StoreError
 
 if TYPE_CHECKING:
@@ -301,12 +302,12 @@ def _load_tensor(
             raise MalformedManifest(f"chunk {i} ({chunk.cid}) is {buf.nbytes} bytes", cid)
     if len(buffers) == 1:
         values = _decode_chunk(buffers[0], manifest, 0, dtype, cid)
-    elif not exact:
+    elif not exact and buffers:
         # Compressed or lossy chunks: decode (and so check) every one before allocating.
         indices = range(len(chunks))
         decode = lambda i: _decode_chunk(buffers[i], manifest, i, dtype, cid)  # noqa: E731
         values = np.concatenate(_map(decode, indices, threads))
-    else:
+    else:  # uncompressed dense chunks, or none at all (a tensor of zero values)
         values = np.empty(manifest.size, dtype=dtype.numpy)
         offsets = [0, *itertools.accumulate(chunk.values for chunk in chunks)]
 
@@ -325,9 +326,12 @@ def _decode_chunk(
 ) -> np.ndarray:
     chunk = manifest.chunks[index]
     try:
-        piece = decode_block(buf)
+        # The manifest's value count bounds what the block's header may make the decoder
+        # build: a small topk or compressed chunk cannot claim a huge shape.
+        piece = decode_block(buf, max_values=min(chunk.values, MAX_DECODED_VALUES))
     except CodecError as exc:
-        raise MalformedManifest(f"chunk {index} ({chunk.cid}): {exc}", cid) from exc
+        reason = f"chunk {index} ({chunk.cid}) holds no valid block of {chunk.values} values"
+        raise MalformedManifest(f"{reason}: {exc}", cid) from exc
     if piece.dtype is not dtype or piece.shape != (chunk.values,):
         raise MalformedManifest(
             f"chunk {index} ({chunk.cid}) holds {piece.dtype} {list(piece.shape)}, "
