@@ -105,6 +105,15 @@ def test_reassemble_never_allocates_a_claimed_giant_layer() -> None:
         reassemble([make_fragment("s", 1, [liar], schema=SLICE_SCHEMA)])
 
 
+@pytest.mark.timeout(10)
+def test_reassemble_checks_a_shape_of_many_huge_dims_quickly() -> None:
+    from tensorswap.delta import DweLayerDelta
+
+    liar = DweLayerDelta(0, (2**64 - 1,) * 200_000 + (0,), np.zeros(4, np.float32))
+    with pytest.raises(SplitError, match="claims"):
+        reassemble([make_fragment("s", 1, [liar], schema=SLICE_SCHEMA)])
+
+
 def test_cap_too_small_for_one_value() -> None:
     _, _, fragment = _delta([(100,)])
     with pytest.raises(SplitError):

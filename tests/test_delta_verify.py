@@ -23,7 +23,9 @@ from tensorswap.delta import (
     SequenceRejected,
     SequenceTracker,
     StateHashMismatch,
+    StateMismatch,
     UnknownSchema,
+    apply_fragment,
     decode_fragment_signed,
     encode_fragment,
     extract_delta_fragment,
@@ -125,6 +127,29 @@ def test_inconsistent_layers_rejected(schema, shape, count, reason) -> None:
     with pytest.raises(InvalidLayout) as info:
         FragmentVerifier().verify(make_fragment("s", 1, [layer], schema=schema))
     assert info.value.reason is reason
+
+
+# About what one 8 MiB frame can carry: 10**6 dims. Their exact product is a big int whose
+# computation grows quadratically (minutes); checking the layout must stay linear.
+MANY_HUGE_DIMS = (2**64 - 1,) * 200_000
+
+
+@pytest.mark.timeout(10)
+def test_a_shape_of_many_huge_dims_is_refused_quickly() -> None:
+    layer = DweLayerDelta(0, MANY_HUGE_DIMS, np.zeros(1, np.float32))
+    with pytest.raises(InvalidLayout) as info:
+        FragmentVerifier().verify(make_fragment("s", 1, [layer]))
+    assert info.value.reason is RejectReason.LAYOUT
+    assert "200000 dims" in str(info.value) and len(str(info.value)) < 1000
+
+
+@pytest.mark.timeout(10)
+def test_a_slice_of_a_shape_of_many_huge_dims_is_checked_quickly() -> None:
+    layer = DweLayerDelta(0, (*MANY_HUGE_DIMS, 0), np.zeros(1, np.float32))
+    fragment = make_fragment("s", 1, [layer], schema=SLICE_SCHEMA)
+    assert FragmentVerifier().verify(fragment) is KeyUsed.NONE  # in bounds of that shape
+    with pytest.raises(StateMismatch):
+        apply_fragment([np.zeros(1, np.float32)], fragment)
 
 
 def test_non_finite_values_rejected_unless_allowed() -> None:

@@ -317,12 +317,28 @@ class LayerTarget:
     sliced: bool
 
 
-def element_count(dims: Iterable[int]) -> int:
-    """Number of elements of a shape (1 for a scalar), as an exact Python int."""
+def element_count(dims: Iterable[int], limit: int | None = None) -> int:
+    """Number of elements of a shape (1 for a scalar), as an exact Python int.
+
+    With ``limit``, a count above it is returned as ``limit + 1`` as soon as that is known, so a
+    received shape of many huge dims costs linear time instead of a quadratic big-int product.
+    """
+    dims = tuple(dims)
+    if 0 in dims:
+        return 0
     total = 1
     for dim in dims:
         total *= dim
+        if limit is not None and total > limit:
+            return limit + 1
     return total
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    """A shape for an error message: in full when short, else its first dims and its rank."""
+    if len(shape) <= 8:
+        return str(list(shape))
+    return f"[{', '.join(map(str, shape[:8]))}, ...] ({len(shape)} dims)"
 
 
 def layer_target(schema: str, layer: DweLayerDelta) -> LayerTarget:
@@ -332,18 +348,20 @@ def layer_target(schema: str, layer: DweLayerDelta) -> LayerTarget:
         if not layer.shape:
             raise LayerLayoutError(layer.layer_index, "a slice entry needs [*shape, offset]")
         shape, offset = layer.shape[:-1], layer.shape[-1]
-        total = element_count(shape)
+        total = element_count(shape, limit=offset + count)
         if offset + count > total:
             raise LayerLayoutError(
                 layer.layer_index,
-                f"slice [{offset}, {offset + count}) exceeds {total} values of shape {list(shape)}",
+                f"slice [{offset}, {offset + count}) exceeds {total} values of shape "
+                f"{_shape_text(shape)}",
             )
         return LayerTarget(shape, offset, count, sliced=True)
-    total = element_count(layer.shape)
+    total = element_count(layer.shape, limit=count)
     if total != count:
+        holds = f"more than {count}" if total > count else str(total)
         raise LayerLayoutError(
             layer.layer_index,
-            f"shape {list(layer.shape)} holds {total} values but {count} were sent",
+            f"shape {_shape_text(layer.shape)} holds {holds} values but {count} were sent",
         )
     return LayerTarget(layer.shape, 0, count, sliced=False)
 

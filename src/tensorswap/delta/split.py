@@ -160,9 +160,9 @@ def reassemble(parts: Sequence[DweFragment]) -> DweFragment:
             layers.append(layer)
             continue
         if open_layer is None:
-            total = element_count(target.shape)
+            total = element_count(target.shape, limit=carried)
             if total > carried:
-                detail = f"claims {total} values, the parts carry {carried}"
+                detail = f"claims more than the {carried} values the parts carry"
                 raise SplitError(f"layer {layer.layer_index} {detail}")
             buffer = np.empty(total, dtype="<f4")
             open_layer = _Assembly(layer.layer_index, target.shape, buffer)
