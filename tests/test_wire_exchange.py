@@ -31,6 +31,7 @@ from tensorswap.wire.connection import FrameConnection, Timeouts, prepare_block
 from tensorswap.wire.errors import (
     AuthenticationFailed,
     BlockHashMismatch,
+    ChecksumMismatch,
     ConnectionFailed,
     PeerTimeout,
     RemoteError,
@@ -228,6 +229,32 @@ async def test_block_that_does_not_match_its_cid_is_not_stored() -> None:
     await serving
     assert isinstance(server.errors[-1], BlockHashMismatch)
     assert not dst.has(claimed) and dst.size().blocks == 0
+    await a.aclose()
+
+
+@pytest.mark.parametrize("where", ["data", "cid"])
+async def test_corrupted_block_frame_is_a_checksum_mismatch_and_not_stored(where: str) -> None:
+    dst = MemoryStore()
+    server = BlockServer(dst)
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(server.handle(b))
+    client = await BlockClient.open(a)
+    data = bytes(range(256)) * 64
+    cid = Cid.of(data)
+    block = prepare_block(cid, data)
+    prefix = bytearray(block.prefix)
+    body = bytearray(data)
+    if where == "data":
+        body[100] ^= 1  # the server checks this frame's CRC32C off the event loop
+    else:
+        prefix[3] ^= 0x40  # the CID no longer parses: still reported as the CRC mismatch
+    await client.transport.send(block.header, bytes(prefix), bytes(body))
+    with pytest.raises(RemoteError) as info:
+        await client.commit([])
+    assert info.value.code == "checksum_mismatch"
+    await serving
+    assert isinstance(server.errors[-1], ChecksumMismatch)
+    assert dst.size().blocks == 0
     await a.aclose()
 
 

@@ -33,6 +33,7 @@ from tensorswap.wire.frames import (
     FrameHeader,
     FrameKind,
     crc32c,
+    crc32c_combine,
     pack_block_prefix,
     parse_block_prefix,
 )
@@ -60,6 +61,16 @@ def test_crc32c_known_vector_and_buffers() -> None:
     data = np.arange(1000, dtype=np.float32)
     assert crc32c(data) == google_crc32c.value(data.tobytes())
     assert crc32c(b"6789", crc32c(b"12345")) == 0xE3069283
+
+
+@given(st.binary(max_size=300), st.binary(max_size=300))
+def test_crc32c_combine_joins_two_checksums(a: bytes, b: bytes) -> None:
+    assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
+
+
+def test_crc32c_combine_over_a_block_sized_gap() -> None:
+    a, b = b"prefix", np.arange(1 << 20, dtype=np.uint32).tobytes()  # 4 MiB
+    assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
 
 
 def test_header_layout_is_documented_bytes() -> None:

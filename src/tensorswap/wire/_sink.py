@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tensorswap.cid import Cid
 from tensorswap.errors import HashMismatch
 from tensorswap.store.base import BlockStore
+from tensorswap.wire.connection import BlockFrame
 from tensorswap.wire.errors import BlockHashMismatch
 
 __all__ = ["BlockSink"]
@@ -17,12 +18,13 @@ __all__ = ["BlockSink"]
 class BlockSink:
     """Stores blocks received from a peer while the next frames are read.
 
-    Guarantees: each block is hash-checked against its CID before it is stored (a mismatch
-    raises BlockHashMismatch and stores nothing of that block); blocks are stored in the order
-    submitted (one worker thread), so a manifest sent after its chunks is never visible
-    before them; at most ``depth`` blocks wait in memory. ``drain`` waits for everything
-    submitted and raises the first failure. ``close`` waits for blocks already submitted,
-    even on error or cancel, so that what arrived whole is kept (resume relies on it).
+    Guarantees: each block's frame CRC32C (when still due) and its hash are checked before
+    it is stored (a mismatch raises ChecksumMismatch / BlockHashMismatch and stores nothing
+    of that block); blocks are stored in the order submitted (one worker thread), so a
+    manifest sent after its chunks is never visible before them; at most ``depth`` blocks
+    wait in memory. ``drain`` waits for everything submitted and raises the first failure.
+    ``close`` waits for blocks already submitted, even on error or cancel, so that what
+    arrived whole is kept (resume relies on it).
     """
 
     def __init__(self, store: BlockStore, depth: int = 4) -> None:
@@ -33,19 +35,26 @@ class BlockSink:
         self._pending: deque[tuple[Cid, asyncio.Future[int]]] = deque()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-sink")
 
-    def _put(self, cid: Cid, data: memoryview) -> int:
+    def _put(self, block: BlockFrame) -> int:
+        block.check_crc()  # a frame whose CRC32C is still due is checked first
         try:
-            self.store.put_verified(cid, data, adopt=True)
+            # one hashing thread: blocks arrive one after another and the loop thread, the
+            # sender and the next block's CRC need the other cores
+            self.store.put_verified(block.cid, block.data, adopt=True, threads=1)
         except HashMismatch as exc:
-            raise BlockHashMismatch(cid, exc.actual) from exc
-        return data.nbytes
+            raise BlockHashMismatch(block.cid, exc.actual) from exc
+        return block.data.nbytes
 
-    async def submit(self, cid: Cid, data: memoryview) -> None:
-        """Queue ``data`` to be checked and stored; waits while ``depth`` blocks are queued."""
+    async def submit(self, block: BlockFrame) -> None:
+        """Queue ``block`` to be checked and stored; waits while ``depth`` blocks are queued.
+
+        A block whose frame CRC32C is still due (``block.frame``) is checked here too: a
+        mismatch raises ChecksumMismatch and stores nothing of it.
+        """
         while len(self._pending) >= self.depth:
             await self._settle_oldest()
         loop = asyncio.get_running_loop()
-        self._pending.append((cid, loop.run_in_executor(self._pool, self._put, cid, data)))
+        self._pending.append((block.cid, loop.run_in_executor(self._pool, self._put, block)))
 
     @property
     def queued(self) -> set[Cid]:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ssl as ssl_module
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Self
@@ -21,7 +22,7 @@ from tensorswap.store.manifest import (
     read_manifest,
 )
 from tensorswap.wire._chunks import PreparedChunk, TensorChunker, update_manifest_chunk
-from tensorswap.wire._pipeline import prefetched
+from tensorswap.wire._pipeline import cpu_workers, prefetched
 from tensorswap.wire._sink import BlockSink
 from tensorswap.wire.auth import client_handshake
 from tensorswap.wire.connection import (
@@ -239,23 +240,27 @@ class BlockClient:
         hash: HashFunction = HashFunction.BLAKE3,
         compression: CompressionChoice = Compression.NONE,
         progress: Progress | None = None,
-        prefetch: int = 2,
+        prefetch: int = 16,
         batch: int = 8,
     ) -> PushResult:
         """Chunk, hash and send ``tensor`` in one pipeline, then commit its manifest.
 
-        Chunks are hashed and checksummed in worker threads, at most ``prefetch`` ahead of
-        the socket, and sent straight from the tensor's memory (no chunk is copied unless it
-        is compressed). Every ``batch`` chunks are offered first and only those the server
-        lacks are sent, so calling this again after a broken connection resumes the
-        transfer. The root CID equals ``put_tensor(store, tensor, chunk_bytes=...,
-        hash=...)``. The tensor must not be modified until this returns.
+        Chunks are hashed and checksummed in worker threads, at most ``prefetch`` chunks
+        ahead of the socket (they are views of the tensor, so this costs no memory unless
+        they are compressed), and sent straight from the tensor's memory. Every ``batch``
+        chunks are offered and only those the server lacks are sent; the next batch is
+        offered before this one's blocks go out, so no round trip stalls the stream.
+        Calling this again after a broken connection resumes the transfer. The root CID
+        equals ``put_tensor(store, tensor, chunk_bytes=..., hash=...)``. The tensor must not
+        be modified until this returns.
         """
         async with self._lock:
             tally = _Tally(time.perf_counter(), self.transport.bytes_sent)
+            offers = _Offers(self, tally, progress, tensor.nbytes)
             root = await self._stream_tensor(
-                tensor, tally, chunk_bytes, hash, compression, progress, prefetch, batch, None
+                tensor, offers, chunk_bytes, hash, compression, prefetch, batch
             )
+            await offers.flush()
             await self._commit([root], tally.sent_blocks, tally.sent_bytes)
         return tally.result([root], self.transport.bytes_sent)
 
@@ -267,7 +272,7 @@ class BlockClient:
         hash: HashFunction = HashFunction.BLAKE3,
         compression: CompressionChoice = Compression.NONE,
         progress: Progress | None = None,
-        prefetch: int = 2,
+        prefetch: int = 16,
         batch: int = 8,
     ) -> PushResult:
         """``push_tensor`` for every tensor of ``update``, then its update manifest; commit.
@@ -277,87 +282,60 @@ class BlockClient:
         async with self._lock:
             tally = _Tally(time.perf_counter(), self.transport.bytes_sent)
             total = sum(int(values.nbytes) for values in update.tensors.values())
+            offers = _Offers(self, tally, progress, total)
             tensors: list[tuple[str, Cid]] = []
             for name, values in update.tensors.items():
                 cid = await self._stream_tensor(
                     TensorBlock(name, values),
-                    tally,
+                    offers,
                     chunk_bytes,
                     hash,
                     compression,
-                    progress,
                     prefetch,
                     batch,
-                    total,
                 )
                 tensors.append((name, cid))
             manifest = update_manifest_chunk(
                 update.name, update.num_samples, tensors, dict(update.metadata), hash
             )
-            await self._offer_and_send([manifest], tally, None, 0)
+            await offers.offer([manifest])
+            await offers.flush()
             await self._commit([manifest.cid], tally.sent_blocks, tally.sent_bytes)
         return tally.result([manifest.cid], self.transport.bytes_sent)
 
     async def _stream_tensor(
         self,
         tensor: TensorBlock,
-        tally: _Tally,
+        offers: _Offers,
         chunk_bytes: int,
         hash: HashFunction,
         compression: CompressionChoice,
-        progress: Progress | None,
         prefetch: int,
         batch: int,
-        total: int | None,
     ) -> Cid:
+        """Offer (and send what is wanted of) the tensor's chunks, then its manifest.
+
+        Blocks of the last offers may still be unsent when this returns: ``offers.flush``.
+        """
         chunker = await asyncio.to_thread(
             TensorChunker, tensor, chunk_bytes=chunk_bytes, hash=hash, compression=compression
         )
         refs: list[ChunkRef] = []
         waiting: list[PreparedChunk] = []
-        total = tensor.nbytes if total is None else total
-        async with contextlib.aclosing(
-            prefetched(chunker.starts, chunker.prepare, prefetch)
-        ) as chunks:
+        hashed = prefetched(chunker.starts, chunker.prepare, prefetch, cpu_workers())
+        async with contextlib.aclosing(hashed) as chunks:
             async for chunk in chunks:
                 assert chunk.ref is not None  # chunks always have one
                 refs.append(chunk.ref)
                 waiting.append(chunk)
                 if len(waiting) >= batch:
-                    await self._offer_and_send(waiting, tally, progress, total)
+                    await offers.offer(waiting)
                     waiting = []
         if waiting:
-            await self._offer_and_send(waiting, tally, progress, total)
+            await offers.offer(waiting)
         manifest = chunker.manifest(refs)
-        await self._offer_and_send([manifest], tally, None, 0)
+        await offers.offer([manifest])
         return manifest.cid
-
-    async def _offer_and_send(
-        self,
-        chunks: list[PreparedChunk],
-        tally: _Tally,
-        progress: Progress | None,
-        total: int,
-    ) -> None:
-        fresh = []
-        for chunk in chunks:  # equal chunks of one tensor are offered and sent once
-            if chunk.cid not in tally.seen:
-                tally.seen.add(chunk.cid)
-                fresh.append(chunk)
-        tally.offered += len(fresh)
-        if not fresh:
-            return
-        wanted = set(await self._missing([c.cid for c in fresh]))
-        limit = self.welcome.max_block_bytes
-        for chunk in fresh:
-            if chunk.frame.raw_len > limit:
-                raise FrameTooLarge(f"block {chunk.cid}", chunk.frame.raw_len, limit)
-            if chunk.cid in wanted:
-                await self.conn.send_prepared(chunk.frame)
-                tally.sent_blocks += 1
-                tally.sent_bytes += chunk.frame.raw_len
-                if progress is not None:
-                    progress(tally.sent_bytes, total)
 
     async def put_blocks(
         self,
@@ -459,7 +437,7 @@ class BlockClient:
                 wanted = set(batch)
                 await self.conn.send_message(Get(cids=wire_cids(batch)), self._next_stream())
                 while True:
-                    frame = await self.conn.receive_frame()
+                    frame = await self.conn.receive_frame(defer_block_crc=True)
                     if frame.header.kind is not FrameKind.BLOCK:
                         got = self.conn.expect(frame, Got)
                         assert isinstance(got, Got)  # expect() checked the type
@@ -468,7 +446,7 @@ class BlockClient:
                     block = self.conn.parse_block(frame)
                     if block.cid not in wanted:
                         raise ProtocolViolation(f"server sent block {block.cid}, not asked for")
-                    await sink.submit(block.cid, block.data)
+                    await sink.submit(block)
             await sink.drain()
         finally:
             await sink.close()
@@ -495,6 +473,67 @@ class BlockClient:
                     fetched_bytes += nbytes
                 frontier = await asyncio.to_thread(_links, into, frontier)
         return PullResult(root, blocks, fetched, fetched_bytes, time.perf_counter() - start)
+
+
+class _Offers:
+    """Offers batches of prepared blocks and sends the wanted ones, one offer ahead.
+
+    The next batch's Offer goes out before the previous batch's blocks, so its Want is
+    already back when those are sent: the stream never waits a round trip. Blocks leave in
+    offer order (a manifest offered after its chunks is sent after them). Each CID is
+    offered once per push.
+    """
+
+    def __init__(self, client: BlockClient, tally: _Tally, progress: Progress | None, total: int):
+        self.client = client
+        self.tally = tally
+        self.progress = progress
+        self.total = total
+        self.pending: deque[tuple[list[PreparedChunk], int]] = deque()
+
+    async def offer(self, chunks: list[PreparedChunk]) -> None:
+        tally = self.tally
+        fresh = []
+        for chunk in chunks:  # equal chunks of one push are offered and sent once
+            if chunk.cid not in tally.seen:
+                tally.seen.add(chunk.cid)
+                fresh.append(chunk)
+        tally.offered += len(fresh)
+        if not fresh:
+            return
+        limit = self.client.welcome.max_block_bytes
+        for chunk in fresh:
+            if chunk.frame.raw_len > limit:
+                raise FrameTooLarge(f"block {chunk.cid}", chunk.frame.raw_len, limit)
+        stream = self.client._next_stream()
+        offer = Offer(cids=wire_cids([c.cid for c in fresh]))
+        await self.client.conn.send_message(offer, stream)
+        self.pending.append((fresh, stream))
+        while len(self.pending) > 1:
+            await self._send_oldest()
+
+    async def flush(self) -> None:
+        """Send the wanted blocks of every batch offered so far."""
+        while self.pending:
+            await self._send_oldest()
+
+    async def _send_oldest(self) -> None:
+        chunks, stream = self.pending.popleft()
+        conn = self.client.conn
+        want, answered = await conn.receive_message(Want)
+        if answered != stream:
+            raise ProtocolViolation(f"Want on stream {answered}, expected {stream}")
+        wanted = set(parse_cids(want.cids, "Want"))
+        if not wanted <= {c.cid for c in chunks}:
+            raise ProtocolViolation("Want names CIDs that were not offered")
+        tally = self.tally
+        for chunk in chunks:
+            if chunk.cid in wanted:
+                await conn.send_prepared(chunk.frame)
+                tally.sent_blocks += 1
+                tally.sent_bytes += chunk.frame.raw_len
+                if self.progress is not None and chunk.ref is not None:
+                    self.progress(tally.sent_bytes, self.total)
 
 
 def _closure(store: BlockStore, roots: Iterable[Cid]) -> list[Cid]:

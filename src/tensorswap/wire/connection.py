@@ -7,9 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
-import numpy as np
-
 from tensorswap.cid import Cid
+from tensorswap.wire._buffers import receive_buffers
 from tensorswap.wire.errors import (
     ChecksumMismatch,
     PeerTimeout,
@@ -26,6 +25,7 @@ from tensorswap.wire.frames import (
     FrameKind,
     compress,
     crc32c,
+    crc32c_combine,
     decompress,
     pack_block_prefix,
     parse_block_prefix,
@@ -83,20 +83,51 @@ class Timeouts:
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """A received frame whose payload CRC32C has been checked."""
+    """A received frame; its payload CRC32C has been checked unless ``checked`` is False.
+
+    Only ``receive_frame(defer_block_crc=True)`` returns unchecked (BLOCK) frames; their
+    check then happens in ``BlockFrame.check_crc``, before anything uses the bytes.
+    """
 
     header: FrameHeader
     payload: memoryview
+    checked: bool = True
+
+    def check_crc(self) -> None:
+        """Raise ChecksumMismatch unless the payload matches the header's CRC32C."""
+        _check_crc(self.header, self.payload)
 
 
 @dataclass(frozen=True, slots=True)
 class BlockFrame:
-    """A received block: its claimed CID and its (decompressed) bytes, not yet hash-checked."""
+    """A received block: its claimed CID and its (decompressed) bytes, not yet hash-checked.
+
+    When the frame's CRC32C is still to be checked, ``frame`` holds it: call ``check_crc``
+    (in a worker thread, say) before trusting ``cid`` or ``data``.
+    """
 
     cid: Cid
     data: memoryview
     wire_bytes: int
     compression: Compression
+    frame: Frame | None = None
+
+    def check_crc(self) -> None:
+        """Check the frame's CRC32C if that is still due (ChecksumMismatch)."""
+        if self.frame is not None:
+            self.frame.check_crc()
+
+
+def _check_crc(header: FrameHeader, payload: memoryview) -> None:
+    actual = crc32c(payload)
+    if actual != header.payload_crc:
+        raise ChecksumMismatch(
+            None,
+            header.payload_crc,
+            actual,
+            algorithm="crc32c",
+            what=f"{header.kind.name} frame (stream {header.stream_id})",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,11 +159,15 @@ def prepare_block(
     data: Buffer | Sequence[Buffer],
     compression: Compression = Compression.NONE,
     stream_id: int = 0,
+    *,
+    data_crc: int | None = None,
 ) -> PreparedBlock:
     """Checksum (and compress, if asked) a block given whole or as consecutive parts.
 
     CPU-bound, safe to run in a worker thread. Parts are checksummed in place, not copied,
     unless compression is asked for; compression is dropped for a block it would not shrink.
+    ``data_crc``, the CRC32C of the (uncompressed) parts if the caller already computed it,
+    saves reading them again.
     """
     if isinstance(data, list | tuple):
         parts = tuple(_flat(part) for part in data)
@@ -147,10 +182,13 @@ def prepare_block(
         else:
             compression = Compression.NONE
     prefix = pack_block_prefix(cid, raw_len)
-    crc = crc32c(prefix)
-    for part in parts:
-        crc = crc32c(part, crc)
     length = len(prefix) + sum(part.nbytes for part in parts)
+    if data_crc is not None and compression is Compression.NONE:
+        crc = crc32c_combine(crc32c(prefix), data_crc, raw_len)
+    else:
+        crc = crc32c(prefix)
+        for part in parts:
+            crc = crc32c(part, crc)
     header = FrameHeader(FrameKind.BLOCK, length, crc, stream_id, int(compression)).pack()
     return PreparedBlock(header, prefix, parts, raw_len)
 
@@ -208,7 +246,10 @@ class FrameConnection:
         return timeout
 
     async def receive_frame(
-        self, *, timeout: float | Literal["read", "idle"] | None = "read"
+        self,
+        *,
+        timeout: float | Literal["read", "idle"] | None = "read",
+        defer_block_crc: bool = False,
     ) -> Frame:
         """The next frame, CRC-checked.
 
@@ -216,7 +257,8 @@ class FrameConnection:
         server waits ``"idle"`` between requests); the payload then must arrive within
         ``Timeouts.read``. Raises StreamEnded (clean EOF before a header), UnexpectedEof (EOF
         inside a frame), PeerTimeout, ProtocolViolation/FrameTooLarge (bad header; nothing
-        allocated) or ChecksumMismatch.
+        allocated) or ChecksumMismatch. With ``defer_block_crc``, a BLOCK frame is returned
+        unchecked (``checked=False``) for the caller to check off the event loop.
         """
         seconds = self._seconds(timeout)
         try:
@@ -233,24 +275,18 @@ class FrameConnection:
             max_payload=self.limits.max_message_bytes,
             max_block_payload=self.limits.max_block_payload,
         )
-        # Bounded by unpack above. Uninitialised memory: it is filled completely before any
-        # use, and skipping bytearray's zero-fill saves a pass over fresh pages.
-        payload = memoryview(np.empty(header.payload_len, dtype=np.uint8))  # type: ignore[arg-type]
+        # Bounded by unpack above. Uninitialised (it is filled completely before any use)
+        # and recycled: fresh pages cost more than the bytes received into them.
+        payload = receive_buffers().take(header.payload_len)
         what = f"{header.kind.name} payload ({header.payload_len} bytes)"
         try:
             async with asyncio.timeout(self.timeouts.read):
                 await self.transport.receive_exactly(payload, what)
         except TimeoutError as exc:
             raise PeerTimeout(what, self.timeouts.read or 0.0, self.peer) from exc
-        actual = crc32c(payload)
-        if actual != header.payload_crc:
-            raise ChecksumMismatch(
-                None,
-                header.payload_crc,
-                actual,
-                algorithm="crc32c",
-                what=f"{header.kind.name} frame (stream {header.stream_id})",
-            )
+        if defer_block_crc and header.kind is FrameKind.BLOCK:
+            return Frame(header, payload, checked=False)
+        _check_crc(header, payload)
         return Frame(header, payload)
 
     async def receive_message(
@@ -283,15 +319,32 @@ class FrameConnection:
         return message
 
     def parse_block(self, frame: Frame) -> BlockFrame:
-        """Split a BLOCK frame into CID and bytes (decompressed, bounded by the limits)."""
+        """Split a BLOCK frame into CID and bytes (decompressed, bounded by the limits).
+
+        An unchecked frame (see ``receive_frame``) stays unchecked only if it is
+        uncompressed and well formed: anything that fails here is CRC-checked first, so
+        that corruption is reported as ChecksumMismatch, not as a malformed block.
+        """
         if frame.header.kind is not FrameKind.BLOCK:
             raise ProtocolViolation(f"expected a BLOCK frame, got {frame.header.kind.name}")
-        prefix = parse_block_prefix(frame.payload, max_raw_len=self.limits.max_block_bytes)
-        body = frame.payload[prefix.size :]
-        data = decompress(body, frame.header.compression, prefix.raw_len)
+        if not frame.checked and frame.header.compression is not Compression.NONE:
+            frame.check_crc()
+            frame = Frame(frame.header, frame.payload)
+        try:
+            prefix = parse_block_prefix(frame.payload, max_raw_len=self.limits.max_block_bytes)
+            body = frame.payload[prefix.size :]
+            data = decompress(body, frame.header.compression, prefix.raw_len)
+        except ProtocolViolation:
+            if not frame.checked:
+                frame.check_crc()
+            raise
         view = data if isinstance(data, memoryview) else memoryview(data)
         return BlockFrame(
-            prefix.cid, view, HEADER_SIZE + frame.payload.nbytes, frame.header.compression
+            prefix.cid,
+            view,
+            HEADER_SIZE + frame.payload.nbytes,
+            frame.header.compression,
+            None if frame.checked else frame,
         )
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "choose_compression",
     "compress",
     "crc32c",
+    "crc32c_combine",
     "decompress",
     "pack_block_prefix",
     "parse_block_prefix",
@@ -101,6 +102,42 @@ def crc32c(data: Buffer, value: int = 0) -> int:
     if not isinstance(data, bytes):
         data = pa.py_buffer(data)  # google-crc32c takes only buffers without a release hook
     return int(google_crc32c.extend(value, data))
+
+
+# CRC combination (as zlib's crc32_combine, for the reflected Castagnoli polynomial): lets a
+# sender checksum a block's data while hashing it, before the prefix (which holds the hash)
+# is known, then join the two CRCs without reading the data again.
+_CRC32C_POLY = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC polynomial (reflected bit order)."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) mod p for k = 0..63
+for _ in range(63):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC32C of ``A + B`` from ``crc1 = crc32c(A)``, ``crc2 = crc32c(B)``, ``len(B)``."""
+    shift = 1 << 31  # x^0
+    n, k = len2, 3  # multiply crc1 by x^(8 * len2)
+    while n:
+        if n & 1:
+            shift = _multmodp(_X2N[k & 63], shift)
+        n >>= 1
+        k += 1
+    return _multmodp(shift, crc1) ^ crc2
 
 
 @dataclass(frozen=True, slots=True)

@@ -212,13 +212,14 @@ class BlockServer:
         in_transfer = False
         while True:
             try:
-                frame = await conn.receive_frame(timeout="read" if in_transfer else "idle")
+                frame = await conn.receive_frame(
+                    timeout="read" if in_transfer else "idle", defer_block_crc=True
+                )
             except StreamEnded:
                 return
             stream_id = frame.header.stream_id
             if frame.header.kind is FrameKind.BLOCK:
-                block = conn.parse_block(frame)
-                await sink.submit(block.cid, block.data)
+                await sink.submit(conn.parse_block(frame))
                 continue
             message = conn.expect(frame, Offer, Commit, Get, Request)
             if isinstance(message, Offer):

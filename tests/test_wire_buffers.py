@@ -1,0 +1,59 @@
+"""Receive buffers: recycled slabs come back only when nothing uses them any more."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+from tensorswap.store import MemoryStore
+from tensorswap.wire._buffers import ReceiveBuffers
+
+
+def test_small_payloads_are_plain_buffers() -> None:
+    pool = ReceiveBuffers(min_bytes=1024)
+    view = pool.take(100)
+    assert view.nbytes == 100 and not view.readonly
+    assert pool.allocated == pool.reused == 0
+
+
+def test_a_slab_is_reused_once_every_view_of_it_is_gone() -> None:
+    pool = ReceiveBuffers(keep_bytes=8 << 20, min_bytes=1024)
+    first = pool.take((3 << 20) + 5)
+    first[:4] = b"abcd"
+    kept = first[1:3].toreadonly()  # a derived view keeps the slab in use
+    del first
+    gc.collect()
+    assert pool.idle_bytes == 0
+    assert bytes(kept) == b"bc"
+    del kept
+    gc.collect()
+    assert pool.idle_bytes == 4 << 20  # rounded up to whole MiB
+    again = pool.take(4 << 20)
+    assert again.nbytes == 4 << 20
+    assert (pool.allocated, pool.reused) == (1, 1)
+
+
+def test_an_adopted_block_holds_its_slab_until_the_store_lets_go() -> None:
+    pool = ReceiveBuffers(keep_bytes=8 << 20, min_bytes=1024)
+    view = pool.take(1 << 20)
+    view[:] = np.arange(1 << 18, dtype=np.uint32).tobytes()
+    store = MemoryStore()
+    cid = store.put(view, adopt=True)
+    del view
+    gc.collect()
+    assert pool.idle_bytes == 0
+    assert store.get(cid, verify=True).nbytes == 1 << 20
+    del store
+    gc.collect()
+    assert pool.idle_bytes == 1 << 20
+
+
+def test_idle_slabs_beyond_the_limit_are_freed() -> None:
+    pool = ReceiveBuffers(keep_bytes=2 << 20, min_bytes=1024)
+    views = [pool.take(1 << 20) for _ in range(4)]
+    del views
+    gc.collect()
+    assert pool.idle_bytes == 2 << 20
+    pool.clear()
+    assert pool.idle_bytes == 0
