@@ -80,3 +80,28 @@ def test_bfloat16_state_stays_16_bit() -> None:
     m = model().to(torch.bfloat16)
     tensors = tensors_of(m)
     assert str(tensors["0.weight"].dtype) == "bfloat16"
+
+
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float32])
+def test_load_tensors_takes_bfloat16_values(target: object) -> None:
+    source = model().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1.0)
+    m = model().to(target)
+    load_tensors(m, tensors_of(source))
+    wants = source.state_dict()
+    for name, got in m.state_dict().items():
+        want = wants[name]
+        assert got.dtype == target, name
+        assert torch.equal(got, want.to(target)), name
+
+
+def test_load_tensors_takes_read_only_arrays() -> None:
+    a, b = model(), model()
+    new = {k: v + 1 for k, v in tensors_of(a).items()}
+    for values in new.values():
+        values.flags.writeable = False
+    load_tensors(b, new)
+    for name, values in tensors_of(b).items():
+        np.testing.assert_array_equal(values, new[name])

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorswap.codec.dtypes import as_numpy
+from tensorswap.codec.dtypes import as_numpy, to_torch
 from tensorswap.errors import AggregateShapeMismatch, TensorSwapError
 
 
@@ -53,8 +53,10 @@ def gradients_of(module: Any) -> dict[str, np.ndarray]:
 def load_tensors(module: Any, tensors: Mapping[str, Any], *, strict: bool = True) -> None:
     """Copy named tensors into the module's parameters and buffers, checked first.
 
-    All names and shapes are checked before anything is written, so a mismatch leaves the
-    module untouched. With strict=False, names absent from `tensors` keep their values.
+    All names and shapes are checked, and every value converted to torch (bfloat16 included),
+    before anything is written, so a mismatch leaves the module untouched. Values are cast to
+    each target's dtype and device by the copy. With strict=False, names absent from `tensors`
+    keep their values.
     """
     import torch
 
@@ -67,12 +69,12 @@ def load_tensors(module: Any, tensors: Mapping[str, Any], *, strict: bool = True
     for name, arr in arrays.items():
         if tuple(arr.shape) != tuple(state[name].shape):
             raise AggregateShapeMismatch(tuple(state[name].shape), arr.shape, context=name)
+    # torch.from_numpy cannot take ml_dtypes.bfloat16; to_torch shares writable memory and
+    # copies read-only arrays (decoded blocks) once.
+    sources = {name: to_torch(arr) for name, arr in arrays.items()}
     with torch.no_grad():
-        for name, arr in arrays.items():
-            target = state[name]
-            target.copy_(
-                torch.from_numpy(np.array(arr, dtype=arr.dtype, copy=True)).to(target.dtype)
-            )
+        for name, source in sources.items():
+            state[name].copy_(source)
 
 
 def delta_of(new: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, np.ndarray]:
