@@ -150,3 +150,35 @@ def test_inspect_truncated_block_is_an_error(
 def test_inspect_missing_file_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run(capsys, "inspect", str(tmp_path / "nope"))
     assert rc == 2 and "error" in err
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.array([1 + 2j, 3j], np.complex64),
+        np.array(["ab", "c"]),
+        np.array([True, False]),
+        np.zeros(2, [("a", "<i4"), ("b", "<f4")]),
+    ],
+)
+def test_inspect_npy_of_any_plain_dtype(
+    values: np.ndarray, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    np.save(tmp_path / "x.npy", values)
+    rc, out, _ = run(capsys, "inspect", str(tmp_path / "x.npy"))
+    info = json.loads(out)
+    assert rc == 0 and info["format"] == "npy" and len(info["values"]) == 2
+
+
+def test_inspect_npy_header_cannot_claim_more_than_the_file_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    np.save(tmp_path / "x.npy", np.zeros(2, np.float64))
+    raw = (tmp_path / "x.npy").read_bytes()
+    end = raw.index(b"\n")  # the header is padded with spaces up to its newline
+    header = raw[:end].replace(b"(2,)", b"(1099511627776,)")  # 8 TiB of float64
+    forged = header[:end] + raw[end:]  # np.load would allocate all of it before reading
+    assert len(forged) == len(raw)
+    f = _write(tmp_path / "big.npy", forged)
+    rc, out, err = run(capsys, "inspect", str(f))
+    assert rc == 2 and out == "" and err.startswith("error:") and "1099511627776" in err

@@ -21,7 +21,7 @@ from tensorswap.codec.garw import GarwBlock, compute_garw_cid, is_garw
 from tensorswap.codec.ipfrs import decode_ipfrs_gradient, is_ipfrs_gradient_file
 from tensorswap.delta.bincode import decode_fragment_file, looks_like_fragment_file
 from tensorswap.delta.fragment import compute_state_hash, describe_fragment
-from tensorswap.errors import CodecError, TensorSwapError
+from tensorswap.errors import CodecError, TensorSwapError, TruncatedData
 from tensorswap.store.manifest import TensorManifest, decode_manifest, is_manifest
 
 PREVIEW = 8
@@ -39,12 +39,17 @@ def _values(values: np.ndarray, everything: bool) -> list[Any]:
     flat = values.reshape(-1)
     if not everything:
         flat = flat[:PREVIEW]
-    if flat.dtype.kind == "f" or str(flat.dtype) == "bfloat16":
+    kind = flat.dtype.kind
+    if kind == "f" or str(flat.dtype) == "bfloat16":
         out: list[Any] = []
         for v in flat.astype(np.float64).tolist():
             out.append(v if math.isfinite(v) else str(v))  # JSON has no NaN/Inf
         return out
-    return [int(v) for v in flat.tolist()]
+    if kind == "b":
+        return [bool(v) for v in flat.tolist()]
+    if kind in "iu":
+        return [int(v) for v in flat.tolist()]
+    return [str(v) for v in flat.tolist()]  # complex, strings, dates, records (.npy)
 
 
 def _tensor_fields(
@@ -164,8 +169,20 @@ def _describe_arrow_stream(data: memoryview, all_: bool) -> dict[str, Any]:
 def _describe_npy(data: memoryview, all_: bool) -> dict[str, Any]:
     import io
 
+    fmt = np.lib.format
+    stream = io.BytesIO(data)
     try:
-        values = np.load(io.BytesIO(data), allow_pickle=False)
+        version = fmt.read_magic(stream)
+        # Version 3 differs from 2 only in the header's text encoding (UTF-8, not latin-1).
+        read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, _, dtype = read_header(stream)
+        # np.load allocates the whole array before reading it: bound the header's shape by the
+        # bytes the file holds first.
+        needed = stream.tell() + math.prod(shape) * dtype.itemsize
+        if needed > data.nbytes:
+            raise TruncatedData(f".npy array of shape {list(shape)}", needed, data.nbytes)
+        stream.seek(0)
+        values = np.load(stream, allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
         raise CodecError(f"damaged .npy file: {exc}") from exc
     return {
