@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tensorswap.cli import main
 from tensorswap.delta import (
@@ -97,6 +98,19 @@ def test_bad_peer_address_is_a_clean_error(tmp_path: Path, capsys) -> None:
     np.savez(base, w=np.zeros(2))
     assert main(["delta", "send", "--to", "nowhere", str(base), str(base)]) == 2
     assert "error: invalid DWE endpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("bad.npz", b"PK\x03\x04 not a zip"), ("bad.safetensors", b"\x10" + bytes(7) + b"{}")],
+)
+def test_damaged_state_file_is_a_clean_error(tmp_path: Path, capsys, name, content) -> None:
+    good, bad = tmp_path / "good.npz", tmp_path / name
+    np.savez(good, w=np.zeros(2))
+    bad.write_bytes(content)
+    assert main(["delta", "send", "--to", "127.0.0.1:1", str(bad), str(good)]) == 1
+    err = capsys.readouterr().err
+    assert "not a readable" in err and name in err
 
 
 def test_unreachable_peer_reports_what_was_not_sent(tmp_path: Path, capsys) -> None:

@@ -116,7 +116,8 @@ async def _listen(config: DweConfig, count: int, as_json: bool) -> None:
 
 
 def _load_npz(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path, allow_pickle=False) as archive:
+    # Our own file object: np.load(path) leaves its file open when the zip is damaged.
+    with open(path, "rb") as file, np.load(file, allow_pickle=False) as archive:
         return {name: np.array(archive[name]) for name in archive.files}
 
 
@@ -136,14 +137,16 @@ def _load_safetensors(path: Path) -> dict[str, Any]:
 def load_state(path: Path) -> dict[str, Any]:
     """Named arrays from a ``.npz`` or ``.safetensors`` file, in the file's name order."""
     suffix = path.suffix.lower()
+    if suffix not in (".npz", ".safetensors"):
+        raise click.BadParameter(f"{path}: expected a .npz or .safetensors file")
     try:
-        if suffix == ".npz":
-            return _load_npz(path)
-        if suffix == ".safetensors":
-            return _load_safetensors(path)
+        return _load_npz(path) if suffix == ".npz" else _load_safetensors(path)
+    except click.ClickException:
+        raise
     except OSError as exc:
         raise click.FileError(str(path), hint=str(exc)) from exc
-    raise click.BadParameter(f"{path}: expected a .npz or .safetensors file")
+    except Exception as exc:  # a damaged file: BadZipFile, ValueError, SafetensorError, ...
+        raise click.FileError(str(path), hint=f"not a readable {suffix} file: {exc}") from exc
 
 
 @delta.command("send")
