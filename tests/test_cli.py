@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tensorswap.cid import Cid
+from tensorswap.cid import Cid, HashFunction
 from tensorswap.cli import main
 from tensorswap.codec import TensorBlock, encode_block
 from tensorswap.codec.garw import GarwBlock
@@ -32,6 +34,27 @@ def test_cid_of_empty_file_matches_the_ipfs_vector(
     empty.write_bytes(b"")
     rc, out, _ = run(capsys, "cid", "--hash", "sha2-256", str(empty))
     assert (rc, out.strip()) == (0, EMPTY_SHA256_RAW)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_cid_of_a_pipe_hashes_what_flows_through_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    content = b"through a pipe, whose size is 0 until read"
+
+    def feed() -> None:
+        with open(fifo, "wb") as writer:
+            writer.write(content)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    try:
+        rc, out, _ = run(capsys, "cid", "--hash", "sha2-256", str(fifo))
+    finally:
+        feeder.join(10)
+    assert rc == 0 and out.strip() == str(Cid.of(content, hash=HashFunction.SHA2_256))
 
 
 def test_cid_defaults_to_blake3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

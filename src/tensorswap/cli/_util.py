@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,13 +14,25 @@ import click
 
 @contextlib.contextmanager
 def mapped(path: str | Path) -> Iterator[memoryview]:
-    """The file's bytes as a read-only memoryview over an mmap (empty files give b'')."""
+    """The file's bytes as a read-only memoryview over an mmap (empty files give b'').
+
+    A pipe or other non-regular file (``/dev/stdin``, ``<(cmd)``) is read to its end instead:
+    its size is not known up front and it cannot be mapped.
+    """
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below, after the mapping
     except OSError as exc:
         raise click.FileError(str(path), hint=exc.strerror or str(exc)) from exc
     with f:
-        size = Path(path).stat().st_size
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            try:
+                content = f.read()
+            except OSError as exc:
+                raise click.FileError(str(path), hint=exc.strerror or str(exc)) from exc
+            yield memoryview(content)
+            return
+        size = info.st_size
         if size == 0:
             yield memoryview(b"")
             return
