@@ -262,6 +262,53 @@ async def test_out_of_order_frames_over_tcp(tcp_pair: tuple[Transport, Transport
     np.testing.assert_array_equal(await GradientStreamSession().receive_from(server), values)
 
 
+def _frame(index: int, total: int, payload: bytes) -> bytes:
+    return struct.pack("<IIII", index, total, len(payload), zlib.crc32(payload)) + payload
+
+
+async def test_chunks_of_another_layout_are_decoded_in_full() -> None:
+    # Same lengths as the files this module writes, other bytes around the values (the
+    # index column, which readers ignore): the receiver must notice and decode them.
+    values = gradient(1000, 7)
+    parts = [values[i : i + 300] for i in range(0, 1000, 300)]
+    wire = b""
+    for index, part in enumerate(parts):
+        payload = bytearray(encode_ipfrs_gradient(part))
+        payload[200] ^= 0x5A  # inside the index column
+        wire += _frame(index, len(parts), bytes(payload))
+    got = await GradientStreamSession("s", 300).receive_from(await _feed(wire))
+    np.testing.assert_array_equal(got, values)
+
+
+async def test_a_corrupted_value_of_a_chunk_received_in_place_is_a_checksum_mismatch() -> None:
+    values = gradient(1000, 8)
+    chunks = GradientStreamSession("s", 300).encode_gradient(values)
+    payload = bytearray(chunks[1].payload)
+    payload[-400] ^= 1  # a value byte, not the footer
+    wire = b"".join(
+        c.header.pack() + bytes(c.payload)
+        if c.chunk_index != 1
+        else struct.pack("<IIII", 1, 4, len(payload), c.checksum) + bytes(payload)
+        for c in chunks
+    )
+    with pytest.raises(ChecksumMismatch) as info:
+        await GradientStreamSession("s", 300).receive_from(await _feed(wire))
+    assert (info.value.chunk_index, info.value.expected) == (1, chunks[1].checksum)
+    assert info.value.actual == zlib.crc32(payload)
+
+
+@pytest.mark.parametrize("receiver_chunk_size", [100, 300, 1000, DEFAULT_CHUNK_SIZE])
+async def test_receiver_with_another_chunk_size_still_reassembles(
+    receiver_chunk_size: int,
+) -> None:
+    values = gradient(2500, 9)
+    a, b = memory_pair(capacity=1 << 22)
+    await GradientStreamSession("s", 300).stream_to(values, a)
+    await a.aclose()
+    got = await GradientStreamSession("s", receiver_chunk_size).receive_from(b)
+    np.testing.assert_array_equal(got, values)
+
+
 async def test_eof_before_first_frame_is_stream_ended() -> None:
     with pytest.raises(StreamEnded):
         await GradientStreamSession().receive_from(await _feed(b""))

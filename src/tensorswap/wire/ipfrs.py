@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import struct
 import zlib
 from collections import deque
@@ -16,7 +17,7 @@ import numpy as np
 from tensorswap.codec.garw import float32_vector
 from tensorswap.codec.ipfrs import decode_ipfrs_gradient, encode_ipfrs_gradient
 from tensorswap.errors import CodecError
-from tensorswap.wire._pipeline import prefetched
+from tensorswap.wire._pipeline import cpu_workers, prefetched
 from tensorswap.wire.errors import (
     ChecksumMismatch,
     ChunkIndexOutOfRange,
@@ -52,6 +53,7 @@ DEFAULT_CHUNK_SIZE = 65_536
 FRAME_HEADER_SIZE = 16
 _FRAME = struct.Struct("<IIII")
 _CHECK_DEPTH = 4  # chunks checked (CRC-32, decode) in worker threads while the next arrive
+_BATCH = 16  # chunks checksummed per worker task (a thread hop per 65,536-value chunk costs)
 _U32_MAX = 2**32 - 1
 
 StreamReader = asyncio.StreamReader | Transport
@@ -130,6 +132,66 @@ class GradientChunk:
         return IpfrsFrameHeader(self.chunk_index, self.total_chunks, length, self.checksum)
 
 
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """The ipfrs gradient file of ``n`` values is ``prefix + values + suffix``.
+
+    Everything but the values (magic, schema, record-batch message, validity bitmaps, the
+    index column 0..n-1, padding, footer) depends on ``n`` alone, so a sender frames a chunk
+    from the gradient's own memory between two cached byte strings, and checksums only the
+    values (the prefix's CRC-32 is cached). A receiver that finds the same prefix and
+    suffix around the values knows where they are without decoding the file.
+    """
+
+    n: int
+    prefix: bytes
+    suffix: bytes
+    prefix_crc: int
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.prefix) + 4 * self.n + len(self.suffix)
+
+    def crc(self, values: Buffer) -> int:
+        """CRC-32 of ``prefix + values + suffix``, reading only ``values``."""
+        return zlib.crc32(self.suffix, zlib.crc32(values, self.prefix_crc)) & 0xFFFFFFFF
+
+    def frames_around(self, prefix: memoryview, suffix: memoryview) -> bool:
+        """Whether received prefix and suffix bytes are this template's."""
+        return _same(prefix, self.prefix) and _same(suffix, self.suffix)
+
+
+def _same(a: memoryview, b: bytes) -> bool:
+    return a.nbytes == len(b) and bool(
+        np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8))
+    )
+
+
+_TEMPLATE_MAX_VALUES = 1 << 22  # above this, chunks are encoded one by one (cache memory)
+
+
+@functools.lru_cache(maxsize=8)
+def _template(n: int) -> _Template | None:
+    """Where the values sit in ``encode_ipfrs_gradient`` of n values (encode twice, diff).
+
+    None if the file does not hold them verbatim in one place, or for chunks of more than
+    ``_TEMPLATE_MAX_VALUES`` values (callers then encode each chunk).
+    """
+    if n > _TEMPLATE_MAX_VALUES:
+        return None
+    zeros = encode_ipfrs_gradient(np.zeros(n, np.float32))
+    ones = encode_ipfrs_gradient(np.full(4 * n, 0xFF, np.uint8).view(np.float32))
+    if len(zeros) != len(ones):
+        return None
+    if n == 0:
+        return _Template(0, zeros, b"", crc32(zeros)) if zeros == ones else None
+    differ = np.flatnonzero(np.frombuffer(zeros, np.uint8) != np.frombuffer(ones, np.uint8))
+    start, end = int(differ[0]), int(differ[-1]) + 1
+    if end - start != 4 * n:
+        return None
+    return _Template(n, zeros[:start], zeros[end:], crc32(zeros[:start]))
+
+
 class GradientReassembler:
     """Collects the chunks of one stream in any order and checks each as it arrives.
 
@@ -144,6 +206,35 @@ class GradientReassembler:
         self.total: int | None = None
         self._claimed: set[int] = set()
         self._parts: dict[int, np.ndarray] = {}
+        self._out: np.ndarray | None = None  # the gradient, when chunks are received in place
+        self._stride = 0
+        self._placed: set[int] = set()
+
+    def place(self, index: int, stride: int, limit: int) -> np.ndarray | None:
+        """Where chunk ``index`` of ``stride`` values goes in the result, to receive into.
+
+        The result is allocated on first use, for ``total * stride`` values, only if that
+        is at most ``limit`` bytes and every chunk so far was placed with this stride;
+        otherwise None (receive the chunk apart). The values count once ``accept`` ed.
+        """
+        total = self.total
+        if total is None or index >= total - 1:  # the last chunk may be shorter
+            return None
+        if self._out is None:
+            if total * stride * 4 > limit:
+                return None
+            self._out = np.empty(total * stride, np.float32)
+            self._stride = stride
+        elif stride != self._stride:
+            return None
+        return self._out[index * stride : (index + 1) * stride]
+
+    def accept_placed(self, index: int) -> None:
+        """Keep the verified values received in place for a claimed chunk."""
+        assert self._out is not None
+        stride = self._stride
+        self._placed.add(index)
+        self._parts[index] = self._out[index * stride : (index + 1) * stride]
 
     @property
     def received(self) -> int:
@@ -206,6 +297,12 @@ class GradientReassembler:
             raise IncompleteStream(len(self._parts), self.total)
         if self.total == 1:
             return np.array(self._parts[0], dtype=np.float32)  # own the memory, writable
+        last = self._parts[self.total - 1]
+        out, stride = self._out, self._stride
+        if out is not None and len(self._placed) == self.total - 1 and last.size <= stride:
+            start = (self.total - 1) * stride  # every other chunk is in place already
+            out[start : start + last.size] = last
+            return out[: start + last.size]
         return np.concatenate([self._parts[i] for i in range(self.total)])
 
 
@@ -287,23 +384,39 @@ class GradientStreamSession:
     async def stream_to(self, gradient: Any, stream: StreamWriter, *, prefetch: int = 2) -> int:
         """Send ``gradient`` as ipfrs frames; return the number of chunks sent.
 
-        Chunks are encoded and checksummed in worker threads, at most ``prefetch`` ahead of
-        the socket. The stream is not closed (frames of several gradients may follow).
-        A cancel may leave a partial frame on the stream: close it then.
+        Each chunk's file is sent as a cached prefix, the chunk's values straight from the
+        gradient's memory, and a cached suffix (the bytes ``encode_ipfrs_gradient`` makes);
+        CRC-32s are computed in worker threads, ``prefetch`` batches of chunks ahead of the
+        socket. The stream is not closed (frames of several gradients may follow). A cancel
+        may leave a partial frame on the stream: close it then.
         """
         values = float32_vector(gradient)
         parts = self._slices(values)
         total = len(parts)
         if total > _U32_MAX:
             raise ValueError(f"{total} chunks do not fit the u32 total_chunks field")
+        batches = [range(i, min(i + _BATCH, total)) for i in range(0, total, _BATCH)]
 
-        def encode(item: tuple[int, np.ndarray]) -> GradientChunk:
-            return self._chunk(item[0], total, item[1])
+        def frame(indices: range) -> list[Buffer]:
+            out: list[Buffer] = []
+            for index in indices:
+                part = parts[index]
+                template = _template(part.size)
+                if template is None:  # a huge chunk size: encode the file
+                    chunk = self._chunk(index, total, part)
+                    out += (chunk.header.pack(), chunk.payload)
+                    continue
+                data = part.view(np.uint8).data
+                crc = template.crc(data)
+                head = _FRAME.pack(index, total, template.nbytes, crc)
+                out += (head, template.prefix, data, template.suffix)
+            return out
 
         try:
-            async with contextlib.aclosing(prefetched(enumerate(parts), encode, prefetch)) as it:
-                async for chunk in it:
-                    await _write(stream, chunk.header.pack(), chunk.payload)
+            framed = prefetched(batches, frame, prefetch, cpu_workers())
+            async with contextlib.aclosing(framed) as it:
+                async for pieces in it:
+                    await _write(stream, *pieces)
         except OSError as exc:
             raise ConnectionFailed(_peer(stream), str(exc)) from exc
         return total
@@ -316,13 +429,21 @@ class GradientStreamSession:
         it ends between frames with chunks missing, UnexpectedEof inside a frame,
         FrameTooLarge for lengths above ``limits`` (nothing allocated), PeerTimeout when a
         frame takes longer than ``read_timeout``, and the reassembler's chunk errors.
+
+        From a Transport, chunks of ``chunk_size`` values are received straight into the
+        result (no copy, no per-chunk buffers) when their files have the layout this module
+        writes; any other file is received apart, checked and decoded in full.
         """
         assembler = GradientReassembler()
-        checking: deque[tuple[int, asyncio.Future[np.ndarray]]] = deque()
+        checking: deque[tuple[list[int], asyncio.Future[list[np.ndarray | None]]]] = deque()
 
         async def settle_oldest() -> None:
-            index, future = checking.popleft()
-            assembler.accept(index, await future)
+            indices, future = checking.popleft()
+            for index, values in zip(indices, await future, strict=True):
+                if values is None:
+                    assembler.accept_placed(index)
+                else:
+                    assembler.accept(index, values)
 
         try:
             await self._receive_frames(stream, assembler, checking, settle_oldest)
@@ -339,11 +460,33 @@ class GradientStreamSession:
         self,
         stream: StreamReader,
         assembler: GradientReassembler,
-        checking: deque[tuple[int, asyncio.Future[np.ndarray]]],
+        checking: deque[tuple[list[int], asyncio.Future[list[np.ndarray | None]]]],
         settle_oldest: Callable[[], Awaitable[None]],
     ) -> None:
-        """Read frames until every chunk is claimed; CRC and decoding run in worker threads."""
+        """Read frames until every chunk is claimed; CRC and decoding run in worker threads.
+
+        Checks queue in batches; a batch goes to a worker when full, or when the frames
+        so far are all claimed (the last one), or when too many batches are in flight.
+        """
         total_bytes = 0
+        batch: list[tuple[int, _Check]] = []
+        loop = asyncio.get_running_loop()
+        template = None
+        if isinstance(stream, Transport) and 8 * self.chunk_size <= self.limits.max_payload_len:
+            template = _template(self.chunk_size)  # only chunks a frame could carry
+        scratch = np.empty(0 if template is None else template.nbytes - 4 * template.n, np.uint8)
+
+        async def flush() -> None:
+            nonlocal batch
+            if not batch:
+                return
+            while len(checking) >= _CHECK_DEPTH:
+                await settle_oldest()
+            work = [check for _, check in batch]
+            future = loop.run_in_executor(cpu_workers(), _run_checks, work)
+            checking.append(([index for index, _ in batch], future))
+            batch = []
+
         while assembler.total is None or assembler.claimed < assembler.total:
             try:
                 async with asyncio.timeout(self.read_timeout):
@@ -351,6 +494,7 @@ class GradientStreamSession:
                     if raw is None:
                         if assembler.claimed == 0:
                             raise StreamEnded("ipfrs gradient stream")
+                        await flush()
                         while checking:  # a bad chunk already in is the better error
                             await settle_oldest()
                         raise IncompleteStream(assembler.received, assembler.total)
@@ -362,30 +506,99 @@ class GradientStreamSession:
                             "ipfrs stream bytes", total_bytes, self.limits.max_total_bytes
                         )
                     what = f"ipfrs chunk {header.chunk_index} payload"
-                    payload = await _read(stream, header.payload_len, what, partial_ok=False)
+                    assembler.claim(header)
+                    check = None
+                    if (
+                        template is not None
+                        and isinstance(stream, Transport)
+                        and header.payload_len == template.nbytes
+                    ):
+                        check = await self._receive_in_place(
+                            stream, assembler, header, template, scratch, what
+                        )
+                    if check is None:
+                        payload = await _read(stream, header.payload_len, what, partial_ok=False)
+                        assert payload is not None
+                        chunk = GradientChunk(
+                            self.session_id,
+                            header.chunk_index,
+                            header.total_chunks,
+                            payload,
+                            header.checksum,
+                        )
+                        check = _Check(chunk, None)
             except TimeoutError as exc:
                 raise PeerTimeout(
                     "an ipfrs frame", self.read_timeout or 0.0, _peer(stream)
                 ) from exc
             except OSError as exc:
                 raise ConnectionFailed(_peer(stream), str(exc)) from exc
-            assert payload is not None
-            assembler.claim(header)
-            chunk = GradientChunk(
-                self.session_id, header.chunk_index, header.total_chunks, payload, header.checksum
-            )
-            while len(checking) >= _CHECK_DEPTH:
-                await settle_oldest()
-            future = asyncio.ensure_future(asyncio.to_thread(assembler.verify, chunk))
-            checking.append((header.chunk_index, future))
+            batch.append((header.chunk_index, check))
+            if len(batch) >= _BATCH or assembler.claimed == assembler.total:
+                await flush()
+        await flush()
+
+    async def _receive_in_place(
+        self,
+        stream: Transport,
+        assembler: GradientReassembler,
+        header: IpfrsFrameHeader,
+        template: _Template,
+        scratch: np.ndarray,
+        what: str,
+    ) -> _Check | None:
+        """Receive a chunk's values into the result and its other bytes into ``scratch``.
+
+        None if the chunk cannot go in place (nothing read then). A chunk whose bytes
+        around the values differ from ``template`` is rebuilt whole and checked in full.
+        """
+        index = header.chunk_index
+        target = assembler.place(index, template.n, self.limits.max_total_bytes)
+        if target is None:
+            return None
+        head = len(template.prefix)
+        around = memoryview(scratch)  # type: ignore[arg-type]
+        data = target.view(np.uint8).data
+        await stream.receive_exactly(around[:head], what)
+        await stream.receive_exactly(data, what)
+        await stream.receive_exactly(around[head:], what)
+        if template.frames_around(around[:head], around[head:]):
+            return _Check(None, (template, data, header))
+        whole = b"".join((around[:head], data, around[head:]))  # not our layout: check it all
+        chunk = GradientChunk(self.session_id, index, header.total_chunks, whole, header.checksum)
+        return _Check(chunk, None)
 
 
-async def _write(stream: StreamWriter, header: bytes, payload: Buffer) -> None:
+@dataclass(frozen=True, slots=True)
+class _Check:
+    """A received chunk to verify: a whole file, or values received in place."""
+
+    chunk: GradientChunk | None
+    placed: tuple[_Template, memoryview, IpfrsFrameHeader] | None
+
+
+def _run_checks(checks: list[_Check]) -> list[np.ndarray | None]:
+    """Verify received chunks (worker thread): their values, or None for those in place."""
+    out: list[np.ndarray | None] = []
+    for check in checks:
+        if check.chunk is not None:
+            out.append(GradientReassembler.verify(check.chunk))
+            continue
+        assert check.placed is not None
+        template, data, header = check.placed
+        actual = template.crc(data)
+        if actual != header.checksum:
+            raise ChecksumMismatch(header.chunk_index, header.checksum, actual)
+        out.append(None)
+    return out
+
+
+async def _write(stream: StreamWriter, *parts: Buffer) -> None:
     if isinstance(stream, Transport):
-        await stream.send(header, payload)
+        await stream.send(*parts)
     else:
-        stream.write(header)
-        stream.write(memoryview(payload))
+        for part in parts:
+            stream.write(memoryview(part))
         await stream.drain()
 
 
