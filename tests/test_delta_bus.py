@@ -220,6 +220,29 @@ async def test_unreachable_peer_gives_up_and_counts_a_failure() -> None:
     assert "gave up after 2 attempts" in (stats.last_error or "")
 
 
+async def test_a_peer_whose_name_cannot_resolve_fails_alone() -> None:
+    bad = "a" * 64 + ".invalid:9000"  # a DNS label over 63 characters: IDNA refuses to encode it
+    peer = Peer(1)
+    await peer.listener.start()
+    try:
+        config = DweConfig(
+            peers=(bad, str(peer.listener.endpoint)),
+            max_attempts=2,
+            backoff_initial=0.001,
+            backoff_max=0.001,
+        )
+        async with DweBus(config=config) as bus:
+            bus.broadcast(_fragments(1)[0])
+            async with asyncio.timeout(5):
+                await peer.done.wait()
+                await bus.flush()
+            stats = bus.telemetry()
+    finally:
+        await peer.listener.aclose()
+    assert (stats.sent, stats.send_failures, stats.queued) == (1, 1, 0)
+    assert "gave up after 2 attempts" in (stats.last_error or "")
+
+
 async def test_from_env_reads_axiom_peers(monkeypatch) -> None:
     monkeypatch.delenv("TENSORSWAP_DWE_PEERS", raising=False)
     monkeypatch.setenv("AXIOM_DWE_PEERS", "127.0.0.1:7001, ,127.0.0.1:7002")

@@ -312,7 +312,9 @@ class DweBus:
                     await self._send_persistent(peer, frame)
                 else:
                     await self._send_per_fragment(peer, frame)
-            except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            # UnicodeError: a host name IDNA cannot encode (say, a label over 63 characters)
+            # fails in getaddrinfo; like a refused connection, it fails this peer, not the bus.
+            except (OSError, TimeoutError, asyncio.IncompleteReadError, UnicodeError) as exc:
                 error = exc
                 await peer.disconnect()
                 peer.delay = min(
