@@ -22,6 +22,7 @@ from tensorswap.delta import (
     extract_delta_fragment,
     sign_fragment,
 )
+from tensorswap.errors import DeltaError
 
 KEY = b"fleet"
 
@@ -223,3 +224,10 @@ def test_require_key_refuses_to_start_without_one() -> None:
     with pytest.raises(DeltaConfigError):
         DweListener(require_key=True)
     DweListener(require_key=True, config=DweConfig(keys=FleetKeys(KEY)))
+
+
+async def test_a_host_name_idna_refuses_is_a_delta_error() -> None:
+    listener = DweListener()
+    with pytest.raises(DeltaError, match="cannot listen"):
+        await listener.start("a" * 64 + ".invalid", 0)  # a label over 63 characters
+    await listener.aclose()

@@ -115,8 +115,9 @@ class DweListener:
             self._server = await asyncio.start_server(
                 self._on_connect, bind_host, bind_port, limit=_READ_LIMIT
             )
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:  # UnicodeError: a host name IDNA refuses
             await self._group.__aexit__(None, None, None)
+            self._group = None
             raise DeltaError(f"cannot listen on {bind_host}:{bind_port}: {exc}") from exc
         sockname = self._server.sockets[0].getsockname()
         self.endpoint = Endpoint(str(sockname[0]), int(sockname[1]))
