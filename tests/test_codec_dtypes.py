@@ -142,6 +142,14 @@ def test_to_torch_copies_read_only_memory(torch: Any) -> None:
     assert a[0] == 0.0
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_to_torch_of_negative_strides(torch: Any, dtype: Any) -> None:
+    a = np.arange(6).astype(dtype).reshape(2, 3)[::-1, ::-2]
+    t = to_torch(a)
+    assert t.shape == (2, 2)
+    assert t.float().tolist() == a.astype(np.float32).tolist()
+
+
 def test_to_torch_of_big_endian(torch: Any) -> None:
     assert to_torch(np.arange(3, dtype=">f8")).tolist() == [0.0, 1.0, 2.0]
 

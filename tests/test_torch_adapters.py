@@ -105,3 +105,9 @@ def test_load_tensors_takes_read_only_arrays() -> None:
     load_tensors(b, new)
     for name, values in tensors_of(b).items():
         np.testing.assert_array_equal(values, new[name])
+
+
+def test_load_tensors_takes_views_with_negative_strides() -> None:
+    m = torch.nn.Linear(5, 1, bias=False)
+    load_tensors(m, {"weight": np.arange(5, dtype=np.float32)[::-1].reshape(1, 5)})
+    assert m.weight.tolist() == [[4.0, 3.0, 2.0, 1.0, 0.0]]

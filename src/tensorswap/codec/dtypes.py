@@ -137,14 +137,17 @@ def as_numpy(values: object) -> np.ndarray:
 
 
 def to_torch(values: np.ndarray) -> Any:
-    """A torch tensor sharing `values`' memory where torch allows it (bfloat16 included)."""
+    """A torch tensor sharing `values`' memory where torch allows it (bfloat16 included).
+
+    Read-only arrays and arrays with a negative stride (``a[::-1]``) are copied once: torch
+    cannot mark a tensor read-only and refuses negative strides.
+    """
     import torch
 
     values = as_numpy(values)
     dtype = DType.of(values.dtype)
-    if not values.flags.writeable:
-        # torch.from_numpy warns on read-only memory; copy once instead of sharing it.
-        values = values.copy()
+    if not values.flags.writeable or any(stride < 0 for stride in values.strides):
+        values = values.copy()  # C-contiguous and writable
     if dtype is DType.BFLOAT16:
         return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(values)
