@@ -6,7 +6,9 @@ import contextlib
 import mmap
 import os
 import secrets
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +24,7 @@ FORMAT_LINE = b"tensorswap-blockstore 1\n"
 _TMP_SUFFIX = ".tmp"
 _WRITE_STEP = 1 << 30  # os.write moves at most ~2 GiB per call on Linux; write in 1 GiB steps
 _HEX = frozenset("0123456789abcdef")
+_OWN_WRITES_KEPT = 1 << 16  # blocks remembered as written by this store (trust_own_writes)
 
 
 class DirectoryStore(BlockStore):
@@ -38,6 +41,11 @@ class DirectoryStore(BlockStore):
       CorruptBlock naming the CID and the path, its bytes are never returned, and the file is
       moved to ``<root>/quarantine/`` so that ``has`` turns False and the block can be put
       (fetched) again.
+    - ``trust_own_writes=True``: a block this store object wrote itself (after hashing its
+      bytes in ``put`` / ``put_verified``) is not re-hashed by ``get`` while its file is
+      still the one written (same inode, size and modification time); anything else, and
+      everything after a restart, is re-hashed as usual. For a server that verified what
+      it received and reads it back soon after (the rounds coordinator).
     - Lifetime: the returned memoryview owns the mapping. It stays valid (also after the
       block is deleted, since POSIX keeps an unlinked file's pages) until the view and every
       object built on it (numpy arrays, slices) are garbage collected; then the mapping is
@@ -52,10 +60,14 @@ class DirectoryStore(BlockStore):
         fsync: bool = False,
         verify_reads: bool = True,
         create: bool = True,
+        trust_own_writes: bool = False,
     ) -> None:
         self.root = Path(root)
         self.fsync = fsync
         self.verify_reads = verify_reads
+        self.trust_own_writes = trust_own_writes
+        self._own: OrderedDict[Cid, tuple[int, int, int]] = OrderedDict()
+        self._own_lock = threading.Lock()
         self._blocks = os.path.join(self.root, "blocks")
         self._quarantine = os.path.join(self.root, "quarantine")
         fmt = self.root / "FORMAT"
@@ -93,9 +105,14 @@ class DirectoryStore(BlockStore):
             raise StoreError(f"cannot stat {path}: {exc}") from exc
         try:
             self._makedirs(os.path.dirname(path))
-            self._write_file_atomic(path, data)
+            written = self._write_file_atomic(path, data)
         except OSError as exc:
             raise StoreError(f"cannot write block {cid} to {path}: {exc}") from exc
+        if self.trust_own_writes:
+            with self._own_lock:
+                self._own[cid] = _identity(written)
+                if len(self._own) > _OWN_WRITES_KEPT:
+                    self._own.popitem(last=False)
 
     def _makedirs(self, directory: str) -> None:
         if os.path.isdir(directory):
@@ -107,7 +124,8 @@ class DirectoryStore(BlockStore):
             if self.fsync:
                 _fsync_dir(parent)
 
-    def _write_file_atomic(self, path: str, data: memoryview) -> None:
+    def _write_file_atomic(self, path: str, data: memoryview) -> os.stat_result:
+        """Write ``data`` to ``path`` atomically; the written file's stat."""
         directory, name = os.path.split(path)
         tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}{_TMP_SUFFIX}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -119,6 +137,7 @@ class DirectoryStore(BlockStore):
                     done += os.write(fd, data[done : done + _WRITE_STEP])
                 if self.fsync:
                     os.fsync(fd)
+                written = os.fstat(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -128,6 +147,7 @@ class DirectoryStore(BlockStore):
             raise
         if self.fsync:
             _fsync_dir(directory)
+        return written
 
     # ── reading ──────────────────────────────────────────────────────────────
     def get(self, cid: Cid, *, verify: bool | None = None) -> memoryview:
@@ -156,7 +176,11 @@ class DirectoryStore(BlockStore):
             raise StoreError(f"cannot map block {cid} at {path}: {exc}") from exc
         finally:
             os.close(fd)
-        if (self.verify_reads if verify is None else verify) and not cid.matches(view):
+        check = self.verify_reads if verify is None else verify
+        if check and verify is None and self.trust_own_writes:
+            with self._own_lock:
+                check = self._own.get(cid) != _identity(stat)
+        if check and not cid.matches(view):
             actual = Cid.of(view, codec=cid.codec, hash=cid.hash)
             view.release()
             if mapping is not None:
@@ -195,6 +219,8 @@ class DirectoryStore(BlockStore):
             raise StoreError(f"cannot stat block {cid} at {path}: {exc}") from exc
 
     def delete(self, cid: Cid) -> bool:
+        with self._own_lock:
+            self._own.pop(cid, None)
         path = self.path_of(cid)
         try:
             os.unlink(path)
@@ -270,6 +296,11 @@ class DirectoryStore(BlockStore):
 
     def __repr__(self) -> str:
         return f"DirectoryStore({str(self.root)!r}, fsync={self.fsync})"
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int, int]:
+    """What must stay the same for a file to count as the one this store wrote."""
+    return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 def _list_dir(path: str) -> list[os.DirEntry[str]]:

@@ -1,0 +1,70 @@
+"""DirectoryStore(trust_own_writes=True): no re-hash of blocks it wrote, unless they changed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tensorswap.cid import Cid
+from tensorswap.errors import CorruptBlock
+from tensorswap.store import DirectoryStore
+
+DATA = bytes(range(256)) * 1024
+
+
+@pytest.fixture
+def hashed(monkeypatch: pytest.MonkeyPatch) -> list[Cid]:
+    """Every CID whose bytes a read re-hashes."""
+    seen: list[Cid] = []
+    original = Cid.matches
+
+    def spy(self: Cid, data: object) -> bool:
+        seen.append(self)
+        return original(self, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Cid, "matches", spy)
+    return seen
+
+
+def test_a_block_this_store_wrote_is_read_without_rehashing(
+    tmp_path: Path, hashed: list[Cid]
+) -> None:
+    store = DirectoryStore(tmp_path, trust_own_writes=True)
+    cid = store.put(DATA)
+    assert bytes(store.get(cid)) == DATA
+    assert hashed == []
+    store.get(cid, verify=True)  # an explicit request still hashes
+    assert hashed == [cid]
+
+
+def test_blocks_of_other_writers_and_of_earlier_runs_are_rehashed(
+    tmp_path: Path, hashed: list[Cid]
+) -> None:
+    cid = DirectoryStore(tmp_path, trust_own_writes=True).put(DATA)
+    reopened = DirectoryStore(tmp_path, trust_own_writes=True)
+    reopened.get(cid)
+    assert hashed == [cid]
+    assert reopened.put(DATA) == cid  # already held: not written, so still not trusted
+    reopened.get(cid)
+    assert hashed == [cid, cid]
+
+
+def test_a_file_changed_behind_the_store_is_rehashed_and_caught(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path, trust_own_writes=True)
+    cid = store.put(DATA)
+    path = store.path_of(cid)
+    damaged = bytearray(DATA)
+    damaged[7] ^= 1
+    os.unlink(path)
+    Path(path).write_bytes(bytes(damaged))  # another file now (inode, mtime differ)
+    with pytest.raises(CorruptBlock):
+        store.get(cid)
+
+
+def test_without_the_option_every_read_rehashes(tmp_path: Path, hashed: list[Cid]) -> None:
+    store = DirectoryStore(tmp_path)
+    cid = store.put(DATA)
+    store.get(cid)
+    assert hashed == [cid]
