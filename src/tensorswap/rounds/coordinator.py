@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +31,7 @@ from tensorswap.rounds.deadline import (
 from tensorswap.rounds.errors import InvalidUpdate, RoundFailed, RoundNotFound, UpdateMismatch
 from tensorswap.rounds.fold import Bounds, assemble, load_pieces
 from tensorswap.rounds.persist import RoundDatabase
+from tensorswap.rounds.result import put_pieces
 from tensorswap.rounds.state import (
     Complete,
     Contribution,
@@ -179,7 +180,7 @@ class Coordinator:
         Both are created if missing, reopened otherwise, and closed by ``close``.
         """
         root = Path(data_dir)
-        store = DirectoryStore(root / STORE_DIRNAME)
+        store = DirectoryStore(root / STORE_DIRNAME, trust_own_writes=True)
         journal = RoundDatabase.in_dir(root, durable=durable)
         try:
             return cls(store, journal=journal, owns=True, **kwargs)  # type: ignore[arg-type]
@@ -355,10 +356,10 @@ class Coordinator:
         finally:
             self._forget(round_id)
         seconds = time.perf_counter() - started
-        self.tracker.mark_complete(round_id, str(cid))
-        self._count(rounds_completed=1, aggregation_seconds=seconds)
-        with self._lock:
+        with self._lock:  # counted before Complete wakes anyone who then reads them
             self._counters["last_aggregation_seconds"] = seconds
+        self._count(rounds_completed=1, aggregation_seconds=seconds)
+        self.tracker.mark_complete(round_id, str(cid))
         log.info("round %s complete in %.3f s: %s", round_id, seconds, cid)
 
     def _compute(self, round_id: RoundId) -> Cid:
@@ -381,7 +382,20 @@ class Coordinator:
                 result, bounds = work.acc.result(), work.bounds
                 work.reset()  # free the sums before building and storing the result
                 layout = info.layout or self._layout_of(contributions[0])
-                values = assemble(result.values, bounds, layout)  # type: ignore[arg-type]
+                pieces: dict[str, np.ndarray] = result.values  # type: ignore[assignment]
+                # chunk by chunk from the pieces when they are cut as put_update cuts
+                cid = put_pieces(
+                    self.store,
+                    pieces,
+                    bounds,
+                    layout,
+                    num_samples=result.total_samples,
+                    metadata=_result_metadata(info, result.used, result.dropped),
+                    name=info.round_id.as_key(),
+                )
+                if cid is not None:
+                    return cid
+                values = assemble(pieces, bounds, layout)
             else:
                 inputs = [
                     AggregateInput(dict(self._load(c).tensors), c.num_samples)
@@ -395,12 +409,7 @@ class Coordinator:
                     want = DType.parse(layer.dtype).numpy
                     if values[layer.name].dtype != want:
                         values[layer.name] = values[layer.name].astype(want)
-        metadata = {
-            "round": info.round_id.as_key(),
-            "strategy": info.spec.strategy,
-            "contributors": str(len(result.used)),
-            "dropped": str(len(result.dropped)),
-        }
+        metadata = _result_metadata(info, result.used, result.dropped)
         update = ModelUpdate(values, result.total_samples, metadata, name=info.round_id.as_key())
         return put_update(self.store, update)
 
@@ -478,3 +487,13 @@ class Coordinator:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _result_metadata(info: RoundInfo, used: Sized, dropped: Sized) -> dict[str, str]:
+    """The metadata stored with a round's aggregate."""
+    return {
+        "round": info.round_id.as_key(),
+        "strategy": info.spec.strategy,
+        "contributors": str(len(used)),
+        "dropped": str(len(dropped)),
+    }
