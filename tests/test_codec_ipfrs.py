@@ -302,3 +302,37 @@ def test_corrupted_files_raise_only_codec_errors(edits: list[tuple[int, int]]) -
         data[at] = byte
     with contextlib.suppress(CodecError):
         decode_ipfrs_gradient(bytes(data))
+
+
+def _compressed_file(values: np.ndarray, codec: str = "zstd") -> bytes:
+    table = pa.table(
+        {"index": pa.array(np.arange(values.size, dtype=np.int32)), "value": pa.array(values)}
+    )
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression=codec)
+    with pa.ipc.new_file(sink, table.schema, options=options) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def test_compressed_file_decodes() -> None:
+    values = np.linspace(0, 1, 1000, dtype=np.float32)
+    np.testing.assert_array_equal(decode_ipfrs_gradient(_compressed_file(values)), values)
+
+
+def test_compressed_buffer_claiming_a_huge_size_is_refused_before_allocation() -> None:
+    values = np.linspace(0, 1, 1000, dtype=np.float32)
+    data = bytearray(_compressed_file(values))
+    claimed = struct.pack("<q", values.nbytes)  # the value buffer's decompressed-size prefix
+    at = data.find(claimed)
+    assert at > 0
+    data[at : at + 8] = struct.pack("<q", 2**40)
+    with pytest.raises(MalformedBlock, match="decompressed"):
+        decode_ipfrs_gradient(bytes(data))
+
+
+def test_row_count_above_max_values_is_refused() -> None:
+    data = encode_ipfrs_gradient(np.zeros(100, np.float32))
+    with pytest.raises(MalformedBlock, match="over 99 values"):
+        decode_ipfrs_gradient(data, max_values=99)
+    assert decode_ipfrs_gradient(data, max_values=100).size == 100

@@ -47,6 +47,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import pyarrow as pa
 
+from tensorswap.codec._ipcmeta import _I32, _Table, batch_layout, check_decompressed_sizes
 from tensorswap.codec.garw import FieldOverflow, float32_vector
 from tensorswap.errors import CodecError, InvalidMagic, MalformedBlock, TruncatedData
 
@@ -427,17 +428,64 @@ def _column_values(column: pa.Array) -> np.ndarray:
     return np.frombuffer(data, dtype="<f4", count=len(column), offset=4 * column.offset)
 
 
-def decode_ipfrs_gradient(data: Any) -> np.ndarray:
+_BLOCK = struct.Struct(
+    "<qi4xq"
+)  # org.apache.arrow.flatbuf.Block {offset, metaDataLength, bodyLength}
+_FOOTER_RECORD_BATCHES = 3  # Footer {version, schema, dictionaries, recordBatches, ...}
+
+
+def _check_batches(buf: pa.Buffer, max_values: int) -> None:
+    """Bound every record batch the footer lists before pyarrow reads (and decompresses) it.
+
+    Row counts must sum to at most `max_values`; a compressed body buffer may not claim more
+    decompressed bytes than its batch's rows can need. Without this, a small file whose
+    compressed buffer claims 2**40 bytes makes pyarrow allocate that much.
+    """
+    view = memoryview(buf)
+    size = len(view)
+    footer_length = int(_I32.unpack_from(view, size - 10)[0])
+    footer = view[size - 10 - footer_length : size - 10]
+    try:
+        root = _Table(footer, int(struct.unpack_from("<I", footer, 0)[0]))
+        start, count = root.vector(_FOOTER_RECORD_BATCHES)
+    except struct.error as exc:
+        raise MalformedBlock(f"unreadable Arrow IPC file footer: {exc}") from exc
+    if start < 0 or start + count * _BLOCK.size > len(footer):
+        raise MalformedBlock("Arrow IPC file footer lists more record batches than it holds")
+    rows = 0
+    for i in range(count):
+        offset, meta_length, body_length = _BLOCK.unpack_from(footer, start + i * _BLOCK.size)
+        end = offset + meta_length + body_length
+        if offset < 0 or meta_length <= 0 or body_length < 0 or end > size:
+            raise MalformedBlock(f"record batch {i} lies outside the {size}-byte file")
+        try:
+            message = pa.ipc.read_message(buf.slice(offset, meta_length + body_length))
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise MalformedBlock(f"bad record batch {i} in Arrow IPC file: {exc}") from exc
+        layout = batch_layout(memoryview(message.metadata))
+        if layout.length < 0:
+            raise MalformedBlock(f"record batch {i} declares {layout.length} rows")
+        rows += layout.length
+        if rows > max_values:
+            raise MalformedBlock(f"Arrow IPC file declares over {max_values} values")
+        body = memoryview(message.body) if message.body is not None else memoryview(b"")
+        # Widest ipfrs column is 4 bytes a row; other columns of a foreign file may be wider.
+        check_decompressed_sizes(layout, body, layout.length * 8 + 64)
+
+
+def decode_ipfrs_gradient(data: Any, *, max_values: int = MAX_VALUES) -> np.ndarray:
     """The gradient of an ipfrs gradient file: every batch's ``value`` column, concatenated.
 
     The ``index`` column is ignored, as by the seed; so are validity bitmaps (raw values are
     returned). With exactly one batch the result is a read-only view of `data`, not a copy.
     Raises MissingValueColumn or ValueColumnNotFloat32 (the seed's messages), InvalidMagic,
     TruncatedData or MalformedBlock; never a pyarrow exception. Unlike the seed, the column
-    check also applies to a file of zero batches.
+    check also applies to a file of zero batches, and every batch's row count and declared
+    decompressed sizes are bounded (at most `max_values` values in all) before any is read.
     """
     opened = _open(data)
     index = _value_index(opened.columns)
+    _check_batches(_as_arrow_buffer(data), max_values)
     reader = opened.reader
     try:
         parts = [
