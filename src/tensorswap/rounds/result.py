@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -22,6 +25,8 @@ from tensorswap.store import (
 
 __all__ = ["put_pieces"]
 
+_WORKERS = 4  # threads encoding, hashing and writing chunks (at most one per core)
+
 
 def put_pieces(
     store: BlockStore,
@@ -37,9 +42,10 @@ def put_pieces(
 
     Applies when every tensor's pieces are cut where ``put_update`` cuts chunks (default
     chunk size) and already have the layout's dtype: then each piece is encoded into one
-    reused buffer, hashed and stored as its chunk, and the manifests follow, giving the
-    CID ``put_update`` gives for the assembled tensors, without assembling them. Returns
-    None (nothing stored) when it does not apply; the caller assembles instead.
+    reused buffer, hashed and stored as its chunk (a few in parallel, each thread with its
+    own buffer), and the manifests follow in order, giving the CID ``put_update`` gives for
+    the assembled tensors, without assembling them. Returns None (nothing stored) when it
+    does not apply; the caller assembles instead.
     """
     plans = []
     for layer in layout:
@@ -55,30 +61,37 @@ def put_pieces(
             return None
         plans.append((layer, dtype, row))
     refs = []
-    buffer: np.ndarray | None = None
-    for layer, dtype, row in plans:
-        chunks = []
-        for piece in row:
-            block = TensorBlock("", piece)
-            need = encoded_size(block)
-            if buffer is None or buffer.nbytes < need:
-                buffer = np.empty(need, np.uint8)
-            length = encode_block_into(block, buffer)
-            data = memoryview(buffer)[:length]  # type: ignore[arg-type]
-            cid = store.put(data)  # copied out by the store: the buffer is reused
-            chunks.append(ChunkRef(cid.to_bytes(), piece.size, length))
-        manifest = TensorManifest(
-            name=layer.name,
-            dtype=dtype.value,
-            shape=tuple(layer.shape),
-            num_samples=0,
-            encoding="dense",
-            compression="",
-            chunks=tuple(chunks),
-            metadata={},
-        )
-        tensor_cid = store.put(encode_manifest(manifest), codec=Multicodec.TENSORSWAP_MANIFEST)
-        refs.append(TensorRef(layer.name, tensor_cid.to_bytes()))
+    local = threading.local()  # one encoding buffer per worker thread, reused
+
+    def put_chunk(piece: np.ndarray) -> ChunkRef:
+        block = TensorBlock("", piece)
+        need = encoded_size(block)
+        buffer: np.ndarray | None = getattr(local, "buffer", None)
+        if buffer is None or buffer.nbytes < need:
+            buffer = local.buffer = np.empty(need, np.uint8)
+        length = encode_block_into(block, buffer)
+        data = memoryview(buffer)[:length]  # type: ignore[arg-type]
+        # copied out by the store, so the buffer is reused; workers hash single-threaded
+        cid = store.put(data, threads=1)
+        return ChunkRef(cid.to_bytes(), piece.size, length)
+
+    workers = max(1, min(_WORKERS, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="tensorswap-result") as pool:
+        for layer, dtype, row in plans:
+            chunks = list(pool.map(put_chunk, row))  # in order: the manifest lists them so
+            manifest = TensorManifest(
+                name=layer.name,
+                dtype=dtype.value,
+                shape=tuple(layer.shape),
+                num_samples=0,
+                encoding="dense",
+                compression="",
+                chunks=tuple(chunks),
+                metadata={},
+            )
+            manifest_bytes = encode_manifest(manifest)
+            tensor_cid = store.put(manifest_bytes, codec=Multicodec.TENSORSWAP_MANIFEST)
+            refs.append(TensorRef(layer.name, tensor_cid.to_bytes()))
     update = UpdateManifest(
         name=name, num_samples=num_samples, tensors=tuple(refs), metadata=dict(metadata)
     )
