@@ -297,7 +297,18 @@ def run(mib: int, reps: int, directory: str | None) -> dict[str, float]:
     rates = {name: _gbps(nbytes, secs) for name, secs in times.items()}
     print(f"\n{mib} MiB float32, loopback TCP, median of {reps} (GB/s = 1e9 bytes/s):")
     for name, rate in rates.items():
-        print(f"  {name:28s} {rate:6.2f} GB/s   ({statistics.median(times[name]) * 1e3:7.1f} ms)")
+        secs = times[name]
+        spread = f"{nbytes / max(secs) / 1e9:.2f}-{nbytes / min(secs) / 1e9:.2f}"
+        median_ms = statistics.median(secs) * 1e3
+        print(f"  {name:28s} {rate:6.2f} GB/s   ({median_ms:7.1f} ms; spread {spread} GB/s)")
+    raw = times["raw socket"]
+    for name in ("tensorswap (end to end)", "flight DoPut"):
+        if name in times:  # each rep against the raw transfer of the same turn
+            ratios = [r / t for r, t in zip(raw, times[name], strict=True)]
+            print(
+                f"  per turn, {name} / raw: median {statistics.median(ratios):.2f}"
+                f" (min {min(ratios):.2f}, max {max(ratios):.2f})"
+            )
     return rates
 
 
