@@ -164,14 +164,50 @@ def test_clipping_scales_before_folding() -> None:
 
 
 def test_float32_overflow_is_reported_and_float64_avoids_it() -> None:
-    big = float(np.finfo(np.float32).max) / 2
-    acc = StreamingAccumulator()
-    acc.add(f32(big), 10)  # 10 * big overflows the float32 weighted sum
+    # Finite float64 values beyond float32's range, accumulated in float32 as asked (batch
+    # FedAvg overflows on them too; n * values alone no longer can, see the 2**64 test).
+    big = 1e300
+    acc = StreamingAccumulator(dtype="float32")
+    acc.add(np.array([big]), 10)
     with pytest.raises(AggregateOverflow):
         acc.result()
     acc64 = StreamingAccumulator(dtype="float64")
-    acc64.add(f32(big), 10)
+    acc64.add(np.array([big]), 10)
     assert acc64.result().values.tolist() == [pytest.approx(big)]
+
+
+def test_huge_sample_counts_do_not_overflow_where_batch_fedavg_does_not() -> None:
+    big = float(np.finfo(np.float32).max) / 2
+    top = 2**64 - 1
+    cases = [
+        [(f32(1e20, -3.0), top), (f32(0.0, 1.0), 1)],  # 2**64 * 1e20 is beyond float32
+        [(f32(big, 1.0), 10), (f32(big, -1.0), 30)],  # 10 * big already is
+        [(f32(1e30, 2.0), top), (f32(3e30, -2.0), top), (f32(5e30, 0.5), top)],  # total > 2**64
+        [(f32(1.0, -1.0), 1), (f32(2.0, 3e30), 2**20), (f32(1e20, 4.0), top)],  # rescaled twice
+    ]
+    for contributions in cases:
+        acc = StreamingAccumulator()
+        for values, n in contributions:
+            acc.add(values, n)
+        batch = fedavg([Contribution(v, n) for v, n in contributions])
+        np.testing.assert_allclose(acc.result().values, batch.values, rtol=1e-6)
+        assert acc.total_samples == batch.total_samples
+
+
+def test_rescaled_sums_equal_batch_fedavg(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(streaming_module, "HEADROOM_BITS", 0)  # rescale whenever Σ n passes R
+    monkeypatch.setattr(streaming_module, "FOLD_CHUNK", 3)
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        k = int(rng.integers(1, 8))
+        rows = rng.standard_normal((k, 10)).astype(np.float32)
+        choices = [0, 1, 3, 1000, 2**40, 2**64 - 1]
+        counts = [choices[i] for i in rng.integers(0, len(choices), size=k)]
+        acc = StreamingAccumulator()
+        for row, n in zip(rows, counts, strict=True):
+            acc.add(row, n)
+        batch = fedavg([Contribution(r, n) for r, n in zip(rows, counts, strict=True)])
+        np.testing.assert_allclose(acc.result().values, batch.values, rtol=1e-5, atol=1e-6)
 
 
 def test_float32_sums_stay_float32() -> None:

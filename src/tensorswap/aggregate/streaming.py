@@ -29,6 +29,9 @@ from tensorswap.errors import EmptyInput, NonFiniteValues
 
 #: Values per fold step; the scratch product of one step stays in cache.
 FOLD_CHUNK = 1 << 15
+#: Weighted sums are kept relative to R >= 2**HEADROOM_BITS * Σ n_i when R is chosen, so that
+#: Σ n_i can grow that much before the sums need rescaling (a round rarely rescales at all).
+HEADROOM_BITS = 8
 
 
 class StreamingAccumulator:
@@ -39,6 +42,16 @@ class StreamingAccumulator:
     n_i = 0 weigh nothing once any n_i > 0 has arrived, so the uniform sum of the zero-sample
     ones is kept only until then and overwritten by the first weighted term. kind MEAN ignores
     num_samples. Memory: one accumulator per tensor plus a FOLD_CHUNK scratch.
+
+    Weighted terms are not summed as raw n_i x_i, which overflows float32 for a peer claiming
+    ~2**64 samples where batch FedAvg (weights n_i / Σ n) does not: the sums hold
+    Σ (n_i / R) x_i for a power of two R >= Σ n_i, so their weights add up to at most 1, as
+    batch FedAvg's do. R is chosen 2**HEADROOM_BITS times above Σ n_i; when a contribution
+    takes Σ n_i past R, a new R is chosen and the sums are rescaled by the (exact) power-of-two
+    ratio in the same chunked pass that folds the contribution in. `result` divides by
+    Σ n_i / R. Uniform terms (MEAN, or FEDAVG while every count is 0) are summed as they are
+    and divided by their count, so k of them above float32's max / k overflow
+    (AggregateOverflow; use dtype="float64") where the batch mean, weighting by 1/k, does not.
 
     Each `add` validates and screens its contribution before touching the sums: a rejected
     contribution (error raised) leaves the accumulator exactly as it was. The first accepted
@@ -60,8 +73,9 @@ class StreamingAccumulator:
         self._dtypes: list[np.dtype] = []
         self._sums: list[np.ndarray] = []
         self._scratch: np.ndarray | None = None
-        self._weighted = False  # the sums hold Σ n_i x_i (some n_i > 0 has arrived)
-        self._uniform = 0  # contributions in the sums while not weighted
+        self._weighted = False  # the sums hold weighted terms (some n_i > 0 has arrived)
+        self._weight = 0  # Σ n_i of the weighted terms in the sums, or the uniform terms' count
+        self._ref = 1  # weighted: R, a power of two >= self._weight (sums hold Σ (n_i / R) x_i)
         self._total = 0
         self._seen = 0
         self._used: list[int] = []
@@ -135,42 +149,53 @@ class StreamingAccumulator:
         return 1.0 if max_norm is None else float(clip_scales([check.norm], max_norm)[0])
 
     def _fold(self, rows: list[np.ndarray], n: int, scale: float) -> None:
-        if not self._sums:
+        restart = not self._sums
+        if restart:
             assert self.layout is not None  # set by add before folding
             acc = [default_accumulate(d, self.spec.dtype) for d in self._dtypes]
             sizes = self.layout.sizes
-            self._sums = [np.empty(n, dtype=a) for n, a in zip(sizes, acc, strict=True)]
-            first = True
-        else:
-            first = False
+            self._sums = [np.empty(size, dtype=a) for size, a in zip(sizes, acc, strict=True)]
         if self.spec.kind is AggregatorKind.FEDAVG and n > 0:
-            factor = float(n) * scale
-            first = first or not self._weighted
+            weight = n
+            restart = restart or not self._weighted  # the first weighted term replaces the sums
             self._weighted = True
         elif self.spec.kind is AggregatorKind.FEDAVG and self._weighted:
             return  # n = 0 among positive counts: weight 0
         else:
-            factor = scale
-            self._uniform += 1
+            weight = 1
+        if restart:
+            self._weight, self._ref = 0, 1
+        total = self._weight + weight
+        ref = self._ref
+        if self._weighted and (restart or total > ref):
+            ref = 1 << ((total - 1).bit_length() + HEADROOM_BITS)
+        rescale = self._ref / ref  # a power of two <= 1: exact, unless values become subnormal
+        factor = scale * (weight / ref)  # int / int is correctly rounded
         for dst, src in zip(self._sums, rows, strict=True):
-            self._fold_row(dst, src, factor, first)
+            self._fold_row(dst, src, factor, rescale, restart)
+        self._weight, self._ref = total, ref
 
-    def _fold_row(self, dst: np.ndarray, src: np.ndarray, factor: float, first: bool) -> None:
-        """dst = factor * src (first) or dst += factor * src, in dst's dtype, chunk by chunk."""
+    def _fold_row(
+        self, dst: np.ndarray, src: np.ndarray, factor: float, rescale: float, first: bool
+    ) -> None:
+        """dst = factor * src (first) or dst = rescale * dst + factor * src, chunk by chunk."""
         f = dst.dtype.type(factor)
         if first:
             np.multiply(src, f, out=dst)
             return
-        if factor == 1.0:
+        if factor == 1.0 and rescale == 1.0:  # uniform terms without clipping
             np.add(dst, src, out=dst)
             return
         if self._scratch is None or self._scratch.dtype != dst.dtype:
             self._scratch = np.empty(FOLD_CHUNK, dtype=dst.dtype)
+        r = dst.dtype.type(rescale) if rescale != 1.0 else None
         for start in range(0, dst.size, FOLD_CHUNK):
             stop = min(start + FOLD_CHUNK, dst.size)
-            tmp = self._scratch[: stop - start]
+            tmp, into = self._scratch[: stop - start], dst[start:stop]
+            if r is not None:  # while the chunk is in cache
+                np.multiply(into, r, out=into)
             np.multiply(src[start:stop], f, out=tmp)
-            np.add(dst[start:stop], tmp, out=dst[start:stop])
+            np.add(into, tmp, out=into)
 
     @quiet
     def result(self) -> AggregateResult:
@@ -185,8 +210,8 @@ class StreamingAccumulator:
                 if not self._dropped
                 else f"all {len(self._dropped)} contributions were dropped for non-finite values"
             )
-        divisor = self._total if self._weighted else self._uniform
-        outs = [np.divide(s, s.dtype.type(divisor)) for s in self._sums]
+        fraction = self._weight / self._ref  # weighted: Σ n_i / R <= 1; uniform: the count
+        outs = [np.divide(s, s.dtype.type(fraction)) for s in self._sums]
         values = build_values(self.layout, outs)
         ensure_finite(values, self.spec.kind, self.spec.non_finite)
         return AggregateResult(
