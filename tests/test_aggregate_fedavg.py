@@ -215,6 +215,20 @@ def test_torch_bfloat16_is_accepted() -> None:
     assert fedavg([Contribution(t, 1), Contribution(t * 3, 1)]).values.tolist() == [2.0, 4.0]
 
 
+def test_torch_bfloat16_views_keep_their_layout() -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).t()  # a non-contiguous view
+    assert fedavg([Contribution(t, 1)]).values.tolist() == [[0, 3], [1, 4], [2, 5]]
+
+
+@pytest.mark.parametrize("name", ["complex64", "int16", "int8", "bool"])
+def test_torch_tensors_of_other_dtypes_are_aggregate_errors(name: str) -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(2, dtype=getattr(torch, name))
+    with pytest.raises(UnsupportedAggregateDtype, match=rf"contribution 1 has dtype {name}\b"):
+        fedavg([Contribution(torch.zeros(2), 1), Contribution(t, 1)])
+
+
 # ── non-finite values ────────────────────────────────────────────────────────
 def test_non_finite_raises_by_default_naming_the_contribution() -> None:
     xs = [Contribution(f32(1.0, 2.0), 1), Contribution(f32(np.inf, np.nan), 1)]

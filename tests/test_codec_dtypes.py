@@ -118,6 +118,24 @@ def test_is_torch_tensor(torch: Any) -> None:
     assert not is_torch_tensor(np.zeros(1))
 
 
+def test_is_torch_tensor_takes_subclasses_defined_outside_torch(torch: Any) -> None:
+    class Tagged(torch.Tensor):  # type(...).__module__ is this test module, not torch
+        pass
+
+    tagged = torch.zeros(2).as_subclass(Tagged)
+    assert is_torch_tensor(tagged)
+    assert is_torch_tensor(torch.nn.Parameter(torch.zeros(1)))
+    assert as_numpy(tagged).tolist() == [0.0, 0.0]
+
+    class Lookalike:  # a module name starting with "torch" and a detach() are not enough
+        __module__ = "torchlike"
+
+        def detach(self) -> None:
+            return None
+
+    assert not is_torch_tensor(Lookalike())
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int64])
 def test_to_torch_shares_writable_memory(torch: Any, dtype: Any) -> None:
     a = np.arange(4).astype(dtype)

@@ -100,3 +100,17 @@ def test_torch_states_including_leaves_that_require_grad() -> None:
     with pytest.raises(StateMismatch, match="shape"):
         apply_fragment([torch.zeros(4), half], fragment)
     assert half.tolist() == [0.5, 0.5, 0.5]
+
+
+def test_torch_tensor_subclasses_are_states_and_inputs() -> None:
+    torch = pytest.importorskip("torch")
+
+    class Tagged(torch.Tensor):  # defined outside torch: still a tensor
+        pass
+
+    base = torch.zeros(2, 2).as_subclass(Tagged)
+    adapted = torch.ones(2, 2).as_subclass(Tagged)
+    fragment = extract_delta_fragment("s", 1, [adapted], [base])
+    state = torch.zeros(2, 2).as_subclass(Tagged)
+    assert apply_fragment([state], fragment) == 1
+    assert state.tolist() == [[1.0, 1.0], [1.0, 1.0]]

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import numpy as np
 
 from tensorswap.aggregate.types import Layout, Shape
+from tensorswap.codec.dtypes import as_numpy, is_torch_tensor
 from tensorswap.errors import (
     AggregateShapeMismatch,
     AggregationError,
     DtypeMismatch,
     EmptyInput,
+    UnsupportedDtype,
 )
 
 MAX_NUM_SAMPLES = 2**64 - 1
@@ -121,38 +122,28 @@ def default_accumulate(dtype: np.dtype, requested: np.dtype | None) -> np.dtype:
 def as_array(obj: object, index: int) -> np.ndarray:
     """`obj` (array, numpy scalar or torch tensor) as a numpy array, not copied where possible.
 
-    torch tensors are detached and moved to the CPU; torch is never imported unless `obj` is
-    a torch tensor (so torch is already loaded).
-    Non-native byte order is converted to native order (a copy).
+    torch tensors go through `tensorswap.codec.dtypes.as_numpy` (detached, moved to the CPU,
+    bfloat16 kept as ml_dtypes.bfloat16 over the same bits); torch is never imported unless
+    `obj` is a torch tensor (so torch is already loaded). A tensor dtype numpy or the codec
+    cannot hold raises UnsupportedAggregateDtype. Non-native byte order is converted to native
+    order (a copy).
     """
     if isinstance(obj, np.ndarray):
         arr = obj
     elif isinstance(obj, np.generic):  # a 0-d numpy scalar
         arr = np.asarray(obj)
-    elif type(obj).__module__.startswith("torch") and hasattr(obj, "detach"):
-        arr = _torch_to_numpy(obj, index)
+    elif is_torch_tensor(obj):
+        try:
+            arr = as_numpy(obj)
+        except (UnsupportedDtype, TypeError) as exc:  # complex, quantized, int16, ...
+            name = str(getattr(obj, "dtype", "?")).removeprefix("torch.")
+            raise UnsupportedAggregateDtype(index, name) from exc
     else:
         raise InvalidContribution(
             index, f"values must be a numpy array or torch tensor, got {type(obj).__name__}"
         )
     if not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
-    return arr
-
-
-def _torch_to_numpy(obj: Any, index: int) -> np.ndarray:
-    tensor = obj.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if str(tensor.dtype) == "torch.bfloat16":
-        torch = importlib.import_module("torch")
-        ml_dtypes = importlib.import_module("ml_dtypes")
-        view: np.ndarray = tensor.contiguous().view(torch.int16).numpy()
-        return view.view(ml_dtypes.bfloat16)
-    try:
-        arr: np.ndarray = tensor.numpy()
-    except TypeError as exc:  # complex, quantized and other types numpy cannot hold
-        raise UnsupportedAggregateDtype(index, tensor.dtype) from exc
     return arr
 
 

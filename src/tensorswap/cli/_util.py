@@ -11,6 +11,8 @@ from pathlib import Path
 
 import click
 
+from tensorswap._netaddr import HostPortError, split_host_port
+
 
 @contextlib.contextmanager
 def mapped(path: str | Path) -> Iterator[memoryview]:
@@ -49,15 +51,11 @@ def mapped(path: str | Path) -> Iterator[memoryview]:
 
 
 def parse_host_port(text: str, *, default_host: str = "127.0.0.1") -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``[::1]:PORT`` for IPv6, ``:PORT`` for the default host)."""
-    host, sep, port_text = text.rpartition(":")
-    if not sep:
-        raise click.BadParameter(f"expected HOST:PORT, got {text!r}")
-    host = host.strip("[]") or default_host
+    """Split ``HOST:PORT`` (``[::1]:PORT`` for IPv6, ``:PORT`` for the default host).
+
+    The rules are :func:`tensorswap._netaddr.split_host_port`'s; errors are click.BadParameter.
+    """
     try:
-        port = int(port_text)
-    except ValueError:
-        raise click.BadParameter(f"port must be a number, got {port_text!r}") from None
-    if not 0 <= port <= 65535:
-        raise click.BadParameter(f"port must be in 0..65535, got {port}")
-    return host, port
+        return split_host_port(text, default_host=default_host)
+    except HostPortError as exc:
+        raise click.BadParameter(str(exc)) from None

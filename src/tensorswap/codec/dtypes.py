@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from enum import StrEnum
 from typing import Any
 
@@ -101,8 +102,12 @@ _TORCH_TO_DTYPE = {
 
 
 def is_torch_tensor(obj: object) -> bool:
-    """True for a torch.Tensor, checked without importing torch."""
-    return type(obj).__module__.startswith("torch") and hasattr(obj, "detach")
+    """True for a torch.Tensor (subclasses included), checked without importing torch.
+
+    A tensor can only exist once torch is imported, so torch is looked up in ``sys.modules``.
+    """
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def as_numpy(values: object) -> np.ndarray:

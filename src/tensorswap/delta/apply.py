@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, MutableMapping, MutableSequence
 from typing import Any
 
 import numpy as np
 
+from tensorswap.codec.dtypes import is_torch_tensor
 from tensorswap.delta.fragment import (
     KNOWN_SCHEMAS,
     DweFragment,
@@ -42,11 +42,6 @@ class StateMismatch(ApplyError):
 
 
 _Step = Callable[[], None]
-
-
-def _is_torch(obj: object) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def _shape_of(state: Any) -> tuple[int, ...]:
@@ -98,7 +93,7 @@ def _plan(state: Any, target: LayerTarget, values: np.ndarray, index: int) -> _S
         raise StateMismatch(
             index, f"state shape {list(_shape_of(state))} vs delta shape {list(target.shape)}"
         )
-    if _is_torch(state):
+    if is_torch_tensor(state):
         return _torch_step(state, target, values, index)
     if isinstance(state, np.ndarray):
         return _numpy_step(state, target, values, index)

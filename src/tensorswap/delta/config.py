@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from tensorswap._netaddr import HostPortError, split_host_port
 from tensorswap.delta.bincode import MAX_DWE_FRAGMENT_BYTES, check_limit
 from tensorswap.delta.verify import FleetKeys, GapPolicy
 from tensorswap.errors import DeltaError
@@ -48,21 +49,18 @@ class Endpoint:
 
 
 def parse_endpoint(text: str | Endpoint) -> Endpoint:
-    """Parse ``HOST:PORT`` or ``[IPV6]:PORT``; the port must be 0-65535 (0: any, for listening)."""
+    """Parse ``HOST:PORT`` or ``[IPV6]:PORT``; the port must be 0-65535 (0: any, for listening).
+
+    The rules are :func:`tensorswap._netaddr.split_host_port`'s (a host is required); errors
+    are :class:`InvalidEndpoint`.
+    """
     if isinstance(text, Endpoint):
         return text
-    raw = text.strip()
-    if raw.startswith("["):
-        host, sep, port_text = raw[1:].partition("]:")
-    else:
-        host, sep, port_text = raw.rpartition(":")
-        if ":" in host:
-            raise InvalidEndpoint(text, "write IPv6 hosts in brackets, e.g. [::1]:9000")
-    if not sep or not host:
-        raise InvalidEndpoint(text, "expected HOST:PORT")
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise InvalidEndpoint(text, f"port {port_text!r} is not in 0-65535")
-    return Endpoint(host, int(port_text))
+    try:
+        host, port = split_host_port(text)
+    except HostPortError as exc:
+        raise InvalidEndpoint(text, exc.reason) from None
+    return Endpoint(host, port)
 
 
 def parse_peers(text: str) -> tuple[Endpoint, ...]:

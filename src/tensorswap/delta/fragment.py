@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -12,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from tensorswap.codec.dtypes import is_torch_tensor
 from tensorswap.errors import DeltaError
 
 #: Schema string of a plain axiom DWE fragment (whole layers), as axiom_engine writes it.
@@ -175,11 +175,6 @@ def make_fragment(
     )
 
 
-def _is_torch(obj: object) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
 def _torch_delta(optimized: Any, baseline: Any, name: object) -> tuple[tuple[int, ...], Any]:
     import torch  # deferred: the core works without torch installed
 
@@ -222,7 +217,7 @@ def layer_delta(
     equal (no broadcasting), integer and floating dtypes are accepted.
     """
     label = layer_index if name is None else name
-    if _is_torch(optimized) or _is_torch(baseline):
+    if is_torch_tensor(optimized) or is_torch_tensor(baseline):
         shape, values = _torch_delta(optimized, baseline, label)
     else:
         shape, values = _numpy_delta(optimized, baseline, label)

@@ -459,6 +459,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoRepor
     client: Any = None
     try:
         coordinator = ""
+        coordinator_at: tuple[str, int] | None = None
         if cfg.topology == "star":
             if cfg.data is None:
                 tmp = tempfile.TemporaryDirectory(prefix="tensorswap-demo-")
@@ -466,8 +467,8 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoRepor
             else:
                 data = cfg.data
                 data.mkdir(parents=True, exist_ok=True)
-            host, port = await fleet.start_coordinator(data)
-            coordinator = f"{host}:{port}"
+            coordinator_at = host, port = await fleet.start_coordinator(data)
+            coordinator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             console.print(f"coordinator listening on {coordinator} (data in {data})")
         args = _peer_args(cfg, coordinator)
         for i in range(cfg.peers):
@@ -489,8 +490,8 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoRepor
         else:
             from tensorswap.rounds.client import RoundClient
 
-            host, _, port_text = coordinator.rpartition(":")
-            client = await RoundClient.connect(host, int(port_text), peer="demo-driver")
+            assert coordinator_at is not None  # set above for the star topology
+            client = await RoundClient.connect(*coordinator_at, peer="demo-driver")
 
         initiator = f"demo-{secrets.token_hex(3)}"
         ui = _Ui(console, cfg.rounds)

@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from tensorswap._netaddr import HostPortError, split_host_port
+
 __all__ = ["COMPRESSIONS", "main"]
 
 COMPRESSIONS = ("none", "f16", "int8", "topk")
@@ -318,11 +320,9 @@ async def run_star(args: argparse.Namespace) -> int:
     from tensorswap.wire.connection import Timeouts
 
     name = f"peer-{args.index}"
-    host, _, port = args.coordinator.rpartition(":")
+    host, port = split_host_port(args.coordinator)  # checked by parse_args
     try:
-        client = await RoundClient.connect(
-            host.strip("[]"), int(port), peer=name, timeouts=Timeouts(connect=10.0)
-        )
+        client = await RoundClient.connect(host, port, peer=name, timeouts=Timeouts(connect=10.0))
     except (OSError, TimeoutError, WireError) as exc:
         reason = str(exc) or type(exc).__name__
         return fail(
@@ -403,8 +403,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 0 <= args.index < args.peers:
         parser.error(f"--index must be in [0, {args.peers})")
-    if args.topology == "star" and ":" not in args.coordinator:
-        parser.error("--coordinator HOST:PORT is required with --topology star")
+    if args.topology == "star":
+        try:
+            split_host_port(args.coordinator)
+        except HostPortError as exc:
+            parser.error(f"--coordinator HOST:PORT is required with --topology star ({exc})")
     return args
 
 

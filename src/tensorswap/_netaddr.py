@@ -1,0 +1,39 @@
+"""``HOST:PORT`` parsing shared by every layer that reads an address (cli, delta, demo)."""
+
+from __future__ import annotations
+
+
+class HostPortError(ValueError):
+    """Text that is not ``HOST:PORT``; callers translate it into their own error type."""
+
+    def __init__(self, text: str, reason: str) -> None:
+        self.text = text
+        self.reason = reason
+        super().__init__(f"invalid address {text!r}: {reason}")
+
+
+def split_host_port(text: str, *, default_host: str | None = None) -> tuple[str, int]:
+    """``(host, port)`` of ``HOST:PORT`` or ``[IPV6]:PORT``, the port in 0-65535.
+
+    Surrounding whitespace is ignored. An IPv6 host must be written in brackets (``::1:9000``
+    is ambiguous and refused). An empty host (``:9000``) is ``default_host``, or refused when
+    that is None. Raises :class:`HostPortError` with the reason.
+    """
+    raw = text.strip()
+    if raw.startswith("["):
+        host, sep, port_text = raw[1:].partition("]:")
+        if sep and not host:
+            raise HostPortError(text, "empty host in brackets")
+    else:
+        host, sep, port_text = raw.rpartition(":")
+        if ":" in host:
+            raise HostPortError(text, "write IPv6 hosts in brackets, e.g. [::1]:9000")
+    if not sep:
+        raise HostPortError(text, "expected HOST:PORT")
+    if not host:
+        if default_host is None:
+            raise HostPortError(text, "expected HOST:PORT (the host is missing)")
+        host = default_host
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 <= int(port_text) <= 65535:
+        raise HostPortError(text, f"port {port_text!r} is not a number in 0-65535")
+    return host, int(port_text)
