@@ -38,9 +38,7 @@ class BlockSink:
     def _put(self, block: BlockFrame) -> int:
         block.check_crc()  # a frame whose CRC32C is still due is checked first
         try:
-            # one hashing thread: blocks arrive one after another and the loop thread, the
-            # sender and the next block's CRC need the other cores
-            self.store.put_verified(block.cid, block.data, adopt=True, threads=1)
+            self.store.put_verified(block.cid, block.data, adopt=True)
         except HashMismatch as exc:
             raise BlockHashMismatch(block.cid, exc.actual) from exc
         return block.data.nbytes

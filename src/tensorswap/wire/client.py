@@ -445,6 +445,7 @@ class BlockClient:
                         break
                     block = self.conn.parse_block(frame)
                     if block.cid not in wanted:
+                        block.check_crc()  # a corrupted CID is a checksum mismatch
                         raise ProtocolViolation(f"server sent block {block.cid}, not asked for")
                     await sink.submit(block)
             await sink.drain()
