@@ -249,3 +249,60 @@ async def test_from_env_reads_axiom_peers(monkeypatch) -> None:
     bus = DweBus.from_env()
     assert [str(p) for p in bus.peers] == ["127.0.0.1:7001", "127.0.0.1:7002"]
     await bus.aclose()
+
+
+async def test_an_unexpected_encode_error_fails_one_fragment_not_the_bus() -> None:
+    fragments = _fragments(4)
+    peer = Peer(3)
+    await peer.listener.start()
+    try:
+        async with DweBus([peer.listener.endpoint]) as bus:
+            encode = bus._encode
+
+            def flaky(fragment: DweFragment):
+                if fragment.sequence == 1:
+                    raise RuntimeError("encoder bug")
+                return encode(fragment)
+
+            bus._encode = flaky  # type: ignore[method-assign]
+            for fragment in fragments:
+                assert bus.broadcast(fragment)
+            async with asyncio.timeout(10):
+                await bus.flush()
+                await peer.done.wait()
+            stats = bus.telemetry()  # (a failure escaping to the TaskGroup cancels this task)
+    finally:
+        await peer.listener.aclose()
+    assert peer.sequences == [0, 2, 3]
+    assert (stats.sent, stats.send_failures, stats.errors, stats.queued) == (3, 1, 1, 0)
+    assert "encoder bug" in (stats.last_error or "")
+
+
+async def test_one_peer_failing_unexpectedly_does_not_cancel_the_others() -> None:
+    fragments = _fragments(3)
+    good, bad = Peer(len(fragments)), Peer(len(fragments))
+    await good.listener.start()
+    await bad.listener.start()
+    try:
+        config = DweConfig(peers=(bad.listener.endpoint, good.listener.endpoint))
+        async with DweBus(config=config) as bus:
+            send = bus._send_persistent
+
+            async def broken_for_one(peer, frame) -> None:
+                if peer.endpoint == bad.listener.endpoint:
+                    raise RuntimeError("sender bug")
+                await send(peer, frame)
+
+            bus._send_persistent = broken_for_one  # type: ignore[method-assign]
+            for fragment in fragments:
+                assert bus.broadcast(fragment)
+            async with asyncio.timeout(10):
+                await bus.flush()
+                await good.done.wait()
+            stats = bus.telemetry()
+    finally:
+        await good.listener.aclose()
+        await bad.listener.aclose()
+    assert good.sequences == [0, 1, 2] and bad.sequences == []
+    assert (stats.sent, stats.send_failures, stats.errors, stats.queued) == (3, 3, 3, 0)
+    assert "sender bug" in (stats.last_error or "")

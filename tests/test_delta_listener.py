@@ -231,3 +231,139 @@ async def test_a_host_name_idna_refuses_is_a_delta_error() -> None:
     with pytest.raises(DeltaError, match="cannot listen"):
         await listener.start("a" * 64 + ".invalid", 0)  # a label over 63 characters
     await listener.aclose()
+
+
+# ── containment: nothing a connection or a callback raises stops the listener ──
+async def test_a_raising_on_verdict_is_contained_and_counted() -> None:
+    state = [np.zeros((2, 3), np.float32)]
+    applied = asyncio.Event()
+
+    def apply(fragment: DweFragment) -> None:
+        apply_fragment(state, fragment)
+        if fragment.sequence == 2:
+            applied.set()
+
+    def broken(verdict: Verdict) -> None:
+        raise RuntimeError("callback bug")
+
+    async with DweListener(apply, on_verdict=broken) as listener:
+        _, first = await _send_raw(listener.endpoint, encode_frame(_fragment(1)))
+        _, second = await _send_raw(listener.endpoint, encode_frame(_fragment(2, 0.5)))
+        async with asyncio.timeout(5):  # this task is cancelled if the failure escapes
+            await applied.wait()
+        await _close(first)
+        await _close(second)
+        stats = listener.telemetry()
+    assert state[0].tolist() == [[1.5] * 3] * 2
+    assert (stats.accepted, stats.applied, stats.errors) == (2, 2, 2)
+    assert "callback bug" in (stats.last_error or "")
+
+
+async def test_an_unexpected_error_rejects_the_frame_and_the_connection_goes_on() -> None:
+    h = Harness()
+    check = h.listener.verifier.check_integrity
+    calls = 0
+
+    def flaky(*args):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("verifier bug")
+        return check(*args)
+
+    h.listener.verifier.check_integrity = flaky  # type: ignore[method-assign]
+    async with h.listener:
+        frames = encode_frame(_fragment(1)), encode_frame(_fragment(2))
+        _, writer = await _send_raw(h.listener.endpoint, *frames)
+        verdicts = await h.until(2)
+        await _close(writer)
+    assert verdicts[0].reason is RejectReason.INTERNAL_ERROR
+    assert "verifier bug" in verdicts[0].detail
+    assert verdicts[1].accepted and verdicts[1].sequence == 2
+    stats = h.listener.telemetry()
+    assert stats.rejections == {"internal_error": 1} and stats.applied == 1
+
+
+# ── idle connections, stalled frames, the connection cap ───────────────────
+async def _closed_by_listener(reader: asyncio.StreamReader) -> bool:
+    async with asyncio.timeout(5):
+        return await reader.read() == b""
+
+
+async def test_an_idle_connection_is_closed_after_idle_timeout() -> None:
+    h = Harness(config=DweConfig(idle_timeout=0.05))
+    async with h.listener:
+        reader, writer = await _send_raw(h.listener.endpoint)  # connects, never sends
+        assert await _closed_by_listener(reader)
+        await _close(writer)
+        stats = h.listener.telemetry()
+    assert stats.idle_closed == 1 and stats.rejected == 0 and h.verdicts == []
+
+
+async def test_a_stalled_partial_prefix_is_dropped_after_frame_timeout() -> None:
+    h = Harness(config=DweConfig(frame_timeout=0.05))
+    async with h.listener:
+        reader, writer = await _send_raw(h.listener.endpoint, b"\x10\x00")  # 2 of 4 bytes
+        verdicts = await h.until(1)
+        assert await _closed_by_listener(reader)
+        await _close(writer)
+    assert verdicts[0].reason is RejectReason.TIMEOUT and "prefix" in verdicts[0].detail
+
+
+async def test_a_stalled_body_is_dropped_after_frame_timeout() -> None:
+    h = Harness(config=DweConfig(frame_timeout=0.05))
+    async with h.listener:
+        reader, writer = await _send_raw(h.listener.endpoint, struct.pack("<I", 100) + bytes(10))
+        verdicts = await h.until(1)
+        assert await _closed_by_listener(reader)
+        await _close(writer)
+    assert verdicts[0].reason is RejectReason.TIMEOUT and "100 bytes" in verdicts[0].detail
+
+
+async def _wait_for(predicate) -> None:
+    async with asyncio.timeout(5):
+        while not predicate():
+            await asyncio.sleep(0.001)
+
+
+async def test_at_the_cap_the_longest_idle_connection_makes_room() -> None:
+    h = Harness(config=DweConfig(max_connections=2))
+    async with h.listener:
+        oldest, oldest_w = await _send_raw(h.listener.endpoint, encode_frame(_fragment(1)))
+        await h.until(1)
+        _, newer_w = await _send_raw(h.listener.endpoint, encode_frame(_fragment(2)))
+        await h.until(2)  # both connections are idle now, `oldest` for longer
+        _, third_w = await _send_raw(h.listener.endpoint, encode_frame(_fragment(3)))
+        await h.until(3)  # the newcomer was served, not refused
+        assert await _closed_by_listener(oldest)
+        newer_w.write(encode_frame(_fragment(4)))  # the other idle connection still works
+        verdicts = await h.until(4)
+        for writer in (oldest_w, newer_w, third_w):
+            await _close(writer)
+        stats = h.listener.telemetry()
+    assert [v.accepted for v in verdicts] == [True] * 4
+    assert stats.idle_closed == 1
+
+
+async def test_a_connection_in_the_middle_of_a_frame_is_not_evicted() -> None:
+    h = Harness(config=DweConfig(max_connections=1))
+    frame = encode_frame(_fragment(1))
+    async with h.listener:
+        _, busy = await _send_raw(h.listener.endpoint, frame[:10])
+        await _wait_for(
+            lambda: any(c.idle_since is None for c in h.listener._connections)  # frame started
+        )
+        refused, refused_w = await _send_raw(h.listener.endpoint)
+        assert await _closed_by_listener(refused)
+        busy.write(frame[10:])
+        verdicts = await h.until(1)
+        await _close(busy)
+        await _close(refused_w)
+        stats = h.listener.telemetry()
+    assert verdicts[0].accepted and stats.idle_closed == 0
+    assert "refused a connection beyond 1" in (stats.last_error or "")
+
+
+def test_idle_timeout_must_be_positive() -> None:
+    with pytest.raises(DeltaConfigError, match="idle_timeout"):
+        DweConfig(idle_timeout=0)

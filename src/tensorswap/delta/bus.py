@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -32,6 +33,8 @@ from tensorswap.errors import DeltaError
 
 # Encoding and signing a fragment above this size runs in a worker thread, off the event loop.
 _OFFLOAD_BYTES = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 class BusClosed(DeltaError, RuntimeError):
@@ -279,6 +282,12 @@ class DweBus:
                 self.telemetry_recorder.record_send_failure(f"dwe encode: {exc}")
                 self._settle_fragment()
                 continue
+            except Exception as exc:  # one bad fragment must not stop the bus or its owner
+                log.exception("dwe bus: encoding a fragment of %r failed", fragment.session_id)
+                self.telemetry_recorder.record_failure(f"dwe encode: {exc!r}")
+                self.telemetry_recorder.record_send_failure(f"dwe encode: {exc!r}")
+                self._settle_fragment()
+                continue
             finally:
                 self._queue.task_done()
             self._fan_out(_Frame(data, fragment.session_id, len(self._peers)))
@@ -297,6 +306,13 @@ class DweBus:
                 frame = await peer.queue.get()
                 try:
                     await self._deliver(peer, frame)
+                except Exception as exc:  # unexpected: fail this delivery, never the other peers
+                    log.exception("dwe bus: sending to %s failed", peer.endpoint)
+                    error = f"dwe send {peer.endpoint}: unexpected {exc!r}"
+                    self.telemetry_recorder.record_failure(error)
+                    self.telemetry_recorder.record_send_failure(error)
+                    with contextlib.suppress(Exception):
+                        await peer.disconnect()
                 finally:
                     peer.queue.task_done()
                     self._settle(frame)

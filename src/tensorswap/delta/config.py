@@ -81,7 +81,9 @@ class SendMode(enum.Enum):
 class DweConfig:
     """Everything a bus or listener needs; every field has the crate's default where it has one.
 
-    Timeouts are in seconds. ``max_attempts`` is how many times one frame is tried per peer
+    Timeouts are in seconds: a listener gives a frame ``frame_timeout`` from its first byte to
+    its last, and closes a connection with no frame in progress after ``idle_timeout``.
+    ``max_attempts`` is how many times one frame is tried per peer
     (each failed try reconnects after an exponential backoff from ``backoff_initial`` doubling
     up to ``backoff_max``).
     """
@@ -96,6 +98,7 @@ class DweConfig:
     connect_timeout: float = 5.0
     write_timeout: float = 30.0
     frame_timeout: float = 30.0
+    idle_timeout: float = 300.0
     backoff_initial: float = 0.05
     backoff_max: float = 5.0
     max_attempts: int = 3
@@ -112,7 +115,8 @@ class DweConfig:
         for name in ("queue_size", "max_attempts", "max_connections"):
             if getattr(self, name) < 1:
                 raise DeltaConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("connect_timeout", "write_timeout", "frame_timeout", "backoff_initial"):
+        positive = ("connect_timeout", "write_timeout", "frame_timeout", "idle_timeout")
+        for name in (*positive, "backoff_initial"):
             if not getattr(self, name) > 0:
                 raise DeltaConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.backoff_max < self.backoff_initial:

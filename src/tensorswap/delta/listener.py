@@ -5,6 +5,10 @@ A frame is read only after its length prefix passed the cap; it is decoded zero-
 a :class:`~tensorswap.delta.verify.FragmentVerifier`, then given to the handler. The sequence is
 recorded only after the handler returned, under one lock, so a fragment is applied at most once
 even when copies arrive on several connections at the same time.
+
+A frame must arrive within ``frame_timeout`` of its first byte; a connection with no frame in
+progress is closed after ``idle_timeout``, and when ``max_connections`` are open the longest-idle
+one makes room for a newcomer. Nothing a connection or a callback raises stops the listener.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -32,6 +37,8 @@ Handler = Callable[[DweFragment], Awaitable[object] | object]
 # Fragments above this size are hashed and authenticated in a worker thread.
 _OFFLOAD_BYTES = 1 << 20
 _READ_LIMIT = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,12 +71,24 @@ class Verdict:
         return f"{self.peer} {what} bytes={self.fragment_bytes} {verdict}{extra}"
 
 
+@dataclass(eq=False)
+class _Connection:
+    """One served connection; ``idle_since`` is None while a frame is being read or handled."""
+
+    peer: str
+    writer: asyncio.StreamWriter
+    idle_since: float | None
+    task: asyncio.Task[None] | None = None
+
+
 class DweListener:
     """Serve the DWE protocol on TCP; every connection task is owned by the listener's TaskGroup.
 
     ``handler`` is called with each verified fragment (sync or async; an ``asyncio.Queue`` is
     put into); it may raise a :class:`DeltaError` (e.g. from ``apply_fragment``) to refuse it,
-    which leaves the sequence unrecorded. ``on_verdict`` sees every frame's outcome.
+    which leaves the sequence unrecorded. ``on_verdict`` sees every frame's outcome. Failures are
+    contained per connection: a raising ``on_verdict`` or any unexpected exception in a
+    connection is logged and counted (``errors``, ``last_error``), and the listener goes on.
     """
 
     def __init__(
@@ -95,6 +114,7 @@ class DweListener:
         self._server: asyncio.Server | None = None
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._connections: set[_Connection] = set()  # open and not evicted
         self._closed = asyncio.Event()
         self.endpoint: Endpoint | None = None
 
@@ -158,52 +178,102 @@ class DweListener:
         if self._closed.is_set() or self._group is None:
             writer.close()
             return
-        if len(self._tasks) >= self.config.max_connections:
+        if len(self._connections) >= self.config.max_connections and not self._evict_idle():
             self.telemetry_recorder.record_error(
-                f"dwe listener: refused a connection beyond {self.config.max_connections}"
+                f"dwe listener: refused a connection beyond {self.config.max_connections} "
+                "(every connection has a frame in progress)"
             )
             writer.close()
             return
-        task = self._group.create_task(self._serve(reader, writer))
+        loop = asyncio.get_running_loop()
+        conn = _Connection(_peer_name(writer), writer, loop.time())
+        task = self._group.create_task(self._serve(reader, conn))
+        conn.task = task
+        self._connections.add(conn)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = _peer_name(writer)
+    def _evict_idle(self) -> bool:
+        """Close the connection idle the longest to make room; False if none is idle."""
+        idle = [c for c in self._connections if c.idle_since is not None]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.idle_since or 0.0)
+        self._connections.discard(victim)
+        self.telemetry_recorder.record_idle_closed()
+        log.info("dwe listener: closing idle connection %s to make room", victim.peer)
+        victim.writer.close()
+        if victim.task is not None:
+            victim.task.cancel()
+        return True
+
+    async def _serve(self, reader: asyncio.StreamReader, conn: _Connection) -> None:
+        try:
+            await self._serve_frames(reader, conn)
+        except OSError as exc:
+            self.telemetry_recorder.record_error(f"dwe listener {conn.peer}: {exc!r}")
+        except Exception as exc:  # a bug must cost this connection only, never the listener
+            log.exception("dwe listener %s: connection failed", conn.peer)
+            self.telemetry_recorder.record_failure(f"dwe listener {conn.peer}: {exc!r}")
+        finally:
+            self._connections.discard(conn)
+
+    async def _serve_frames(self, reader: asyncio.StreamReader, conn: _Connection) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                body = await self._read_frame(reader, peer)
+                conn.idle_since = loop.time()
+                try:
+                    async with asyncio.timeout(self.config.idle_timeout):
+                        first = await reader.readexactly(1)
+                except asyncio.IncompleteReadError:
+                    return  # closed between frames
+                except TimeoutError:
+                    self.telemetry_recorder.record_idle_closed()
+                    log.info(
+                        "dwe listener: %s idle for %ss, closed", conn.peer, self.config.idle_timeout
+                    )
+                    return
+                conn.idle_since = None
+                body = await self._read_frame(reader, conn.peer, first)
                 if body is None:
                     return
-                await self._process(body, peer)
-        except OSError as exc:
-            self.telemetry_recorder.record_error(f"dwe listener {peer}: {exc!r}")
+                try:
+                    await self._process(body, conn.peer)
+                except Exception as exc:  # the stream is still in step: keep the connection
+                    log.exception("dwe listener %s: frame processing failed", conn.peer)
+                    detail = f"internal error: {exc!r}"
+                    self._reject(conn.peer, RejectReason.INTERNAL_ERROR, detail, len(body))
         finally:
-            writer.close()
+            conn.writer.close()
             with contextlib.suppress(OSError):
-                await writer.wait_closed()
+                await conn.writer.wait_closed()
 
-    async def _read_frame(self, reader: asyncio.StreamReader, peer: str) -> bytes | None:
-        try:
-            prefix = await reader.readexactly(4)
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                self._reject(peer, RejectReason.TRUNCATED, "connection closed inside a prefix", 0)
-            return None
-        try:
-            length = read_frame_length(prefix, self.config.max_fragment_bytes)
-        except FragmentTooLarge as exc:  # refused before reading or allocating the body
-            self._reject(peer, RejectReason.TOO_LARGE, str(exc), exc.size)
-            return None
+    async def _read_frame(
+        self, reader: asyncio.StreamReader, peer: str, first: bytes
+    ) -> bytes | None:
+        """The body of the frame whose first prefix byte is ``first``, or None (then close)."""
+        length: int | None = None
         try:
             async with asyncio.timeout(self.config.frame_timeout):
+                prefix = first + await reader.readexactly(3)
+                try:
+                    length = read_frame_length(prefix, self.config.max_fragment_bytes)
+                except FragmentTooLarge as exc:  # refused before reading or allocating the body
+                    self._reject(peer, RejectReason.TOO_LARGE, str(exc), exc.size)
+                    return None
                 return await reader.readexactly(length)
         except asyncio.IncompleteReadError as exc:
-            detail = f"connection closed after {len(exc.partial)} of {length} bytes"
-            self._reject(peer, RejectReason.TRUNCATED, detail, length)
+            if length is None:
+                detail = "connection closed inside a prefix"
+                self._reject(peer, RejectReason.TRUNCATED, detail, 0)
+            else:
+                detail = f"connection closed after {len(exc.partial)} of {length} bytes"
+                self._reject(peer, RejectReason.TRUNCATED, detail, length)
         except TimeoutError:
-            detail = f"frame of {length} bytes not complete in {self.config.frame_timeout}s"
-            self._reject(peer, RejectReason.TIMEOUT, detail, length)
+            what = "length prefix" if length is None else f"frame of {length} bytes"
+            detail = f"{what} not complete in {self.config.frame_timeout}s"
+            self._reject(peer, RejectReason.TIMEOUT, detail, length or 0)
         return None
 
     async def _process(self, body: bytes, peer: str) -> None:
@@ -296,8 +366,13 @@ class DweListener:
         )
 
     def _emit(self, verdict: Verdict) -> None:
-        if self._on_verdict is not None:
+        if self._on_verdict is None:
+            return
+        try:
             self._on_verdict(verdict)
+        except Exception as exc:  # a faulty callback must not take the listener down
+            log.exception("dwe listener: on_verdict raised for %s", verdict.describe())
+            self.telemetry_recorder.record_failure(f"dwe listener: on_verdict raised {exc!r}")
 
 
 def _peer_name(writer: asyncio.StreamWriter) -> str:

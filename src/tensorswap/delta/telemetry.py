@@ -19,7 +19,10 @@ class TelemetrySnapshot:
     counts fragments refused by a full queue (the bus queue or one peer's queue); ``received``
     counts frames read in full, of which ``accepted`` passed verification and ``applied`` were
     taken by the handler; ``rejected`` is broken down by reason in ``rejections``; ``gaps`` is the
-    total number of sequences that accepted fragments skipped.
+    total number of sequences that accepted fragments skipped. ``errors`` counts failures that
+    were contained rather than allowed to stop a bus or listener (a raising ``on_verdict``, an
+    unexpected exception in a connection or sender task); ``idle_closed`` counts listener
+    connections closed for idleness (``idle_timeout``, or evicted to make room for a new one).
     """
 
     queued: int = 0
@@ -34,6 +37,8 @@ class TelemetrySnapshot:
     applied: int = 0
     rejected: int = 0
     gaps: int = 0
+    errors: int = 0
+    idle_closed: int = 0
     rejections: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     last_session_id: str | None = None
     last_fragment_bytes: int = 0
@@ -110,6 +115,16 @@ class DweTelemetry:
             self._rejections[reason.value] += 1
             self._last_error = error
 
+    def record_failure(self, error: str) -> None:
+        """A contained failure (a callback or task raised unexpectedly); counted in ``errors``."""
+        with self._lock:
+            self._counts["errors"] += 1
+            self._last_error = error
+
+    def record_idle_closed(self) -> None:
+        """The listener closed a connection for idleness (timeout or eviction)."""
+        self._bump("idle_closed")
+
     def record_error(self, error: str) -> None:
         """Remember an error that is counted elsewhere or not at all (e.g. a failed connect)."""
         with self._lock:
@@ -132,6 +147,8 @@ class DweTelemetry:
                 applied=counts.get("applied", 0),
                 rejected=counts.get("rejected", 0),
                 gaps=counts.get("gaps", 0),
+                errors=counts.get("errors", 0),
+                idle_closed=counts.get("idle_closed", 0),
                 rejections=MappingProxyType(dict(self._rejections)),
                 last_session_id=self._last_session_id,
                 last_fragment_bytes=self._last_fragment_bytes,

@@ -41,6 +41,7 @@ class RejectReason(enum.Enum):
     GAP = "gap"
     APPLY_FAILED = "apply_failed"
     HANDLER_ERROR = "handler_error"
+    INTERNAL_ERROR = "internal_error"
 
 
 class FragmentRejected(DeltaError):
