@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from rich.console import Console
 
@@ -106,6 +107,117 @@ def test_p2p_demo_averages_deltas_over_the_bus(tmp_path: Path) -> None:
         assert r.sent_bytes > 0
     assert report.final_accuracy > report.initial_accuracy + 0.2
     assert (tmp_path / "demo.png").is_file()
+
+
+def test_p2p_with_a_small_cap_sends_split_deltas_and_every_peer_averages_them(
+    tmp_path: Path,
+) -> None:
+    cfg = DemoConfig(
+        peers=2, rounds=1, local_epochs=1, topology="p2p", out=tmp_path, max_fragment_bytes=4096
+    )
+    report, _ = _run(cfg)
+    (r,) = report.rounds
+    assert r.ok and r.contributors == 2 and r.outcome == "complete: all 2 peers' deltas"
+    assert r.sent_bytes > 2 * 38_000  # the whole delta of the 64-128-10 MLP, in parts
+    # Both peers averaged both whole deltas in one order: they hold the same model.
+    assert r.accuracy == r.min_accuracy
+    assert r.accuracy > report.initial_accuracy + 0.2
+
+
+def _template() -> dict[str, np.ndarray]:
+    shapes = {"0.weight": (40, 8), "0.bias": (40,), "2.weight": (3, 40), "2.bias": (3,)}
+    return {k: np.zeros(shape, np.float32) for k, shape in shapes.items()}
+
+
+def _peer_delta(seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    base = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in _template().items()}
+    trained = {k: v + rng.standard_normal(v.shape).astype(np.float32) for k, v in base.items()}
+    return base, trained
+
+
+def test_delta_inbox_waits_for_every_part_of_a_split_delta() -> None:
+    from tensorswap.delta import SLICE_SCHEMA, extract_delta_fragment, split_fragment
+    from tensorswap.demo.peer import SEQ_STRIDE, DeltaInbox
+
+    inbox = DeltaInbox(_template())
+    parts: dict[str, list] = {}
+    expected: dict[str, dict[str, np.ndarray]] = {}
+    for seed, sender in enumerate(["peer-1", "peer-2"]):
+        base, trained = _peer_delta(seed)
+        whole = extract_delta_fragment(sender, 3 * SEQ_STRIDE, trained, base)
+        parts[sender] = split_fragment(whole, max_bytes=512)
+        expected[sender] = {k: trained[k] - base[k] for k in base}
+    assert len(parts["peer-1"]) > 3
+    assert any(p.schema == SLICE_SCHEMA for p in parts["peer-1"])  # a layer is cut in slices
+    early = extract_delta_fragment("peer-1", 4 * SEQ_STRIDE, *_peer_delta(9)[::-1])
+    inbox.add(split_fragment(early, max_bytes=512)[0])  # next round's first part, early
+    one, two = list(reversed(parts["peer-1"])), parts["peer-2"]
+    for part in one[:-1] + two[:-1]:
+        inbox.add(part)
+    assert not inbox.complete(3, "peer-1") and not inbox.complete(3, "peer-2")
+    inbox.add(one[-1])
+    inbox.add(one[-1])  # a duplicate changes nothing
+    assert inbox.complete(3, "peer-1") and not inbox.complete(3, "peer-2")
+    inbox.add(two[-1])
+    assert inbox.complete(3, "peer-2")
+    got = inbox.take(3)
+    assert sorted(got) == ["peer-1", "peer-2"]
+    for sender, delta in got.items():
+        assert list(delta) == list(_template())
+        for name, values in delta.items():
+            np.testing.assert_array_equal(values, expected[sender][name])
+    assert inbox.take(3) == {}  # the round is forgotten, the next one is kept
+    assert not inbox.complete(4, "peer-1")
+
+
+def test_delta_inbox_leaves_out_a_delta_missing_a_part() -> None:
+    from tensorswap.delta import extract_delta_fragment, split_fragment
+    from tensorswap.demo.peer import SEQ_STRIDE, DeltaInbox
+
+    base, trained = _peer_delta(0)
+    whole = extract_delta_fragment("peer-1", SEQ_STRIDE, trained, base)
+    parts = split_fragment(whole, max_bytes=512)
+    inbox = DeltaInbox(_template())
+    for part in parts[:1] + parts[2:]:  # the second part was lost
+        inbox.add(part)
+    assert not inbox.complete(1, "peer-1")
+    assert inbox.take(1) == {}
+
+
+async def test_split_deltas_cross_a_bus_and_listener_with_a_small_cap() -> None:
+    import asyncio
+
+    from tensorswap.delta import (
+        DweBus,
+        DweConfig,
+        DweFragment,
+        DweListener,
+        extract_delta_fragment,
+        split_fragment,
+    )
+    from tensorswap.demo.peer import SEQ_STRIDE, DeltaInbox
+
+    config = DweConfig(max_fragment_bytes=1024)
+    queue: asyncio.Queue[DweFragment] = asyncio.Queue()
+    inbox = DeltaInbox(_template())
+    base, trained = _peer_delta(5)
+    parts = split_fragment(
+        extract_delta_fragment("peer-1", 2 * SEQ_STRIDE, trained, base), max_bytes=1024
+    )
+    assert len(parts) > 1
+    async with (
+        DweListener(queue, config=config) as listener,
+        DweBus([listener.endpoint], config=config) as bus,
+    ):
+        for part in parts:
+            await bus.put(part)
+        async with asyncio.timeout(10):
+            while not inbox.complete(2, "peer-1"):
+                inbox.add(await queue.get())
+    delta = inbox.take(2)["peer-1"]
+    for name, values in delta.items():
+        np.testing.assert_array_equal(values, trained[name] - base[name])
 
 
 def test_p2p_refuses_compression(tmp_path: Path) -> None:

@@ -79,6 +79,12 @@ COMPRESSIONS = ("none", "f16", "int8", "topk")
     is_flag=True,
     help="Train only the output layer (fine-tuning): the frozen layer's blocks dedup.",
 )
+@click.option(
+    "--max-fragment-bytes",
+    type=click.IntRange(1024, 2**32 - 1),
+    default=None,
+    help="p2p: the DWE fragment size cap [default: 8 MiB]; a larger delta is sent in parts.",
+)
 def demo(
     peers: int,
     rounds: int,
@@ -93,6 +99,7 @@ def demo(
     deadline: float,
     quorum: int | None,
     freeze_first_layer: bool,
+    max_fragment_bytes: int | None,
 ) -> int:
     """Train an MLP on digits federatedly across peer processes, with progress and a plot.
 
@@ -121,6 +128,7 @@ def demo(
         deadline_s=deadline,
         quorum=quorum,
         freeze_first_layer=freeze_first_layer,
+        max_fragment_bytes=max_fragment_bytes,
     )
     console = Console()
     try:

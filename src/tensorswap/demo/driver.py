@@ -59,6 +59,7 @@ class DemoConfig:
     deadline_s: float = 15.0
     quorum: int | None = None
     freeze_first_layer: bool = False
+    max_fragment_bytes: int | None = None  # p2p: the DWE size cap (None: 8 MiB)
 
     def round_quorum(self, alive: int) -> int:
         """Contributions a round needs at its deadline: ``--quorum``, else all but one peer
@@ -330,6 +331,8 @@ def _peer_args(cfg: DemoConfig, coordinator: str) -> list[str]:
         args += ["--coordinator", coordinator]
     if cfg.freeze_first_layer:
         args.append("--freeze-first-layer")
+    if cfg.max_fragment_bytes is not None:
+        args += ["--max-fragment-bytes", str(cfg.max_fragment_bytes)]
     return args
 
 
@@ -450,6 +453,8 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoRepor
     console = console or Console()
     if cfg.topology == "p2p" and cfg.compression != "none":
         raise DemoError("--compression applies to the star topology (DWE fragments are float32)")
+    if cfg.topology != "p2p" and cfg.max_fragment_bytes is not None:
+        raise DemoError("--max-fragment-bytes applies to the p2p topology (DWE fragments)")
     if cfg.aggregator in ("krum", "multi_krum") and cfg.peers < 3:
         raise DemoError(f"{cfg.aggregator} needs at least 3 peers")
     cfg.out.mkdir(parents=True, exist_ok=True)

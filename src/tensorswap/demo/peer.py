@@ -20,9 +20,10 @@ added to the next round's delta (error feedback); the aggregate is then a delta 
 peer adds to the global model it started from.
 
 P2P topology: no coordinator. The peer broadcasts its delta as a DWE fragment on the delta bus
-to every other peer, collects the others' fragments for the round (until the deadline), and
-aggregates the deltas itself, weighting by each peer's sample count (known to every peer, as
-the shards are a deterministic split).
+to every other peer (split into several parts when it exceeds ``--max-fragment-bytes``),
+collects every part of the others' deltas for the round (until the deadline), and aggregates
+the whole deltas itself, weighting by each peer's sample count (known to every peer, as the
+shards are a deterministic split).
 """
 
 from __future__ import annotations
@@ -35,18 +36,22 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 import numpy as np
 
 from tensorswap._netaddr import HostPortError, split_host_port
+from tensorswap.delta.bincode import MAX_DWE_FRAGMENT_BYTES
 
-__all__ = ["COMPRESSIONS", "main"]
+__all__ = ["COMPRESSIONS", "DeltaInbox", "main"]
 
 COMPRESSIONS = ("none", "f16", "int8", "topk")
 # p2p fragments of round r carry sequence r * SEQ_STRIDE (room for the parts of a split delta).
 SEQ_STRIDE = 1000
+#: Room for a part's header and a few values of a slice.
+MIN_FRAGMENT_BYTES = 1024
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -78,7 +83,7 @@ class PeerState:
     test_y: np.ndarray
     samples_of: dict[str, int]
     residual: dict[str, np.ndarray] | None = None
-    pending: dict[int, dict[str, Any]] = field(default_factory=dict)  # p2p: round -> session -> f
+    inbox: DeltaInbox | None = None  # p2p: the parts of the other peers' deltas
 
     def weights(self) -> dict[str, np.ndarray]:
         from tensorswap.torch import tensors_of
@@ -103,6 +108,75 @@ class PeerState:
         seed = self.args.seed * 1_000_003 + round_number * 1009 + self.args.index
         loss = train_local(self.model, self.shard, epochs=self.args.local_epochs, seed=seed)
         return base, loss
+
+
+class DeltaInbox:
+    """The parts of other peers' deltas, by round and sender, until each delta is whole.
+
+    A delta above the size cap arrives as several parts (`split_fragment`) with consecutive
+    sequences from ``round * SEQ_STRIDE``, possibly in any order and ahead of their round. A
+    sender's delta is complete once its parts, from the first one on without a hole, carry as
+    many values as the model has; `take` then reassembles it (checking that the slices join)
+    and lays it out as name -> array like ``template``.
+    """
+
+    def __init__(self, template: Mapping[str, np.ndarray]) -> None:
+        self.template = {k: np.asarray(v) for k, v in template.items()}
+        self._values = sum(int(prod(v.shape)) for v in self.template.values())
+        self._parts: dict[int, dict[str, dict[int, Any]]] = {}  # round -> sender -> seq -> part
+        self._carried: dict[tuple[int, str], int] = {}
+
+    def add(self, fragment: Any) -> None:
+        """File one verified part under its round and sender (a repeated sequence is ignored)."""
+        number = int(fragment.sequence) // SEQ_STRIDE
+        parts = self._parts.setdefault(number, {}).setdefault(fragment.session_id, {})
+        if fragment.sequence in parts:
+            return
+        parts[fragment.sequence] = fragment
+        key = (number, fragment.session_id)
+        self._carried[key] = self._carried.get(key, 0) + int(fragment.value_count)
+
+    def complete(self, number: int, sender: str) -> bool:
+        """True once every part of ``sender``'s delta for round ``number`` has arrived."""
+        parts = self._parts.get(number, {}).get(sender)
+        if not parts or self._carried.get((number, sender), 0) < self._values:
+            return False
+        first = number * SEQ_STRIDE
+        return all(first + i in parts for i in range(len(parts)))
+
+    def take(self, number: int) -> dict[str, dict[str, np.ndarray]]:
+        """The complete deltas of round ``number`` by sender; forgets that round and older ones.
+
+        A sender whose parts are incomplete (the deadline passed) or do not reassemble into
+        one delta of the model's layers is left out, with a line on stderr.
+        """
+        from tensorswap.delta import apply_fragment, reassemble
+        from tensorswap.errors import DeltaError
+
+        deltas: dict[str, dict[str, np.ndarray]] = {}
+        for sender, parts in sorted(self._parts.get(number, {}).items()):
+            if not self.complete(number, sender):
+                _log(f"round {number}: {sender}'s delta is incomplete ({len(parts)} parts)")
+                continue
+            try:
+                whole = reassemble([parts[seq] for seq in sorted(parts)])
+                indices = sorted(layer.layer_index for layer in whole.layers)
+                if indices != list(range(len(self.template))):
+                    raise DeltaError(f"layers {indices} do not match the model's")
+                states = [np.zeros_like(v) for v in self.template.values()]
+                apply_fragment(states, whole)  # checks every layer's index and shape first
+            except DeltaError as exc:
+                _log(f"round {number}: {sender}'s delta is refused: {exc}")
+                continue
+            deltas[sender] = dict(zip(self.template, states, strict=True))
+        for old in [r for r in self._parts if r <= number]:
+            for sender in self._parts.pop(old):
+                self._carried.pop((old, sender), None)
+        return deltas
+
+
+def _log(message: str) -> None:
+    print(f"tensorswap demo peer: {message}", file=sys.stderr, flush=True)
 
 
 # ── star: through the coordinator ────────────────────────────────────────────
@@ -204,7 +278,7 @@ async def p2p_round(
     state: PeerState, bus: Any, inbox: asyncio.Queue[Any], cmd: Mapping[str, Any]
 ) -> None:
     from tensorswap.aggregate import AggregatorKind, AggregatorSpec, aggregate
-    from tensorswap.delta import apply_fragment, extract_delta_fragment, split_fragment
+    from tensorswap.delta import extract_delta_fragment, split_fragment
 
     number = int(cmd["round"])
     deadline_s = float(cmd.get("deadline_s") or 60.0)
@@ -218,13 +292,17 @@ async def p2p_round(
     own = {k: trained[k] - base[k] for k in base}
     before = bus.telemetry().sent_bytes
     fragment = extract_delta_fragment(state.name, number * SEQ_STRIDE, trained, base)
-    for part in split_fragment(fragment):
+    parts = split_fragment(fragment, max_bytes=state.args.max_fragment_bytes)
+    if len(parts) > SEQ_STRIDE:
+        raise ValueError(f"a delta in {len(parts)} parts does not fit a round's {SEQ_STRIDE}")
+    for part in parts:
         await bus.put(part)
     emit("submitted", peer=state.name, round=number, sent_bytes=0, saved_bytes=0, late="")
 
-    got = state.pending.setdefault(number, {})
+    collected = state.inbox if state.inbox is not None else DeltaInbox(base)
+    state.inbox = collected
     timed_out = False
-    while not all(p in got for p in expect):
+    while not all(collected.complete(number, p) for p in expect):
         remaining = until - loop.time()
         if remaining <= 0:
             timed_out = True
@@ -234,20 +312,17 @@ async def p2p_round(
         except TimeoutError:
             timed_out = True
             break
-        state.pending.setdefault(int(frag.sequence) // SEQ_STRIDE, {})[frag.session_id] = frag
-    state.pending.pop(number, None)
+        collected.add(frag)
+    deltas = collected.take(number)
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(bus.flush(), 5.0)
     sent_bytes = bus.telemetry().sent_bytes - before
 
     names = list(base)
-    contributions: list[tuple[dict[str, np.ndarray], int]] = [(own, state.shard.num_samples)]
-    for session, frag in sorted(got.items()):
-        if session not in state.samples_of:
-            continue  # not a peer of this demo
-        states = [np.zeros_like(base[k]) for k in names]
-        apply_fragment(states, frag)  # checks every layer's index and shape first
-        contributions.append((dict(zip(names, states, strict=True)), state.samples_of[session]))
+    members = {s: d for s, d in deltas.items() if s in state.samples_of and s != state.name}
+    members[state.name] = own
+    # One order on every peer (by name): every peer then computes the same average.
+    contributions = [(members[s], state.samples_of[s]) for s in sorted(members)]
     spec = AggregatorSpec(AggregatorKind(state.args.aggregator))
     result = aggregate(contributions, spec)
     assert isinstance(result.values, dict)
@@ -346,11 +421,13 @@ async def run_star(args: argparse.Namespace) -> int:
 
 
 async def run_p2p(args: argparse.Namespace) -> int:
-    from tensorswap.delta import DweBus, DweListener
+    from tensorswap.delta import DweBus, DweConfig, DweListener
 
     state = await asyncio.to_thread(_build_state, args)
+    state.inbox = DeltaInbox(state.weights())
+    config = DweConfig(max_fragment_bytes=args.max_fragment_bytes)
     inbox: asyncio.Queue[Any] = asyncio.Queue()
-    async with DweListener(inbox) as listener:
+    async with DweListener(inbox, config=config) as listener:
         emit(
             "ready",
             peer=state.name,
@@ -378,7 +455,8 @@ async def run_p2p(args: argparse.Namespace) -> int:
                 if want != members:
                     if bus is not None:
                         await bus.aclose()
-                    bus = DweBus([endpoints[p] for p in want if p in endpoints], drain_timeout=1.0)
+                    to = [endpoints[p] for p in want if p in endpoints]
+                    bus = DweBus(to, config=config, drain_timeout=1.0)
                     await bus.start()
                     members = want
                 assert bus is not None
@@ -400,7 +478,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compression", choices=COMPRESSIONS, default="none")
     parser.add_argument("--aggregator", default="fedavg", help="p2p: how deltas are combined")
     parser.add_argument("--freeze-first-layer", action="store_true", help="train the head only")
+    parser.add_argument(
+        "--max-fragment-bytes",
+        type=int,
+        default=MAX_DWE_FRAGMENT_BYTES,
+        help="p2p: the DWE size cap (8 MiB); a larger delta is sent in several parts",
+    )
     args = parser.parse_args(argv)
+    if not MIN_FRAGMENT_BYTES <= args.max_fragment_bytes <= 2**32 - 1:
+        parser.error(f"--max-fragment-bytes must be in [{MIN_FRAGMENT_BYTES}, 2**32 - 1]")
     if not 0 <= args.index < args.peers:
         parser.error(f"--index must be in [0, {args.peers})")
     if args.topology == "star":
