@@ -2,12 +2,17 @@
 
 Each round sends N batches (a pool of 256 distinct batches, cycled) twice through a PUB socket
 in this process to a SUB socket in a child process: once as pre-encoded bytes with raw pyzmq (the
-baseline), once through ``Publisher.send`` / ``Subscriber.recv`` (validate, encode, send;
-receive, decode, validate).
-Throughput is counted at the subscriber, first to last message. The figure of merit is the
-flow rate as a ratio of the raw rate measured in the same run; the goal is >= 0.5x.
+baseline: the canonical frames of the same pool, cycled the same way), once through
+``Publisher.send`` / ``Subscriber.recv`` (validate, encode, send; receive, decode, validate).
+Both passes use the same socket options (no high-water marks, linger 0), the same warm-up (a
+frame sent until the subscriber has one) and the same count; throughput is counted at the
+subscriber, first to last message. The figure of merit is the flow rate as a ratio of the raw
+rate measured in the same run (medians over the rounds); the goal is >= 0.5x.
 
-    python benchmarks/bench_flow.py [--messages N] [--rounds R] [--quick]
+``--breakdown`` also runs the two halves against raw pyzmq: flow's publisher into a raw
+receiver (encode-bound) and a raw sender into flow's subscriber (decode-bound).
+
+    python benchmarks/bench_flow.py [--messages N] [--rounds R] [--quick] [--breakdown]
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -68,64 +74,58 @@ def _options(endpoint: str) -> TransportConfig:
     return TransportConfig(endpoint, send_hwm=0, receive_hwm=0, linger_ms=0)
 
 
-def _receive_raw(endpoint: str, count: int, conn: Connection) -> None:
-    context = zmq.Context()
-    socket = context.socket(zmq.SUB)
-    socket.setsockopt(zmq.RCVHWM, 0)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.SUBSCRIBE, b"")
-    socket.connect(endpoint)
+def _receive(mode: str, endpoint: str, count: int, conn: Connection) -> None:
+    """Subscribe (raw pyzmq or flow), skip the warm-up frames, time the rest."""
+    if mode == "raw":
+        context = zmq.Context()
+        socket = context.socket(zmq.SUB)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(endpoint)
+        receive = socket.recv
+    else:
+        subscriber = Subscriber.connect(_options(endpoint))
+        receive = subscriber.recv
     synced = False
     while True:
-        frame = socket.recv()
-        if frame != _WARMUP:
+        item = receive()
+        if item != _WARMUP and not isinstance(item, Ping):
             break
         if not synced:
             conn.send("synced")
             synced = True
     start = time.perf_counter()
     for _ in range(count - 1):
-        socket.recv()
+        receive()
     conn.send(time.perf_counter() - start)
-    socket.close()
-    context.term()
+    if mode == "raw":
+        socket.close()
+        context.term()
+    else:
+        subscriber.close()
 
 
-def _receive_flow(endpoint: str, count: int, conn: Connection) -> None:
-    subscriber = Subscriber.connect(_options(endpoint))
-    synced = False
-    while True:
-        message = subscriber.recv()
-        if not isinstance(message, Ping):
-            break
-        if not synced:
-            conn.send("synced")
-            synced = True
-    start = time.perf_counter()
-    for _ in range(count - 1):
-        subscriber.recv()
-    conn.send(time.perf_counter() - start)
-    subscriber.close()
-
-
-def _sync(conn: Connection, send_warmup: object) -> None:
+def _sync(conn: Connection, send_warmup: Callable[[], object]) -> None:
     """Publish warm-up frames until the subscriber has seen one (the slow-joiner problem)."""
     deadline = time.monotonic() + 30
     while not conn.poll(0.001):
         if time.monotonic() > deadline:
             raise TimeoutError("the subscriber never received a warm-up message")
-        send_warmup()  # type: ignore[operator]
+        send_warmup()
     if conn.recv() != "synced":
         raise RuntimeError("unexpected reply from the subscriber")
 
 
-def _run(mode: str, endpoint: str, batches: list[SpikeBatch], frames: list[bytes]) -> float:
-    """Messages per second for one pass of ``mode`` ('raw' or 'flow')."""
+def _run(
+    sender: str, receiver: str, endpoint: str, batches: list[SpikeBatch], frames: list[bytes]
+) -> float:
+    """Messages per second from a ``sender`` to a ``receiver`` (each 'raw' or 'flow')."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    target = _receive_raw if mode == "raw" else _receive_flow
-    process = ctx.Process(target=target, args=(endpoint, len(batches), child))
-    if mode == "raw":
+    process = ctx.Process(target=_receive, args=(receiver, endpoint, len(batches), child))
+    warmup = _WARMUP if receiver == "raw" else encode(Ping())
+    if sender == "raw":
         context = zmq.Context()
         socket = context.socket(zmq.PUB)
         socket.setsockopt(zmq.SNDHWM, 0)
@@ -133,7 +133,7 @@ def _run(mode: str, endpoint: str, batches: list[SpikeBatch], frames: list[bytes
         socket.bind(endpoint)
         process.start()
         try:
-            _sync(parent, lambda: socket.send(_WARMUP))
+            _sync(parent, lambda: socket.send(warmup))
             for frame in frames:
                 socket.send(frame)
             elapsed = parent.recv()
@@ -145,7 +145,7 @@ def _run(mode: str, endpoint: str, batches: list[SpikeBatch], frames: list[bytes
         with Publisher.bind(_options(endpoint)) as publisher:
             process.start()
             try:
-                _sync(parent, lambda: publisher.send(Ping()))
+                _sync(parent, lambda: publisher.send_frame(warmup))
                 for batch in batches:
                     publisher.send(batch)
                 elapsed = parent.recv()
@@ -172,19 +172,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="2,000 messages, 1 round")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also flow->raw (encode) and raw->flow (decode)"
+    )
     args = parser.parse_args(argv)
     count, rounds = (2_000, 1) if args.quick else (args.messages, args.rounds)
 
     pool = make_batches(min(POOL, count))
+    pool_frames = [encode(batch) for batch in pool]
     batches = [pool[i % len(pool)] for i in range(count)]
-    frames = [encode(batch) for batch in batches]
+    frames = [pool_frames[i % len(pool)] for i in range(count)]
     encode_us, decode_us = _per_message(batches, frames)
-    raw_rates, flow_rates = [], []
+    pairs = [("raw", "raw"), ("flow", "flow")]
+    if args.breakdown:
+        pairs += [("flow", "raw"), ("raw", "flow")]
+    rates: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
     with tempfile.TemporaryDirectory(prefix="tensorswap-bench-") as tmp:
         endpoint = f"ipc://{Path(tmp) / 'flow.ipc'}"
         for _ in range(rounds):
-            raw_rates.append(_run("raw", endpoint, batches, frames))
-            flow_rates.append(_run("flow", endpoint, batches, frames))
+            for pair in pairs:
+                rates[pair].append(_run(*pair, endpoint, batches, frames))
+    raw_rates, flow_rates = rates["raw", "raw"], rates["flow", "flow"]
     raw, flow = statistics.median(raw_rates), statistics.median(flow_rates)
     ratio = flow / raw
     size = statistics.mean(len(frame) for frame in frames)
@@ -195,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  flow Publisher/Sub     {flow:10,.0f} msg/s")
     verdict = "meets" if ratio >= GOAL else "misses"
     print(f"  ratio                  {ratio:10.2f}x  ({verdict} the >= {GOAL}x goal)")
+    if args.breakdown:
+        encode_only = statistics.median(rates["flow", "raw"])
+        decode_only = statistics.median(rates["raw", "flow"])
+        print(f"  flow send -> raw recv  {encode_only:10,.0f} msg/s  {encode_only / raw:5.2f}x")
+        print(f"  raw send -> flow recv  {decode_only:10,.0f} msg/s  {decode_only / raw:5.2f}x")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -181,6 +182,29 @@ def test_try_recv_does_not_block_and_recv_times_out(pair: Pair) -> None:
     start = time.monotonic()
     assert subscriber.recv(timeout=0.05) is None
     assert time.monotonic() - start >= 0.04
+
+
+def test_recv_without_a_timeout_waits_for_the_next_message(pair: Pair) -> None:
+    publisher, subscriber = pair
+    publisher.send(Loss(0.25))
+    assert subscriber.recv() == Loss(0.25)
+    sender = threading.Timer(0.05, publisher.send, (Loss(0.5),))
+    sender.start()
+    try:
+        assert subscriber.recv() == Loss(0.5)  # blocks until the timer's message is in
+    finally:
+        sender.join()
+
+
+def test_receive_timeouts_leave_try_recv_non_blocking(pair: Pair) -> None:
+    publisher, subscriber = pair
+    assert subscriber.recv(timeout=0.2) is None  # sets a 200 ms ZMQ_RCVTIMEO
+    start = time.monotonic()
+    assert subscriber.try_recv() is None
+    assert time.monotonic() - start < 0.15
+    publisher.send(Loss(0.5))
+    assert subscriber.recv(timeout=10**7) == Loss(0.5)  # beyond ZMQ_RCVTIMEO's int range
+    assert subscriber.recv(timeout=0) is None
 
 
 def test_a_published_message_is_validated_first(pair: Pair) -> None:

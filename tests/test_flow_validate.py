@@ -7,6 +7,8 @@ import math
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tensorswap.errors import FlowError, TensorSwapError
 from tensorswap.flow import (
@@ -39,6 +41,9 @@ from tensorswap.flow import (
     f32,
     validate,
 )
+from tensorswap.flow.floats import F32_MAX
+from tensorswap.flow.messages import U16_MAX, U32_MAX
+from tensorswap.flow.validate import _Checker
 
 N = 65_536  # the default cap of channel values, spike events, traces and gradient rows
 AGGREGATE = 131_072
@@ -526,3 +531,71 @@ def test_decode_checks_unique_ids_and_mask_length() -> None:
         )
     with pytest.raises(ValidationError, match=r"nested_metadata at `config\.<empty>`"):
         decode('{"ConfigUpdate":{"session_id":null,"config":{"":1}}}')
+
+
+# ── the fast spike path agrees with the precise checks ─────────────────────────────────────────
+class _Level(int):
+    """An int subclass: accepted where an integer is wanted, like any int."""
+
+
+class _Real(float):
+    """A float subclass: accepted as a float and replaced by a plain one."""
+
+
+_INTEGERS = st.one_of(
+    st.integers(-2, 2**33),
+    st.sampled_from([0, 1, U16_MAX, U16_MAX + 1, U32_MAX, U32_MAX + 1, -1]),
+    st.booleans(),
+    st.integers(0, U16_MAX).map(_Level),
+    st.just(0.0),
+    st.just("1"),
+)
+_STRENGTHS = st.one_of(
+    st.floats(width=32),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 0.1, 1e16, -1e16, F32_MAX, -F32_MAX, 3.5e38, math.inf, 1e-46]),
+    st.integers(-(2**130), 2**130),
+    st.booleans(),
+    st.floats(width=32, allow_nan=False).map(_Real),
+    st.just("0.5"),
+    st.none(),
+)
+
+
+def _outcome(message: SpikeBatch) -> tuple[str, object]:
+    try:
+        result = validate(message)
+    except InvalidInput as exc:
+        return type(exc).__name__, str(exc)
+    body = [(type(e.strength), e.strength, e.channel, e.time) for e in result.spikes]
+    try:
+        data: object = encode(result)
+    except TypeError as exc:  # msgspec cannot encode an int subclass that is not an enum
+        data = str(exc)
+    return "ok", (result is message, body, data)
+
+
+_WELL_TYPED = st.tuples(
+    st.integers(0, U16_MAX),
+    st.integers(0, U32_MAX),
+    st.one_of(st.floats(width=32), st.floats(allow_nan=True, allow_infinity=True)),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.one_of(
+        st.lists(st.tuples(_INTEGERS, _INTEGERS, _STRENGTHS), max_size=6),
+        st.lists(_WELL_TYPED, max_size=70),  # the fast path's own domain, rounding included
+    )
+)
+def test_the_fast_spike_path_agrees_with_the_precise_checks(
+    columns: list[tuple[Any, Any, Any]],
+) -> None:
+    events = [SpikeEvent(channel=c, time=t, strength=s) for c, t, s in columns]
+    message = spikes(0, spikes=events)
+    fast = _outcome(message)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_Checker, "spike_columns", lambda self, *columns: None)
+        precise = _outcome(message)
+    assert fast == precise

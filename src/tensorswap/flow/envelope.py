@@ -251,6 +251,9 @@ def _decode_fast(data: bytes | str) -> IpcMessage | None:
     values = astuple(payload)
     if values.count(UNSET) != len(values) - 1:
         return None
+    spikes = payload.Spikes
+    if spikes is not UNSET:  # the common case, as ``_build`` would return it
+        return spikes
     for name, value in zip(_PAYLOAD_FIELDS, values, strict=True):
         if value is not UNSET:
             return _build(name, value)
@@ -263,7 +266,7 @@ def decode(data: bytes | bytearray | memoryview | str) -> IpcMessage:
     Raises MalformedMessage (JSON, shape, types, integer widths) or WireVersionError, both
     CommunicationError; ValidationError (InvalidInput) when a well-formed message breaks a rule.
     """
-    if isinstance(data, bytearray | memoryview):
+    if type(data) is not bytes and isinstance(data, bytearray | memoryview):
         data = bytes(data)
     message = _decode_fast(data)
     if message is None:

@@ -25,6 +25,9 @@ from tensorswap.flow.errors import (
 )
 from tensorswap.flow.messages import IpcMessage
 
+_MAX_WAIT_MS = 2**31 - 1
+"""The longest ZMQ_RCVTIMEO; a longer :meth:`Subscriber.recv` timeout waits in several steps."""
+
 
 @dataclass(frozen=True)
 class TransportConfig:
@@ -168,11 +171,14 @@ class Publisher(_Endpoint):
         A closed publisher raises TransportClosed before the message is looked at.
         """
         self._check_open()
-        self.send_frame(encode(message))
+        self._send(encode(message))
 
     def send_frame(self, frame: bytes) -> None:
         """Publish ``frame`` as it is (already encoded bytes); never blocks."""
         self._check_open()
+        self._send(frame)
+
+    def _send(self, frame: bytes) -> None:
         try:
             self._socket.send(frame, zmq.DONTWAIT)
         except zmq.Again:  # PUB drops rather than blocks; a full queue is not an error
@@ -190,6 +196,7 @@ class Subscriber(_Endpoint):
         self, socket: zmq.Socket[Any], context: zmq.Context[Any], owns_context: bool
     ) -> None:
         super().__init__(socket, context, owns_context)
+        self._wait_ms = -1  # the socket's ZMQ_RCVTIMEO
         self._waiter: tuple[asyncio.AbstractEventLoop, int, asyncio.Future[None]] | None = None
 
     @classmethod
@@ -202,9 +209,13 @@ class Subscriber(_Endpoint):
     def try_recv_frame(self) -> bytes | None:
         """The next frame, or ``None`` when none is waiting; framing faults raise."""
         self._check_open()
+        return self._frame(zmq.DONTWAIT)
+
+    def _frame(self, flags: int) -> bytes | None:
+        """Receive one frame with ``flags`` (``None``: would block, or the receive timeout)."""
         socket = self._socket
         try:
-            frame: bytes = socket.recv(zmq.DONTWAIT)
+            frame: bytes = socket.recv(flags)
         except zmq.Again:
             return None
         except zmq.ZMQError as exc:
@@ -233,16 +244,23 @@ class Subscriber(_Endpoint):
         """Block until a message arrives (``None`` after ``timeout`` seconds without one)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            message = self.try_recv()
-            if message is not None:
-                return message
+            self._check_open()
             if deadline is None:
-                self._socket.poll(None, zmq.POLLIN)
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            self._socket.poll(max(1, int(remaining * 1000)), zmq.POLLIN)
+                wait = -1
+            else:
+                remaining = deadline - time.monotonic()
+                wait = 0 if remaining <= 0 else min(max(1, int(remaining * 1000)), _MAX_WAIT_MS)
+            if wait == 0:
+                frame = self._frame(zmq.DONTWAIT)
+                return None if frame is None else decode(frame)
+            # A blocking receive that waits at most ``wait`` ms (ZMQ_RCVTIMEO): no poll, and
+            # no exception per message, when frames arrive slower than they are decoded.
+            if wait != self._wait_ms:
+                self._socket.setsockopt(zmq.RCVTIMEO, wait)
+                self._wait_ms = wait
+            frame = self._frame(0)
+            if frame is not None:
+                return decode(frame)
 
     async def arecv(self) -> IpcMessage:
         """Await the next message without blocking the event loop (cancel to stop waiting)."""

@@ -59,6 +59,19 @@ _LEVELS = (
 )
 
 
+_SPIKE_STRUCTS: dict[int, tuple[struct.Struct, struct.Struct]] = {}
+
+
+def _spike_structs(n: int) -> tuple[struct.Struct, struct.Struct]:
+    """Structs for ``n`` spike events: all columns (u16, u32, f32), and the f32 column alone."""
+    structs = _SPIKE_STRUCTS.get(n)
+    if structs is None:
+        structs = (struct.Struct(f"<{n}H{n}I{n}f"), struct.Struct(f"<{n}f"))
+        if len(_SPIKE_STRUCTS) < 64:  # the batch sizes in use; others are built on demand
+            _SPIKE_STRUCTS[n] = structs
+    return structs
+
+
 # ── failures and stateless checks ─────────────────────────────────────────────────────────────
 def _limit(path: str, actual: int, limit: int) -> ValidationError:
     return ValidationError(path, _K.LIMIT_EXCEEDED, Count(actual), Count(limit))
@@ -229,6 +242,37 @@ class _Checker:
             self.peak = total
         return values if rounded == tuple(values) else list(rounded)
 
+    def spike_columns(
+        self, channels: list[Any], times: list[Any], strengths: list[Any]
+    ) -> list[float] | None:
+        """The common case of the spike columns in one struct pack: every channel an ``int``
+        within u16, every time an ``int`` within u32, every strength a finite ``float`` once
+        rounded to f32. Returns the rounded strengths (``strengths`` itself when unchanged), or
+        ``None`` when any of this does not hold and the precise checks must find the fault."""
+        n = len(strengths)
+        if not n:
+            return strengths
+        # Exact types (no bool, no subclass); comparing with a list of types needs no hashing.
+        ints = [int] * n
+        if list(map(type, channels)) != ints or list(map(type, times)) != ints:
+            return None
+        if list(map(type, strengths)) != [float] * n:
+            return None
+        columns, floats = _spike_structs(n)
+        try:
+            packed = columns.pack(*channels, *times, *strengths)
+        except (struct.error, OverflowError):  # an integer out of range, a float beyond f32
+            return None
+        rounded = floats.unpack_from(packed, 6 * n)
+        # The norm bounds every magnitude, and it is finite exactly when every value is (the
+        # norm of 65,536 finite f32 values cannot overflow an f64).
+        peak = math.hypot(*rounded)
+        if not math.isfinite(peak):
+            return None
+        if peak > self.peak:
+            self.peak = peak
+        return strengths if rounded == tuple(strengths) else list(rounded)
+
     def metadata(self, metadata: BatchMetadata | None, counted: int) -> None:
         total = self.add(0, counted)
         if metadata is None:
@@ -256,14 +300,23 @@ class _Checker:
         self.opt_string("session_id", m.session_id)
         spikes = _list("spikes", m.spikes)
         _count("spikes", len(spikes), self.limits.max_spike_events)
-        if not self.trusted:
-            _items(spikes, "spikes[{}]", SpikeEvent)
-            _ints(
-                ([e.channel for e in spikes], "spikes[{}].channel", U16_MAX, "u16", "H"),
-                ([e.time for e in spikes], "spikes[{}].time", U32_MAX, "u32", "I"),
-            )
-        strengths = [e.strength for e in spikes]
-        rounded = self.floats(strengths, "spikes[{}].strength")
+        if self.trusted:  # a typed decode has checked the types and integer widths
+            strengths = [e.strength for e in spikes]
+            rounded = self.floats(strengths, "spikes[{}].strength")
+        else:
+            if list(map(type, spikes)) != [SpikeEvent] * len(spikes):
+                _items(spikes, "spikes[{}]", SpikeEvent)
+            channels = [e.channel for e in spikes]
+            times = [e.time for e in spikes]
+            strengths = [e.strength for e in spikes]
+            fast = self.spike_columns(channels, times, strengths)
+            if fast is None:  # something needs a closer look: the precise checks, in order
+                _ints(
+                    (channels, "spikes[{}].channel", U16_MAX, "u16", "H"),
+                    (times, "spikes[{}].time", U32_MAX, "u32", "I"),
+                )
+                fast = self.floats(strengths, "spikes[{}].strength")
+            rounded = fast
         self.metadata(m.metadata, len(spikes))
         if rounded is strengths:
             return m
