@@ -86,6 +86,11 @@ def test_median_lies_between_min_and_max(matrix: np.ndarray) -> None:
     assert np.all(values >= matrix.min(axis=0)) and np.all(values <= matrix.max(axis=0))
 
 
+def test_median_of_two_equal_subnormals_is_that_value() -> None:
+    matrix = np.full((2, 1), 1e-45, dtype=np.float32)
+    assert median(contribs(matrix)).values[0] == matrix[0, 0]
+
+
 def test_median_rejects_non_finite_by_default() -> None:
     with pytest.raises(NonFiniteValues):
         median(contribs(f32([[1.0], [np.nan], [2.0]])))

@@ -55,8 +55,11 @@ def _median_reducer(block: np.ndarray, out: np.ndarray) -> None:
         out[...] = block[k // 2]
     else:  # halves first: the mean of two float32 values near the maximum must not overflow
         half = block.dtype.type(0.5)
-        np.multiply(block[k // 2 - 1], half, out=out)
-        out += block[k // 2] * half
+        low, high = block[k // 2 - 1], block[k // 2]
+        np.multiply(low, half, out=out)
+        out += high * half
+        # Halving rounds subnormals (0.5 * 1e-45 is 0): keep the mean between its two values.
+        np.clip(out, low, high, out=out)
 
 
 def _trimmed_reducer(trim: int) -> Reducer:
