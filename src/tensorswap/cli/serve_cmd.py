@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import ctypes.util
 import logging
 import signal
 import ssl as ssl_module
 import sys
+import threading
 
 import click
 
@@ -64,8 +64,9 @@ async def _run(
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
+    # asyncio handles signals only in the main thread on POSIX; elsewhere Ctrl-C still stops.
+    if sys.platform != "win32" and threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
     coordinator = await asyncio.to_thread(Coordinator.open, data, durable=durable)
     try:
