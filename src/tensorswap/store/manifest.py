@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 import msgspec
 import numpy as np
 
+from tensorswap import _alloc
 from tensorswap.cid import Cid, HashFunction, Multicodec, byte_view
 from tensorswap.codec import DType, Encoding, TensorBlock, as_numpy, decode_block, encode_block
 from tensorswap.codec.arrow import MAX_DECODED_VALUES
@@ -308,7 +309,7 @@ def _load_tensor(
         decode = lambda i: _decode_chunk(buffers[i], manifest, i, dtype, cid)  # noqa: E731
         values = np.concatenate(_map(decode, indices, threads))
     else:  # uncompressed dense chunks, or none at all (a tensor of zero values)
-        values = np.empty(manifest.size, dtype=dtype.numpy)
+        values = _alloc.empty(manifest.size, dtype.numpy)  # recycled pages: see _alloc
         offsets = [0, *itertools.accumulate(chunk.values for chunk in chunks)]
 
         def fill(i: int) -> None:

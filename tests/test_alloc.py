@@ -1,0 +1,43 @@
+"""tensorswap._alloc: large arrays from pyarrow's pool behave as numpy arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from tensorswap._alloc import POOL_MIN_BYTES, empty
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int8, np.uint8, np.int64])
+@pytest.mark.parametrize("nbytes", [0, 8, POOL_MIN_BYTES - 8, POOL_MIN_BYTES, 3 * POOL_MIN_BYTES])
+def test_empty_is_a_writable_contiguous_array(dtype: type, nbytes: int) -> None:
+    size = nbytes // np.dtype(dtype).itemsize
+    out = empty(size, dtype)
+    assert out.shape == (size,)
+    assert out.dtype == np.dtype(dtype)
+    assert out.flags.writeable and out.flags.c_contiguous
+    out[:] = np.arange(size, dtype=dtype)
+    assert np.array_equal(out, np.arange(size, dtype=dtype))
+
+
+def test_large_arrays_come_from_the_pool_and_are_aligned() -> None:
+    out = empty(POOL_MIN_BYTES // 4, np.float32)
+    assert isinstance(out.base, pa.Buffer)
+    assert out.ctypes.data % 64 == 0
+    small = empty(4, np.float32)
+    assert not isinstance(small.base, pa.Buffer)
+
+
+def test_arrays_do_not_share_memory() -> None:
+    a = empty(POOL_MIN_BYTES, np.uint8)
+    b = empty(POOL_MIN_BYTES, np.uint8)
+    a[:] = 1
+    b[:] = 2
+    assert not np.shares_memory(a, b)
+    assert int(a.sum()) == POOL_MIN_BYTES
+
+
+def test_negative_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="must not be negative"):
+        empty(-1, np.float32)
