@@ -8,6 +8,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from tensorswap import _alloc
+
 __all__ = ["ReceiveBuffers", "receive_buffers"]
 
 _GRANULE = 1 << 20  # slab sizes are rounded up to this, so blocks of similar size share slabs
@@ -51,7 +53,7 @@ class ReceiveBuffers:
             else:
                 self.allocated += 1
         if slab is None:
-            slab = np.empty(size, np.uint8)
+            slab = _alloc.empty(size, np.uint8)  # pool pages: recycled after a store drops them
         view = slab[:nbytes]
         weakref.finalize(view, self._give_back, slab)
         return memoryview(view)  # type: ignore[arg-type]
