@@ -8,8 +8,6 @@ from collections import defaultdict
 
 import numpy as np
 
-from tensorswap import _alloc
-
 __all__ = ["ReceiveBuffers", "receive_buffers"]
 
 _GRANULE = 1 << 20  # slab sizes are rounded up to this, so blocks of similar size share slabs
@@ -53,7 +51,7 @@ class ReceiveBuffers:
             else:
                 self.allocated += 1
         if slab is None:
-            slab = _alloc.empty(size, np.uint8)  # pool pages: recycled after a store drops them
+            slab = np.empty(size, np.uint8)
         view = slab[:nbytes]
         weakref.finalize(view, self._give_back, slab)
         return memoryview(view)  # type: ignore[arg-type]
