@@ -149,8 +149,8 @@ def serve_flight(reps: int) -> None:
 
 # ── senders (this process) ───────────────────────────────────────────────────
 @contextlib.contextmanager
-def receiver(kind: str, *args: str) -> Iterator[int]:
-    """Start ``kind``'s receiver in a child process; yield its port."""
+def receiver(kind: str, *args: str) -> Iterator[tuple[int, int]]:
+    """Start ``kind``'s receiver in a child process; yield its port and process id."""
     here = Path(__file__).resolve().parent.parent
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])
@@ -167,7 +167,7 @@ def receiver(kind: str, *args: str) -> Iterator[int]:
         line = proc.stdout.readline()
         if not line.strip().isdigit():
             raise RuntimeError(f"{kind} receiver did not start: {line!r}")
-        yield int(line)
+        yield int(line), proc.pid
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -175,6 +175,44 @@ def receiver(kind: str, *args: str) -> Iterator[int]:
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """User + system CPU seconds of this process (all threads) so far."""
+    return time.process_time()
+
+
+def hashing_seconds(values: np.ndarray) -> tuple[float, float]:
+    """Best-of-3 seconds to blake3 (one thread, 4 MiB blocks, as the wire does per block) and
+    to CRC32C the bytes of ``values``: what each end must spend at least."""
+    import blake3
+
+    from tensorswap.wire.frames import crc32c
+
+    data = memoryview(values).cast("B")
+    block = 4 * 1024 * 1024
+    pieces = [data[i : i + block] for i in range(0, data.nbytes, block)]
+
+    def best(fn: Callable[[memoryview], object]) -> float:
+        seconds = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for piece in pieces:
+                fn(piece)
+            seconds = min(seconds, time.perf_counter() - start)
+        return seconds
+
+    return best(lambda p: blake3.blake3(p, max_threads=1).digest()), best(crc32c)
 
 
 def send_raw(port: int, data: memoryview) -> float:
@@ -271,29 +309,40 @@ def run(mib: int, reps: int, directory: str | None) -> dict[str, float]:
         flight_ok = False
 
     raw = memoryview(values).cast("B")
+    raw_cpu: list[float] = []
+
+    def timed_raw(port: int, pid: int) -> None:
+        before = (own_cpu_seconds(), process_cpu_seconds(pid))
+        record("raw socket", send_raw(port, raw))
+        after = (own_cpu_seconds(), process_cpu_seconds(pid))
+        if before[1] is not None and after[1] is not None:
+            raw_cpu.append(after[0] - before[0] + after[1] - before[1])
+
     ts_args = ["--dir", directory] if directory else []
-    runs: list[tuple[str, list[str], Callable[[int], None]]] = [
-        ("raw", ["--bytes", str(nbytes)], lambda p: record("raw socket", send_raw(p, raw))),
+    runs: list[tuple[str, list[str], Callable[[int, int], None]]] = [
+        ("raw", ["--bytes", str(nbytes)], timed_raw),
         (
             "raw-verify",
             ["--bytes", str(nbytes)],
-            lambda p: record("raw, naive store+blake3", send_raw(p, raw)),
+            lambda p, _: record("raw, naive store+blake3", send_raw(p, raw)),
         ),
-        ("tensorswap", ts_args, lambda p: _ts(p, values, record)),
-        ("ipfrs", [], lambda p: record("ipfrs framing", send_ipfrs(p, values))),
+        ("tensorswap", ts_args, lambda p, _: _ts(p, values, record)),
+        ("ipfrs", [], lambda p, _: record("ipfrs framing", send_ipfrs(p, values))),
     ]
     if flight_ok:
-        runs.append(("flight", [], lambda p: record("flight DoPut", send_flight(p, values))))
+        runs.append(
+            ("flight", [], lambda p, _: record("flight DoPut", send_flight(p, values)))
+        )
     # All receivers run at once and the methods take turns, so that a change in the
     # machine's load during the run affects every method alike.
     with contextlib.ExitStack() as stack:
-        ports = []
+        started = []
         for kind, extra, _ in runs:
             count = 2 * reps if kind == "tensorswap" else reps
-            ports.append(stack.enter_context(receiver(kind, "--reps", str(count), *extra)))
+            started.append(stack.enter_context(receiver(kind, "--reps", str(count), *extra)))
         for _ in range(reps):
-            for (_, _, sender), port in zip(runs, ports, strict=True):
-                sender(port)
+            for (_, _, sender), (port, pid) in zip(runs, started, strict=True):
+                sender(port, pid)
     rates = {name: _gbps(nbytes, secs) for name, secs in times.items()}
     print(f"\n{mib} MiB float32, loopback TCP, median of {reps} (GB/s = 1e9 bytes/s):")
     for name, rate in rates.items():
@@ -309,7 +358,30 @@ def run(mib: int, reps: int, directory: str | None) -> dict[str, float]:
                 f"  per turn, {name} / raw: median {statistics.median(ratios):.2f}"
                 f" (min {min(ratios):.2f}, max {max(ratios):.2f})"
             )
+    if raw_cpu:
+        _print_ceiling(values, statistics.median(raw), statistics.median(raw_cpu))
     return rates
+
+
+def _print_ceiling(values: np.ndarray, raw_wall: float, raw_cpu: float) -> None:
+    """The best ratio to raw this machine allows a verified transfer, from costs measured now.
+
+    Both processes share the machine's cores. A raw transfer costs ``raw_cpu`` CPU-seconds
+    (both ends); a verified one costs at least that plus blake3 and CRC32C of every byte at
+    each end (the sender to name blocks and checksum frames, the receiver to check both), or
+    at one end for blocks hashed beforehand ("push only"). With every core busy all the time
+    and nothing else spent, its wall time is that CPU time over the cores.
+    """
+    cores = os.cpu_count() or 1
+    blake, crc = hashing_seconds(values)
+    for label, ends in (("end to end", 2), ("push only", 1)):
+        cpu = raw_cpu + ends * blake + 2 * crc
+        best = max(raw_wall, cpu / cores)
+        print(
+            f"  ceiling, {label}: raw CPU {raw_cpu * 1e3:.0f} ms + blake3 {blake * 1e3:.0f} ms"
+            f" x {ends} + CRC32C {crc * 1e3:.0f} ms x 2 on {cores} core(s)"
+            f" -> tensorswap / raw <= {raw_wall / best:.2f}x"
+        )
 
 
 def _ts(port: int, values: np.ndarray, record: Callable[[str, float], None]) -> None:
