@@ -330,9 +330,7 @@ def run(mib: int, reps: int, directory: str | None) -> dict[str, float]:
         ("ipfrs", [], lambda p, _: record("ipfrs framing", send_ipfrs(p, values))),
     ]
     if flight_ok:
-        runs.append(
-            ("flight", [], lambda p, _: record("flight DoPut", send_flight(p, values)))
-        )
+        runs.append(("flight", [], lambda p, _: record("flight DoPut", send_flight(p, values))))
     # All receivers run at once and the methods take turns, so that a change in the
     # machine's load during the run affects every method alike.
     with contextlib.ExitStack() as stack:
