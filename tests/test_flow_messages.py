@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import math
@@ -9,6 +10,7 @@ import struct
 from decimal import Decimal
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -650,3 +652,57 @@ def test_the_public_names_import() -> None:
     assert flow.__all__ == sorted(flow.__all__, key=lambda name: (not name.isupper(), name))
     for name in flow.__all__:
         assert getattr(flow, name) is not None
+
+
+# ── numbers and strings that are not exactly int / float / str ────────────────────────────────
+class _Label(str):
+    pass
+
+
+class _Count(int):
+    pass
+
+
+class _Channel(enum.IntEnum):
+    LEFT = 3
+
+
+@pytest.mark.parametrize(
+    ("channel", "time", "strength"),
+    [
+        (np.int64(1), np.uint32(7), np.float32(0.3)),
+        (_Count(1), _Channel.LEFT, np.float64(0.30000001192092896)),
+        (np.uint16(65535), np.uint64(2**32 - 1), np.float16(0.5)),
+    ],
+)
+def test_numpy_scalars_and_subclasses_encode_as_plain_numbers(
+    channel: object, time: object, strength: object
+) -> None:
+    plain = SpikeBatch(
+        session_id="s",
+        batch_id=2**64 - 1,
+        timestamp=2,
+        spikes=[SpikeEvent(channel=int(channel), time=int(time), strength=f32(float(strength)))],
+    )
+    odd = SpikeBatch(
+        session_id=_Label("s"),
+        batch_id=np.uint64(2**64 - 1),
+        timestamp=_Count(2),
+        spikes=[SpikeEvent(channel=channel, time=time, strength=strength)],
+    )
+    assert encode(odd) == encode(plain)
+    assert encode_message(odd) == encode_message(plain)
+    assert decode(encode(odd)) == plain
+    assert encode(Loss(np.float32(0.25))) == encode(Loss(0.25))
+
+
+@pytest.mark.parametrize("channel", [np.bool_(True), np.int64(65536), np.int64(-1), np.float32(1)])
+def test_numpy_values_outside_the_field_type_are_refused(channel: object) -> None:
+    message = SpikeBatch(
+        session_id="s",
+        batch_id=1,
+        timestamp=2,
+        spikes=[SpikeEvent(channel=channel, time=1, strength=0.5)],
+    )
+    with pytest.raises(FieldTypeError, match=r"spikes\[0\]\.channel"):
+        encode(message)

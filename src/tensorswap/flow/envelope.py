@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 from msgspec import UNSET, UnsetType
 from msgspec.structs import astuple
 
@@ -44,8 +45,21 @@ WIRE_VERSION = 1
 MIN_WIRE_VERSION = 1
 """The oldest envelope version it reads; an unversioned (bare) message counts as version 1."""
 
-_ENCODER = msgspec.json.Encoder()
-_SORTED = msgspec.json.Encoder(order="sorted")
+
+def _plain(value: Any) -> Any:
+    """msgspec's hook for values validation accepts but msgspec cannot write itself: int, float
+    and str subclasses (an ``IntEnum`` member, a ``str`` subclass) and numpy scalars."""
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
+        return int(value)
+    if isinstance(value, float | np.floating):
+        return float(value)
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+
+
+_ENCODER = msgspec.json.Encoder(enc_hook=_plain)
+_SORTED = msgspec.json.Encoder(order="sorted", enc_hook=_plain)
 
 
 def _payload(message: IpcMessage) -> Any:
@@ -99,8 +113,8 @@ _SERDE_FIELDS: dict[type, tuple[str, ...]] = {
 
 def _serde(value: Any) -> Any:
     cls = type(value)
-    if cls is float:
-        return msgspec.Raw(serde_f32(value).encode())
+    if cls is float or isinstance(value, float | np.floating):
+        return msgspec.Raw(serde_f32(float(value)).encode())
     if cls is list:
         return [_serde(item) for item in value]
     if cls is dict:
@@ -116,7 +130,7 @@ def encode_message(message: IpcMessage) -> bytes:
 
     This is the unversioned form (``{"Loss":0.25}``, ``"Ping"``), read as wire version 1.
     """
-    return msgspec.json.encode(_serde(_payload(validate(message))))
+    return _ENCODER.encode(_serde(_payload(validate(message))))
 
 
 # ── decode ─────────────────────────────────────────────────────────────────────────────────────

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
+import numpy as np
 from msgspec.structs import replace
 
 from tensorswap.flow.errors import FieldTypeError, ValidationError, ValidationKind
@@ -106,7 +107,8 @@ def _count(path: str, actual: int, limit: int) -> None:
 def _int(path: str, value: object, low: int, high: int, name: str) -> None:
     if type(value) is int and low <= value <= high:
         return
-    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+    # int subclasses (IntEnum) and numpy integers are written as plain ints; bools are not ints
+    if isinstance(value, int | np.integer) and not isinstance(value, bool) and low <= value <= high:
         return
     raise FieldTypeError(path, f"an integer in {low}..={high} ({name})", value)
 
@@ -150,8 +152,8 @@ def _items(values: list[Any], item: str, cls: type) -> None:
 
 
 def _float(path: str, value: object) -> float:
-    """A Python number as a float (not yet rounded); anything else is a FieldTypeError."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    """A number (Python or numpy) as a float (not yet rounded); else a FieldTypeError."""
+    if isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool):
         try:
             return float(value)
         except OverflowError:
