@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from store_helpers import make_older
 from tensorswap.cid import Cid, HashFunction, Multicodec
 from tensorswap.errors import BlockNotFound, HashMismatch, StoreError
 from tensorswap.store import BlockStore, DirectoryStore, MemoryStore, StoreSize
@@ -173,3 +174,26 @@ def test_large_block_zero_copy_read(store: BlockStore) -> None:
     values = np.frombuffer(store.get(cid), dtype=np.float32)
     assert np.array_equal(values, arr)
     assert not values.flags.writeable
+
+
+# ── ages (for garbage collection with a grace period) ──────────────────────────────────────────
+def test_age_starts_at_put_and_restarts_at_touch_or_repeated_put(store: BlockStore) -> None:
+    cid = store.put(b"aging block")
+    assert 0.0 <= store.age_of(cid) < 60  # type: ignore[operator]
+    make_older(store, cid, 1000)
+    assert store.age_of(cid) >= 999  # type: ignore[operator]
+    store.touch([cid, Cid.of(b"absent")])  # absent CIDs are skipped
+    assert store.age_of(cid) < 60  # type: ignore[operator]
+    make_older(store, cid, 1000)
+    assert store.put(b"aging block") == cid  # already held: its age restarts too
+    assert store.age_of(cid) < 60  # type: ignore[operator]
+    assert store.get(cid) == b"aging block"
+
+
+def test_age_of_an_absent_block_is_block_not_found(store: BlockStore) -> None:
+    with pytest.raises(BlockNotFound):
+        store.age_of(Cid.of(b"never stored"))
+    cid = store.put(b"gone soon")
+    store.delete(cid)
+    with pytest.raises(BlockNotFound):
+        store.age_of(cid)

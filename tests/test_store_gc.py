@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from store_helpers import make_older
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.codec import TensorBlock
 from tensorswap.errors import BlockNotFound
@@ -103,3 +104,26 @@ def test_gc_removes_stale_temp_files(tmp_path: Path) -> None:
     result = collect_garbage(store, [cid])
     assert result.temp_files_removed == 1 and result.kept == 1
     assert store.temp_files() == []
+
+
+def test_min_age_spares_young_unreachable_blocks(store: BlockStore) -> None:
+    old = store.put(b"old and unreferenced")
+    young = store.put(b"young and unreferenced")
+    make_older(store, old, 1000)
+    result = collect_garbage(store, [], min_age=600)
+    assert (result.removed, result.spared, result.kept) == (1, 1, 1)
+    assert not store.has(old) and store.has(young)
+    result = collect_garbage(store, [])  # no grace: everything unreachable goes
+    assert result.removed == 1 and not store.has(young)
+
+
+def test_min_age_with_a_store_that_keeps_no_ages_spares_everything_unreachable() -> None:
+    class Ageless(MemoryStore):
+        def age_of(self, cid: Cid) -> None:  # type: ignore[override]
+            return None
+
+    store = Ageless()
+    cid = store.put(b"unknown age")
+    assert collect_garbage(store, [], min_age=1).spared == 1 and store.has(cid)
+    with pytest.raises(ValueError, match="min_age"):
+        collect_garbage(store, [], min_age=-1)

@@ -68,3 +68,24 @@ def test_without_the_option_every_read_rehashes(tmp_path: Path, hashed: list[Cid
     cid = store.put(DATA)
     store.get(cid)
     assert hashed == [cid]
+
+
+def test_touching_keeps_an_own_block_trusted_but_not_a_changed_one(
+    tmp_path: Path, hashed: list[Cid]
+) -> None:
+    store = DirectoryStore(tmp_path, trust_own_writes=True)
+    cid = store.put(DATA)
+    store.touch([cid])
+    assert store.put(DATA) == cid  # a repeated put touches as well
+    store.get(cid)
+    assert hashed == []
+    path = store.path_of(cid)
+    with open(path, "r+b") as file:  # same size, one bit flipped, behind the store's back
+        file.seek(3)
+        file.write(bytes([DATA[3] ^ 1]))
+    # a write within the clock's granularity may keep the modification time: make it differ
+    stat = os.stat(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns - 10**9))
+    store.touch([cid])  # the touch must not bless the damaged file
+    with pytest.raises(CorruptBlock):
+        store.get(cid)

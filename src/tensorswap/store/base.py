@@ -9,7 +9,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
 from tensorswap.cid import Cid, HashFunction, Multicodec, byte_view, hash_digest
-from tensorswap.errors import HashMismatch
+from tensorswap.errors import BlockNotFound, HashMismatch
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -123,6 +123,18 @@ class BlockStore(ABC):
             if not self.has(cid):
                 lacking.append(cid)
         return lacking
+
+    def age_of(self, cid: Cid) -> float | None:
+        """Seconds since the block was last stored or touched; None where the store cannot
+        tell. Raises BlockNotFound when the block is absent."""
+        if not self.has(cid):
+            raise BlockNotFound(cid)
+        return None
+
+    def touch(self, cids: Iterable[Cid]) -> None:  # noqa: B027 (optional hook)
+        """Mark the blocks held among ``cids`` as just used (their age restarts at 0), so that a
+        collection with a grace period spares them; absent ones are skipped. A put of a block
+        already held touches it too. Stores that keep no ages ignore it."""
 
     def __contains__(self, cid: object) -> bool:
         return isinstance(cid, Cid) and self.has(cid)

@@ -9,7 +9,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tensorswap.cid import Cid
@@ -98,7 +98,10 @@ class DirectoryStore(BlockStore):
         path = self.path_of(cid)
         try:
             if os.stat(path).st_size == data.nbytes:
-                return  # already held (idempotent put); damage is caught and quarantined on read
+                # Already held (idempotent put; damage is caught and quarantined on read).
+                # Its age restarts, as for ``touch``: a collection's grace period spares it.
+                self._touch_file(cid, path)
+                return
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -208,6 +211,37 @@ class DirectoryStore(BlockStore):
 
     def has(self, cid: Cid) -> bool:
         return os.path.isfile(self.path_of(cid))
+
+    def age_of(self, cid: Cid) -> float:
+        """Seconds since the block's file was written or touched (its modification time)."""
+        path = self.path_of(cid)
+        try:
+            mtime = os.stat(path).st_mtime
+        except FileNotFoundError:
+            raise BlockNotFound(cid) from None
+        except OSError as exc:
+            raise StoreError(f"cannot stat block {cid} at {path}: {exc}") from exc
+        return max(0.0, time.time() - mtime)
+
+    def touch(self, cids: Iterable[Cid]) -> None:
+        """Set the modification time of the files of the blocks held among ``cids`` to now."""
+        for cid in cids:
+            self._touch_file(cid, self.path_of(cid))
+
+    def _touch_file(self, cid: Cid, path: str) -> None:
+        try:
+            with self._own_lock:
+                before = os.stat(path)
+                os.utime(path)
+                # A file this store wrote, still as written, stays trusted once touched.
+                if self._own.get(cid) == _identity(before):
+                    self._own[cid] = _identity(os.stat(path))
+                else:
+                    self._own.pop(cid, None)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StoreError(f"cannot touch block {cid} at {path}: {exc}") from exc
 
     def size_of(self, cid: Cid) -> int:
         path = self.path_of(cid)

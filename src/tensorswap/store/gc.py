@@ -23,6 +23,8 @@ class GcResult:
     kept: int
     kept_bytes: int
     temp_files_removed: int = 0
+    spared: int = 0
+    """Unreachable blocks kept because they are younger than ``min_age`` (counted in kept)."""
 
 
 def reachable(store: BlockStore, roots: Iterable[Cid]) -> set[Cid]:
@@ -47,8 +49,13 @@ def collect_garbage(
     *,
     dry_run: bool = False,
     temp_file_age: float = 3600.0,
+    min_age: float = 0.0,
 ) -> GcResult:
     """Delete every block not reachable from ``roots``; report counts and bytes.
+
+    ``min_age`` (seconds) spares unreachable blocks stored or touched more recently than
+    that (``BlockStore.age_of``; a store that keeps no ages spares every unreachable block
+    then): the grace period that protects blocks a client pushed but has not yet referenced.
 
     The store is listed before reachability is computed, so a block put while a collection
     runs is never removed by it; but a block that was already present, unreferenced, when the
@@ -57,21 +64,30 @@ def collect_garbage(
     BlockNotFound / CorruptBlock / MalformedManifest is raised and nothing is deleted. For a
     DirectoryStore, temp files older than ``temp_file_age`` seconds are removed too.
     """
+    if min_age < 0:
+        raise ValueError(f"min_age must not be negative, got {min_age}")
     listed = list(store)
     keep = reachable(store, roots)
-    removed = removed_bytes = kept = kept_bytes = 0
+    removed = removed_bytes = kept = kept_bytes = spared = 0
     for cid in listed:
         try:
             nbytes = store.size_of(cid)
+            young = cid not in keep and min_age > 0 and _younger(store, cid, min_age)
         except BlockNotFound:
             continue  # deleted by someone else meanwhile
-        if cid in keep:
+        if cid in keep or young:
             kept += 1
             kept_bytes += nbytes
+            spared += young
         elif dry_run or store.delete(cid):
             removed += 1
             removed_bytes += nbytes
     temps = 0
     if isinstance(store, DirectoryStore) and not dry_run:
         temps = store.remove_temp_files(older_than=temp_file_age)
-    return GcResult(removed, removed_bytes, kept, kept_bytes, temps)
+    return GcResult(removed, removed_bytes, kept, kept_bytes, temps, spared)
+
+
+def _younger(store: BlockStore, cid: Cid, seconds: float) -> bool:
+    age = store.age_of(cid)
+    return age is None or age < seconds

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, CorruptBlock
@@ -23,15 +24,18 @@ class MemoryStore(BlockStore):
 
     def __init__(self) -> None:
         self._blocks: dict[Cid, memoryview] = {}
+        self._stored: dict[Cid, float] = {}  # time.monotonic() of the last put or touch
         self._nbytes = 0
         self._lock = threading.Lock()
 
     def _store(self, cid: Cid, data: memoryview, adopt: bool) -> None:
         with self._lock:
             if cid in self._blocks:
+                self._stored[cid] = time.monotonic()
                 return
         held = data.toreadonly() if adopt else memoryview(bytes(data))
         with self._lock:
+            self._stored[cid] = time.monotonic()
             if cid not in self._blocks:
                 self._blocks[cid] = held
                 self._nbytes += held.nbytes
@@ -58,11 +62,26 @@ class MemoryStore(BlockStore):
             raise BlockNotFound(cid)
         return held.nbytes
 
+    def age_of(self, cid: Cid) -> float:
+        with self._lock:
+            stored = self._stored.get(cid)
+        if stored is None:
+            raise BlockNotFound(cid)
+        return max(0.0, time.monotonic() - stored)
+
+    def touch(self, cids: Iterable[Cid]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for cid in cids:
+                if cid in self._blocks:
+                    self._stored[cid] = now
+
     def delete(self, cid: Cid) -> bool:
         with self._lock:
             view = self._blocks.pop(cid, None)
             if view is None:
                 return False
+            self._stored.pop(cid, None)
             self._nbytes -= view.nbytes
             return True
 
