@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
+from store_helpers import make_older
 from tensorswap.cid import Cid
 from tensorswap.codec import TensorBlock
 from tensorswap.store import (
@@ -212,6 +213,25 @@ async def test_killed_transfer_resumes_with_only_missing_blocks(
     assert result.sent_blocks == len(lacking)
     assert result.sent_bytes == block_sizes(src, lacking)
     np.testing.assert_array_equal(get_tensor(dst, root).values, values)
+
+
+async def test_offered_blocks_the_server_holds_are_touched() -> None:
+    """Blocks a client learns the server holds get a fresh age, so that a collection with a
+    grace period cannot delete them before the client references them."""
+    src, root, _ = tensor_store(n=2_000)
+    dst = MemoryStore()
+    blocks = manifest_closure(src, root)
+    held, lacking = blocks[:2], blocks[2:]
+    for cid in held:
+        dst.put_verified(cid, src.get(cid))
+        make_older(dst, cid, 10_000)
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(BlockServer(dst).handle(b))
+    async with await BlockClient.open(a) as client:
+        result = await client.push(src, root)
+    await serving
+    assert result.sent_blocks == len(lacking)
+    assert all(dst.age_of(cid) < 60 for cid in held)
 
 
 # ── verification ─────────────────────────────────────────────────────────────

@@ -14,7 +14,7 @@ import threading
 import click
 
 from tensorswap.cli._util import parse_host_port
-from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
 from tensorswap.rounds.server import RoundServer
 from tensorswap.wire.auth import load_key, server_ssl_context
 from tensorswap.wire.connection import Timeouts
@@ -61,6 +61,8 @@ async def _run(
     ssl: ssl_module.SSLContext | None,
     timeouts: Timeouts,
     durable: bool,
+    keep_rounds: int | None = None,
+    gc_grace: float = DEFAULT_GC_GRACE,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -68,13 +70,21 @@ async def _run(
     if sys.platform != "win32" and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-    coordinator = await asyncio.to_thread(Coordinator.open, data, durable=durable)
+    coordinator = await asyncio.to_thread(
+        Coordinator.open, data, durable=durable, keep_rounds=keep_rounds, gc_grace=gc_grace
+    )
     try:
         server = RoundServer(coordinator, key=key, timeouts=timeouts)
         async with await server.start(host, port, ssl=ssl):
             active = coordinator.tracker.active_count()
             click.echo(f"listening on {host}:{server.port}", err=True)
             click.echo(f"data in {data}; {active} active round(s) restored", err=True)
+            if keep_rounds is not None:
+                click.echo(
+                    f"keeping the newest {keep_rounds} round number(s); older rounds and "
+                    f"blocks nothing references are collected as rounds end",
+                    err=True,
+                )
             await stop.wait()
     finally:
         await asyncio.to_thread(coordinator.close)
@@ -103,6 +113,23 @@ async def _run(
     help="SQLite synchronous=NORMAL: survives a crash of the server, maybe not of the machine.",
 )
 @click.option(
+    "--keep-rounds",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="After each round ends, forget finished rounds older than the newest N round numbers "
+    "and delete the blocks no remaining round references (default: keep everything).",
+)
+@click.option(
+    "--gc-grace",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_GC_GRACE,
+    show_default=True,
+    metavar="SECONDS",
+    help="Spare unreferenced blocks stored or offered this recently (pushes still to be "
+    "submitted).",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -117,6 +144,8 @@ def serve(
     tls_key: str | None,
     timeout: float,
     fast_commit: bool,
+    keep_rounds: int | None,
+    gc_grace: float,
     log_level: str,
 ) -> None:
     """Run a coordinator: rounds (start, submit, status, wait) and blocks on one port.
@@ -136,7 +165,10 @@ def serve(
         level=getattr(logging, log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    asyncio.run(_run(host, port, data, secret, ssl, Timeouts(read=timeout), not fast_commit))
+    timeouts = Timeouts(read=timeout)
+    asyncio.run(
+        _run(host, port, data, secret, ssl, timeouts, not fast_commit, keep_rounds, gc_grace)
+    )
 
 
 if __name__ == "__main__":  # `python -m tensorswap.cli.serve_cmd` before the group lists it

@@ -6,8 +6,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sized
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sized
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
@@ -53,13 +54,18 @@ from tensorswap.rounds.updates import (
     parse_update_cid,
 )
 from tensorswap.store import BlockStore, DirectoryStore, ModelUpdate, get_update, put_update
+from tensorswap.store.gc import GcResult, collect_garbage
 
-__all__ = ["STORE_DIRNAME", "Coordinator", "CoordinatorStats"]
+__all__ = ["DEFAULT_GC_GRACE", "STORE_DIRNAME", "Coordinator", "CoordinatorStats", "Retention"]
 
 log = logging.getLogger(__name__)
 
 STORE_DIRNAME = "blocks"
 """``Coordinator.open(dir)`` keeps its directory store in ``<dir>/blocks``."""
+
+DEFAULT_GC_GRACE = 600.0
+"""Seconds a block stored or touched recently is spared by a collection though unreferenced:
+time for a peer to push an update and submit it (a push touches the blocks it finds held)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +85,64 @@ class CoordinatorStats:
     aggregation_seconds: float = 0.0
     last_aggregation_seconds: float = 0.0
     active_rounds: int = 0
+    gc_runs: int = 0
+    gc_rounds_removed: int = 0
+    gc_blocks_removed: int = 0
+    gc_bytes_removed: int = 0
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """What ``Coordinator.collect_garbage`` did (or, for a dry run, would do)."""
+
+    rounds_removed: int
+    """Terminal rounds forgotten (their journal entries deleted)."""
+    blocks: GcResult
+    """The block store's collection: removed, kept, and spared for the grace period."""
+
+
+class _SharedLock:
+    """Many holders in shared mode (submits) or one in exclusive mode (a collection).
+
+    A waiting exclusive holder keeps new shared holders out, so a collection is never starved.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            try:
+                self._cond.wait_for(lambda: not self._exclusive and not self._shared)
+            finally:
+                self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
 
 
 class _Work:
@@ -127,6 +188,13 @@ class Coordinator:
     - After a restart over the same journal and store, rounds go on where they were: rounds
       left Aggregating (or full) are aggregated again from their stored contributions, and
       deadlines that passed meanwhile are handled at once.
+    - With ``keep_rounds`` set, each round that ends is followed by a collection on a
+      background thread (``collect_garbage``): terminal rounds numbered below the newest
+      ``keep_rounds`` round numbers are forgotten, then every block that no remaining round
+      references (its contributions and its aggregate) is deleted, except blocks stored or
+      touched within ``gc_grace`` seconds (pushed for a submit still to come). A collection
+      never runs during a submit or while an aggregate is being stored, so nothing a round
+      holds is deleted.
     - All methods are thread-safe.
     """
 
@@ -140,7 +208,19 @@ class Coordinator:
         run_timer: bool = True,
         verify_reads: bool | None = None,
         owns: bool = False,
+        keep_rounds: int | None = None,
+        gc_grace: float = DEFAULT_GC_GRACE,
     ) -> None:
+        if keep_rounds is not None and keep_rounds < 1:
+            raise ValueError(f"keep_rounds must be at least 1 (or None), got {keep_rounds}")
+        if gc_grace < 0:
+            raise ValueError(f"gc_grace must not be negative, got {gc_grace}")
+        self.keep_rounds = keep_rounds
+        self.gc_grace = gc_grace
+        self._gc_lock = _SharedLock()
+        self._gc_pool: ThreadPoolExecutor | None = None
+        self._gc_queued = False
+        self._gc_future: Future[None] | None = None
         self.store = store
         self.journal = journal
         self.clock: Clock = clock or SystemClock()
@@ -209,6 +289,10 @@ class Coordinator:
         RoundAlreadyTerminal, RoundClosed, DuplicateContribution, UnknownUpdate,
         UpdateMismatch or InvalidUpdate; a refused contribution leaves no trace.
         """
+        with self._gc_lock.shared():  # no collection between the store check and the record
+            return self._submit(round_id, peer, update_cid)
+
+    def _submit(self, round_id: RoundId, peer: str, update_cid: Cid | str) -> RoundStatus:
         key = round_id.as_key()
         try:
             info = self.tracker.check_submit(round_id, peer)
@@ -347,19 +431,22 @@ class Coordinator:
 
     def _aggregate(self, round_id: RoundId) -> None:
         started = time.perf_counter()
-        try:
-            cid = self._compute(round_id)
-        except Exception as exc:
-            log.warning("round %s: aggregation failed: %s", round_id, exc, exc_info=True)
-            self._fail(round_id, f"aggregation failed: {exc}")
-            return
-        finally:
-            self._forget(round_id)
-        seconds = time.perf_counter() - started
-        with self._lock:  # counted before Complete wakes anyone who then reads them
-            self._counters["last_aggregation_seconds"] = seconds
-        self._count(rounds_completed=1, aggregation_seconds=seconds)
-        self.tracker.mark_complete(round_id, str(cid))
+        # no collection between storing the aggregate and Complete naming it
+        with self._gc_lock.shared():
+            try:
+                cid = self._compute(round_id)
+            except Exception as exc:
+                log.warning("round %s: aggregation failed: %s", round_id, exc, exc_info=True)
+                self._fail(round_id, f"aggregation failed: {exc}")
+                return
+            finally:
+                self._forget(round_id)
+            seconds = time.perf_counter() - started
+            with self._lock:  # counted before Complete wakes anyone who then reads them
+                self._counters["last_aggregation_seconds"] = seconds
+            self._count(rounds_completed=1, aggregation_seconds=seconds)
+            self._schedule_gc()  # queued before Complete wakes anyone; it runs after this lock
+            self.tracker.mark_complete(round_id, str(cid))
         log.info("round %s complete in %.3f s: %s", round_id, seconds, cid)
 
     def _compute(self, round_id: RoundId) -> Cid:
@@ -427,10 +514,97 @@ class Coordinator:
         return get_update(self.store, Cid.parse(contribution.update_cid), verify=self._verify)
 
     def _fail(self, round_id: RoundId, reason: str) -> None:
+        status = self.tracker.status(round_id)
+        if status is not None and not status.is_terminal:
+            self._schedule_gc()  # queued before Failed wakes anyone
         if self.tracker.mark_failed(round_id, reason):
             self._count(rounds_failed=1)
             log.warning("round %s failed: %s", round_id, reason)
         self._forget(round_id)
+
+    # ── retention ────────────────────────────────────────────────────────────
+    def collect_garbage(
+        self, keep_rounds: int, *, grace: float | None = None, dry_run: bool = False
+    ) -> Retention:
+        """Forget old terminal rounds and delete the blocks no remaining round references.
+
+        Terminal rounds numbered below ``newest - keep_rounds + 1`` (``newest``: the highest
+        round number held) are removed from the tracker and the journal; rounds still
+        running are always kept. Then every block not reachable from a remaining round's
+        contributions or aggregate is deleted, unless it was stored or touched within
+        ``grace`` seconds (default ``gc_grace``). ``dry_run`` reports without changing
+        anything. Waits for submits in progress; submits wait while it runs.
+        """
+        if keep_rounds < 1:
+            raise ValueError(f"keep_rounds must be at least 1, got {keep_rounds}")
+        grace = self.gc_grace if grace is None else grace
+        with self._gc_lock.exclusive():
+            rounds = self.tracker.rounds()
+            cutoff = max((info.round_id.round for info in rounds), default=0) - keep_rounds + 1
+            doomed = {
+                info.round_id
+                for info in rounds
+                if info.status.is_terminal and info.round_id.round < cutoff
+            }
+            removed = len(doomed) if dry_run else self.tracker.gc_before_round(cutoff)
+            roots: list[Cid] = []
+            for info in rounds:
+                if info.round_id in doomed:
+                    continue
+                roots.extend(Cid.parse(c.update_cid) for c in self.contributions(info.round_id))
+                if isinstance(info.status, Complete):
+                    roots.append(Cid.parse(info.status.cid))
+            blocks = collect_garbage(self.store, roots, dry_run=dry_run, min_age=grace)
+        if not dry_run:
+            self._count(
+                gc_runs=1,
+                gc_rounds_removed=removed,
+                gc_blocks_removed=blocks.removed,
+                gc_bytes_removed=blocks.removed_bytes,
+            )
+        log.info(
+            "collection%s: %d round(s) and %d block(s) (%d bytes) removed, %d spared as recent",
+            " (dry run)" if dry_run else "",
+            removed,
+            blocks.removed,
+            blocks.removed_bytes,
+            blocks.spared,
+        )
+        return Retention(removed, blocks)
+
+    def _schedule_gc(self) -> None:
+        """Queue a collection (``keep_rounds`` set) unless one is already queued."""
+        if self.keep_rounds is None:
+            return
+        with self._lock:
+            if self._closed or self._gc_queued:
+                return
+            self._gc_queued = True
+            if self._gc_pool is None:
+                self._gc_pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-gc")
+            self._gc_future = self._gc_pool.submit(self._run_gc)
+
+    def drain_collections(self, timeout: float | None = None) -> None:
+        """Wait until the collections queued so far (``keep_rounds``) have run.
+
+        A round that has ended has queued its collection by the time ``wait`` returns it.
+        Raises TimeoutError if they take longer than ``timeout`` seconds.
+        """
+        with self._lock:
+            future = self._gc_future
+        if future is not None:
+            future.result(timeout)
+
+    def _run_gc(self) -> None:
+        with self._lock:
+            self._gc_queued = False
+        keep = self.keep_rounds
+        if keep is None:  # pragma: no cover - only queued when set
+            return
+        try:
+            self.collect_garbage(keep)
+        except Exception as exc:  # a failed collection deletes nothing more; the next retries
+            log.warning("collection failed: %s", exc, exc_info=True)
 
     def _work_for(self, round_id: RoundId) -> _Work:
         with self._lock:
@@ -472,6 +646,8 @@ class Coordinator:
             if callable(unsubscribe):
                 unsubscribe(self._timer.poke)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._gc_pool is not None:
+            self._gc_pool.shutdown(wait=True, cancel_futures=True)
         if self._owns:
             if self.journal is not None:
                 self.journal.close()

@@ -224,7 +224,7 @@ class BlockServer:
             message = conn.expect(frame, Offer, Commit, Get, Request)
             if isinstance(message, Offer):
                 offered = parse_cids(message.cids, "Offer")
-                lacking = await asyncio.to_thread(self.store.missing, offered)
+                lacking = await asyncio.to_thread(_missing_and_touch, self.store, offered)
                 queued = sink.queued  # arrived and being stored: not wanted again
                 lacking = [cid for cid in lacking if cid not in queued]
                 await conn.send_message(Want(cids=wire_cids(lacking)), stream_id)
@@ -291,3 +291,13 @@ class BlockServer:
                     self.stats.blocks_served += 1
                 index += 1
         await conn.send_message(Got(missing=wire_cids(missing)), stream_id)
+
+
+def _missing_and_touch(store: BlockStore, offered: list[Cid]) -> list[Cid]:
+    """The offered blocks ``store`` lacks; the ones it holds are touched, so that a collection
+    with a grace period spares them while the client goes on to reference them."""
+    lacking = store.missing(offered)
+    if len(lacking) < len(offered):
+        absent = set(lacking)
+        store.touch(cid for cid in offered if cid not in absent)
+    return lacking

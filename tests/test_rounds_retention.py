@@ -1,0 +1,174 @@
+"""Coordinator retention: old rounds forgotten, unreferenced blocks collected, nothing live lost."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from store_helpers import make_older
+from tensorswap.cid import Cid
+from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.deadline import FakeClock
+from tensorswap.rounds.errors import UnknownUpdate
+from tensorswap.rounds.state import Complete, RoundId, RoundSpec
+from tensorswap.store import (
+    BlockStore,
+    DirectoryStore,
+    MemoryStore,
+    ModelUpdate,
+    get_update,
+    manifest_closure,
+    put_update,
+)
+
+
+def put(store: BlockStore, seed: int) -> Cid:
+    values = np.random.default_rng(seed).standard_normal((4, 5)).astype(np.float32)
+    return put_update(store, ModelUpdate({"w": values}, 10 + seed))
+
+
+def age_everything(store: BlockStore) -> None:
+    for cid in list(store):
+        make_older(store, cid, 10_000)
+
+
+@pytest.fixture(params=["memory", "directory"])
+def coord(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Coordinator]:
+    store = MemoryStore() if request.param == "memory" else DirectoryStore(tmp_path / "blocks")
+    with Coordinator(store, clock=FakeClock(1000.0), run_timer=False) as c:
+        yield c
+
+
+def run_round(coord: Coordinator, number: int, seeds: list[int]) -> tuple[list[Cid], Cid]:
+    rid = RoundId(number, "lead")
+    coord.start_round(rid, RoundSpec(len(seeds)))
+    cids = [put(coord.store, seed) for seed in seeds]
+    for i, cid in enumerate(cids):
+        coord.submit(rid, f"peer-{i}", cid)
+    return cids, coord.result(rid, timeout=30)
+
+
+def closure(store: BlockStore, roots: list[Cid]) -> set[Cid]:
+    return {cid for root in roots for cid in manifest_closure(store, root)}
+
+
+def test_old_rounds_and_their_blocks_go_the_newest_stay(coord: Coordinator) -> None:
+    rounds = [run_round(coord, n, [10 * n, 10 * n + 1]) for n in (1, 2, 3)]
+    age_everything(coord.store)
+    kept = closure(coord.store, [*rounds[2][0], rounds[2][1]])
+    gone = closure(coord.store, [*rounds[0][0], rounds[0][1], *rounds[1][0], rounds[1][1]])
+
+    done = coord.collect_garbage(keep_rounds=1)
+
+    assert done.rounds_removed == 2
+    assert [info.round_id.round for info in coord.rounds()] == [3]
+    assert done.blocks.removed == len(gone - kept) and done.blocks.spared == 0
+    assert set(coord.store) == kept
+    latest = get_update(coord.store, rounds[2][1])  # the newest aggregate is whole
+    assert latest.num_samples == 10 + 30 + 10 + 31
+    stats = coord.stats()
+    assert (stats.gc_runs, stats.gc_rounds_removed) == (1, 2)
+    assert stats.gc_blocks_removed == done.blocks.removed
+
+
+def test_a_dry_run_changes_nothing(coord: Coordinator) -> None:
+    for n in (1, 2):
+        run_round(coord, n, [n])
+    age_everything(coord.store)
+    before = set(coord.store)
+    done = coord.collect_garbage(keep_rounds=1, dry_run=True)
+    assert done.rounds_removed == 1 and done.blocks.removed > 0
+    assert set(coord.store) == before and len(coord.rounds()) == 2
+    assert coord.stats().gc_runs == 0
+
+
+def test_running_rounds_are_kept_whatever_their_number(coord: Coordinator) -> None:
+    running = RoundId(1, "slow")
+    coord.start_round(running, RoundSpec(2))
+    early = put(coord.store, 99)
+    coord.submit(running, "early", early)
+    run_round(coord, 5, [5])
+    age_everything(coord.store)
+    done = coord.collect_garbage(keep_rounds=1)
+    assert done.rounds_removed == 0
+    assert closure(coord.store, [early]) <= set(coord.store)  # the accepted contribution
+    coord.submit(running, "late", put(coord.store, 98))
+    assert isinstance(coord.wait(running, timeout=30), Complete)
+
+
+def test_recent_unreferenced_blocks_are_spared_for_a_submit_to_come(coord: Coordinator) -> None:
+    run_round(coord, 1, [1])
+    age_everything(coord.store)
+    pushed = put(coord.store, 7)  # pushed for round 2, not submitted yet
+    done = coord.collect_garbage(keep_rounds=1, grace=600)
+    assert done.blocks.spared == len(closure(coord.store, [pushed]))
+    rid = RoundId(2, "lead")
+    coord.start_round(rid, RoundSpec(1))
+    coord.submit(rid, "p", pushed)  # still whole
+    assert isinstance(coord.wait(rid, timeout=30), Complete)
+    age_everything(coord.store)
+    coord.collect_garbage(keep_rounds=1, grace=0)
+    stale = put(coord.store, 8)
+    age_everything(coord.store)
+    coord.collect_garbage(keep_rounds=1, grace=600)  # too old: collected
+    rid3 = RoundId(3, "lead")
+    coord.start_round(rid3, RoundSpec(1))
+    with pytest.raises(UnknownUpdate):
+        coord.submit(rid3, "p", stale)
+
+
+def test_keep_rounds_collects_by_itself_as_rounds_end(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path / "blocks")
+    with Coordinator(
+        store, clock=FakeClock(1000.0), run_timer=False, keep_rounds=1, gc_grace=0
+    ) as coord:
+        first = run_round(coord, 1, [1, 2])
+        second = run_round(coord, 2, [3, 4])
+        coord.drain_collections(timeout=30)  # they run on a background thread
+        assert coord.stats().gc_runs == 2
+        assert [info.round_id.round for info in coord.rounds()] == [2]
+        assert not store.has(first[1])
+        assert get_update(store, second[1]).num_samples == 13 + 14
+
+
+def test_collection_waits_for_a_submit_in_progress(coord: Coordinator) -> None:
+    run_round(coord, 1, [1])
+    rid = RoundId(2, "lead")
+    coord.start_round(rid, RoundSpec(1))
+    update = put(coord.store, 5)
+    age_everything(coord.store)  # old enough to be collected if nothing referenced it
+    entered, release = threading.Event(), threading.Event()
+    original = coord.tracker.check_submit
+
+    def slow_check(*args: object) -> object:
+        entered.set()
+        release.wait(30)
+        return original(*args)  # type: ignore[arg-type]
+
+    coord.tracker.check_submit = slow_check  # type: ignore[method-assign]
+    submitter = threading.Thread(target=coord.submit, args=(rid, "p", update))
+    submitter.start()
+    assert entered.wait(30)
+    collector = threading.Thread(target=coord.collect_garbage, kwargs={"keep_rounds": 1})
+    collector.start()
+    collector.join(0.2)  # it must be waiting for the submit, not deleting the update
+    assert collector.is_alive()
+    release.set()
+    submitter.join(30)
+    collector.join(30)
+    coord.tracker.check_submit = original  # type: ignore[method-assign]
+    assert isinstance(coord.wait(rid, timeout=30), Complete)
+    assert closure(coord.store, [update]) <= set(coord.store)
+
+
+def test_bad_settings_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="keep_rounds"):
+        Coordinator(MemoryStore(), run_timer=False, keep_rounds=0)
+    with pytest.raises(ValueError, match="gc_grace"):
+        Coordinator(MemoryStore(), run_timer=False, gc_grace=-1)
+    with Coordinator(MemoryStore(), run_timer=False) as coord, pytest.raises(ValueError):
+        coord.collect_garbage(keep_rounds=0)
