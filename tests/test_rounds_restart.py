@@ -15,10 +15,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from tensorswap.cid import Cid
 from tensorswap.cli.status_cmd import status as status_command
 from tensorswap.rounds.client import RoundClient
+from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.errors import DuplicateContribution
 from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
+from tensorswap.store import get_update
 
 RID = RoundId(1, "lead")
 SECRET = "restart-test-secret"
@@ -27,7 +30,7 @@ SECRET = "restart-test-secret"
 class Server:
     """A `tensorswap serve` child process on a free loopback port."""
 
-    def __init__(self, data: Path) -> None:
+    def __init__(self, data: Path, *extra: str) -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -41,6 +44,7 @@ class Server:
                 SECRET,
                 "--log-level",
                 "warning",
+                *extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -155,3 +159,32 @@ def test_status_without_the_key_is_refused(tmp_path: Path, servers: list[Server]
     servers.append(server)
     result = CliRunner().invoke(status_command, [f"127.0.0.1:{server.port}", "--json"])
     assert result.exit_code != 0
+
+
+async def tiny_rounds(port: int, count: int) -> list[str]:
+    """``count`` one-peer rounds; the aggregate CID of each."""
+    results = []
+    async with await client(port, "solo") as c:
+        for number in range(1, count + 1):
+            rid = RoundId(number, "lead")
+            assert await c.start_round(rid, RoundSpec(1))
+            await c.submit(rid, update(float(number)), number)
+            status = await c.wait(rid, timeout=60)
+            assert isinstance(status, Complete)
+            results.append(status.cid)
+    return results
+
+
+def test_serve_keep_rounds_collects_old_rounds_and_their_blocks(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    data = tmp_path / "coordinator"
+    server = Server(data, "--keep-rounds", "1", "--gc-grace", "0")
+    servers.append(server)
+    results = asyncio.run(tiny_rounds(server.port, 3))
+    assert server.stop() == 0  # a clean stop lets queued collections finish
+    with Coordinator.open(data) as coord:
+        assert [info.round_id.round for info in coord.rounds()] == [3]
+        assert not coord.store.has(Cid.parse(results[0]))
+        assert not coord.store.has(Cid.parse(results[1]))
+        assert get_update(coord.store, Cid.parse(results[2])).num_samples == 3

@@ -631,7 +631,8 @@ class Coordinator:
 
     # ── lifecycle ────────────────────────────────────────────────────────────
     def close(self) -> None:
-        """Stop the timer, finish the running aggregation, drop queued ones; idempotent.
+        """Stop the timer, finish the running aggregation, drop queued ones, run the queued
+        collections; idempotent.
 
         Rounds whose aggregation was dropped stay Aggregating in the journal and are
         aggregated again when a coordinator reopens it. Closes the store and journal it owns.
@@ -646,8 +647,8 @@ class Coordinator:
             if callable(unsubscribe):
                 unsubscribe(self._timer.poke)
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._gc_pool is not None:
-            self._gc_pool.shutdown(wait=True, cancel_futures=True)
+        if self._gc_pool is not None:  # collections already queued run to the end
+            self._gc_pool.shutdown(wait=True)
         if self._owns:
             if self.journal is not None:
                 self.journal.close()
