@@ -31,6 +31,11 @@ from pathlib import Path
 import msgspec
 import zmq
 
+try:
+    from benchmarks import best_pass_seconds
+except ModuleNotFoundError:  # run as a script: python benchmarks/bench_flow.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks import best_pass_seconds
 from tensorswap.flow import (
     Ping,
     Publisher,
@@ -178,16 +183,8 @@ def _json_only_us(frames: list[bytes]) -> tuple[str, float]:
         decoders.append(("orjson", orjson.loads))
     except ImportError:
         pass
-    best = ("", float("inf"))
-    for name, fn in decoders:
-        seconds = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for frame in frames:
-                fn(frame)
-            seconds = min(seconds, time.perf_counter() - start)
-        best = min(best, (name, seconds / len(frames) * 1e6), key=lambda item: item[1])
-    return best
+    timed = [(name, best_pass_seconds(fn, frames) / len(frames) * 1e6) for name, fn in decoders]
+    return min(timed, key=lambda item: item[1])
 
 
 def main(argv: list[str] | None = None) -> int:
