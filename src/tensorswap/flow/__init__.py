@@ -68,7 +68,7 @@ from tensorswap.flow.messages import (
     TrainingComplete,
     variant_name,
 )
-from tensorswap.flow.readout import ReadoutBackend, parse_readout_packet
+from tensorswap.flow.readout import ReadoutBackend, encode_readout_packet, parse_readout_packet
 from tensorswap.flow.transport import Publisher, Subscriber, TransportConfig
 from tensorswap.flow.validate import validate
 
@@ -127,6 +127,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_message",
+    "encode_readout_packet",
     "f32",
     "parse_readout_packet",
     "validate",
