@@ -31,9 +31,12 @@ def put(store: BlockStore, seed: int) -> Cid:
     return put_update(store, ModelUpdate({"w": values}, 10 + seed))
 
 
-def age_everything(store: BlockStore) -> None:
-    for cid in list(store):
-        make_older(store, cid, 10_000)
+def age_everything(coord: Coordinator) -> None:
+    """Ten thousand seconds pass: for every block, and for the rounds that have ended."""
+    for cid in list(coord.store):
+        make_older(coord.store, cid, 10_000)
+    assert isinstance(coord.clock, FakeClock)
+    coord.clock.advance(10_000)
 
 
 @pytest.fixture(params=["memory", "directory"])
@@ -58,7 +61,7 @@ def closure(store: BlockStore, roots: list[Cid]) -> set[Cid]:
 
 def test_old_rounds_and_their_blocks_go_the_newest_stay(coord: Coordinator) -> None:
     rounds = [run_round(coord, n, [10 * n, 10 * n + 1]) for n in (1, 2, 3)]
-    age_everything(coord.store)
+    age_everything(coord)
     kept = closure(coord.store, [*rounds[2][0], rounds[2][1]])
     gone = closure(coord.store, [*rounds[0][0], rounds[0][1], *rounds[1][0], rounds[1][1]])
 
@@ -78,7 +81,7 @@ def test_old_rounds_and_their_blocks_go_the_newest_stay(coord: Coordinator) -> N
 def test_a_dry_run_changes_nothing(coord: Coordinator) -> None:
     for n in (1, 2):
         run_round(coord, n, [n])
-    age_everything(coord.store)
+    age_everything(coord)
     before = set(coord.store)
     done = coord.collect_garbage(keep_rounds=1, dry_run=True)
     assert done.rounds_removed == 1 and done.blocks.removed > 0
@@ -92,7 +95,7 @@ def test_running_rounds_are_kept_whatever_their_number(coord: Coordinator) -> No
     early = put(coord.store, 99)
     coord.submit(running, "early", early)
     run_round(coord, 5, [5])
-    age_everything(coord.store)
+    age_everything(coord)
     done = coord.collect_garbage(keep_rounds=1)
     assert done.rounds_removed == 0
     assert closure(coord.store, [early]) <= set(coord.store)  # the accepted contribution
@@ -102,7 +105,7 @@ def test_running_rounds_are_kept_whatever_their_number(coord: Coordinator) -> No
 
 def test_recent_unreferenced_blocks_are_spared_for_a_submit_to_come(coord: Coordinator) -> None:
     run_round(coord, 1, [1])
-    age_everything(coord.store)
+    age_everything(coord)
     pushed = put(coord.store, 7)  # pushed for round 2, not submitted yet
     done = coord.collect_garbage(keep_rounds=1, grace=600)
     assert done.blocks.spared == len(closure(coord.store, [pushed]))
@@ -110,10 +113,10 @@ def test_recent_unreferenced_blocks_are_spared_for_a_submit_to_come(coord: Coord
     coord.start_round(rid, RoundSpec(1))
     coord.submit(rid, "p", pushed)  # still whole
     assert isinstance(coord.wait(rid, timeout=30), Complete)
-    age_everything(coord.store)
+    age_everything(coord)
     coord.collect_garbage(keep_rounds=1, grace=0)
     stale = put(coord.store, 8)
-    age_everything(coord.store)
+    age_everything(coord)
     coord.collect_garbage(keep_rounds=1, grace=600)  # too old: collected
     rid3 = RoundId(3, "lead")
     coord.start_round(rid3, RoundSpec(1))
@@ -140,7 +143,7 @@ def test_collection_waits_for_a_submit_in_progress(coord: Coordinator) -> None:
     rid = RoundId(2, "lead")
     coord.start_round(rid, RoundSpec(1))
     update = put(coord.store, 5)
-    age_everything(coord.store)  # old enough to be collected if nothing referenced it
+    age_everything(coord)  # old enough to be collected if nothing referenced it
     entered, release = threading.Event(), threading.Event()
     original = coord.tracker.check_submit
 
@@ -172,3 +175,81 @@ def test_bad_settings_are_refused(tmp_path: Path) -> None:
         Coordinator(MemoryStore(), run_timer=False, gc_grace=-1)
     with Coordinator(MemoryStore(), run_timer=False) as coord, pytest.raises(ValueError):
         coord.collect_garbage(keep_rounds=0)
+
+
+def test_rounds_that_just_ended_are_kept_for_the_grace_period(coord: Coordinator) -> None:
+    run_round(coord, 1, [1])
+    run_round(coord, 2, [2])
+    for cid in list(coord.store):
+        make_older(coord.store, cid, 10_000)
+    assert coord.collect_garbage(keep_rounds=1, grace=600).rounds_removed == 0  # peers may fetch
+    assert isinstance(coord.clock, FakeClock)
+    coord.clock.advance(601)
+    assert coord.collect_garbage(keep_rounds=1, grace=600).rounds_removed == 1
+
+
+def test_a_listener_may_submit_while_a_collection_waits() -> None:
+    """A status listener runs inside an aggregation (which holds the collection lock shared);
+    its submit must not queue behind the collection that waits for that very aggregation."""
+    store = MemoryStore()
+    with Coordinator(
+        store, clock=FakeClock(1000.0), run_timer=False, keep_rounds=1, gc_grace=0
+    ) as coord:
+        first, second = RoundId(1, "lead"), RoundId(2, "lead")
+        coord.start_round(first, RoundSpec(1))
+        coord.start_round(second, RoundSpec(1))
+        chained = threading.Event()
+        lock = coord._gc_lock
+
+        def listener(rid: RoundId, status: object) -> None:
+            if rid == first and isinstance(status, Complete):
+                with lock._cond:  # the collection queued by round 1 now waits, exclusive
+                    assert lock._cond.wait_for(lambda: lock._waiting > 0, timeout=30)
+                coord.submit(second, "p", put(store, 2))
+                chained.set()
+
+        coord.subscribe(listener)
+        coord.submit(first, "p", put(store, 1))
+        assert isinstance(coord.wait(second, timeout=30), Complete)
+        assert chained.is_set()
+        coord.drain_collections(timeout=30)
+
+
+def test_collect_garbage_from_inside_a_submit_is_refused(coord: Coordinator) -> None:
+    with coord._gc_lock.shared(), pytest.raises(RuntimeError, match="wait for itself"):
+        coord.collect_garbage(keep_rounds=1)
+
+
+def test_a_collection_that_cannot_be_queued_does_not_stop_the_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tensorswap.rounds.coordinator as module
+
+    class NoThreads(module.ThreadPoolExecutor):
+        def submit(self, *args: object, **kwargs: object) -> module.Future[None]:
+            raise RuntimeError("can't start new thread")
+
+    store = MemoryStore()
+    with Coordinator(store, clock=FakeClock(1000.0), run_timer=False, keep_rounds=1) as coord:
+        monkeypatch.setattr(module, "ThreadPoolExecutor", NoThreads)
+        rid = RoundId(1, "lead")
+        coord.start_round(rid, RoundSpec(1))
+        coord.submit(rid, "p", put(store, 1))
+        assert isinstance(coord.wait(rid, timeout=30), Complete)
+        assert not coord._gc_queued  # the next round end tries again
+        monkeypatch.undo()
+
+
+def test_a_round_failed_at_its_deadline_is_collected_after_it_is_failed() -> None:
+    store, clock = MemoryStore(), FakeClock(1000.0)
+    with Coordinator(store, clock=clock, run_timer=False, keep_rounds=1, gc_grace=0) as coord:
+        late, done = RoundId(1, "lead"), RoundId(2, "lead")
+        coord.start_round(late, RoundSpec(2, timeout_s=10))
+        coord.submit(late, "a", put(store, 1))  # below quorum when the deadline passes
+        coord.start_round(done, RoundSpec(1))
+        coord.submit(done, "p", put(store, 2))
+        assert isinstance(coord.wait(done, timeout=30), Complete)
+        clock.advance(20)
+        assert coord.check_deadlines() == [late]
+        coord.drain_collections(timeout=30)
+        assert [info.round_id for info in coord.rounds()] == [done]

@@ -197,3 +197,11 @@ def test_age_of_an_absent_block_is_block_not_found(store: BlockStore) -> None:
     store.delete(cid)
     with pytest.raises(BlockNotFound):
         store.age_of(cid)
+
+
+def test_delete_if_older_spares_young_blocks_and_reports_absent_ones(store: BlockStore) -> None:
+    cid = store.put(b"maybe old")
+    assert store.delete_if_older(cid, 600) is None and store.has(cid)
+    make_older(store, cid, 1000)
+    assert store.delete_if_older(cid, 600) is True and not store.has(cid)
+    assert store.delete_if_older(cid, 600) is False

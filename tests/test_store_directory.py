@@ -158,3 +158,23 @@ def test_memory_store_adopts_without_copy_and_detects_broken_promise() -> None:
     buf[0] = ord("A")  # a caller breaking its promise
     with pytest.raises(CorruptBlock):
         store.get(cid, verify=True)
+
+
+def test_a_repeated_put_rewrites_a_block_that_vanished_meanwhile(tmp_path: Path) -> None:
+    """A put that finds the block held touches it; if a collection deletes the file between
+    the check and the touch, the put writes it again instead of returning without it."""
+
+    class Racing(DirectoryStore):
+        race = False
+
+        def _touch_file(self, cid: Cid, path: str) -> bool:
+            if self.race:
+                self.race = False
+                os.unlink(path)  # a concurrent delete lands here
+            return super()._touch_file(cid, path)
+
+    store = Racing(tmp_path)
+    cid = store.put(b"block")
+    store.race = True
+    assert store.put(b"block") == cid
+    assert store.has(cid) and store.get(cid) == b"block"

@@ -70,15 +70,18 @@ def test_without_the_option_every_read_rehashes(tmp_path: Path, hashed: list[Cid
     assert hashed == [cid]
 
 
-def test_touching_keeps_an_own_block_trusted_but_not_a_changed_one(
+def test_a_touched_block_is_rehashed_and_a_file_changed_before_is_caught(
     tmp_path: Path, hashed: list[Cid]
 ) -> None:
     store = DirectoryStore(tmp_path, trust_own_writes=True)
     cid = store.put(DATA)
-    store.touch([cid])
-    assert store.put(DATA) == cid  # a repeated put touches as well
+    store.touch([cid])  # nothing proves the file unchanged across the new time: no more trust
     store.get(cid)
-    assert hashed == []
+    assert hashed == [cid]
+    other = store.put(DATA[::-1])
+    assert store.put(DATA[::-1]) == other  # a repeated put touches as well
+    store.get(other)
+    assert hashed == [cid, other]
     path = store.path_of(cid)
     with open(path, "r+b") as file:  # same size, one bit flipped, behind the store's back
         file.seek(3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -89,6 +90,7 @@ class CoordinatorStats:
     gc_rounds_removed: int = 0
     gc_blocks_removed: int = 0
     gc_bytes_removed: int = 0
+    gc_failures: int = 0
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -107,7 +109,10 @@ class Retention:
 class _SharedLock:
     """Many holders in shared mode (submits) or one in exclusive mode (a collection).
 
-    A waiting exclusive holder keeps new shared holders out, so a collection is never starved.
+    A waiting exclusive holder keeps new shared holders out, so a collection is never starved;
+    a thread that already holds it shared may take it shared again at once (a status
+    listener that submits from inside a submit or an aggregation), and may not take it
+    exclusive (that would wait for itself).
     """
 
     def __init__(self) -> None:
@@ -115,23 +120,36 @@ class _SharedLock:
         self._shared = 0
         self._exclusive = False
         self._waiting = 0
+        self._held: dict[int, int] = {}  # thread id -> how many times it holds it shared
 
     @contextmanager
     def shared(self) -> Iterator[None]:
+        me = threading.get_ident()
         with self._cond:
-            self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
+            if not self._held.get(me):
+                self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
+            self._held[me] = self._held.get(me, 0) + 1
             self._shared += 1
         try:
             yield
         finally:
             with self._cond:
                 self._shared -= 1
+                self._held[me] -= 1
+                if not self._held[me]:
+                    del self._held[me]
                 self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         with self._cond:
+            if self._held.get(threading.get_ident()):
+                raise RuntimeError(
+                    "collect_garbage called from inside a submit or an aggregation "
+                    "(a status listener?): it would wait for itself"
+                )
             self._waiting += 1
+            self._cond.notify_all()  # the state changed: whoever watches it re-checks
             try:
                 self._cond.wait_for(lambda: not self._exclusive and not self._shared)
             finally:
@@ -221,6 +239,7 @@ class Coordinator:
         self._gc_pool: ThreadPoolExecutor | None = None
         self._gc_queued = False
         self._gc_future: Future[None] | None = None
+        self._ended: dict[RoundId, float] = {}  # self.clock.now() when a round turned terminal
         self.store = store
         self.journal = journal
         self.clock: Clock = clock or SystemClock()
@@ -337,7 +356,9 @@ class Coordinator:
         for info in due_rounds(self.tracker.rounds(), self.clock.now()):
             rid = info.round_id
             work = self._work_for(rid)
-            with work.lock:
+            # shared first, as in submit: the round's collection never runs between the
+            # verdict and the status it records
+            with self._gc_lock.shared(), work.lock:
                 current = self.tracker.info(rid)
                 if current is None or not due_rounds([current], self.clock.now()):
                     continue
@@ -446,6 +467,7 @@ class Coordinator:
                 self._counters["last_aggregation_seconds"] = seconds
             self._count(rounds_completed=1, aggregation_seconds=seconds)
             self._schedule_gc()  # queued before Complete wakes anyone; it runs after this lock
+            self._mark_ended(round_id)
             self.tracker.mark_complete(round_id, str(cid))
         log.info("round %s complete in %.3f s: %s", round_id, seconds, cid)
 
@@ -517,6 +539,7 @@ class Coordinator:
         status = self.tracker.status(round_id)
         if status is not None and not status.is_terminal:
             self._schedule_gc()  # queued before Failed wakes anyone
+            self._mark_ended(round_id)
         if self.tracker.mark_failed(round_id, reason):
             self._count(rounds_failed=1)
             log.warning("round %s failed: %s", round_id, reason)
@@ -529,11 +552,14 @@ class Coordinator:
         """Forget old terminal rounds and delete the blocks no remaining round references.
 
         Terminal rounds numbered below ``newest - keep_rounds + 1`` (``newest``: the highest
-        round number held) are removed from the tracker and the journal; rounds still
-        running are always kept. Then every block not reachable from a remaining round's
-        contributions or aggregate is deleted, unless it was stored or touched within
-        ``grace`` seconds (default ``gc_grace``). ``dry_run`` reports without changing
-        anything. Waits for submits in progress; submits wait while it runs.
+        round number held) are removed from the tracker and the journal, unless this
+        coordinator saw them end less than ``grace`` seconds ago (their peers may still be
+        fetching the result); rounds still running are always kept. Then every block not
+        reachable from a remaining round's contributions or aggregate is deleted, unless it
+        was stored or touched within ``grace`` seconds (default ``gc_grace``). ``dry_run``
+        reports without changing anything. Waits for submits and aggregations in progress;
+        they wait while it runs. If a held round's manifests cannot be read, nothing is
+        deleted and the error is raised.
         """
         if keep_rounds < 1:
             raise ValueError(f"keep_rounds must be at least 1, got {keep_rounds}")
@@ -541,15 +567,27 @@ class Coordinator:
         with self._gc_lock.exclusive():
             rounds = self.tracker.rounds()
             cutoff = max((info.round_id.round for info in rounds), default=0) - keep_rounds + 1
-            doomed = {
+            now = self.clock.now()
+            with self._lock:
+                ended = dict(self._ended)
+            doomed = [
                 info.round_id
                 for info in rounds
-                if info.status.is_terminal and info.round_id.round < cutoff
-            }
-            removed = len(doomed) if dry_run else self.tracker.gc_before_round(cutoff)
+                if info.status.is_terminal
+                and info.round_id.round < cutoff
+                and now - ended.get(info.round_id, -math.inf) >= grace
+            ]
+            if dry_run:
+                removed = len(doomed)
+            else:
+                removed = self.tracker.forget(doomed)
+                with self._lock:
+                    for rid in doomed:
+                        self._ended.pop(rid, None)
+            gone = set(doomed)
             roots: list[Cid] = []
             for info in rounds:
-                if info.round_id in doomed:
+                if info.round_id in gone:
                     continue
                 roots.extend(Cid.parse(c.update_cid) for c in self.contributions(info.round_id))
                 if isinstance(info.status, Complete):
@@ -572,17 +610,28 @@ class Coordinator:
         )
         return Retention(removed, blocks)
 
+    def _mark_ended(self, round_id: RoundId) -> None:
+        with self._lock:
+            self._ended[round_id] = self.clock.now()
+
     def _schedule_gc(self) -> None:
-        """Queue a collection (``keep_rounds`` set) unless one is already queued."""
+        """Queue a collection (``keep_rounds`` set) unless one is already queued.
+
+        Never raises: a collection that cannot be queued must not keep a round from ending.
+        """
         if self.keep_rounds is None:
             return
         with self._lock:
             if self._closed or self._gc_queued:
                 return
-            self._gc_queued = True
-            if self._gc_pool is None:
-                self._gc_pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-gc")
-            self._gc_future = self._gc_pool.submit(self._run_gc)
+            try:
+                if self._gc_pool is None:
+                    self._gc_pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-gc")
+                self._gc_future = self._gc_pool.submit(self._run_gc)
+            except Exception as exc:
+                log.warning("cannot queue a collection: %s", exc)
+                return
+            self._gc_queued = True  # _run_gc clears it under this lock, held here
 
     def drain_collections(self, timeout: float | None = None) -> None:
         """Wait until the collections queued so far (``keep_rounds``) have run.
@@ -604,6 +653,7 @@ class Coordinator:
         try:
             self.collect_garbage(keep)
         except Exception as exc:  # a failed collection deletes nothing more; the next retries
+            self._count(gc_failures=1)
             log.warning("collection failed: %s", exc, exc_info=True)
 
     def _work_for(self, round_id: RoundId) -> _Work:

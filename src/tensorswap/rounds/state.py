@@ -254,10 +254,16 @@ class RoundTracker:
     def gc_before_round(self, round: int) -> int:
         """Remove terminal rounds numbered below ``round``; how many were removed."""
         with self._lock:
+            doomed = [rid for rid in self._rounds if rid.round < round]
+        return self.forget(doomed)
+
+    def forget(self, round_ids: Iterable[RoundId]) -> int:
+        """Remove those of ``round_ids`` that are terminal (others are left alone); how many."""
+        with self._lock:
             doomed = [
                 rid
-                for rid, entry in self._rounds.items()
-                if entry.status.is_terminal and rid.round < round
+                for rid in dict.fromkeys(round_ids)
+                if (entry := self._rounds.get(rid)) is not None and entry.status.is_terminal
             ]
             if doomed and self._journal is not None:
                 self._journal.delete_rounds(doomed)

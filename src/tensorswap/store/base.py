@@ -131,6 +131,21 @@ class BlockStore(ABC):
             raise BlockNotFound(cid)
         return None
 
+    def delete_if_older(self, cid: Cid, min_age: float) -> bool | None:
+        """Delete the block unless it was put or touched less than ``min_age`` seconds ago.
+
+        True: deleted; False: it was not there; None: spared (young, or the store keeps no
+        ages). Stores that keep ages check and delete in one step, so a concurrent ``touch``
+        or ``put`` of the block either comes first (and spares it) or finds it gone.
+        """
+        try:
+            age = self.age_of(cid)
+        except BlockNotFound:
+            return False
+        if age is None or age < min_age:
+            return None
+        return self.delete(cid)
+
     def touch(self, cids: Iterable[Cid]) -> None:  # noqa: B027 (optional hook)
         """Mark the blocks held among ``cids`` as just used (their age restarts at 0), so that a
         collection with a grace period spares them; absent ones are skipped. A put of a block

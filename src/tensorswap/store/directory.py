@@ -97,10 +97,10 @@ class DirectoryStore(BlockStore):
     def _store(self, cid: Cid, data: memoryview, adopt: bool) -> None:
         path = self.path_of(cid)
         try:
-            if os.stat(path).st_size == data.nbytes:
-                # Already held (idempotent put; damage is caught and quarantined on read).
-                # Its age restarts, as for ``touch``: a collection's grace period spares it.
-                self._touch_file(cid, path)
+            # Already held (idempotent put; damage is caught and quarantined on read): its age
+            # restarts, as for ``touch``, so a collection's grace period spares it; if it went
+            # away meanwhile (a collection, a delete) it is written below.
+            if os.stat(path).st_size == data.nbytes and self._touch_file(cid, path):
                 return
         except FileNotFoundError:
             pass
@@ -228,20 +228,39 @@ class DirectoryStore(BlockStore):
         for cid in cids:
             self._touch_file(cid, self.path_of(cid))
 
-    def _touch_file(self, cid: Cid, path: str) -> None:
+    def _touch_file(self, cid: Cid, path: str) -> bool:
+        """Set the file's modification time to now; False if there is no such file.
+
+        Under the same lock as ``delete_if_older``, so the two never interleave. A touched
+        block is no longer trusted as this store's own write (``trust_own_writes``): nothing
+        proves the file was unchanged between the last check and the new time, so its next
+        read re-hashes it.
+        """
         try:
             with self._own_lock:
-                before = os.stat(path)
+                self._own.pop(cid, None)
                 os.utime(path)
-                # A file this store wrote, still as written, stays trusted once touched.
-                if self._own.get(cid) == _identity(before):
-                    self._own[cid] = _identity(os.stat(path))
-                else:
-                    self._own.pop(cid, None)
         except FileNotFoundError:
-            return
+            return False
         except OSError as exc:
             raise StoreError(f"cannot touch block {cid} at {path}: {exc}") from exc
+        return True
+
+    def delete_if_older(self, cid: Cid, min_age: float) -> bool | None:
+        path = self.path_of(cid)
+        try:
+            with self._own_lock:  # no touch between the age check and the unlink
+                if time.time() - os.stat(path).st_mtime < min_age:
+                    return None
+                self._own.pop(cid, None)
+                os.unlink(path)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreError(f"cannot delete block {cid} at {path}: {exc}") from exc
+        if self.fsync:
+            _fsync_dir(os.path.dirname(path))
+        return True
 
     def size_of(self, cid: Cid) -> int:
         path = self.path_of(cid)

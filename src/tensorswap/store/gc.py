@@ -72,14 +72,25 @@ def collect_garbage(
     for cid in listed:
         try:
             nbytes = store.size_of(cid)
-            young = cid not in keep and min_age > 0 and _younger(store, cid, min_age)
+            young = cid not in keep and min_age > 0 and dry_run and _younger(store, cid, min_age)
         except BlockNotFound:
             continue  # deleted by someone else meanwhile
         if cid in keep or young:
             kept += 1
             kept_bytes += nbytes
             spared += young
-        elif dry_run or store.delete(cid):
+            continue
+        if dry_run:
+            gone: bool | None = True
+        elif min_age > 0:  # the age check and the delete in one step (see delete_if_older)
+            gone = store.delete_if_older(cid, min_age)
+        else:
+            gone = store.delete(cid)
+        if gone is None:
+            kept += 1
+            kept_bytes += nbytes
+            spared += 1
+        elif gone:
             removed += 1
             removed_bytes += nbytes
     temps = 0

@@ -76,14 +76,26 @@ class MemoryStore(BlockStore):
                 if cid in self._blocks:
                     self._stored[cid] = now
 
+    def delete_if_older(self, cid: Cid, min_age: float) -> bool | None:
+        with self._lock:
+            stored = self._stored.get(cid)
+            if stored is None:
+                return False
+            if time.monotonic() - stored < min_age:
+                return None
+            return self._delete_locked(cid)
+
     def delete(self, cid: Cid) -> bool:
         with self._lock:
-            view = self._blocks.pop(cid, None)
-            if view is None:
-                return False
-            self._stored.pop(cid, None)
-            self._nbytes -= view.nbytes
-            return True
+            return self._delete_locked(cid)
+
+    def _delete_locked(self, cid: Cid) -> bool:
+        view = self._blocks.pop(cid, None)
+        if view is None:
+            return False
+        self._stored.pop(cid, None)
+        self._nbytes -= view.nbytes
+        return True
 
     def __iter__(self) -> Iterator[Cid]:
         with self._lock:

@@ -294,10 +294,11 @@ class BlockServer:
 
 
 def _missing_and_touch(store: BlockStore, offered: list[Cid]) -> list[Cid]:
-    """The offered blocks ``store`` lacks; the ones it holds are touched, so that a collection
-    with a grace period spares them while the client goes on to reference them."""
-    lacking = store.missing(offered)
-    if len(lacking) < len(offered):
-        absent = set(lacking)
-        store.touch(cid for cid in offered if cid not in absent)
-    return lacking
+    """The offered blocks ``store`` lacks. The held ones are touched first, so every block
+    reported held was touched while held: a collection with a grace period spares it while
+    the client goes on to reference it. A failed touch only costs that protection."""
+    try:
+        store.touch(offered)
+    except StoreError as exc:
+        logger.warning("cannot refresh the age of offered blocks: %s", exc)
+    return store.missing(offered)
