@@ -13,6 +13,7 @@ from tensorswap.delta import (
     DweBus,
     DweConfig,
     DweFragment,
+    DweLayerDelta,
     DweListener,
     DweTelemetry,
     FleetKeys,
@@ -20,6 +21,7 @@ from tensorswap.delta import (
     SendMode,
     apply_fragment,
     extract_delta_fragment,
+    make_fragment,
 )
 
 SHAPES = [(3, 4), (5,)]
@@ -306,3 +308,50 @@ async def test_one_peer_failing_unexpectedly_does_not_cancel_the_others() -> Non
     assert good.sequences == [0, 1, 2] and bad.sequences == []
     assert (stats.sent, stats.send_failures, stats.errors, stats.queued) == (3, 3, 3, 0)
     assert "sender bug" in (stats.last_error or "")
+
+
+@pytest.mark.parametrize("mode", [SendMode.PERSISTENT, SendMode.PER_FRAGMENT])
+async def test_a_peer_that_stops_reading_is_given_up_on(mode: SendMode) -> None:
+    """A peer that accepts but never reads: each fragment fails after its attempts (the
+    write timeout), the bus does not wait for its unsent bytes to flush, and flush returns."""
+    deaf = socket.socket()
+    deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    deaf.bind(("127.0.0.1", 0))
+    deaf.listen(8)
+    deaf.setblocking(False)
+    held: list[socket.socket] = []
+    loop = asyncio.get_running_loop()
+
+    async def accept_forever() -> None:
+        while True:
+            conn, _ = await loop.sock_accept(deaf)
+            held.append(conn)  # never read
+
+    acceptor = asyncio.create_task(accept_forever())
+    config = DweConfig(
+        peers=(f"127.0.0.1:{deaf.getsockname()[1]}",),
+        write_timeout=0.2,
+        connect_timeout=1.0,
+        max_attempts=1,
+        backoff_initial=0.01,
+        backoff_max=0.02,
+        mode=mode,
+    )
+    n = 1_500_000  # a 6 MiB fragment: more than the socket buffers hold
+    layer = [DweLayerDelta(0, (n,), np.ones(n, np.float32))]
+    fragments = [make_fragment("deaf", i, layer) for i in range(2)]
+    bus = DweBus(config=config, drain_timeout=5.0)
+    await bus.start()
+    try:
+        for fragment in fragments:
+            bus.broadcast(fragment)
+        async with asyncio.timeout(30):
+            await bus.flush()
+        snapshot = bus.telemetry()
+        assert (snapshot.sent, snapshot.send_failures) == (0, 2)
+    finally:
+        await bus.aclose()
+        acceptor.cancel()
+        for conn in held:
+            conn.close()
+        deaf.close()

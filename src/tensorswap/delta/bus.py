@@ -79,9 +79,7 @@ class _Peer:
     async def disconnect(self) -> None:
         writer, self.reader, self.writer = self.writer, None, None
         if writer is not None:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            await _close(writer)
 
 
 class DweBus:
@@ -385,6 +383,18 @@ class DweBus:
                     while await reader.read(1 << 16):
                         pass
         finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            await _close(writer)
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    """Close a connection without waiting on a peer that stopped reading.
+
+    ``close()`` would wait until the write buffer has been flushed, which a stalled peer
+    never allows: bytes still buffered (a write that timed out) are dropped with ``abort()``.
+    """
+    if writer.transport.get_write_buffer_size():
+        writer.transport.abort()
+    else:
+        writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
