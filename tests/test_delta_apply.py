@@ -114,3 +114,33 @@ def test_torch_tensor_subclasses_are_states_and_inputs() -> None:
     state = torch.zeros(2, 2).as_subclass(Tagged)
     assert apply_fragment([state], fragment) == 1
     assert state.tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_a_numpy_state_with_overlapping_memory_is_refused_before_any_change() -> None:
+    first = np.zeros(3, np.float32)
+    shared = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (4,), (0,), writeable=True)
+    fragment = make_fragment("s", 1, [_layer(0, (3,)), _layer(1, (4,))])
+    with pytest.raises(StateMismatch, match="overlapping memory"):
+        apply_fragment([first, shared], fragment)
+    assert not first.any()
+
+
+@pytest.mark.parametrize("kind", ["inference", "expanded"])
+def test_torch_states_that_cannot_take_an_in_place_add_are_refused_before_any_change(
+    kind: str,
+) -> None:
+    torch = pytest.importorskip("torch")
+    first = torch.zeros(3)
+    if kind == "inference":
+        with torch.inference_mode():
+            second = torch.zeros(4)
+    else:
+        second = torch.zeros(1).expand(4)
+    fragment = make_fragment("s", 1, [_layer(0, (3,)), _layer(1, (4,))])
+    with pytest.raises(StateMismatch):
+        apply_fragment([first, second], fragment)
+    assert not first.any()
+    if kind == "inference":  # inside inference mode the same state takes the delta
+        with torch.inference_mode():
+            apply_fragment([first, second], fragment)
+        assert second.tolist() == [1.0] * 4

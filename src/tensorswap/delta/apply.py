@@ -55,6 +55,8 @@ def _numpy_step(state: np.ndarray, target: LayerTarget, values: np.ndarray, inde
         raise StateMismatch(index, "state array is read-only")
     if target.sliced and not state.flags.c_contiguous:
         raise StateMismatch(index, "a slice needs a C-contiguous state")
+    if _overlapping(state.shape, state.strides):
+        raise StateMismatch(index, "state has overlapping memory (a broadcast or strided view)")
 
     def run() -> None:
         with np.errstate(over="ignore", invalid="ignore"):
@@ -74,11 +76,20 @@ def _torch_step(state: Any, target: LayerTarget, values: np.ndarray, index: int)
         raise StateMismatch(index, f"state dtype {state.dtype} is not floating point")
     if target.sliced and not state.is_contiguous():
         raise StateMismatch(index, "a slice needs a contiguous state")
+    if state.is_inference() and not torch.is_inference_mode_enabled():
+        raise StateMismatch(
+            index, "state is an inference tensor (apply inside torch.inference_mode())"
+        )
+    if _overlapping(tuple(state.shape), tuple(state.stride())):
+        raise StateMismatch(index, "state has overlapping memory (an expanded tensor)")
     # torch.from_numpy warns on read-only arrays (received buffers are): copy those first.
     source = values if values.flags.writeable else values.copy()
+    try:  # before any addition: a copy to the device may fail (memory)
+        delta = torch.from_numpy(source).to(device=state.device)
+    except RuntimeError as exc:
+        raise StateMismatch(index, f"cannot move the delta to {state.device}: {exc}") from exc
 
     def run() -> None:
-        delta = torch.from_numpy(source).to(device=state.device)
         with torch.no_grad():
             if target.sliced:
                 state.view(-1)[target.offset : target.offset + target.count].add_(delta)
@@ -86,6 +97,12 @@ def _torch_step(state: Any, target: LayerTarget, values: np.ndarray, index: int)
                 state.add_(delta.view(target.shape))
 
     return run
+
+
+def _overlapping(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """True when two elements share memory through a zero stride (broadcast / expand): an
+    in-place add would then add several deltas into one place, or fail half-way."""
+    return any(stride == 0 and size > 1 for size, stride in zip(shape, strides, strict=True))
 
 
 def _plan(state: Any, target: LayerTarget, values: np.ndarray, index: int) -> _Step:
