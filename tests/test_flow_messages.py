@@ -407,6 +407,51 @@ def test_structural_faults_are_malformed_messages(document: str, words: str) -> 
     assert isinstance(info.value, TensorSwapError)
 
 
+@pytest.mark.parametrize(
+    "document",
+    [
+        b'{"wire_version":1,"payload":"Ping","x":' + b"[" * 1000 + b"]" * 1000 + b"}",
+        b'{"wire_version":2,"payload":"Ping","x":' + b"[" * 1000 + b"]" * 1000 + b"}",
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"Ping":' + b'{"a":' * 5000 + b"1" + b"}" * 5001,
+    ],
+    ids=["envelope", "future-envelope", "bare", "objects"],
+)
+def test_deeply_nested_json_is_a_malformed_message(document: bytes) -> None:
+    with pytest.raises(MalformedMessage, match="nesting too deep"):
+        decode(document)
+    with pytest.raises(MalformedMessage, match="nesting too deep"):
+        decode(document.decode())
+
+
+def test_a_str_with_a_lone_surrogate_is_a_malformed_message() -> None:
+    envelope = (
+        '{"wire_version":1,"payload":{"Spikes":{"session_id":"\ud800","batch_id":1,'
+        '"timestamp":1,"spikes":[]}}}'
+    )
+    bare = '{"Loss":0.5,"x":"\udfff"}'
+    for document in (envelope, bare):
+        with pytest.raises(MalformedMessage, match="not valid UTF-8"):
+            decode(document)
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        '{"wire_version":"' + "x" * 100_000 + '","payload":"Ping"}',
+        '{"Ping":"' + "x" * 100_000 + '"}',
+        '{"' + "X" * 100_000 + '":{}}',
+        '"' + "Y" * 100_000 + '"',
+        '{"wire_version":1,"payload":[' + "1," * 50_000 + "1]}",
+    ],
+    ids=["version", "unit-body", "variant-key", "variant-string", "payload"],
+)
+def test_malformed_messages_echo_at_most_a_bounded_excerpt(document: str) -> None:
+    with pytest.raises(MalformedMessage) as info:
+        decode(document)
+    assert len(str(info.value)) < 500
+
+
 def _spikes_json(**overrides: object) -> str:
     body: dict[str, object] = {
         "session_id": None,

@@ -164,12 +164,21 @@ def _bad_payload(reason: object) -> MalformedMessage:
     return MalformedMessage(f"failed to decode envelope payload: {reason}")
 
 
+_ECHO_LIMIT = 200
+"""At most this many characters of a peer's value are echoed into an error message."""
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _ECHO_LIMIT else text[: _ECHO_LIMIT - 3] + "..."
+
+
 def _unknown(name: str) -> MalformedMessage:
-    return _bad_payload(f"unknown variant `{name}`, expected one of {_EXPECTED}")
+    return _bad_payload(f"unknown variant `{_clip(name)}`, expected one of {_EXPECTED}")
 
 
 def _json_text(value: object) -> str:
-    return msgspec.json.encode(value).decode()
+    """``value`` as JSON for an error message, cut to ``_ECHO_LIMIT`` characters."""
+    return _clip(msgspec.json.encode(value).decode())
 
 
 def _build(name: str, body: Any) -> IpcMessage:
@@ -223,6 +232,8 @@ def _message(value: Any) -> IpcMessage:
         typed = msgspec.convert(body, float if cls is Loss else cls)
     except msgspec.ValidationError as exc:
         raise _bad_payload(f"{name}: {exc}") from exc
+    except RecursionError as exc:
+        raise _bad_payload(f"{name}: nesting too deep") from exc
     return _build(name, typed)
 
 
@@ -241,6 +252,13 @@ def _decode_careful(data: bytes | str) -> IpcMessage:
         value = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
         raise MalformedMessage(f"failed to decode envelope JSON: {exc}") from exc
+    except RecursionError as exc:  # msgspec recurses once per array/object level
+        raise MalformedMessage("failed to decode envelope JSON: nesting too deep") from exc
+    except UnicodeEncodeError as exc:  # a str holding a lone surrogate is not UTF-8
+        raise MalformedMessage(
+            f"failed to decode envelope JSON: not valid UTF-8 ({exc.reason} "
+            f"at position {exc.start})"
+        ) from exc
     if isinstance(value, dict) and "wire_version" in value:
         _check_version(value["wire_version"])
         if "payload" not in value:
@@ -255,7 +273,7 @@ def _decode_fast(data: bytes | str) -> IpcMessage | None:
     """One typed pass for a well-formed current envelope; ``None`` sends it the careful way."""
     try:
         envelope = _FAST.decode(data)
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError, UnicodeEncodeError):
         return None
     if envelope.wire_version != WIRE_VERSION:
         return None
