@@ -751,3 +751,29 @@ def test_numpy_values_outside_the_field_type_are_refused(channel: object) -> Non
     )
     with pytest.raises(FieldTypeError, match=r"spikes\[0\]\.channel"):
         encode(message)
+
+
+@pytest.mark.parametrize(
+    ("value", "written"),
+    [
+        (np.int64(42), b'"a":42'),
+        (np.uint8(7), b'"a":7'),
+        (np.uint64(2**64 - 1), b'"a":18446744073709551615'),
+        (_Count(5), b'"a":5'),
+    ],
+)
+def test_numpy_integer_config_values_are_written_as_integers(value: object, written: bytes) -> None:
+    message = ConfigPayload(session_id=None, config={"a": value})  # type: ignore[dict-item]
+    plain = ConfigPayload(session_id=None, config={"a": int(value)})  # type: ignore[call-overload]
+    assert written in encode(message)
+    assert encode(message) == encode(plain)
+    assert encode_message(message) == encode_message(plain)
+    checked = validate(message).config["a"]
+    assert type(checked) is int and checked == int(value)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("value", [np.int64(-1), np.int8(-128), -1, 2**64])
+def test_config_integers_outside_u64_are_refused(value: object) -> None:
+    message = ConfigPayload(session_id=None, config={"a": value})  # type: ignore[dict-item]
+    with pytest.raises(FieldTypeError, match=r"`config\.a` must be an integer in 0\.\.="):
+        encode(message)

@@ -599,3 +599,22 @@ def test_the_fast_spike_path_agrees_with_the_precise_checks(
         patch.setattr(_Checker, "spike_columns", lambda self, *columns: None)
         precise = _outcome(message)
     assert fast == precise
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_an_int_beyond_the_f64_range_is_non_finite(sign: int) -> None:
+    huge = sign * 10**400
+    shown = "inf" if sign > 0 else "-inf"
+    fails(Loss(huge), f"non_finite at `Loss`, actual={shown}")  # type: ignore[arg-type]
+    fails(
+        spikes(1, spikes=[SpikeEvent(channel=1, time=1, strength=huge)]),  # type: ignore[arg-type]
+        f"non_finite at `spikes[0].strength`, actual={shown}",
+    )
+    fails(
+        GradientBatch(
+            session_id="s",
+            batch_id=1,
+            gradients=[GradientUpdate(layer_id="l", gradients=[0.5, huge])],  # type: ignore[list-item]
+        ),
+        f"non_finite at `gradients[0].gradients[1]`, actual={shown}",
+    )

@@ -156,8 +156,8 @@ def _float(path: str, value: object) -> float:
     if isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool):
         try:
             return float(value)
-        except OverflowError:
-            return math.copysign(math.inf, value)
+        except OverflowError:  # an int beyond the f64 range (copysign would convert it too)
+            return math.inf if value > 0 else -math.inf
     raise FieldTypeError(path, "a float (f32)", value)
 
 
@@ -387,8 +387,8 @@ class _Checker:
         if isinstance(value, list):
             _count(f"{prefix}.value", len(value), self.limits.max_channel_values)
             return self.floats(value, prefix + ".value[{}]")
-        if not self.trusted and isinstance(value, int) and not isinstance(value, bool):
-            _u64(prefix, value)  # corpus-ipc's ConfigValue::Integer
+        if not self.trusted and isinstance(value, int | np.integer) and not isinstance(value, bool):
+            _u64(prefix, value)  # corpus-ipc's ConfigValue::Integer, numpy integers too
             return value if type(value) is int else int(value)
         number = self.number(prefix, value)
         _finite(f"{prefix}.value", number)
