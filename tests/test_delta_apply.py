@@ -81,10 +81,31 @@ def test_slices_land_on_their_flat_range() -> None:
         )
 
 
-def test_overflow_in_half_precision_state_is_not_an_error() -> None:
-    state = np.full(1, 60000, np.float16)
-    apply_fragment([state], make_fragment("s", 1, [_layer(0, (1,), 60000.0)]))
-    assert np.isinf(state[0])
+def test_a_delta_that_would_overflow_a_half_precision_state_is_refused() -> None:
+    """Both the delta and the state are finite, but their float16 sum is not: applying it
+    would poison the receiver, so nothing is applied."""
+    first = np.zeros(2, np.float32)
+    state = np.array([60000, 1], np.float16)
+    fragment = make_fragment("s", 1, [_layer(0, (2,)), _layer(1, (2,), 60000.0)])
+    with pytest.raises(StateMismatch, match="overflow the state's float16"):
+        apply_fragment([first, state], fragment)
+    assert not first.any() and state.tolist() == [60000, 1]
+    apply_fragment([state], make_fragment("s", 2, [_layer(0, (2,), 5000.0)]))  # fits: applied
+    assert state.tolist() == [64992, 5000]  # 65000 rounded to float16
+
+
+def test_a_state_already_holding_inf_still_takes_deltas() -> None:
+    state = np.array([np.inf, 1], np.float16)
+    apply_fragment([state], make_fragment("s", 1, [_layer(0, (2,), 60000.0)]))
+    assert np.isinf(state[0]) and state[1] == 60000
+
+
+def test_torch_overflow_is_refused_too() -> None:
+    torch = pytest.importorskip("torch")
+    state = torch.tensor([60000.0, 0.0], dtype=torch.float16)
+    with pytest.raises(StateMismatch, match="overflow"):
+        apply_fragment([state], make_fragment("s", 1, [_layer(0, (2,), 60000.0)]))
+    assert state.tolist() == [60000.0, 0.0]
 
 
 def test_torch_states_including_leaves_that_require_grad() -> None:
@@ -144,3 +165,28 @@ def test_torch_states_that_cannot_take_an_in_place_add_are_refused_before_any_ch
         with torch.inference_mode():
             apply_fragment([first, second], fragment)
         assert second.tolist() == [1.0] * 4
+
+
+def test_a_torch_state_dict_with_integer_buffers_round_trips() -> None:
+    """extract leaves integer buffers (num_batches_tracked) out, so the fragment applies to
+    the same state_dict, which refuses to add to integer states."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    baseline = {k: v.clone() for k, v in model.state_dict().items()}
+    model.train()
+    model(torch.randn(4, 3)).sum().backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.5)
+    optimized = model.state_dict()
+    assert optimized["1.num_batches_tracked"] != baseline["1.num_batches_tracked"]
+    fragment = extract_delta_fragment("s", 1, optimized, baseline)
+    names = list(optimized)
+    assert all(
+        not names[layer.layer_index].endswith("num_batches_tracked") for layer in fragment.layers
+    )
+    receiver = {k: v.clone() for k, v in baseline.items()}
+    apply_fragment(receiver, fragment)
+    for name, value in optimized.items():
+        if value.is_floating_point():
+            assert torch.allclose(receiver[name], value), name

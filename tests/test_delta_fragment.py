@@ -97,7 +97,7 @@ def test_requires_grad_tensors_are_detached() -> None:
         ([np.ones(2), np.ones(2)], [np.ones(2)], "layer counts differ"),
         ({"a": np.ones(1)}, {"b": np.ones(1)}, "layer names differ"),
         ({"a": np.ones(1)}, [np.ones(1)], "mapping"),
-        ([np.ones(2, bool)], [np.ones(2, bool)], "unsupported dtype"),
+        ([np.ones(2, complex)], [np.ones(2, complex)], "unsupported dtype"),
     ],
 )
 def test_mismatched_inputs_are_refused(optimized, baseline, match) -> None:
@@ -138,3 +138,13 @@ def test_public_names_import() -> None:
     assert sorted(set(delta.__all__)) == sorted(delta.__all__)
     for name in delta.__all__:
         assert getattr(delta, name) is not None
+
+
+def test_integer_and_bool_layers_carry_no_delta() -> None:
+    fragment = extract_delta_fragment(
+        "s",
+        0,
+        [np.ones(2, np.float32), np.array([3], np.int64), np.ones(2, bool)],
+        [np.zeros(2, np.float32), np.array([1], np.int64), np.zeros(2, bool)],
+    )
+    assert [layer.layer_index for layer in fragment.layers] == [0]

@@ -57,6 +57,12 @@ def _numpy_step(state: np.ndarray, target: LayerTarget, values: np.ndarray, inde
         raise StateMismatch(index, "a slice needs a C-contiguous state")
     if _overlapping(state.shape, state.strides):
         raise StateMismatch(index, "state has overlapping memory (a broadcast or strided view)")
+    region = (
+        state.reshape(-1)[target.offset : target.offset + target.count]
+        if target.sliced
+        else state.reshape(-1)
+    )
+    _refuse_numpy_overflow(index, region, values)
 
     def run() -> None:
         with np.errstate(over="ignore", invalid="ignore"):
@@ -88,6 +94,12 @@ def _torch_step(state: Any, target: LayerTarget, values: np.ndarray, index: int)
         delta = torch.from_numpy(source).to(device=state.device)
     except RuntimeError as exc:
         raise StateMismatch(index, f"cannot move the delta to {state.device}: {exc}") from exc
+    region = (
+        state.reshape(-1)[target.offset : target.offset + target.count]
+        if target.sliced
+        else state.reshape(-1)
+    )
+    _refuse_torch_overflow(index, region.detach(), delta.reshape(-1))
 
     def run() -> None:
         with torch.no_grad():
@@ -97,6 +109,49 @@ def _torch_step(state: Any, target: LayerTarget, values: np.ndarray, index: int)
                 state.add_(delta.view(target.shape))
 
     return run
+
+
+def _numpy_max(dtype: np.dtype) -> float:
+    try:
+        return float(np.finfo(dtype).max)
+    except ValueError:  # bfloat16 and friends: ml_dtypes knows them
+        import ml_dtypes
+
+        return float(ml_dtypes.finfo(dtype).max)
+
+
+def _magnitude(values: Any, count: int) -> float:
+    """The largest absolute value (nan or inf if any value is not finite), without a copy."""
+    return max(float(values.max()), -float(values.min())) if count else 0.0
+
+
+def _may_overflow(region: Any, delta: Any, count: int, limit: float) -> bool:
+    """False when adding ``delta`` to ``region`` certainly stays finite, or ``region`` already
+    holds inf or NaN (the delta cannot make it worse); two reductions, no copy."""
+    held = _magnitude(region, count)
+    return held < float("inf") and held + _magnitude(delta, count) > limit
+
+
+# The verified delta is finite, but a finite sum can still overflow the state's dtype (float16
+# stops at 65504) and poison the receiver: refused before any addition. When two reductions
+# cannot rule it out, the sum is tried in a temporary.
+def _refuse_numpy_overflow(index: int, region: np.ndarray, delta: np.ndarray) -> None:
+    if not _may_overflow(region, delta, region.size, _numpy_max(region.dtype)):
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        trial = region + delta.astype(region.dtype)
+    if not np.isfinite(trial).all():
+        raise StateMismatch(index, f"adding the delta would overflow the state's {region.dtype}")
+
+
+def _refuse_torch_overflow(index: int, region: Any, delta: Any) -> None:
+    import torch
+
+    limit = float(torch.finfo(region.dtype).max)
+    if not _may_overflow(region, delta, region.numel(), limit):
+        return
+    if not bool(torch.isfinite(region + delta.to(region.dtype)).all()):
+        raise StateMismatch(index, f"adding the delta would overflow the state's {region.dtype}")
 
 
 def _overlapping(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:

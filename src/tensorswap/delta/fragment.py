@@ -258,13 +258,23 @@ def extract_delta_fragment(
     Layer ``i`` is the i-th entry of ``optimized`` (for a mapping: its i-th key, looked up by name
     in ``baseline``), so the receiver's state must list its layers in the same order. Unlike the
     crate, unequal layer counts or shapes are an error (:class:`DeltaInputMismatch`), never a
-    silent truncation. The result may exceed the 8 MiB cap: see :func:`split_fragment`.
+    silent truncation. Layers that are not floating point in either state (integer buffers
+    such as a torch BatchNorm's ``num_batches_tracked``) carry no delta: they are left out,
+    their index reserved, so the fragment applies to the same ``state_dict`` (which refuses
+    to add to integer states). The result may exceed the 8 MiB cap: see :func:`split_fragment`.
     """
     layers = [
         layer_delta(index, opt, base, name)
         for index, (name, opt, base) in enumerate(_paired_layers(optimized, baseline))
+        if _floating(opt) or _floating(base)
     ]
     return make_fragment(session_id, sequence, layers)
+
+
+def _floating(state: Any) -> bool:
+    if is_torch_tensor(state):
+        return bool(state.is_floating_point())
+    return np.asarray(state).dtype.kind not in "biu"
 
 
 def describe_fragment(fragment: DweFragment) -> dict[str, Any]:
