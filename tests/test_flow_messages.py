@@ -547,6 +547,23 @@ def test_neuron_id_is_an_alias_of_channel_id() -> None:
         decode(doc.replace('"neuron_id":7', '"neuron_id":7,"channel_id":7'))
 
 
+@pytest.mark.parametrize(
+    "row",
+    [
+        '{"neuron_id":7,"channel_id":7,"trace_value":0.5,"last_spike_time":3}',
+        '{"channel_id":2,"trace_value":0.5,"last_spike_time":3,"neuron_id":1}',
+        '{"channel_id":2,"trace_value":0.5,"last_spike_time":3,"neuron\\u005fid":1}',
+    ],
+    ids=["first", "last", "escaped"],
+)
+def test_neuron_id_beside_channel_id_is_refused_in_every_form(row: str) -> None:
+    body = '{"EligibilityTraces":{"session_id":"s","batch_id":1,"traces":[' + row + "]}}"
+    envelope = '{"wire_version":1,"payload":' + body + "}"
+    for document in (body, envelope, envelope.encode(), body.encode()):
+        with pytest.raises(MalformedMessage, match="duplicate field `channel_id`"):
+            decode(document)
+
+
 def test_config_numbers_decode_as_float_and_python_ints_encode_as_integer() -> None:
     message = ConfigPayload(session_id="s", config={"n": 42, "big": 16777217})
     data = encode(message)

@@ -269,6 +269,13 @@ def _decode_careful(data: bytes | str) -> IpcMessage:
     raise MalformedMessage("compatibility envelope must be a JSON object")
 
 
+def _may_alias(data: bytes | str) -> bool:
+    """Whether ``data`` may hold a ``neuron_id`` key, spelled out or with ``\\u`` escapes."""
+    if isinstance(data, bytes):
+        return b"neuron_id" in data or b"\\u" in data
+    return "neuron_id" in data or "\\u" in data
+
+
 def _decode_fast(data: bytes | str) -> IpcMessage | None:
     """One typed pass for a well-formed current envelope; ``None`` sends it the careful way."""
     try:
@@ -286,6 +293,10 @@ def _decode_fast(data: bytes | str) -> IpcMessage | None:
     spikes = payload.Spikes
     if spikes is not UNSET:  # the common case, as ``_build`` would return it
         return spikes
+    if payload.EligibilityTraces is not UNSET and _may_alias(data):
+        # The typed pass ignored ``neuron_id`` as an unknown field; the careful path refuses it
+        # beside ``channel_id`` (serde's duplicate field), so let that path decide.
+        return None
     for name, value in zip(_PAYLOAD_FIELDS, values, strict=True):
         if value is not UNSET:
             return _build(name, value)
