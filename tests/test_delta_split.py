@@ -118,3 +118,10 @@ def test_cap_too_small_for_one_value() -> None:
     _, _, fragment = _delta([(100,)])
     with pytest.raises(SplitError):
         split_fragment(fragment, max_bytes=180)
+
+
+def test_an_empty_fragment_that_does_not_fit_is_an_error_not_zero_parts() -> None:
+    empty = make_fragment("s", 1, [])
+    with pytest.raises(SplitError, match="no layers"):
+        split_fragment(empty, max_bytes=8)
+    assert split_fragment(empty) == [empty]

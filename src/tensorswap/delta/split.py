@@ -107,6 +107,8 @@ def split_fragment(
     unsigned = fragment.with_hmac(None)
     if encoded_size(unsigned) + reserve <= max_bytes:
         return [fragment]
+    if not fragment.layers:  # nothing to split, and the bare header alone does not fit
+        raise SplitError(f"a fragment with no layers needs more than {max_bytes} bytes")
     packer = _Packer(fragment.session_id, fragment.sequence, max_bytes, reserve, [], [])
     for layer in fragment.layers:
         packer.add(layer)
