@@ -449,3 +449,10 @@ def test_torch_tensors_accepted(store: BlockStore) -> None:
     back = get_update(store, cid).tensors["w"]
     assert back.dtype == ml_dtypes.bfloat16
     assert back.tobytes() == weights.view(torch.int16).numpy().tobytes()
+
+
+def test_deeply_nested_msgpack_is_malformed_not_a_recursion_error() -> None:
+    # the tag comes last, so msgspec skips the deep value first (by recursion)
+    body = b"\x82\xa4name" + b"\x91" * 100_000 + b"\xc0" + b"\xa4kind\xa6tensor"
+    with pytest.raises(MalformedManifest):
+        decode_manifest(MANIFEST_MAGIC + body)

@@ -172,7 +172,8 @@ def decode_manifest(data: Buffer, cid: Cid | None = None) -> Manifest:
         raise MalformedManifest(f"does not start with {MANIFEST_MAGIC!r}", cid)
     try:
         manifest = _decoder.decode(view[len(MANIFEST_MAGIC) :])
-    except (msgspec.DecodeError, InvalidCid) as exc:
+    except (msgspec.DecodeError, InvalidCid, RecursionError) as exc:
+        # RecursionError: msgpack nested too deeply (msgspec skips unknown values by recursion)
         raise MalformedManifest(str(exc), cid) from None
     _validate(manifest, cid)
     return manifest

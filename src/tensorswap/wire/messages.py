@@ -193,5 +193,6 @@ def decode_message(kind: FrameKind, payload: Any) -> Message:
         raise ProtocolViolation(f"{kind.name} frame is not a control message")
     try:
         return cast(Message, decoder.decode(payload))
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
+        # RecursionError: msgpack nested too deeply (even inside a field that is ignored)
         raise ProtocolViolation(f"bad {kind.name} message: {exc}") from exc

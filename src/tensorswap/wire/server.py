@@ -29,10 +29,12 @@ from tensorswap.wire.errors import (
     AuthenticationFailed,
     BlockHashMismatch,
     ChecksumMismatch,
+    ConnectionFailed,
     FrameTooLarge,
     PeerTimeout,
     ProtocolViolation,
     StreamEnded,
+    TransportClosed,
 )
 from tensorswap.wire.frames import Compression, FrameKind
 from tensorswap.wire.messages import (
@@ -84,6 +86,11 @@ class AppRequest:
 RequestHandler = Callable[[AppRequest], Awaitable[bytes]]
 """``async handler(request) -> reply body``. A TensorSwapError it raises fails the connection
 (ERROR frame, then closed); answer refusals the client should survive inside the reply body."""
+
+
+_NOT_REPORTED = (AuthenticationFailed, StreamEnded, ConnectionFailed, TransportClosed)
+"""Failures not answered with an ERROR frame: the handshake already told the client, or the
+connection no longer works."""
 
 
 def error_code(exc: BaseException) -> str:
@@ -194,19 +201,32 @@ class BlockServer:
             await self._serve(conn, sink)
         except (TensorSwapError, OSError) as exc:
             self._failed(exc, transport)
-            if not isinstance(exc, AuthenticationFailed | StreamEnded | OSError):
-                with contextlib.suppress(TensorSwapError, OSError):
-                    async with asyncio.timeout(1.0):
-                        await conn.send_error(error_code(exc), str(exc))
+            if isinstance(exc, TensorSwapError) and not isinstance(exc, _NOT_REPORTED):
+                await self._report(conn, error_code(exc), str(exc))
+        except Exception as exc:  # a bug (ours or a handler's): never lost silently
+            self._failed(exc, transport, unexpected=True)
+            await self._report(conn, "internal", f"internal server error: {type(exc).__name__}")
         finally:
             await sink.close()
             self.stats.blocks_stored += sink.blocks
             self.stats.bytes_stored += sink.nbytes
 
-    def _failed(self, exc: BaseException, transport: Transport) -> None:
+    def _failed(
+        self, exc: BaseException, transport: Transport, *, unexpected: bool = False
+    ) -> None:
         self.stats.failed_connections += 1
         self.errors.append(exc)
-        logger.warning("connection from %s failed: %s", transport.peer, exc)
+        if unexpected:
+            logger.error("connection from %s failed: %r", transport.peer, exc, exc_info=exc)
+        else:
+            logger.warning("connection from %s failed: %s", transport.peer, exc)
+
+    @staticmethod
+    async def _report(conn: FrameConnection, code: str, message: str) -> None:
+        """Best effort: tell the peer why the connection ends (an ERROR frame, 1 s at most)."""
+        with contextlib.suppress(TensorSwapError, OSError):
+            async with asyncio.timeout(1.0):
+                await conn.send_error(code, message)
 
     async def _serve(self, conn: FrameConnection, sink: BlockSink) -> None:
         in_transfer = False

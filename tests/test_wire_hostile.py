@@ -1,0 +1,104 @@
+"""Hostile or broken peers: each must end in a typed error, bounded in time and memory."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from tensorswap.store import MemoryStore
+from tensorswap.wire import AppRequest, BlockClient, BlockServer, memory_pair
+from tensorswap.wire.connection import FrameConnection, Timeouts
+from tensorswap.wire.errors import PeerTimeout, ProtocolViolation, RemoteError, StreamEnded
+from tensorswap.wire.frames import FrameHeader, FrameKind, crc32c
+from tensorswap.wire.messages import Error, Welcome, decode_message
+
+KEY = b"hostile test key"
+NESTED = b"\x91" * 100_000 + b"\xc0"  # [[[...[nil]...]]], deeper than any recursion limit
+
+
+def nested_hello() -> bytes:
+    """A HELLO map whose third, unknown (so ignored) field is nested 100,000 deep."""
+    hello = msgspec.msgpack.encode({"protocol": 1, "nonce": b"0" * 32})
+    assert hello[0] == 0x82  # a fixmap of 2: make it 3
+    return b"\x83" + hello[1:] + b"\xa1z" + NESTED
+
+
+def raw_frame(kind: FrameKind, payload: bytes, stream_id: int = 0) -> bytes:
+    return FrameHeader(kind, len(payload), crc32c(payload), stream_id).pack() + payload
+
+
+async def read_error(conn: FrameConnection) -> Error:
+    """The next frame, which must be an ERROR (timeouts.read bounds the wait)."""
+    frame = await conn.receive_frame()
+    message = conn.expect(frame, Error)
+    assert isinstance(message, Error)
+    return message
+
+
+# ── deeply nested msgpack ────────────────────────────────────────────────────
+def test_deeply_nested_message_is_a_protocol_violation() -> None:
+    with pytest.raises(ProtocolViolation, match="HELLO"):
+        decode_message(FrameKind.HELLO, nested_hello())
+
+
+async def test_deeply_nested_hello_is_answered_with_an_error_and_counted() -> None:
+    server = BlockServer(MemoryStore(), key=KEY)
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(server.handle(b))
+    conn = FrameConnection(a, timeouts=Timeouts(read=5))
+    await conn.receive_message(Welcome)
+    await a.send(raw_frame(FrameKind.HELLO, nested_hello()))
+    error = await read_error(conn)
+    assert error.code == "protocol_violation"
+    await serving  # returned, not raised
+    assert server.stats.failed_connections == 1
+    assert isinstance(server.errors[-1], ProtocolViolation)
+    await a.aclose()
+
+
+# ── failures the server must report ──────────────────────────────────────────
+async def test_an_unexpected_handler_exception_is_reported_as_internal() -> None:
+    async def buggy(request: AppRequest) -> bytes:
+        raise KeyError(request.app)
+
+    server = BlockServer(MemoryStore(), handlers={"app": buggy})
+    a, b = memory_pair()
+    serving = asyncio.ensure_future(server.handle(b))
+    client = await BlockClient.open(a)
+    with pytest.raises(RemoteError) as info:
+        await client.request("app", b"")
+    assert info.value.code == "internal"
+    await serving  # returned, not raised
+    assert server.stats.failed_connections == 1
+    assert isinstance(server.errors[-1], KeyError)
+    await client.aclose()
+
+
+async def test_an_idle_client_is_told_it_timed_out() -> None:
+    server = BlockServer(MemoryStore(), timeouts=Timeouts(idle=0.2))
+    a, b = memory_pair()
+    serving = asyncio.ensure_future(server.handle(b))
+    client = await BlockClient.open(a)
+    conn = FrameConnection(a, timeouts=Timeouts(read=5))
+    error = await read_error(conn)
+    assert error.code == "timeout"
+    await serving
+    assert isinstance(server.errors[-1], PeerTimeout)
+    await b.aclose()  # as the listener does once handle returns
+    with pytest.raises(StreamEnded):
+        await conn.receive_frame()
+    await client.aclose()
+
+
+async def test_a_handshake_timeout_is_reported_too() -> None:
+    server = BlockServer(MemoryStore(), timeouts=Timeouts(handshake=0.2))
+    a, b = memory_pair()
+    serving = asyncio.ensure_future(server.handle(b))
+    conn = FrameConnection(a, timeouts=Timeouts(read=5))
+    await conn.receive_message(Welcome)  # then no Hello
+    error = await read_error(conn)
+    assert error.code == "timeout"
+    await serving
+    await a.aclose()
