@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import ClassVar
 
 import pytest
 import zmq
@@ -16,6 +18,7 @@ from tensorswap.flow import (
     EmbeddingBatch,
     FramingError,
     InitializationError,
+    InvalidArgument,
     InvalidConfig,
     Loss,
     MalformedMessage,
@@ -90,6 +93,12 @@ def pair(request: pytest.FixtureRequest, ipc: Callable[[str], str]) -> Iterator[
         ({"max_message_bytes": -2}, "max_message_bytes must be >= -1"),
         ({"send_hwm": 1.5}, "send_hwm must be an integer"),
         ({"linger_ms": True}, "linger_ms must be an integer"),
+        ({"send_hwm": 2**31}, "send_hwm must be <= 2147483647"),
+        ({"receive_hwm": 2**31}, "receive_hwm must be <= 2147483647"),
+        ({"linger_ms": 2**40}, "linger_ms must be <= 2147483647"),
+        ({"reconnect_interval_ms": 2**31}, "reconnect_interval_ms must be <= 2147483647"),
+        ({"reconnect_interval_max_ms": 2**31}, "reconnect_interval_max_ms must be <= 2147483647"),
+        ({"max_message_bytes": 2**63}, "max_message_bytes must be <= 9223372036854775807"),
     ],
 )
 def test_config_is_checked_with_the_seeds_messages(
@@ -113,6 +122,62 @@ def test_boundary_configs_are_accepted() -> None:
         reconnect_interval_max_ms=0,
         max_message_bytes=-1,
     )
+
+
+def test_the_largest_configs_open(ipc: Callable[[str], str]) -> None:
+    top = 2**31 - 1
+    options = TransportConfig(
+        ipc("top"),
+        send_hwm=top,
+        receive_hwm=top,
+        linger_ms=0,
+        reconnect_interval_ms=top,
+        reconnect_interval_max_ms=top,
+        max_message_bytes=2**63 - 1,
+    )
+    with Subscriber.connect(options) as subscriber:
+        assert subscriber._socket.getsockopt(zmq.MAXMSGSIZE) == 2**63 - 1
+        assert subscriber._socket.getsockopt(zmq.SNDHWM) == top
+
+
+class _RecordingContext(zmq.Context):  # type: ignore[type-arg]
+    """A context that remembers itself and its sockets, to check what a failure leaves open."""
+
+    contexts: ClassVar[list[zmq.Context[bytes]]] = []
+    sockets: ClassVar[list[zmq.Socket[bytes]]] = []
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        _RecordingContext.contexts.append(self)
+
+    def socket(self, *args: object, **kwargs: object) -> zmq.Socket[bytes]:  # type: ignore[override]
+        made: zmq.Socket[bytes] = super().socket(*args, **kwargs)  # type: ignore[arg-type]
+        _RecordingContext.sockets.append(made)
+        return made
+
+
+@pytest.mark.parametrize("kind", [Publisher.bind, Subscriber.connect])
+def test_a_failed_open_leaves_nothing_open_whatever_failed(
+    ipc: Callable[[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+    kind: Callable[[TransportConfig], object],
+) -> None:
+    options = config(ipc("fail"))
+    object.__setattr__(options, "receive_hwm", 2**40)  # past the check: setsockopt overflows
+    monkeypatch.setattr(_RecordingContext, "contexts", [])
+    monkeypatch.setattr(_RecordingContext, "sockets", [])
+    monkeypatch.setattr(zmq, "Context", _RecordingContext)
+    try:
+        with pytest.raises(OverflowError):
+            kind(options)
+        (context,) = _RecordingContext.contexts
+        assert [sock.closed for sock in _RecordingContext.sockets] == [True]
+        assert context.closed
+    finally:  # without the fix, close what leaked so that the suite's warnings stay clean
+        for sock in _RecordingContext.sockets:
+            sock.close(linger=0)
+        for leaked in _RecordingContext.contexts:
+            leaked.term()
 
 
 def test_options_reach_the_sockets(ipc: Callable[[str], str]) -> None:
@@ -194,6 +259,28 @@ def test_recv_without_a_timeout_waits_for_the_next_message(pair: Pair) -> None:
         assert subscriber.recv() == Loss(0.5)  # blocks until the timer's message is in
     finally:
         sender.join()
+
+
+def test_an_infinite_timeout_waits_like_none(pair: Pair) -> None:
+    publisher, subscriber = pair
+    publisher.send(Loss(0.25))
+    assert subscriber.recv(timeout=math.inf) == Loss(0.25)
+    sender = threading.Timer(0.05, publisher.send, (Loss(0.5),))
+    sender.start()
+    try:
+        assert subscriber.recv(timeout=float("inf")) == Loss(0.5)
+    finally:
+        sender.join()
+
+
+@pytest.mark.parametrize("timeout", [math.nan, -0.5, -math.inf])
+def test_a_nan_or_negative_timeout_is_refused(pair: Pair, timeout: float) -> None:
+    publisher, subscriber = pair
+    publisher.send(Loss(0.25))
+    with pytest.raises(InvalidArgument, match="timeout must be a number of seconds >= 0"):
+        subscriber.recv(timeout=timeout)
+    assert isinstance(InvalidArgument("x"), ValueError)
+    assert subscriber.recv(timeout=5) == Loss(0.25)  # nothing was received
 
 
 def test_receive_timeouts_leave_try_recv_non_blocking(pair: Pair) -> None:

@@ -6,6 +6,7 @@
     ├── InitializationError          setting a transport or backend up failed
     │   ├── InvalidConfig            (also ValueError) a config or option is unusable
     │   └── SetupError               a socket could not be created, configured, bound or connected
+    ├── InvalidArgument              (also ValueError) a call argument is unusable (a NaN timeout)
     ├── ProcessingError              a backend failed while processing
     ├── ModelError                   model persistence failed
     ├── CommunicationError           the exchange failed
@@ -53,6 +54,10 @@ class SetupError(InitializationError):
         self.endpoint = endpoint
         self.reason = reason
         super().__init__(f"{action} {endpoint!r} failed: {reason}")
+
+
+class InvalidArgument(FlowError, ValueError):
+    """A call was given an argument it cannot use (a NaN or negative timeout); nothing was done."""
 
 
 class ProcessingError(FlowError):
@@ -206,6 +211,7 @@ __all__ = [
     "FlowError",
     "FramingError",
     "InitializationError",
+    "InvalidArgument",
     "InvalidConfig",
     "InvalidInput",
     "MalformedMessage",

@@ -9,6 +9,7 @@ subscriber loses whatever was published before its connection and subscription w
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Self, cast
@@ -19,6 +20,7 @@ from tensorswap.flow.envelope import decode, encode
 from tensorswap.flow.errors import (
     CommunicationError,
     FramingError,
+    InvalidArgument,
     InvalidConfig,
     SetupError,
     TransportClosed,
@@ -27,6 +29,10 @@ from tensorswap.flow.messages import IpcMessage
 
 _MAX_WAIT_MS = 2**31 - 1
 """The longest ZMQ_RCVTIMEO; a longer :meth:`Subscriber.recv` timeout waits in several steps."""
+_INT_MAX = 2**31 - 1
+"""The largest value of an ``int`` socket option (ZMQ_SNDHWM, ZMQ_LINGER, ...)."""
+_INT64_MAX = 2**63 - 1
+"""The largest ZMQ_MAXMSGSIZE (an ``int64_t``)."""
 
 
 @dataclass(frozen=True)
@@ -55,19 +61,21 @@ class TransportConfig:
             raise InvalidConfig("endpoint must be non-empty")
         if "\0" in self.endpoint:
             raise InvalidConfig("endpoint must not contain NUL")
-        for name, low in (
-            ("send_hwm", 0),
-            ("receive_hwm", 0),
-            ("linger_ms", -1),
-            ("reconnect_interval_ms", -1),
-            ("reconnect_interval_max_ms", 0),
-            ("max_message_bytes", -1),
+        for name, low, high in (
+            ("send_hwm", 0, _INT_MAX),
+            ("receive_hwm", 0, _INT_MAX),
+            ("linger_ms", -1, _INT_MAX),
+            ("reconnect_interval_ms", -1, _INT_MAX),
+            ("reconnect_interval_max_ms", 0, _INT_MAX),
+            ("max_message_bytes", -1, _INT64_MAX),
         ):
             value = getattr(self, name)
             if type(value) is not int:
                 raise InvalidConfig(f"{name} must be an integer")
             if value < low:
                 raise InvalidConfig(f"{name} must be >= {low}")
+            if value > high:
+                raise InvalidConfig(f"{name} must be <= {high}")
 
 
 def as_config(config: TransportConfig | str) -> TransportConfig:
@@ -113,12 +121,14 @@ class _Endpoint:
                 socket.bind(config.endpoint)
             else:
                 socket.connect(config.endpoint)
-        except zmq.ZMQError as exc:
+        except Exception as exc:  # leave nothing open, whatever failed
             if socket is not None:
                 socket.close(linger=0)
             if owns:
                 ctx.term()
-            raise SetupError(action, config.endpoint, exc.strerror) from exc
+            if isinstance(exc, zmq.ZMQError):
+                raise SetupError(action, config.endpoint, exc.strerror) from exc
+            raise
         return cls(socket, ctx, owns)
 
     @property
@@ -241,7 +251,18 @@ class Subscriber(_Endpoint):
         return None if frame is None else decode(frame)
 
     def recv(self, timeout: float | None = None) -> IpcMessage | None:
-        """Block until a message arrives (``None`` after ``timeout`` seconds without one)."""
+        """Block until a message arrives (``None`` after ``timeout`` seconds without one).
+
+        ``timeout`` None or infinite waits as long as it takes; 0 only looks; a NaN or negative
+        one raises InvalidArgument before anything is received.
+        """
+        if timeout is not None:
+            if not timeout >= 0:  # also NaN
+                raise InvalidArgument(
+                    f"timeout must be a number of seconds >= 0 or None, got {timeout!r}"
+                )
+            if timeout == math.inf:
+                timeout = None
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._check_open()
