@@ -7,12 +7,20 @@ import asyncio
 import msgspec
 import pytest
 
+from tensorswap.cid import Cid
 from tensorswap.store import MemoryStore
 from tensorswap.wire import AppRequest, BlockClient, BlockServer, memory_pair
-from tensorswap.wire.connection import FrameConnection, Timeouts
-from tensorswap.wire.errors import PeerTimeout, ProtocolViolation, RemoteError, StreamEnded
+from tensorswap.wire.connection import FrameConnection, Timeouts, WireLimits, prepare_block
+from tensorswap.wire.errors import (
+    ConnectionFailed,
+    FrameTooLarge,
+    PeerTimeout,
+    ProtocolViolation,
+    RemoteError,
+    StreamEnded,
+)
 from tensorswap.wire.frames import FrameHeader, FrameKind, crc32c
-from tensorswap.wire.messages import Error, Welcome, decode_message
+from tensorswap.wire.messages import Error, Get, Offer, Welcome, decode_message, wire_cids
 
 KEY = b"hostile test key"
 NESTED = b"\x91" * 100_000 + b"\xc0"  # [[[...[nil]...]]], deeper than any recursion limit
@@ -102,3 +110,43 @@ async def test_a_handshake_timeout_is_reported_too() -> None:
     assert error.code == "timeout"
     await serving
     await a.aclose()
+
+
+# ── sends are bounded too ────────────────────────────────────────────────────
+async def test_a_client_that_never_reads_its_get_answer_is_dropped() -> None:
+    store = MemoryStore()
+    cid = store.put(bytes(range(256)) * 4096)  # 1 MiB, far above what the pipe buffers
+    server = BlockServer(store, timeouts=Timeouts(read=0.2, idle=30))
+    a, b = memory_pair(capacity=64 * 1024)
+    serving = asyncio.ensure_future(server.handle(b))
+    client = await BlockClient.open(a)
+    await client.conn.send_message(Get(cids=wire_cids([cid] * 20)), 1)  # then never read
+    await serving  # returns: the stalled send timed out
+    error = server.errors[-1]
+    assert isinstance(error, PeerTimeout)
+    assert "sending a BLOCK frame" in str(error)
+    a.abort()
+
+
+async def test_after_a_send_stopped_mid_frame_the_connection_refuses_to_send() -> None:
+    a, b = memory_pair(capacity=1024)
+    conn = FrameConnection(a, timeouts=Timeouts(read=0.2))
+    block = prepare_block(Cid.of(b"x" * 4096), b"x" * 4096)
+    with pytest.raises(PeerTimeout):
+        await conn.send_prepared(block)
+    with pytest.raises(ConnectionFailed):  # an ERROR now would land inside the block
+        await conn.send_error("timeout", "too slow")
+    a.abort()
+    b.abort()
+
+
+async def test_an_oversized_outgoing_message_is_refused_before_sending() -> None:
+    a, b = memory_pair()
+    conn = FrameConnection(a, limits=WireLimits(max_message_bytes=64))
+    with pytest.raises(FrameTooLarge):
+        await conn.send_message(Offer(cids=[b"\x01" * 36] * 4))
+    assert a.bytes_sent == 0
+    await conn.send_message(Offer(cids=[]))  # still in sync
+    assert a.bytes_sent > 0
+    await a.aclose()
+    await b.aclose()

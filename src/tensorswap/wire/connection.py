@@ -11,6 +11,8 @@ from tensorswap.cid import Cid
 from tensorswap.wire._buffers import receive_buffers
 from tensorswap.wire.errors import (
     ChecksumMismatch,
+    ConnectionFailed,
+    FrameTooLarge,
     PeerTimeout,
     ProtocolViolation,
     RemoteError,
@@ -198,7 +200,9 @@ class FrameConnection:
 
     Every receive is bounded in size (``WireLimits``) before allocation and in time
     (``Timeouts.read``, or the ``timeout`` given); the payload CRC32C is checked before a
-    frame is returned. A receive that fails leaves the stream out of sync: close it.
+    frame is returned. A receive that fails leaves the stream out of sync: close it. Every
+    send is bounded by ``Timeouts.read`` too (PeerTimeout), and an outgoing control message
+    by ``max_message_bytes`` (FrameTooLarge, nothing sent).
     """
 
     def __init__(
@@ -212,19 +216,48 @@ class FrameConnection:
         self.limits = limits or WireLimits()
         self.timeouts = timeouts or Timeouts()
         self._header = bytearray(HEADER_SIZE)
+        self._send_broken = False
 
     @property
     def peer(self) -> str:
         return self.transport.peer
 
     # ── sending ──────────────────────────────────────────────────────────────
+    async def _send(self, what: str, *parts: Buffer) -> None:
+        """Send one whole frame within ``Timeouts.read`` (PeerTimeout: the peer stopped
+        reading). A send that does not complete leaves the stream out of frame sync: every
+        later send then fails at once with ConnectionFailed."""
+        if self._send_broken:
+            raise ConnectionFailed(self.peer, "an earlier send stopped inside a frame")
+        seconds = self.timeouts.read
+        done = False
+        try:
+            async with asyncio.timeout(seconds):
+                await self.transport.send(*parts)
+            done = True
+        except TimeoutError as exc:
+            raise PeerTimeout(f"sending {what}", seconds or 0.0, self.peer) from exc
+        finally:
+            if not done:
+                self._send_broken = True
+
     async def send_message(self, message: Message, stream_id: int = 0) -> None:
+        """Send a control message; FrameTooLarge (nothing sent) above ``max_message_bytes``."""
         kind, payload = encode_message(message)
+        if len(payload) > self.limits.max_message_bytes:
+            raise FrameTooLarge(
+                f"outgoing {kind.name} message", len(payload), self.limits.max_message_bytes
+            )
         header = FrameHeader(kind, len(payload), crc32c(payload), stream_id)
-        await self.transport.send(header.pack(), payload)
+        await self._send(f"a {kind.name} frame ({len(payload)} bytes)", header.pack(), payload)
 
     async def send_prepared(self, block: PreparedBlock) -> None:
-        await self.transport.send(block.header, block.prefix, *block.parts)
+        await self._send(
+            f"a BLOCK frame ({block.wire_bytes} bytes)",
+            block.header,
+            block.prefix,
+            *block.parts,
+        )
 
     async def send_block(
         self, cid: Cid, data: Buffer, compression: Compression = Compression.NONE
