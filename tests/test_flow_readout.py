@@ -14,6 +14,7 @@ import zmq
 from tensorswap.flow import (
     CommunicationError,
     InitializationError,
+    InvalidConfig,
     InvalidInput,
     MalformedReadout,
     ReadoutBackend,
@@ -207,6 +208,38 @@ def producer() -> Iterator[tuple[zmq.Socket[bytes], str]]:
         finally:
             socket.close()
             context.term()
+
+
+@pytest.mark.parametrize(("given", "applied"), [(None, 64 * 1024 * 1024), (4104, 4104), (-1, -1)])
+def test_max_message_bytes_reaches_the_readout_socket(given: int | None, applied: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="tsro-") as directory:
+        endpoint = f"ipc://{directory}/cap.ipc"
+        backend = (
+            ReadoutBackend(endpoint)
+            if given is None
+            else ReadoutBackend(endpoint, max_message_bytes=given)
+        )
+        assert backend.max_message_bytes == applied
+        with backend:
+            backend.initialize()
+            assert backend._socket is not None
+            assert backend._socket.getsockopt(zmq.MAXMSGSIZE) == applied
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (-2, "max_message_bytes must be >= -1"),
+        (2**63, "max_message_bytes must be <= 9223372036854775807"),
+        (1.5, "max_message_bytes must be an integer"),
+        (True, "max_message_bytes must be an integer"),
+    ],
+)
+def test_an_unusable_max_message_bytes_is_invalid_config(value: object, text: str) -> None:
+    with pytest.raises(InvalidConfig) as info:
+        ReadoutBackend("ipc:///tmp/never.ipc", max_message_bytes=value)  # type: ignore[arg-type]
+    assert str(info.value) == text
+    assert isinstance(info.value, InitializationError)
 
 
 def test_process_batch_needs_initialize() -> None:

@@ -21,6 +21,7 @@ from tensorswap.flow.errors import (
     CommunicationError,
     FlowError,
     InitializationError,
+    InvalidConfig,
     MalformedReadout,
     ReadoutLimitExceeded,
 )
@@ -34,6 +35,10 @@ READOUT_RECONNECT_MS = 100
 READOUT_RECONNECT_MAX_MS = 5000
 DRAIN_MAX_PACKETS = 64
 DRAIN_MAX_SECONDS = 0.005
+DEFAULT_READOUT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""ZMQ_MAXMSGSIZE of the readout socket: generous, since libzmq drops the connection on a larger
+message, but it keeps a hostile or broken producer from making the receiver allocate any size."""
+_INT64_MAX = 2**63 - 1
 
 _TICK = struct.Struct("<q")
 _USIZE = re.compile(r"\+?[0-9]+")
@@ -85,8 +90,25 @@ def parse_readout_packet(packet: bytes, max_floats: int) -> tuple[int, list[floa
 class ReadoutBackend:
     """Subscribes to a compute process's readout PUB socket; returns its latest readout."""
 
-    def __init__(self, endpoint: str | None = None, *, max_floats: int | None = None) -> None:
-        """``endpoint``/``max_floats`` default to the environment, read at :meth:`initialize`."""
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        max_floats: int | None = None,
+        max_message_bytes: int = DEFAULT_READOUT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        """``endpoint``/``max_floats`` default to the environment, read at :meth:`initialize`.
+
+        ``max_message_bytes`` (-1: no limit) is the socket's ZMQ_MAXMSGSIZE: libzmq refuses a
+        larger packet before allocating it, and drops that producer's connection.
+        """
+        if type(max_message_bytes) is not int:
+            raise InvalidConfig("max_message_bytes must be an integer")
+        if max_message_bytes < -1:
+            raise InvalidConfig("max_message_bytes must be >= -1")
+        if max_message_bytes > _INT64_MAX:
+            raise InvalidConfig(f"max_message_bytes must be <= {_INT64_MAX}")
+        self._max_message_bytes = max_message_bytes
         self._endpoint = endpoint
         self._max_floats = max_floats
         self._context: zmq.Context[Any] | None = None
@@ -105,6 +127,11 @@ class ReadoutBackend:
     def endpoint(self) -> str:
         """The endpoint this backend connects (or will connect) to."""
         return self._endpoint or readout_endpoint()
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest packet the socket accepts (ZMQ_MAXMSGSIZE; -1: no limit)."""
+        return self._max_message_bytes
 
     @property
     def tick(self) -> int:
@@ -140,6 +167,7 @@ class ReadoutBackend:
             socket.setsockopt(zmq.RCVHWM, READOUT_RECEIVE_HWM)
             socket.setsockopt(zmq.RECONNECT_IVL, READOUT_RECONNECT_MS)
             socket.setsockopt(zmq.RECONNECT_IVL_MAX, READOUT_RECONNECT_MAX_MS)
+            socket.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
             socket.setsockopt(zmq.SUBSCRIBE, b"")
             socket.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -220,6 +248,7 @@ class ReadoutBackend:
 __all__ = [
     "DEFAULT_MAX_READOUT_FLOATS",
     "DEFAULT_READOUT_ENDPOINT",
+    "DEFAULT_READOUT_MAX_MESSAGE_BYTES",
     "ENV_MAX_READOUT_FLOATS",
     "ENV_READOUT_ENDPOINT",
     "ReadoutBackend",
