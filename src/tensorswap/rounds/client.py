@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import ssl as ssl_module
 import time
 from collections.abc import Mapping
@@ -12,7 +13,7 @@ from typing import Any, Literal, Self
 import numpy as np
 
 from tensorswap.cid import Cid
-from tensorswap.rounds.errors import RoundFailed
+from tensorswap.rounds.errors import RoundFailed, RoundTimeout
 from tensorswap.rounds.protocol import (
     APP,
     RoundAnswer,
@@ -57,10 +58,15 @@ class SubmitResult:
 
 @dataclass(frozen=True, slots=True)
 class ServerStatus:
-    """Every round the coordinator holds, and its counters."""
+    """Every round the coordinator holds, and its counters.
+
+    ``omitted`` counts the rounds the coordinator left out to keep its answer within its
+    message limit (live rounds and the newest are listed first).
+    """
 
     rounds: list[RoundRow]
     stats: dict[str, float | int | str]
+    omitted: int = 0
 
 
 class RoundClient:
@@ -173,14 +179,37 @@ class RoundClient:
     async def server_status(self) -> ServerStatus:
         """Every round with its peers and bytes, and the coordinator's counters."""
         answer = await self._call(RoundCall("status", all=True))
-        return ServerStatus(answer.rounds or [], answer.stats or {})
+        return ServerStatus(answer.rounds or [], answer.stats or {}, max(0, answer.omitted or 0))
 
     async def wait(self, round_id: RoundId, timeout: float | None = None) -> RoundStatus:
-        """Wait until the round is Complete or Failed (RoundTimeout after ``timeout`` s)."""
-        call = RoundCall("wait", round_id.round, round_id.initiator, timeout=timeout)
-        read = self.blocks.conn.timeouts.read
-        limit = None if timeout is None or read is None else timeout + read
-        return _status(await self._call(call, limit=limit, unbounded=timeout is None))
+        """Wait until the round is Complete or Failed (RoundTimeout after ``timeout`` s).
+
+        ``timeout`` None (or infinite) waits as long as it takes; a negative one is 0. The
+        coordinator ends each wait request after its own ``max_wait`` at most; this call then
+        asks again, so it still waits as long as asked.
+        """
+        if timeout is not None:
+            if math.isnan(timeout):
+                raise ValueError("timeout must be a number of seconds or None, got nan")
+            timeout = None if math.isinf(timeout) and timeout > 0 else max(0.0, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        asked = timeout
+        while True:
+            call = RoundCall("wait", round_id.round, round_id.initiator, timeout=asked)
+            read = self.blocks.conn.timeouts.read
+            limit = None if asked is None or read is None else asked + read
+            try:
+                return _status(await self._call(call, limit=limit, unbounded=asked is None))
+            except RoundTimeout as exc:
+                if not _cut_short(exc, asked):
+                    if asked == timeout:
+                        raise
+                    raise RoundTimeout(round_id.as_key(), timeout or 0.0, _fact(exc)) from None
+                last = _fact(exc)
+            if deadline is not None:
+                asked = deadline - time.monotonic()
+                if asked <= 0:
+                    raise RoundTimeout(round_id.as_key(), timeout or 0.0, last)
 
     async def result(self, round_id: RoundId, timeout: float | None = None) -> Cid:
         """Wait for the round and return its aggregate's CID (RoundFailed if it failed)."""
@@ -231,6 +260,19 @@ class RoundClient:
 def _children_first(store: BlockStore, root: Cid) -> list[Cid]:
     """The blocks of ``root``, chunks before the manifests that list them (what a push sends)."""
     return list(reversed(manifest_closure(store, root)))
+
+
+def _cut_short(exc: RoundTimeout, asked: float | None) -> bool:
+    """Whether the coordinator ended a wait before the time asked (its ``max_wait``)."""
+    waited = getattr(exc, "timeout", None)
+    if isinstance(waited, bool) or not isinstance(waited, int | float):
+        return False
+    return waited > 0 and (asked is None or waited < asked)
+
+
+def _fact(exc: RoundTimeout) -> str:
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, str) else "unknown"
 
 
 def _status(answer: RoundAnswer) -> RoundStatus:

@@ -8,16 +8,21 @@ rounds handler replies ``handled=False``. Layout in ``docs/rounds.md``.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from tensorswap.errors import TensorSwapError
 from tensorswap.rounds import errors as rounds_errors
-from tensorswap.rounds.errors import RoundsError
+from tensorswap.rounds.errors import InvalidRoundSpec, RoundsError
 from tensorswap.rounds.state import LayerSpec, RoundId, RoundInfo, RoundSpec
 from tensorswap.wire.errors import ProtocolViolation, RemoteError
 
 __all__ = [
     "APP",
+    "MAX_LAYER_DIMS",
+    "MAX_LAYER_ELEMENTS",
+    "MAX_NAME_BYTES",
     "OPS",
     "ErrorInfo",
     "RoundAnswer",
@@ -29,6 +34,7 @@ __all__ = [
     "encode_answer",
     "encode_call",
     "error_info",
+    "peer_of",
     "raise_remote",
     "round_id_of",
     "row_of",
@@ -41,6 +47,17 @@ APP = "rounds"
 
 OPS = ("start", "submit", "status", "wait")
 """Rounds requests: start a round, submit the committed update, status (one or all), wait."""
+
+MAX_NAME_BYTES = 256
+"""The longest initiator, peer, strategy, parameter name or value, layer name or dtype a
+server accepts, in UTF-8 bytes. Longer names are refused (see ``round_id_of``, ``peer_of``,
+``spec_from_wire``), so no string a client sends can swell the answers other clients read."""
+
+MAX_LAYER_DIMS = 64
+"""The most dimensions a layer of a round's ``layout`` may have (numpy's own limit)."""
+
+MAX_LAYER_ELEMENTS = 2**48
+"""The most elements a layer of a round's ``layout`` may have (the product of its dims)."""
 
 Param = float | int | str
 
@@ -97,13 +114,18 @@ class RoundRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 
 class RoundAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """The answer: ``error`` set when refused; otherwise what the op returns."""
+    """The answer: ``error`` set when refused; otherwise what the op returns.
+
+    ``omitted`` counts the rounds a ``status`` answer leaves out to stay within the server's
+    message limit (None or 0: every round is listed).
+    """
 
     error: ErrorInfo | None = None
     started: bool | None = None
     status: dict[str, Param] | None = None
     rounds: list[RoundRow] | None = None
     stats: dict[str, Param] | None = None
+    omitted: int | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -122,6 +144,8 @@ def decode_call(body: bytes) -> RoundCall:
         return _call_decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise ProtocolViolation(f"bad rounds request: {exc}") from exc
+    except RecursionError:
+        raise ProtocolViolation("bad rounds request: nested too deeply") from None
 
 
 def encode_answer(answer: RoundAnswer) -> bytes:
@@ -135,6 +159,8 @@ def decode_answer(body: bytes) -> RoundAnswer:
         return _answer_decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise ProtocolViolation(f"bad rounds answer: {exc}") from exc
+    except RecursionError:
+        raise ProtocolViolation("bad rounds answer: nested too deeply") from None
 
 
 def spec_to_wire(spec: RoundSpec) -> SpecWire:
@@ -147,13 +173,49 @@ def spec_to_wire(spec: RoundSpec) -> SpecWire:
 
 
 def spec_from_wire(wire: SpecWire) -> RoundSpec:
-    """The RoundSpec (InvalidRoundSpec when it cannot work)."""
+    """The RoundSpec (InvalidRoundSpec when it cannot work).
+
+    Names longer than MAX_NAME_BYTES (strategy, parameter names and string values, layer
+    names and dtypes) and layer shapes with a negative dim, more than MAX_LAYER_DIMS dims or
+    more than MAX_LAYER_ELEMENTS elements are refused too.
+    """
+    _check_spec_name(wire.strategy, "strategy")
+    for name, value in wire.params.items():
+        _check_spec_name(name, "a strategy parameter name")
+        if isinstance(value, str):
+            _check_spec_name(value, f"strategy parameter {name!r}")
     layout = None
     if wire.layout is not None:
-        layout = tuple(LayerSpec(n, d, tuple(int(x) for x in s)) for n, d, s in wire.layout)
+        layout = tuple(_layer_from_wire(n, d, s) for n, d, s in wire.layout)
     return RoundSpec(
         wire.expected_peers, wire.quorum, wire.timeout_s, wire.strategy, wire.params, layout
     )
+
+
+def _check_spec_name(value: str, what: str) -> None:
+    size = _utf8_len(value)
+    if size > MAX_NAME_BYTES:
+        raise InvalidRoundSpec(f"{what} is {size} bytes long; at most {MAX_NAME_BYTES} allowed")
+
+
+def _layer_from_wire(name: str, dtype: str, dims: list[int]) -> LayerSpec:
+    _check_spec_name(name, "a layer name")
+    _check_spec_name(dtype, f"layer {name!r}'s dtype")
+    if len(dims) > MAX_LAYER_DIMS:
+        raise InvalidRoundSpec(
+            f"layer {name!r} has {len(dims)} dims; at most {MAX_LAYER_DIMS} allowed"
+        )
+    if any(d < 0 for d in dims):
+        raise InvalidRoundSpec(f"layer {name!r} has a negative dim: {dims}")
+    if math.prod(dims) > MAX_LAYER_ELEMENTS:
+        raise InvalidRoundSpec(
+            f"layer {name!r} of shape {dims} has more than {MAX_LAYER_ELEMENTS} elements"
+        )
+    return LayerSpec(name, dtype, tuple(int(x) for x in dims))
+
+
+def _utf8_len(value: str) -> int:
+    return len(value.encode("utf-8", "surrogatepass"))
 
 
 def row_of(info: RoundInfo) -> RoundRow:
@@ -174,11 +236,30 @@ def row_of(info: RoundInfo) -> RoundRow:
 
 
 def round_id_of(call: RoundCall) -> RoundId:
-    """The call's RoundId; ProtocolViolation for one that is not valid."""
+    """The call's RoundId; ProtocolViolation for one that is not valid.
+
+    The initiator must be a non-empty name of at most MAX_NAME_BYTES bytes (UTF-8).
+    """
+    size = _utf8_len(call.initiator)
+    if size > MAX_NAME_BYTES:
+        raise ProtocolViolation(
+            f"bad round id in a rounds request: the initiator is {size} bytes long; "
+            f"at most {MAX_NAME_BYTES} allowed"
+        )
     try:
         return RoundId(call.round, call.initiator)
     except (TypeError, ValueError) as exc:
         raise ProtocolViolation(f"bad round id in a rounds request: {exc}") from exc
+
+
+def peer_of(call: RoundCall) -> str:
+    """The call's peer name; ProtocolViolation unless it is 1 to MAX_NAME_BYTES bytes long."""
+    size = _utf8_len(call.peer)
+    if not 0 < size <= MAX_NAME_BYTES:
+        raise ProtocolViolation(
+            f"a {call.op} request's peer name is {size} bytes long; 1 to {MAX_NAME_BYTES} allowed"
+        )
+    return call.peer
 
 
 # ── errors across the wire ───────────────────────────────────────────────────
@@ -203,7 +284,9 @@ def raise_remote(info: ErrorInfo, peer: str) -> None:
     """Raise the error the server reported: the same RoundsError leaf, with its facts.
 
     Codes that are not rounds errors become the wire's RemoteError(code, message).
-    Only the known leaves are ever built; nothing is looked up by an arbitrary name.
+    Only the known leaves are ever built; nothing is looked up by an arbitrary name. Only
+    plain facts become attributes: a name starting with ``_`` or one the class already has
+    (``args``, ``with_traceback``, ...) is skipped, so a server cannot break the exception.
     """
     cls = _REMOTE_TYPES.get(info.code)
     if cls is None:
@@ -211,5 +294,7 @@ def raise_remote(info: ErrorInfo, peer: str) -> None:
     exc = cls.__new__(cls)
     Exception.__init__(exc, info.message)
     for key, value in info.facts.items():
+        if key.startswith("_") or hasattr(cls, key):
+            continue
         setattr(exc, key, value)
     raise exc

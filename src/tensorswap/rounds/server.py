@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl as ssl_module
 from dataclasses import dataclass
 from typing import Self
+
+import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import InvalidCid, TensorSwapError
@@ -17,9 +20,11 @@ from tensorswap.rounds.protocol import (
     OPS,
     RoundAnswer,
     RoundCall,
+    RoundRow,
     decode_call,
     encode_answer,
     error_info,
+    peer_of,
     round_id_of,
     row_of,
     spec_from_wire,
@@ -60,6 +65,13 @@ class RoundServer(BlockServer):
     they are woken by the coordinator's status changes. ``store_depth`` bounds the received
     blocks waiting to be stored per connection (memory: about ``connections * (store_depth
     + 1)`` blocks). The server does not own the coordinator.
+
+    A ``wait`` lasts at most ``max_wait`` seconds whatever the client asked (then it is
+    answered RoundTimeout with ``timeout`` = the time waited; RoundClient asks again), so a
+    client that went away holds its connection for ``max_wait`` at most. A wait timeout that
+    is not a finite number >= 0 is a protocol violation. A ``status`` answer that would not
+    fit in the message limit leaves rounds out (live ones and the newest are kept) and says
+    how many in ``omitted``.
     """
 
     def __init__(
@@ -71,7 +83,10 @@ class RoundServer(BlockServer):
         timeouts: Timeouts | None = None,
         name: str = "tensorswap-coordinator",
         store_depth: int = 2,
+        max_wait: float = 300.0,
     ) -> None:
+        if not (isinstance(max_wait, int | float) and math.isfinite(max_wait) and max_wait > 0):
+            raise ValueError(f"max_wait must be a finite number of seconds > 0, got {max_wait!r}")
         super().__init__(
             coordinator.store,
             key=key,
@@ -82,6 +97,8 @@ class RoundServer(BlockServer):
             handlers={APP: self._on_request},
         )
         self.coordinator = coordinator
+        self.max_wait = float(max_wait)
+        """The longest one ``wait`` request waits (seconds)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[RoundId, set[asyncio.Event]] = {}
         self._live: set[Transport] = set()
@@ -120,7 +137,36 @@ class RoundServer(BlockServer):
 
     # ── rounds requests ──────────────────────────────────────────────────────
     async def _on_request(self, request: AppRequest) -> bytes:
-        return encode_answer(await self._call(decode_call(request.body)))
+        answer = await self._call(decode_call(request.body))
+        body = encode_answer(answer)
+        if len(body) > self._reply_budget and answer.rounds:
+            body = encode_answer(self._trimmed(answer))
+        return body
+
+    @property
+    def _reply_budget(self) -> int:
+        """The largest answer body that fits a REPLY frame within the message limit."""
+        return self.limits.max_message_bytes - _REPLY_OVERHEAD
+
+    def _trimmed(self, answer: RoundAnswer) -> RoundAnswer:
+        """``answer`` with as many of its rounds as fit the budget: live ones first, then the
+        newest; listed in their original order; ``omitted`` says how many are left out."""
+        rows = answer.rounds or []
+        room = self._reply_budget - len(
+            encode_answer(msgspec.structs.replace(answer, rounds=[], omitted=len(rows)))
+        )
+        sizes = [len(encode_answer(RoundAnswer(rounds=[row]))) - _ONE_ROW_OVERHEAD for row in rows]
+        order = sorted(
+            range(len(rows)),
+            key=lambda i: (_is_terminal(rows[i]), -rows[i].created_at, -i),
+        )
+        keep: set[int] = set()
+        for i in order:
+            if sizes[i] + _LIST_HEADER <= room:
+                keep.add(i)
+                room -= sizes[i]
+        kept = [row for i, row in enumerate(rows) if i in keep]
+        return msgspec.structs.replace(answer, rounds=kept, omitted=len(rows) - len(kept))
 
     async def _call(self, call: RoundCall) -> RoundAnswer:
         if call.op not in OPS:
@@ -138,8 +184,9 @@ class RoundServer(BlockServer):
                 started = await asyncio.to_thread(coord.start_round, rid, spec)
                 return RoundAnswer(started=started, status=_status_dict(coord, rid))
             if call.op == "submit":
+                peer = peer_of(call)
                 update = _update_cid(call)
-                status = await asyncio.to_thread(coord.submit, rid, call.peer, update)
+                status = await asyncio.to_thread(coord.submit, rid, peer, update)
                 return RoundAnswer(status=status.to_dict())  # type: ignore[arg-type]
             if call.op == "wait":
                 status = await self._wait(rid, call.timeout)
@@ -154,10 +201,15 @@ class RoundServer(BlockServer):
             return RoundAnswer(error=error_info(exc))
 
     async def _wait(self, rid: RoundId, timeout: float | None) -> RoundStatus:
+        if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):
+            raise ProtocolViolation(
+                f"a wait timeout must be a finite number of seconds >= 0, got {timeout!r}"
+            )
+        limit = self.max_wait if timeout is None else min(timeout, self.max_wait)
         event = asyncio.Event()
         self._waiters.setdefault(rid, set()).add(event)
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(limit):
                 while True:
                     event.clear()
                     status = self.coordinator.status(rid)
@@ -169,7 +221,7 @@ class RoundServer(BlockServer):
         except TimeoutError:
             status = self.coordinator.status(rid)
             name = status.name if status is not None else "gone"
-            raise RoundTimeout(rid.as_key(), timeout or 0.0, name) from None
+            raise RoundTimeout(rid.as_key(), limit, name) from None
         finally:
             waiting = self._waiters.get(rid)
             if waiting is not None:
@@ -199,6 +251,18 @@ class RoundServer(BlockServer):
             blocks_served=self.stats.blocks_served,
         )
         return stats
+
+
+_REPLY_OVERHEAD = 1024
+"""Room for the REPLY message around the answer body (app name, field names, lengths)."""
+_ONE_ROW_OVERHEAD = len(encode_answer(RoundAnswer(rounds=[])))
+"""What an answer holding nothing but an empty ``rounds`` list encodes to."""
+_LIST_HEADER = 5
+"""The most a msgpack array header takes."""
+
+
+def _is_terminal(row: RoundRow) -> bool:
+    return row.status.get("status") in ("Complete", "Failed")
 
 
 def _update_cid(call: RoundCall) -> Cid:
