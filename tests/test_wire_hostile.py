@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import msgspec
 import pytest
 
 from tensorswap.cid import Cid
+from tensorswap.errors import TensorSwapError
 from tensorswap.store import MemoryStore
 from tensorswap.wire import AppRequest, BlockClient, BlockServer, memory_pair
+from tensorswap.wire.auth import server_handshake
 from tensorswap.wire.connection import FrameConnection, Timeouts, WireLimits, prepare_block
 from tensorswap.wire.errors import (
     ConnectionFailed,
@@ -20,7 +23,16 @@ from tensorswap.wire.errors import (
     StreamEnded,
 )
 from tensorswap.wire.frames import FrameHeader, FrameKind, crc32c
-from tensorswap.wire.messages import Error, Get, Offer, Welcome, decode_message, wire_cids
+from tensorswap.wire.messages import (
+    Error,
+    Get,
+    Got,
+    Offer,
+    Welcome,
+    decode_message,
+    wire_cids,
+)
+from tensorswap.wire.transport import Transport
 
 KEY = b"hostile test key"
 NESTED = b"\x91" * 100_000 + b"\xc0"  # [[[...[nil]...]]], deeper than any recursion limit
@@ -150,3 +162,73 @@ async def test_an_oversized_outgoing_message_is_refused_before_sending() -> None
     assert a.bytes_sent > 0
     await a.aclose()
     await b.aclose()
+
+
+# ── a hostile server answering GET ───────────────────────────────────────────
+DATA = b"a block from a hostile server" * 8
+DATA_CID = Cid.of(DATA)
+
+
+async def fake_get_server(transport: Transport, answer: list[bytes | Got]) -> None:
+    """Handshake, read one GET, answer with ``answer`` (block bytes or a Got), then wait."""
+    conn = FrameConnection(transport, timeouts=Timeouts(read=5))
+    await server_handshake(conn, None)
+    _, stream = await conn.receive_message(Get)
+    for item in answer:
+        if isinstance(item, Got):
+            await conn.send_message(item, stream)
+        else:
+            await conn.send_prepared(prepare_block(Cid.of(item), item, stream_id=stream))
+    with contextlib.suppress(TensorSwapError):
+        await conn.receive_frame(timeout=None)  # until the client closes
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        pytest.param([Got(missing=[])], id="got-nothing-sent-nothing-missing"),
+        pytest.param([DATA, Got(missing=wire_cids([DATA_CID]))], id="sent-and-missing"),
+        pytest.param([DATA, DATA, Got(missing=[])], id="sent-twice"),
+        pytest.param([DATA, Got(missing=wire_cids([DATA_CID, DATA_CID]))], id="missing-twice"),
+        pytest.param([b"not asked for", Got(missing=[])], id="not-asked-for"),
+        pytest.param([Got(missing=wire_cids([Cid.of(b"other")]))], id="missing-not-asked"),
+    ],
+)
+async def test_a_get_answer_that_does_not_match_the_request_is_refused(
+    answer: list[bytes | Got],
+) -> None:
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(fake_get_server(b, answer))
+    into = MemoryStore()
+    async with await BlockClient.open(a, timeouts=Timeouts(read=5)) as client:
+        with pytest.raises(ProtocolViolation):
+            await client.get_blocks([DATA_CID], into)
+    await serving
+    await b.aclose()
+
+
+async def test_pull_does_not_report_success_for_a_block_never_sent() -> None:
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(fake_get_server(b, [Got(missing=[])]))
+    into = MemoryStore()
+    async with await BlockClient.open(a, timeouts=Timeouts(read=5)) as client:
+        with pytest.raises(ProtocolViolation):
+            await client.pull(DATA_CID, into)
+    assert not into.has(DATA_CID)
+    await serving
+    await b.aclose()
+
+
+async def test_a_block_requested_twice_is_asked_for_once() -> None:
+    store = MemoryStore()
+    cid = store.put(DATA)
+    absent = Cid.of(b"absent")
+    server = BlockServer(store)
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(server.handle(b))
+    into = MemoryStore()
+    async with await BlockClient.open(a) as client:
+        assert await client.get_blocks([cid, absent, cid, absent], into) == [absent]
+    await serving
+    assert server.stats.blocks_served == 1
+    assert into.has(cid)

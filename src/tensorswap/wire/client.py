@@ -421,8 +421,10 @@ class BlockClient:
     async def get_blocks(self, cids: Sequence[Cid], into: BlockStore) -> list[Cid]:
         """Fetch blocks into ``into`` (each hash-checked before it is stored).
 
-        Returns the CIDs the server does not hold. Raises ProtocolViolation if the server
-        sends a block that was not asked for.
+        Returns the CIDs the server does not hold (each CID is asked for once, however often
+        ``cids`` names it). Raises ProtocolViolation if the server sends a block that was not
+        asked for or sends one twice, or if its Got does not name exactly the requested
+        blocks it did not send.
         """
         async with self._lock:
             missing, _ = await self._get(cids, into)
@@ -430,23 +432,26 @@ class BlockClient:
 
     async def _get(self, cids: Sequence[Cid], into: BlockStore) -> tuple[list[Cid], int]:
         missing: list[Cid] = []
+        unique = list(dict.fromkeys(cids))  # each block asked for (and accepted) once
         sink = BlockSink(into)
         try:
-            for start in range(0, len(cids), _CIDS_PER_MESSAGE):
-                batch = list(cids[start : start + _CIDS_PER_MESSAGE])
-                wanted = set(batch)
+            for start in range(0, len(unique), _CIDS_PER_MESSAGE):
+                batch = unique[start : start + _CIDS_PER_MESSAGE]
+                wanted = set(batch)  # asked for and not received yet
                 await self.conn.send_message(Get(cids=wire_cids(batch)), self._next_stream())
                 while True:
                     frame = await self.conn.receive_frame(defer_block_crc=True)
                     if frame.header.kind is not FrameKind.BLOCK:
                         got = self.conn.expect(frame, Got)
                         assert isinstance(got, Got)  # expect() checked the type
-                        missing.extend(parse_cids(got.missing, "Got"))
+                        missing.extend(_check_got(parse_cids(got.missing, "Got"), wanted))
                         break
                     block = self.conn.parse_block(frame)
                     if block.cid not in wanted:
                         block.check_crc()  # a corrupted CID is a checksum mismatch
-                        raise ProtocolViolation(f"server sent block {block.cid}, not asked for")
+                        again = "again" if block.cid in batch else "not asked for"
+                        raise ProtocolViolation(f"server sent block {block.cid} {again}")
+                    wanted.discard(block.cid)
                     await sink.submit(block)
             await sink.drain()
         finally:
@@ -535,6 +540,20 @@ class _Offers:
                 tally.sent_bytes += chunk.frame.raw_len
                 if self.progress is not None and chunk.ref is not None:
                     self.progress(tally.sent_bytes, self.total)
+
+
+def _check_got(missing: list[Cid], unanswered: set[Cid]) -> list[Cid]:
+    """A Got's ``missing``, which must name exactly the requested blocks not sent."""
+    named = set(missing)
+    if len(named) != len(missing) or named != unanswered:
+        claimed = len(named - unanswered)
+        unsent = len(unanswered - named)
+        raise ProtocolViolation(
+            f"Got does not match the blocks sent: {unsent} requested blocks neither sent nor "
+            f"listed missing, {claimed} listed missing that were sent or not requested, "
+            f"{len(missing) - len(named)} listed twice"
+        )
+    return missing
 
 
 def _closure(store: BlockStore, roots: Iterable[Cid]) -> list[Cid]:
