@@ -166,7 +166,7 @@ async def test_client_wait_with_a_timeout_above_the_cap_times_out_as_asked(
             began = loop.time()
             with pytest.raises(RoundTimeout) as timed_out:
                 await a.wait(RID, timeout=0.2)
-            assert loop.time() - began >= 0.2
+            assert loop.time() - began >= 0.19  # (clock rounding)
             assert timed_out.value.timeout == 0.2 and timed_out.value.status == "Pending"
             assert server.waits >= 3
             with pytest.raises(ValueError, match="nan"):
