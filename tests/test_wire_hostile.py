@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 
 import msgspec
+import numpy as np
 import pytest
 
 from tensorswap.cid import Cid
+from tensorswap.codec import TensorBlock
 from tensorswap.errors import TensorSwapError
-from tensorswap.store import MemoryStore
+from tensorswap.store import MemoryStore, ModelUpdate, put_tensor, put_update
 from tensorswap.wire import AppRequest, BlockClient, BlockServer, memory_pair
 from tensorswap.wire.auth import server_handshake
 from tensorswap.wire.connection import FrameConnection, Timeouts, WireLimits, prepare_block
@@ -24,12 +27,14 @@ from tensorswap.wire.errors import (
 )
 from tensorswap.wire.frames import FrameHeader, FrameKind, crc32c
 from tensorswap.wire.messages import (
+    MAX_CIDS_PER_MESSAGE,
     Error,
     Get,
     Got,
     Offer,
     Welcome,
     decode_message,
+    parse_cids,
     wire_cids,
 )
 from tensorswap.wire.transport import Transport
@@ -232,3 +237,56 @@ async def test_a_block_requested_twice_is_asked_for_once() -> None:
     await serving
     assert server.stats.blocks_served == 1
     assert into.has(cid)
+
+
+# ── counts of CIDs ───────────────────────────────────────────────────────────
+def test_a_message_with_too_many_cids_is_refused_before_parsing() -> None:
+    cid = Cid.of(b"x").to_bytes()
+    assert len(parse_cids([cid] * MAX_CIDS_PER_MESSAGE, "Offer")) == MAX_CIDS_PER_MESSAGE
+    with pytest.raises(FrameTooLarge, match="Offer CID count"):
+        parse_cids([cid] * (MAX_CIDS_PER_MESSAGE + 1), "Offer")
+
+
+async def test_an_offer_above_the_documented_count_is_answered_frame_too_large() -> None:
+    server = BlockServer(MemoryStore())
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(server.handle(b))
+    client = await BlockClient.open(a)
+    offer = Offer(cids=wire_cids([Cid.of(b"x")]) * (MAX_CIDS_PER_MESSAGE + 1))
+    await client.conn.send_message(offer, 1)
+    error = await read_error(client.conn)
+    assert error.code == "frame_too_large"
+    await serving
+    await client.aclose()
+
+
+class CountingStore(MemoryStore):
+    """Counts the reads of each block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: collections.Counter[Cid] = collections.Counter()
+
+    def get(self, cid: Cid, *, verify: bool | None = None) -> memoryview:
+        self.reads[cid] += 1
+        return super().get(cid, verify=verify)
+
+
+async def test_a_commit_repeating_one_root_walks_its_closure_once() -> None:
+    store = CountingStore()
+    values = np.arange(4096, dtype=np.float32)
+    root = put_tensor(store, TensorBlock("w", values), chunk_bytes=1024)
+    other = put_update(store, ModelUpdate({"w": values}, 1), chunk_bytes=1024)  # links root
+    committed: list[Cid] = []
+    server = BlockServer(store, on_root=committed.append)
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(server.handle(b))
+    async with await BlockClient.open(a) as client:
+        store.reads.clear()
+        answer = await client.commit([root] * 5000 + [other, root])
+    await serving
+    assert store.reads[root] == 1  # read once, although named 5001 times and linked by other
+    assert max(store.reads.values()) == 1
+    assert committed == [root, other]
+    assert server.stats.roots_committed == 2
+    assert len(answer.roots) == 5002  # echoed as sent

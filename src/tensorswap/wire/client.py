@@ -35,6 +35,7 @@ from tensorswap.wire.connection import (
 from tensorswap.wire.errors import FrameTooLarge, ProtocolViolation, RemoteError
 from tensorswap.wire.frames import Compression, CompressionChoice, FrameKind, choose_compression
 from tensorswap.wire.messages import (
+    MAX_CIDS_PER_MESSAGE,
     Commit,
     Committed,
     Get,
@@ -55,7 +56,7 @@ __all__ = ["BlockClient", "CompressionChoice", "Progress", "PullResult", "PushRe
 Progress = Callable[[int, int], None]
 """Called as ``progress(bytes_done, bytes_total)`` after each block is handed to the socket."""
 
-_CIDS_PER_MESSAGE = 65_536  # ~2.6 MB of binary CIDs, well under the default message limit
+_CIDS_PER_MESSAGE = MAX_CIDS_PER_MESSAGE  # ~2.6 MB of binary CIDs, under the message limit
 
 
 @dataclass(frozen=True, slots=True)

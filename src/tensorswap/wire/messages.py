@@ -9,10 +9,11 @@ import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import InvalidCid
-from tensorswap.wire.errors import ProtocolViolation
+from tensorswap.wire.errors import FrameTooLarge, ProtocolViolation
 from tensorswap.wire.frames import FrameKind
 
 __all__ = [
+    "MAX_CIDS_PER_MESSAGE",
     "MESSAGE_KINDS",
     "MESSAGE_TYPES",
     "Commit",
@@ -164,6 +165,9 @@ if _missing or len(MESSAGE_KINDS) != len(MESSAGE_TYPES):  # checked at import
     raise RuntimeError(f"message registry incomplete: {sorted(k.name for k in _missing)}")
 
 
+MAX_CIDS_PER_MESSAGE = 65_536
+"""Most CIDs one Offer, Want, Commit, Committed, Get or Got may carry (~2.6 MB of CIDs)."""
+
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {kind: msgspec.msgpack.Decoder(typ) for kind, typ in MESSAGE_TYPES.items()}
 
@@ -174,7 +178,12 @@ def wire_cids(cids: Iterable[Cid]) -> list[bytes]:
 
 
 def parse_cids(raw: list[bytes], what: str = "message") -> list[Cid]:
-    """Binary CIDs from a peer's message; ProtocolViolation naming the first invalid one."""
+    """Binary CIDs from a peer's message; ProtocolViolation naming the first invalid one.
+
+    At most ``MAX_CIDS_PER_MESSAGE`` of them (FrameTooLarge, before any is parsed).
+    """
+    if len(raw) > MAX_CIDS_PER_MESSAGE:
+        raise FrameTooLarge(f"{what} CID count", len(raw), MAX_CIDS_PER_MESSAGE)
     try:
         return [Cid.parse(item) for item in raw]
     except InvalidCid as exc:

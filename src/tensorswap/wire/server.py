@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Self
 
-from tensorswap.cid import Cid
+from tensorswap.cid import Cid, Multicodec
 from tensorswap.errors import BlockNotFound, StoreError, TensorSwapError
 from tensorswap.store.base import BlockStore
-from tensorswap.store.manifest import manifest_closure
+from tensorswap.store.manifest import read_manifest
 from tensorswap.wire._pipeline import prefetched
 from tensorswap.wire._sink import BlockSink
 from tensorswap.wire.auth import server_handshake
@@ -250,7 +250,7 @@ class BlockServer:
                 await conn.send_message(Want(cids=wire_cids(lacking)), stream_id)
                 in_transfer = bool(lacking)
             elif isinstance(message, Commit):
-                roots = parse_cids(message.roots, "Commit")
+                roots = list(dict.fromkeys(parse_cids(message.roots, "Commit")))
                 await sink.drain()
                 await asyncio.to_thread(self._check_roots, roots)
                 await conn.send_message(
@@ -279,16 +279,29 @@ class BlockServer:
         return Reply(app=message.app, body=bytes(body))
 
     def _check_roots(self, roots: list[Cid]) -> None:
+        """Check that each root's closure is held: one walk over all of them, so a block
+        (and a manifest's decoding) shared by several roots is visited once."""
+        seen: set[Cid] = set()
         for root in roots:
-            try:
-                closure = manifest_closure(self.store, root)
-            except BlockNotFound as exc:
-                raise ProtocolViolation(f"committed root {root} lacks block {exc.cid}") from exc
-            lacking = self.store.missing(closure)
+            added: list[Cid] = []  # the part of root's closure not checked for an earlier root
+            stack = [root]
+            while stack:
+                cid = stack.pop()
+                if cid in seen:
+                    continue
+                seen.add(cid)
+                added.append(cid)
+                if cid.codec is Multicodec.TENSORSWAP_MANIFEST:
+                    try:
+                        manifest = read_manifest(self.store, cid)
+                    except BlockNotFound as exc:
+                        msg = f"committed root {root} lacks block {exc.cid}"
+                        raise ProtocolViolation(msg) from exc
+                    stack.extend(reversed(manifest.links()))
+            lacking = self.store.missing(added)
             if lacking:
                 raise ProtocolViolation(
-                    f"committed root {root} lacks {len(lacking)} of {len(closure)} blocks, "
-                    f"first {lacking[0]}"
+                    f"committed root {root} lacks {len(lacking)} blocks, first {lacking[0]}"
                 )
 
     async def _answer_get(self, conn: FrameConnection, cids: list[Cid], stream_id: int) -> None:
