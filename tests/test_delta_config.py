@@ -102,3 +102,28 @@ def test_defaults_match_the_crate() -> None:
     assert config.max_fragment_bytes == 8 * 1024 * 1024
     assert config.queue_size == 128
     assert config.mode is SendMode.PERSISTENT
+
+
+def test_a_key_with_a_byte_that_is_not_utf8_keeps_its_bytes() -> None:
+    # os.environ hands such a byte over as a surrogate escape; the key is the original bytes.
+    key = b"\xffkey".decode("utf-8", "surrogateescape")
+    previous = b"old\xfe".decode("utf-8", "surrogateescape")
+    config = DweConfig.from_env(
+        {"TENSORSWAP_DWE_KEY": key, "TENSORSWAP_DWE_PREVIOUS_KEY": previous}
+    )
+    assert config.keys == FleetKeys(b"\xffkey", b"old\xfe")
+    assert DweConfig.from_env({"TENSORSWAP_DWE_KEY": "n\u00e9w"}).keys == FleetKeys(
+        "n\u00e9w".encode()
+    )
+
+
+@pytest.mark.parametrize("name", ["TENSORSWAP_DWE_KEY", "TENSORSWAP_DWE_PREVIOUS_KEY"])
+def test_a_key_that_is_not_text_is_a_config_error(name: str) -> None:
+    env = {"TENSORSWAP_DWE_KEY": "k", name: "bad\ud800"}
+    with pytest.raises(DeltaConfigError, match=f"{name} is not valid text"):
+        DweConfig.from_env(env)
+
+
+def test_a_peer_port_of_thousands_of_digits_is_an_invalid_endpoint() -> None:
+    with pytest.raises(InvalidEndpoint, match="is not a number in 0-65535"):
+        DweConfig.from_env({"TENSORSWAP_DWE_PEERS": "a:1,h:" + "9" * 5000})

@@ -101,6 +101,13 @@ def test_more_floats_than_the_limit_are_invalid_input() -> None:
         ("abc", 1024),
         (" 5", 1024),
         ("", 1024),
+        ("9" * 5000, 1024),
+        ("18446744073709551615", 2**64 - 1),
+        ("18446744073709551616", 1024),
+        ("99999999999999999999", 1024),
+        ("+0002048", 2048),
+        ("0" * 5000 + "7", 7),
+        ("+", 1024),
     ],
 )
 def test_the_float_limit_comes_from_the_environment(
@@ -112,6 +119,18 @@ def test_the_float_limit_comes_from_the_environment(
         monkeypatch.setenv(ENV_MAX_READOUT_FLOATS, raw)
     assert max_readout_floats() == limit
     assert DEFAULT_MAX_READOUT_FLOATS == 1024
+
+
+def test_initialize_with_a_float_limit_of_thousands_of_digits_uses_the_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ENV_MAX_READOUT_FLOATS, "9" * 5000)
+    with (
+        tempfile.TemporaryDirectory(prefix="tsro-") as directory,
+        ReadoutBackend(f"ipc://{directory}/env.ipc") as backend,
+    ):
+        backend.initialize()
+        assert backend._max_floats == DEFAULT_MAX_READOUT_FLOATS
 
 
 def test_the_endpoint_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,20 @@ GOOD = {
     "[::1]:65535": ("::1", 65535),
     "[fe80::1%eth0]:7": ("fe80::1%eth0", 7),
 }
-BAD = ["host", "host:", "host:70000", "::1:9000", "h:x", "h:-1", "h:²", "[]:80", "[::1]80"]
+BAD = [
+    "host",
+    "host:",
+    "host:70000",
+    "::1:9000",
+    "h:x",
+    "h:-1",
+    "h:²",
+    "[]:80",
+    "[::1]80",
+    "h:" + "9" * 5000,
+    "[::1]:" + "1" * 4301,
+    "h:165535",
+]
 
 
 @pytest.mark.parametrize(("text", "expected"), GOOD.items())
@@ -57,3 +70,11 @@ def test_an_empty_host_is_the_default_only_where_one_is_given() -> None:
 def test_ipv6_without_brackets_says_how_to_write_it() -> None:
     with pytest.raises(click.BadParameter, match=r"brackets, e.g. \[::1\]:9000"):
         parse_host_port("::1:9000")
+
+
+def test_a_port_is_read_by_its_significant_digits_and_echoed_cut_short() -> None:
+    assert split_host_port("h:000080") == ("h", 80)
+    assert split_host_port("h:" + "0" * 5000 + "7") == ("h", 7)
+    with pytest.raises(HostPortError) as info:
+        split_host_port("h:" + "9" * 5000)
+    assert info.value.reason == "port '99999999999999999...' is not a number in 0-65535"

@@ -34,6 +34,14 @@ def split_host_port(text: str, *, default_host: str | None = None) -> tuple[str,
         if default_host is None:
             raise HostPortError(text, "expected HOST:PORT (the host is missing)")
         host = default_host
-    if not (port_text.isascii() and port_text.isdigit()) or not 0 <= int(port_text) <= 65535:
-        raise HostPortError(text, f"port {port_text!r} is not a number in 0-65535")
-    return host, int(port_text)
+    # At most 5 significant digits before int(): more are out of range anyway, and int()
+    # refuses more than 4,300 digits with a bare ValueError.
+    digits = port_text.lstrip("0") or "0"
+    if (
+        not (port_text.isascii() and port_text.isdigit())
+        or len(digits) > 5
+        or not 0 <= int(digits) <= 65535
+    ):
+        shown = port_text if len(port_text) <= 20 else port_text[:17] + "..."
+        raise HostPortError(text, f"port {shown!r} is not a number in 0-65535")
+    return host, int(digits)

@@ -142,7 +142,10 @@ class DweConfig:
         key = env.get(ENV_KEY)
         if key:
             previous = env.get(ENV_PREVIOUS_KEY) or None
-            values["keys"] = FleetKeys(key.encode(), previous.encode() if previous else None)
+            values["keys"] = FleetKeys(
+                _key_bytes(ENV_KEY, key),
+                _key_bytes(ENV_PREVIOUS_KEY, previous) if previous else None,
+            )
         mode = env.get(ENV_MODE)
         if mode:
             try:
@@ -154,6 +157,15 @@ class DweConfig:
         if unknown:
             raise DeltaConfigError(f"unknown DweConfig fields: {sorted(unknown)}")
         return replace(cls(**values), **overrides)
+
+
+def _key_bytes(name: str, value: str) -> bytes:
+    """The bytes of a key variable: the environment's own bytes (UTF-8 for text; a byte that is
+    not UTF-8 comes back as it was, through ``os.environ``'s surrogate escapes)."""
+    try:
+        return os.fsencode(value)
+    except UnicodeEncodeError:  # a lone surrogate that no environment byte decodes to
+        raise DeltaConfigError(f"{name} is not valid text (it holds a lone surrogate)") from None
 
 
 def _first_set(env: Mapping[str, str], names: Iterable[str]) -> str | None:

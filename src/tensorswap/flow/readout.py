@@ -41,14 +41,17 @@ message, but it keeps a hostile or broken producer from making the receiver allo
 _INT64_MAX = 2**63 - 1
 
 _TICK = struct.Struct("<q")
-_USIZE = re.compile(r"\+?[0-9]+")
+_USIZE = re.compile(r"\+?0*([0-9]{1,20})")
+"""What Rust's ``str::parse::<usize>`` may accept: a sign, leading zeros, at most 20 digits."""
+_USIZE_MAX = 2**64 - 1
 
 
 def max_readout_floats() -> int:
-    """``CORPUS_IPC_ZMQ_MAX_READOUT_FLOATS`` when it is a positive integer, else 1024."""
-    raw = os.environ.get(ENV_MAX_READOUT_FLOATS, "")
-    value = int(raw) if _USIZE.fullmatch(raw) else 0
-    return value if value > 0 else DEFAULT_MAX_READOUT_FLOATS
+    """``CORPUS_IPC_ZMQ_MAX_READOUT_FLOATS`` when it is a positive integer that fits a usize
+    (64-bit), else 1024, as corpus-ipc falls back when ``parse::<usize>()`` fails."""
+    match = _USIZE.fullmatch(os.environ.get(ENV_MAX_READOUT_FLOATS, ""))
+    value = int(match[1]) if match else 0  # never more than 20 digits for int()
+    return value if 0 < value <= _USIZE_MAX else DEFAULT_MAX_READOUT_FLOATS
 
 
 def readout_endpoint() -> str:
