@@ -32,8 +32,10 @@ from tensorswap.wire.frames import (
     Compression,
     FrameHeader,
     FrameKind,
+    compress,
     crc32c,
     crc32c_combine,
+    decompress,
     pack_block_prefix,
     parse_block_prefix,
 )
@@ -321,3 +323,15 @@ def test_fuzzed_compressed_bodies_raise_protocol_violation(
             conn.parse_block(frame)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("compression", [Compression.ZSTD, Compression.LZ4])
+@pytest.mark.parametrize("delta", [-1, 1, 4 << 20])
+def test_a_raw_len_that_differs_from_the_decompressed_size_is_refused(
+    compression: Compression, delta: int
+) -> None:
+    data = bytes(range(256)) * 4
+    packed = compress(data, compression)
+    assert bytes(decompress(packed, compression, len(data))) == data
+    with pytest.raises(ProtocolViolation, match="raw_len|does not decompress"):
+        decompress(packed, compression, len(data) + delta)

@@ -271,9 +271,16 @@ def decompress(data: Buffer, compression: Compression, raw_len: int) -> Buffer:
             )
         return data
     try:
-        out = pa.Codec(_CODECS[compression]).decompress(
-            data, decompressed_size=raw_len, asbytes=False
-        )
+        if compression is Compression.LZ4:
+            # pyarrow's LZ4 Codec.decompress returns the size asked for, its tail left
+            # uninitialised when the data is shorter: read one byte more than raw_len from a
+            # stream instead, so that both a shorter and a longer content show in the size.
+            with pa.CompressedInputStream(pa.BufferReader(pa.py_buffer(data)), "lz4") as stream:
+                out = stream.read_buffer(raw_len + 1)
+        else:  # zstd checks the size itself (a mismatch fails to decompress)
+            out = pa.Codec(_CODECS[compression]).decompress(
+                data, decompressed_size=raw_len, asbytes=False
+            )
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise ProtocolViolation(f"{compression.name} block does not decompress: {exc}") from exc
     if out.size != raw_len:
