@@ -333,5 +333,5 @@ def test_a_raw_len_that_differs_from_the_decompressed_size_is_refused(
     data = bytes(range(256)) * 4
     packed = compress(data, compression)
     assert bytes(decompress(packed, compression, len(data))) == data
-    with pytest.raises(ProtocolViolation, match="raw_len|does not decompress"):
+    with pytest.raises(ProtocolViolation, match=r"raw_len|does not decompress"):
         decompress(packed, compression, len(data) + delta)
