@@ -15,7 +15,7 @@ from tensorswap.codec import TensorBlock
 from tensorswap.errors import TensorSwapError
 from tensorswap.store import MemoryStore, ModelUpdate, put_tensor, put_update
 from tensorswap.wire import AppRequest, BlockClient, BlockServer, memory_pair
-from tensorswap.wire.auth import server_handshake
+from tensorswap.wire.auth import HANDSHAKE_MESSAGE_BYTES, server_handshake
 from tensorswap.wire.connection import FrameConnection, Timeouts, WireLimits, prepare_block
 from tensorswap.wire.errors import (
     ConnectionFailed,
@@ -40,14 +40,13 @@ from tensorswap.wire.messages import (
 from tensorswap.wire.transport import Transport
 
 KEY = b"hostile test key"
-NESTED = b"\x91" * 100_000 + b"\xc0"  # [[[...[nil]...]]], deeper than any recursion limit
 
 
-def nested_hello() -> bytes:
-    """A HELLO map whose third, unknown (so ignored) field is nested 100,000 deep."""
+def nested_hello(depth: int = 100_000) -> bytes:
+    """A HELLO map whose third, unknown (so ignored) field is an array nested ``depth`` deep."""
     hello = msgspec.msgpack.encode({"protocol": 1, "nonce": b"0" * 32})
     assert hello[0] == 0x82  # a fixmap of 2: make it 3
-    return b"\x83" + hello[1:] + b"\xa1z" + NESTED
+    return b"\x83" + hello[1:] + b"\xa1z" + b"\x91" * depth + b"\xc0"
 
 
 def raw_frame(kind: FrameKind, payload: bytes, stream_id: int = 0) -> bytes:
@@ -74,7 +73,9 @@ async def test_deeply_nested_hello_is_answered_with_an_error_and_counted() -> No
     serving = asyncio.ensure_future(server.handle(b))
     conn = FrameConnection(a, timeouts=Timeouts(read=5))
     await conn.receive_message(Welcome)
-    await a.send(raw_frame(FrameKind.HELLO, nested_hello()))
+    body = nested_hello(HANDSHAKE_MESSAGE_BYTES - 100)  # deep, yet within the size limit
+    assert len(body) <= HANDSHAKE_MESSAGE_BYTES
+    await a.send(raw_frame(FrameKind.HELLO, body))
     error = await read_error(conn)
     assert error.code == "protocol_violation"
     await serving  # returned, not raised
@@ -290,3 +291,44 @@ async def test_a_commit_repeating_one_root_walks_its_closure_once() -> None:
     assert committed == [root, other]
     assert server.stats.roots_committed == 2
     assert len(answer.roots) == 5002  # echoed as sent
+
+
+# ── the handshake is small and bounded in time ───────────────────────────────
+async def test_a_huge_hello_is_refused_before_anything_is_allocated() -> None:
+    server = BlockServer(MemoryStore(), key=KEY)
+    a, b = memory_pair()
+    serving = asyncio.ensure_future(server.handle(b))
+    conn = FrameConnection(a, timeouts=Timeouts(read=5))
+    await conn.receive_message(Welcome)
+    await a.send(FrameHeader(FrameKind.HELLO, 16 * 1024 * 1024, 0).pack())  # no payload
+    error = await read_error(conn)
+    assert error.code == "frame_too_large"
+    await serving
+    failure = server.errors[-1]
+    assert isinstance(failure, FrameTooLarge)
+    assert failure.limit == HANDSHAKE_MESSAGE_BYTES
+    await a.aclose()
+
+
+async def test_the_handshake_timeout_bounds_a_hello_whose_payload_never_comes() -> None:
+    server = BlockServer(MemoryStore(), key=KEY, timeouts=Timeouts(handshake=0.2, read=30))
+    a, b = memory_pair()
+    serving = asyncio.ensure_future(server.handle(b))
+    conn = FrameConnection(a, timeouts=Timeouts(read=5))
+    await conn.receive_message(Welcome)
+    await a.send(FrameHeader(FrameKind.HELLO, 100, 0).pack())  # then silence
+    error = await read_error(conn)
+    assert error.code == "timeout"
+    await serving
+    failure = server.errors[-1]
+    assert isinstance(failure, PeerTimeout)
+    assert failure.seconds == 0.2  # the handshake's timeout, not the read timeout
+    await a.aclose()
+
+
+async def test_a_client_refuses_a_huge_welcome() -> None:
+    a, b = memory_pair()
+    await b.send(FrameHeader(FrameKind.WELCOME, 1024 * 1024, 0).pack())
+    with pytest.raises(FrameTooLarge):
+        await BlockClient.open(a, timeouts=Timeouts(handshake=5))
+    await b.aclose()

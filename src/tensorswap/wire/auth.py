@@ -20,6 +20,7 @@ from tensorswap.wire.frames import PROTOCOL_VERSION
 from tensorswap.wire.messages import Error, Hello, Ready, Welcome
 
 __all__ = [
+    "HANDSHAKE_MESSAGE_BYTES",
     "KEY_ENV",
     "NONCE_BYTES",
     "client_handshake",
@@ -32,6 +33,9 @@ __all__ = [
 ]
 
 NONCE_BYTES = 32
+HANDSHAKE_MESSAGE_BYTES = 4096
+"""Largest handshake message payload (Welcome, Hello, Ready, or an Error instead) accepted:
+nothing larger is allocated for a peer that has not authenticated."""
 KEY_ENV = "TENSORSWAP_KEY"
 """Environment variable the CLI reads a shared key from (the key file option wins)."""
 _CLIENT_LABEL = b"tensorswap/1 client proof\x00"
@@ -83,7 +87,9 @@ async def server_handshake(
         )
     )
     try:
-        hello, _ = await conn.receive_message(Hello, timeout=seconds)
+        hello, _ = await conn.receive_message(
+            Hello, timeout=seconds, max_payload=HANDSHAKE_MESSAGE_BYTES, whole_frame=True
+        )
     except StreamEnded as exc:
         raise AuthenticationFailed(conn.peer, "client closed during the handshake") from exc
     if hello.protocol != PROTOCOL_VERSION:
@@ -117,7 +123,9 @@ async def client_handshake(
     """
     seconds = conn.timeouts.handshake
     try:
-        welcome, _ = await conn.receive_message(Welcome, timeout=seconds)
+        welcome, _ = await conn.receive_message(
+            Welcome, timeout=seconds, max_payload=HANDSHAKE_MESSAGE_BYTES, whole_frame=True
+        )
     except StreamEnded as exc:
         raise AuthenticationFailed(conn.peer, "server closed before its welcome") from exc
     if welcome.protocol != PROTOCOL_VERSION:
@@ -134,7 +142,10 @@ async def client_handshake(
     mac = client_proof(key, welcome.nonce, nonce) if key is not None else None
     await conn.send_message(Hello(protocol=PROTOCOL_VERSION, nonce=nonce, mac=mac, client=name))
     try:
-        ready = conn.expect(await conn.receive_frame(timeout=seconds), Ready, Error)
+        frame = await conn.receive_frame(
+            timeout=seconds, max_payload=HANDSHAKE_MESSAGE_BYTES, whole_frame=True
+        )
+        ready = conn.expect(frame, Ready, Error)
     except StreamEnded as exc:
         raise AuthenticationFailed(conn.peer, "server closed during the handshake") from exc
     if isinstance(ready, Error):

@@ -283,19 +283,26 @@ class FrameConnection:
         *,
         timeout: float | Literal["read", "idle"] | None = "read",
         defer_block_crc: bool = False,
+        max_payload: int | None = None,
+        whole_frame: bool = False,
     ) -> Frame:
         """The next frame, CRC-checked.
 
         ``timeout`` bounds the wait for the 32-byte header (default ``Timeouts.read``; the
         server waits ``"idle"`` between requests); the payload then must arrive within
-        ``Timeouts.read``. Raises StreamEnded (clean EOF before a header), UnexpectedEof (EOF
-        inside a frame), PeerTimeout, ProtocolViolation/FrameTooLarge (bad header; nothing
-        allocated) or ChecksumMismatch. With ``defer_block_crc``, a BLOCK frame is returned
-        unchecked (``checked=False``) for the caller to check off the event loop.
+        ``Timeouts.read``, or, with ``whole_frame``, within what is left of ``timeout``
+        (header and payload together). ``max_payload`` lowers the payload limit of every
+        frame kind below ``WireLimits`` (the handshake's small messages). Raises StreamEnded
+        (clean EOF before a header), UnexpectedEof (EOF inside a frame), PeerTimeout,
+        ProtocolViolation/FrameTooLarge (bad header; nothing allocated) or ChecksumMismatch.
+        With ``defer_block_crc``, a BLOCK frame is returned unchecked (``checked=False``) for
+        the caller to check off the event loop.
         """
+        loop = asyncio.get_running_loop()
         seconds = self._seconds(timeout)
+        deadline = None if seconds is None else loop.time() + seconds
         try:
-            async with asyncio.timeout(seconds):
+            async with asyncio.timeout_at(deadline):
                 got = await self.transport.receive_into(self._header)
         except TimeoutError as exc:
             raise PeerTimeout("a frame header", seconds or 0.0, self.peer) from exc
@@ -303,33 +310,49 @@ class FrameConnection:
             raise StreamEnded(f"connection from {self.peer}")
         if got < HEADER_SIZE:
             raise UnexpectedEof("frame header", got, HEADER_SIZE)
+        message_limit = self.limits.max_message_bytes
+        block_limit = self.limits.max_block_payload
+        if max_payload is not None:
+            message_limit = min(message_limit, max_payload)
+            block_limit = min(block_limit, max_payload)
         header = FrameHeader.unpack(
-            self._header,
-            max_payload=self.limits.max_message_bytes,
-            max_block_payload=self.limits.max_block_payload,
+            self._header, max_payload=message_limit, max_block_payload=block_limit
         )
         # Bounded by unpack above. Uninitialised (it is filled completely before any use)
         # and recycled: fresh pages cost more than the bytes received into them.
         payload = receive_buffers().take(header.payload_len)
         what = f"{header.kind.name} payload ({header.payload_len} bytes)"
+        if not whole_frame:
+            seconds = self.timeouts.read
+            deadline = None if seconds is None else loop.time() + seconds
         try:
-            async with asyncio.timeout(self.timeouts.read):
+            async with asyncio.timeout_at(deadline):
                 await self.transport.receive_exactly(payload, what)
         except TimeoutError as exc:
-            raise PeerTimeout(what, self.timeouts.read or 0.0, self.peer) from exc
+            if whole_frame:
+                what = f"a whole {header.kind.name} frame ({header.payload_len} bytes)"
+            raise PeerTimeout(what, seconds or 0.0, self.peer) from exc
         if defer_block_crc and header.kind is FrameKind.BLOCK:
             return Frame(header, payload, checked=False)
         _check_crc(header, payload)
         return Frame(header, payload)
 
     async def receive_message(
-        self, expected: type[M], *, timeout: float | Literal["read", "idle"] | None = "read"
+        self,
+        expected: type[M],
+        *,
+        timeout: float | Literal["read", "idle"] | None = "read",
+        max_payload: int | None = None,
+        whole_frame: bool = False,
     ) -> tuple[M, int]:
         """The next control message, which must be an ``expected``; with its stream id.
 
         An Error message from the peer raises RemoteError; any other kind ProtocolViolation.
+        ``max_payload`` and ``whole_frame`` are those of ``receive_frame``.
         """
-        frame = await self.receive_frame(timeout=timeout)
+        frame = await self.receive_frame(
+            timeout=timeout, max_payload=max_payload, whole_frame=whole_frame
+        )
         message = self.expect(frame, expected)
         if not isinstance(message, expected):  # pragma: no cover - expect checked it
             raise ProtocolViolation(f"unexpected {type(message).__name__} message")
