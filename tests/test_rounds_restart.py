@@ -147,6 +147,7 @@ def test_kill_9_mid_round_then_restart_keeps_every_contribution(
     assert row["status"]["status"] == "Complete"
     assert (row["received"], row["expected"], sorted(row["peers"])) == (3, 3, ["a", "b", "c"])
     assert report["stats"]["contributions"] == 1  # counters restart with the process
+    assert report["omitted"] == 0
 
     table = runner.invoke(status_command, [f"127.0.0.1:{second.port}", "--key", SECRET])
     assert table.exit_code == 0, table.output
@@ -179,7 +180,7 @@ def test_serve_keep_rounds_collects_old_rounds_and_their_blocks(
     tmp_path: Path, servers: list[Server]
 ) -> None:
     data = tmp_path / "coordinator"
-    server = Server(data, "--keep-rounds", "1", "--gc-grace", "0")
+    server = Server(data, "--keep-rounds", "1", "--gc-grace", "0", "--max-wait", "30")
     servers.append(server)
     results = asyncio.run(tiny_rounds(server.port, 3))
     assert server.stop() == 0  # a clean stop lets queued collections finish

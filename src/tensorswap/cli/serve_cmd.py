@@ -63,6 +63,7 @@ async def _run(
     durable: bool,
     keep_rounds: int | None = None,
     gc_grace: float = DEFAULT_GC_GRACE,
+    max_wait: float = 300.0,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -74,7 +75,7 @@ async def _run(
         Coordinator.open, data, durable=durable, keep_rounds=keep_rounds, gc_grace=gc_grace
     )
     try:
-        server = RoundServer(coordinator, key=key, timeouts=timeouts)
+        server = RoundServer(coordinator, key=key, timeouts=timeouts, max_wait=max_wait)
         async with await server.start(host, port, ssl=ssl):
             active = coordinator.tracker.active_count()
             click.echo(f"listening on {host}:{server.port}", err=True)
@@ -130,6 +131,15 @@ async def _run(
     "submitted).",
 )
 @click.option(
+    "--max-wait",
+    type=click.FloatRange(min=0, min_open=True),
+    default=300.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Longest a client's wait call is held open; clients ask again, so waits still last "
+    "as long as asked.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -146,6 +156,7 @@ def serve(
     fast_commit: bool,
     keep_rounds: int | None,
     gc_grace: float,
+    max_wait: float,
     log_level: str,
 ) -> None:
     """Run a coordinator: rounds (start, submit, status, wait) and blocks on one port.
@@ -166,8 +177,9 @@ def serve(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     timeouts = Timeouts(read=timeout)
+    durable = not fast_commit
     asyncio.run(
-        _run(host, port, data, secret, ssl, timeouts, not fast_commit, keep_rounds, gc_grace)
+        _run(host, port, data, secret, ssl, timeouts, durable, keep_rounds, gc_grace, max_wait)
     )
 
 

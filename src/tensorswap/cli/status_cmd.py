@@ -52,7 +52,7 @@ def to_json(report: ServerStatus) -> dict[str, object]:
         }
         for row in report.rounds
     ]
-    return {"rounds": rounds, "stats": report.stats}
+    return {"rounds": rounds, "stats": report.stats, "omitted": report.omitted}
 
 
 def _size(nbytes: float) -> str:
@@ -98,6 +98,8 @@ def render(report: ServerStatus, console: Console, now: float | None = None) -> 
             _size(row.nbytes),
             _deadline(row, now),
         )
+    if report.omitted:  # the answer had to fit the message limit: live and newest rounds first
+        table.caption = f"{report.omitted} older round(s) not shown"
     console.print(table)
     stats = report.stats
     counters = Table(title="coordinator", title_justify="left", show_header=False)
