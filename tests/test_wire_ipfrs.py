@@ -32,6 +32,7 @@ from tensorswap.wire.errors import (
 from tensorswap.wire.ipfrs import (
     DEFAULT_CHUNK_SIZE,
     GradientChunk,
+    GradientReassembler,
     GradientStreamSession,
     IpfrsFrameHeader,
     IpfrsLimits,
@@ -427,3 +428,43 @@ def test_fuzzed_streams_raise_only_typed_errors_and_allocate_little(frames: list
     finally:
         tracemalloc.stop()
     assert peak < 2 * 1024 * 1024  # headers claim up to 4 GiB; nothing of that is allocated
+
+
+# ── memory reserved in advance ───────────────────────────────────────────────
+async def test_one_header_does_not_reserve_the_gradient_it_announces() -> None:
+    # a first frame announcing 32,768 full chunks (8 GiB of values), then 100 bytes and EOF
+    chunk_file = len(encode_ipfrs_gradient(np.zeros(DEFAULT_CHUNK_SIZE, np.float32)))
+    stream = await _feed(struct.pack("<IIII", 0, 32_768, chunk_file, 0) + b"\0" * 100)
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnexpectedEof):
+            await GradientStreamSession().receive_from(stream)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024 * 1024  # not 8 GiB: at most a chunk is allocated per frame
+
+
+async def test_a_gradient_above_the_in_place_limit_is_received_chunk_by_chunk() -> None:
+    values = gradient(10 * 1024 + 5, 3)
+    sender = GradientStreamSession("s", 1024)
+    receiver = GradientStreamSession("s", 1024, limits=IpfrsLimits(max_in_place_bytes=4096))
+    a, b = memory_pair()
+    sending = asyncio.ensure_future(sender.stream_to(values, a))
+    received = await receiver.receive_from(b)
+    await sending
+    np.testing.assert_array_equal(received, values)
+    await a.aclose()
+
+
+def test_a_failed_preallocation_falls_back_to_receiving_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assembler = GradientReassembler()
+    assembler.claim(IpfrsFrameHeader(0, 4, 100, 0))
+
+    def no_memory(*args: object, **kwargs: object) -> np.ndarray:
+        raise MemoryError("no memory for the test")
+
+    monkeypatch.setattr(np, "empty", no_memory)
+    assert assembler.place(0, 16, 1 << 30) is None

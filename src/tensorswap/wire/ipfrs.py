@@ -81,6 +81,11 @@ class IpfrsLimits:
     """Largest total_chunks a stream may announce."""
     max_total_bytes: int = 8 * 1024**3
     """Largest sum of payload bytes of one stream."""
+    max_in_place_bytes: int = 1024**3
+    """Largest result a receiver allocates up front, from the first header, to receive the
+    chunks straight into (``total_chunks * chunk_size`` float32). A stream announcing more is
+    received chunk by chunk (memory grows with the bytes that really arrive) and joined at
+    the end."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,8 +219,9 @@ class GradientReassembler:
         """Where chunk ``index`` of ``stride`` values goes in the result, to receive into.
 
         The result is allocated on first use, for ``total * stride`` values, only if that
-        is at most ``limit`` bytes and every chunk so far was placed with this stride;
-        otherwise None (receive the chunk apart). The values count once ``accept`` ed.
+        is at most ``limit`` bytes (and the allocation succeeds) and every chunk so far was
+        placed with this stride; otherwise None (receive the chunk apart). The values count
+        once ``accept`` ed.
         """
         total = self.total
         if total is None or index >= total - 1:  # the last chunk may be shorter
@@ -223,7 +229,10 @@ class GradientReassembler:
         if self._out is None:
             if total * stride * 4 > limit:
                 return None
-            self._out = np.empty(total * stride, np.float32)
+            try:
+                self._out = np.empty(total * stride, np.float32)
+            except MemoryError:
+                return None  # receive the chunks apart, as they come
             self._stride = stride
         elif stride != self._stride:
             return None
@@ -553,7 +562,8 @@ class GradientStreamSession:
         around the values differ from ``template`` is rebuilt whole and checked in full.
         """
         index = header.chunk_index
-        target = assembler.place(index, template.n, self.limits.max_total_bytes)
+        limit = min(self.limits.max_total_bytes, self.limits.max_in_place_bytes)
+        target = assembler.place(index, template.n, limit)
         if target is None:
             return None
         head = len(template.prefix)
