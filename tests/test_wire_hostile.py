@@ -18,6 +18,7 @@ from tensorswap.wire import AppRequest, BlockClient, BlockServer, memory_pair
 from tensorswap.wire.auth import HANDSHAKE_MESSAGE_BYTES, server_handshake
 from tensorswap.wire.connection import FrameConnection, Timeouts, WireLimits, prepare_block
 from tensorswap.wire.errors import (
+    AuthenticationFailed,
     ConnectionFailed,
     FrameTooLarge,
     PeerTimeout,
@@ -332,3 +333,16 @@ async def test_a_client_refuses_a_huge_welcome() -> None:
     with pytest.raises(FrameTooLarge):
         await BlockClient.open(a, timeouts=Timeouts(handshake=5))
     await b.aclose()
+
+
+# ── connections ──────────────────────────────────────────────────────────────
+async def test_a_server_serves_at_most_max_connections_clients() -> None:
+    async with await BlockServer(MemoryStore(), max_connections=1).start() as server:
+        async with await BlockClient.connect("127.0.0.1", server.port) as client:
+            with pytest.raises((ConnectionFailed, AuthenticationFailed)):
+                await BlockClient.connect("127.0.0.1", server.port)  # aborted: no Welcome
+            assert await client.missing([]) == []  # the first one is still served
+        assert server.listener is not None
+        assert server.listener.refused == 1
+    with pytest.raises(ValueError, match="max_connections"):
+        BlockServer(MemoryStore(), max_connections=0)

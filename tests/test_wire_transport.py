@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import subprocess
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,7 +19,14 @@ from tensorswap.wire.errors import (
     TransportClosed,
     UnexpectedEof,
 )
-from tensorswap.wire.tcp import DIRECT_RECEIVE_BYTES, connect_tcp, serve_tcp
+from tensorswap.wire.tcp import (
+    DIRECT_RECEIVE_BYTES,
+    DIRECT_SEND_BYTES,
+    TcpListener,
+    TcpTransport,
+    connect_tcp,
+    serve_tcp,
+)
 from tensorswap.wire.transport import Transport, memory_pair
 
 Pair = tuple[Transport, Transport]
@@ -243,3 +252,66 @@ async def test_abort_during_a_large_send_fails_the_send(pair: Pair) -> None:
     a.abort()
     with pytest.raises((ConnectionFailed, TransportClosed)):
         await asyncio.wait_for(sending, 5)
+
+
+# ── what a connection costs the server ───────────────────────────────────────
+async def test_a_listener_aborts_connections_beyond_max_connections() -> None:
+    started: asyncio.Queue[Transport] = asyncio.Queue()
+    release = asyncio.Event()
+
+    async def handler(transport: Transport) -> None:
+        await started.put(transport)
+        await release.wait()
+
+    async with await serve_tcp(handler, max_connections=2) as listener:
+        first = await connect_tcp("127.0.0.1", listener.port)
+        second = await connect_tcp("127.0.0.1", listener.port)
+        await started.get()
+        await started.get()
+        third = await connect_tcp("127.0.0.1", listener.port)
+        with contextlib.suppress(ConnectionFailed):  # a reset, or else EOF:
+            assert await third.receive_into(bytearray(1)) == 0  # aborted by the server
+        assert listener.refused == 1
+        assert listener.connections == 2
+        await third.aclose()
+        release.set()
+        await first.aclose()
+        await second.aclose()
+
+
+def test_max_connections_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_connections"):
+        TcpListener(max_connections=0)
+
+
+async def test_idle_connections_cost_no_receive_buffer_and_no_duplicate_socket() -> None:
+    accepted: asyncio.Queue[Transport] = asyncio.Queue()
+    release = asyncio.Event()
+
+    async def handler(transport: Transport) -> None:
+        await accepted.put(transport)
+        await release.wait()
+
+    async with await serve_tcp(handler) as listener:
+        tracemalloc.start()
+        try:
+            before, _ = tracemalloc.get_traced_memory()
+            clients = [await connect_tcp("127.0.0.1", listener.port) for _ in range(20)]
+            servers = [await accepted.get() for _ in clients]
+            after, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert after - before < 20 * 64 * 1024  # not 20 read-ahead buffers of 256 KiB
+        server = servers[0]
+        assert isinstance(server, TcpTransport)
+        assert server._direct is None  # no duplicate socket until a large send
+        await clients[0].send(b"hello")
+        assert await receive_all(server, 5) == b"hello"
+        big = bytes(DIRECT_SEND_BYTES)
+        sent = asyncio.ensure_future(server.send(big))
+        assert await receive_all(clients[0], len(big)) == big
+        await sent
+        assert server._direct is not None  # made by the first direct send
+        release.set()
+        for client in clients:
+            await client.aclose()

@@ -49,7 +49,7 @@ from tensorswap.wire.messages import (
     parse_cids,
     wire_cids,
 )
-from tensorswap.wire.tcp import TcpListener, serve_tcp
+from tensorswap.wire.tcp import DEFAULT_MAX_CONNECTIONS, TcpListener, serve_tcp
 from tensorswap.wire.transport import Transport
 
 __all__ = ["AppRequest", "BlockServer", "RequestHandler", "ServerStats", "error_code"]
@@ -147,7 +147,10 @@ class BlockServer:
         name: str = "tensorswap",
         store_depth: int = 4,
         handlers: Mapping[str, RequestHandler] | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         self.store = store
         self.key = key
         self.limits = limits or WireLimits()
@@ -158,6 +161,8 @@ class BlockServer:
         self.store_depth = store_depth
         self.handlers: dict[str, RequestHandler] = dict(handlers or {})
         """Application request handlers by app name (see ``AppRequest``)."""
+        self.max_connections = max_connections
+        """Clients served at once once started (``start``); more are aborted on connect."""
         self.stats = ServerStats()
         self.errors: deque[BaseException] = deque(maxlen=100)
         self.listener: TcpListener | None = None
@@ -166,8 +171,14 @@ class BlockServer:
     async def start(
         self, host: str = "127.0.0.1", port: int = 0, *, ssl: ssl_module.SSLContext | None = None
     ) -> Self:
-        """Listen on ``host:port`` (TLS with ``ssl``); the bound port is ``self.port``."""
-        self.listener = await serve_tcp(self.handle, host, port, ssl=ssl)
+        """Listen on ``host:port`` (TLS with ``ssl``); the bound port is ``self.port``.
+
+        At most ``self.max_connections`` clients are served at once; one more is aborted as
+        soon as it connects (``self.listener.refused`` counts them).
+        """
+        self.listener = await serve_tcp(
+            self.handle, host, port, ssl=ssl, max_connections=self.max_connections
+        )
         return self
 
     @property

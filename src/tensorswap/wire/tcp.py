@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = [
+    "DEFAULT_MAX_CONNECTIONS",
     "DIRECT_RECEIVE_BYTES",
     "DIRECT_SEND_BYTES",
     "TcpListener",
@@ -27,6 +28,8 @@ DIRECT_RECEIVE_BYTES = 64 * 1024
 """Reads at least this large are received by the kernel straight into the caller's buffer."""
 DIRECT_SEND_BYTES = 64 * 1024
 """On plain TCP, parts at least this large go from the caller's buffer to the kernel."""
+DEFAULT_MAX_CONNECTIONS = 1024
+"""Connections a listener handles at once unless told otherwise (``serve_tcp``)."""
 
 _SPILL_BYTES = 256 * 1024  # bounded read-ahead for small reads (headers, control messages)
 _WRITE_HIGH_WATER = 1024 * 1024
@@ -39,8 +42,8 @@ class _StreamProtocol(asyncio.BufferedProtocol):
 
     def __init__(self, *, tls: bool) -> None:
         self.tls = tls
-        self._spill = bytearray(_SPILL_BYTES)
-        self._spill_view = memoryview(self._spill)
+        # allocated on first use: a connection that sends nothing costs no spill buffer
+        self._spill_view = memoryview(b"")
         self._start = 0
         self._end = 0
         self._target: memoryview | None = None
@@ -67,7 +70,9 @@ class _StreamProtocol(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._target is not None:
             return self._target[self._filled :]
-        if self._end == len(self._spill) and self._start:
+        if not self._spill_view.nbytes:
+            self._spill_view = memoryview(bytearray(_SPILL_BYTES))
+        if self._end == self._spill_view.nbytes and self._start:
             live = self._end - self._start
             self._spill_view[:live] = self._spill_view[self._start : self._end]
             self._start, self._end = 0, live
@@ -81,7 +86,7 @@ class _StreamProtocol(asyncio.BufferedProtocol):
             self._target = None
         else:
             self._end += nbytes
-            if self._end == len(self._spill) and self._start == 0:
+            if self._end == self._spill_view.nbytes and self._start == 0:
                 self._pause_reading()
         self._wake_reader()
 
@@ -181,8 +186,9 @@ class TcpTransport(Transport):
 
     Large reads land directly in the caller's buffer (BufferedProtocol). On plain TCP, large
     writes go straight from the caller's buffer to the kernel (``loop.sock_sendall`` on a
-    duplicate of the socket, once asyncio's own write buffer is empty, so order is kept);
-    asyncio's transport would copy whatever the kernel does not take at once.
+    duplicate of the socket, made at the first such write, once asyncio's own write buffer
+    is empty, so order is kept); asyncio's transport would copy whatever the kernel does not
+    take at once.
     """
 
     def __init__(self, protocol: _StreamProtocol, peer: str) -> None:
@@ -194,12 +200,18 @@ class TcpTransport(Transport):
         self.bytes_sent = 0
         self.bytes_received = 0
         self._closed = False
-        self._direct: socket.socket | None = None
+        self._direct: socket.socket | None = None  # the duplicate, made at first use
         self._sending: asyncio.Future[None] | None = None
         sock = self._transport.get_extra_info("socket")
-        if not protocol.tls and sock is not None and sock.type == socket.SOCK_STREAM:
-            self._direct = sock.dup()
-            self._direct.setblocking(False)
+        self._can_direct = not protocol.tls and sock is not None and sock.type == socket.SOCK_STREAM
+
+    def _direct_socket(self) -> socket.socket:
+        """The duplicate socket for direct sends (made on first use; the transport is open)."""
+        if self._direct is None:
+            direct = self._transport.get_extra_info("socket").dup()
+            direct.setblocking(False)
+            self._direct = direct
+        return self._direct
 
     @property
     def ssl_object(self) -> ssl_module.SSLObject | None:
@@ -217,10 +229,10 @@ class TcpTransport(Transport):
         self._check_open()
         for part in parts:
             view = byte_view(part)
-            if self._direct is not None and view.nbytes >= DIRECT_SEND_BYTES:
+            if self._can_direct and view.nbytes >= DIRECT_SEND_BYTES:
                 await self._protocol.drain(empty=True)
                 self._check_open()
-                await self._send_direct(self._direct, view)
+                await self._send_direct(self._direct_socket(), view)
             elif view.nbytes <= _WRITE_SLICE:
                 self._transport.write(view)
             else:
@@ -347,14 +359,21 @@ class TcpListener:
     """A listening TCP server; each connection runs ``handler(transport)`` in its own task.
 
     The task owns its transport and closes it when the handler returns or fails. ``aclose``
-    stops accepting, cancels running handlers and waits for them.
+    stops accepting, cancels running handlers and waits for them. At most
+    ``max_connections`` are handled at once: a connection beyond them is aborted as soon as
+    it is accepted (the peer sees a reset; ``refused`` counts them).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.host = ""
         self.port = 0
+        self.max_connections = max_connections
+        self.refused = 0
+        """Connections aborted because ``max_connections`` were being handled."""
 
     @property
     def connections(self) -> int:
@@ -365,6 +384,10 @@ class TcpListener:
         self, handler: Callable[[Transport], Awaitable[None]], proto: _StreamProtocol
     ) -> None:
         assert proto.transport is not None
+        if len(self._tasks) >= self.max_connections:
+            self.refused += 1
+            proto.transport.abort()
+            return
         transport = TcpTransport(proto, _peer_name(proto.transport))
 
         async def run() -> None:
@@ -406,10 +429,14 @@ async def serve_tcp(
     port: int = 0,
     *,
     ssl: ssl_module.SSLContext | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> TcpListener:
-    """Listen on ``host:port`` (port 0 picks a free one; see ``listener.port``)."""
+    """Listen on ``host:port`` (port 0 picks a free one; see ``listener.port``).
+
+    At most ``max_connections`` connections are handled at once; more are aborted at once.
+    """
     loop = asyncio.get_running_loop()
-    listener = TcpListener()
+    listener = TcpListener(max_connections=max_connections)
     tls = ssl is not None
 
     def factory() -> _StreamProtocol:
