@@ -336,3 +336,12 @@ def test_row_count_above_max_values_is_refused() -> None:
     with pytest.raises(MalformedBlock, match="over 99 values"):
         decode_ipfrs_gradient(data, max_values=99)
     assert decode_ipfrs_gradient(data, max_values=100).size == 100
+
+
+@pytest.mark.parametrize(("at", "byte"), [(324, 0), (984, 9)])
+def test_a_record_batch_cut_short_is_a_malformed_block(at: int, byte: int) -> None:
+    """pyarrow reports some damaged record batches with a bare EOFError."""
+    data = bytearray(VALID)
+    data[at] = byte
+    with pytest.raises(CodecError):
+        decode_ipfrs_gradient(bytes(data))

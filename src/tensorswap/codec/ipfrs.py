@@ -403,7 +403,7 @@ def _open(data: Any) -> _OpenFile:
         reader = pa.ipc.open_file(buf)
         schema = reader.schema
         columns = [(field.name, field.type) for field in schema]
-    except (pa.ArrowException, OSError, ValueError) as exc:  # UnicodeDecodeError included
+    except (pa.ArrowException, OSError, ValueError, EOFError) as exc:  # UnicodeDecodeError too
         raise MalformedBlock(f"not a readable Arrow IPC file: {exc}") from exc
     return _OpenFile(reader, columns)
 
@@ -460,7 +460,7 @@ def _check_batches(buf: pa.Buffer, max_values: int) -> None:
             raise MalformedBlock(f"record batch {i} lies outside the {size}-byte file")
         try:
             message = pa.ipc.read_message(buf.slice(offset, meta_length + body_length))
-        except (pa.ArrowException, OSError, ValueError) as exc:
+        except (pa.ArrowException, OSError, ValueError, EOFError) as exc:  # EOF: a short block
             raise MalformedBlock(f"bad record batch {i} in Arrow IPC file: {exc}") from exc
         layout = batch_layout(memoryview(message.metadata))
         if layout.length < 0:
@@ -492,7 +492,7 @@ def decode_ipfrs_gradient(data: Any, *, max_values: int = MAX_VALUES) -> np.ndar
             _column_values(reader.get_batch(i).column(index))
             for i in range(reader.num_record_batches)
         ]
-    except (pa.ArrowException, OSError, ValueError) as exc:
+    except (pa.ArrowException, OSError, ValueError, EOFError) as exc:
         raise MalformedBlock(f"bad record batch in Arrow IPC file: {exc}") from exc
     if len(parts) == 1:
         return parts[0]
