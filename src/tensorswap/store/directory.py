@@ -248,19 +248,15 @@ class DirectoryStore(BlockStore):
 
     def delete_if_older(self, cid: Cid, min_age: float) -> bool | None:
         path = self.path_of(cid)
-        try:
-            with self._own_lock:  # no touch between the age check and the unlink
+        with self._own_lock:  # no touch between the age check and the unlink
+            try:
                 if time.time() - os.stat(path).st_mtime < min_age:
                     return None
-                self._own.pop(cid, None)
-                os.unlink(path)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            raise StoreError(f"cannot delete block {cid} at {path}: {exc}") from exc
-        if self.fsync:
-            _fsync_dir(os.path.dirname(path))
-        return True
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                raise StoreError(f"cannot stat block {cid} at {path}: {exc}") from exc
+            return self._unlink(cid, path)
 
     def size_of(self, cid: Cid) -> int:
         path = self.path_of(cid)
@@ -273,8 +269,11 @@ class DirectoryStore(BlockStore):
 
     def delete(self, cid: Cid) -> bool:
         with self._own_lock:
-            self._own.pop(cid, None)
-        path = self.path_of(cid)
+            return self._unlink(cid, self.path_of(cid))
+
+    def _unlink(self, cid: Cid, path: str) -> bool:
+        """Remove the block's file (the caller holds ``_own_lock``); False if it was not there."""
+        self._own.pop(cid, None)
         try:
             os.unlink(path)
         except FileNotFoundError:

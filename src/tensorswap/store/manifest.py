@@ -439,14 +439,22 @@ def get_update(
 
 
 # ── reachability ─────────────────────────────────────────────────────────────
-def manifest_closure(store: BlockStore, root: Cid, *, verify: bool | None = None) -> list[Cid]:
+def manifest_closure(
+    store: BlockStore,
+    root: Cid,
+    *,
+    verify: bool | None = None,
+    seen: set[Cid] | None = None,
+) -> list[Cid]:
     """Every block ``root`` needs: itself, the manifests it links and all their chunks.
 
     Depth-first in manifest order, each CID once, ``root`` first; a raw ``root`` is its own
     closure. Manifests are read from ``store`` (BlockNotFound if one is missing); chunks are
     listed, not fetched. Use ``store.missing(closure)`` to find what a transfer must send.
+    ``seen`` (shared across calls for several roots) skips blocks already listed, and gains
+    the ones listed now: each block and each manifest decoding is visited once overall.
     """
-    seen: set[Cid] = set()
+    seen = set() if seen is None else seen
     order: list[Cid] = []
     stack = [root]
     while stack:

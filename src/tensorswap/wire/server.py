@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Self
 
-from tensorswap.cid import Cid, Multicodec
+from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, StoreError, TensorSwapError
 from tensorswap.store.base import BlockStore
-from tensorswap.store.manifest import read_manifest
+from tensorswap.store.manifest import manifest_closure
 from tensorswap.wire._pipeline import prefetched
 from tensorswap.wire._sink import BlockSink
 from tensorswap.wire.auth import server_handshake
@@ -294,21 +294,11 @@ class BlockServer:
         (and a manifest's decoding) shared by several roots is visited once."""
         seen: set[Cid] = set()
         for root in roots:
-            added: list[Cid] = []  # the part of root's closure not checked for an earlier root
-            stack = [root]
-            while stack:
-                cid = stack.pop()
-                if cid in seen:
-                    continue
-                seen.add(cid)
-                added.append(cid)
-                if cid.codec is Multicodec.TENSORSWAP_MANIFEST:
-                    try:
-                        manifest = read_manifest(self.store, cid)
-                    except BlockNotFound as exc:
-                        msg = f"committed root {root} lacks block {exc.cid}"
-                        raise ProtocolViolation(msg) from exc
-                    stack.extend(reversed(manifest.links()))
+            try:  # the part of root's closure not checked for an earlier root
+                added = manifest_closure(self.store, root, seen=seen)
+            except BlockNotFound as exc:
+                msg = f"committed root {root} lacks block {exc.cid}"
+                raise ProtocolViolation(msg) from exc
             lacking = self.store.missing(added)
             if lacking:
                 raise ProtocolViolation(
