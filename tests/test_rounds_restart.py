@@ -180,7 +180,9 @@ def test_serve_keep_rounds_collects_old_rounds_and_their_blocks(
     tmp_path: Path, servers: list[Server]
 ) -> None:
     data = tmp_path / "coordinator"
-    server = Server(data, "--keep-rounds", "1", "--gc-grace", "0", "--max-wait", "30")
+    server = Server(
+        data, "--keep-rounds", "1", "--gc-grace", "0", "--max-wait", "30", "--max-connections", "8"
+    )
     servers.append(server)
     results = asyncio.run(tiny_rounds(server.port, 3))
     assert server.stop() == 0  # a clean stop lets queued collections finish

@@ -200,3 +200,10 @@ async def test_blocking_client_with_torch_tensors(server: RoundServer) -> None:
     )
     np.testing.assert_allclose(a["layer.weight"], 2.0)
     np.testing.assert_array_equal(a["layer.weight"], b["layer.weight"])
+
+
+def test_the_round_server_passes_its_connection_cap_to_the_block_service() -> None:
+    with Coordinator(MemoryStore(), run_timer=False) as coordinator:
+        assert RoundServer(coordinator, max_connections=3).max_connections == 3
+        with pytest.raises(ValueError, match="max_connections"):
+            RoundServer(coordinator, max_connections=0)

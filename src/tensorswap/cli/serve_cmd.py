@@ -18,6 +18,7 @@ from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
 from tensorswap.rounds.server import RoundServer
 from tensorswap.wire.auth import load_key, server_ssl_context
 from tensorswap.wire.connection import Timeouts
+from tensorswap.wire.tcp import DEFAULT_MAX_CONNECTIONS
 
 __all__ = ["release_large_frees", "resolve_key", "serve"]
 
@@ -64,6 +65,7 @@ async def _run(
     keep_rounds: int | None = None,
     gc_grace: float = DEFAULT_GC_GRACE,
     max_wait: float = 300.0,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -75,7 +77,13 @@ async def _run(
         Coordinator.open, data, durable=durable, keep_rounds=keep_rounds, gc_grace=gc_grace
     )
     try:
-        server = RoundServer(coordinator, key=key, timeouts=timeouts, max_wait=max_wait)
+        server = RoundServer(
+            coordinator,
+            key=key,
+            timeouts=timeouts,
+            max_wait=max_wait,
+            max_connections=max_connections,
+        )
         async with await server.start(host, port, ssl=ssl):
             active = coordinator.tracker.active_count()
             click.echo(f"listening on {host}:{server.port}", err=True)
@@ -140,6 +148,14 @@ async def _run(
     "as long as asked.",
 )
 @click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_CONNECTIONS,
+    show_default=True,
+    metavar="N",
+    help="Clients served at once; more are refused at once (each holds a file descriptor).",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -157,6 +173,7 @@ def serve(
     keep_rounds: int | None,
     gc_grace: float,
     max_wait: float,
+    max_connections: int,
     log_level: str,
 ) -> None:
     """Run a coordinator: rounds (start, submit, status, wait) and blocks on one port.
@@ -179,7 +196,19 @@ def serve(
     timeouts = Timeouts(read=timeout)
     durable = not fast_commit
     asyncio.run(
-        _run(host, port, data, secret, ssl, timeouts, durable, keep_rounds, gc_grace, max_wait)
+        _run(
+            host,
+            port,
+            data,
+            secret,
+            ssl,
+            timeouts,
+            durable,
+            keep_rounds,
+            gc_grace,
+            max_wait,
+            max_connections,
+        )
     )
 
 
