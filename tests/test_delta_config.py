@@ -127,3 +127,24 @@ def test_a_key_that_is_not_text_is_a_config_error(name: str) -> None:
 def test_a_peer_port_of_thousands_of_digits_is_an_invalid_endpoint() -> None:
     with pytest.raises(InvalidEndpoint, match="is not a number in 0-65535"):
         DweConfig.from_env({"TENSORSWAP_DWE_PEERS": "a:1,h:" + "9" * 5000})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("backoff_max", float("nan")),
+        ("write_timeout", float("nan")),
+        ("queue_size", 2.5),
+        ("max_fragment_bytes", True),
+        ("max_attempts", "3"),
+    ],
+)
+def test_config_values_of_the_wrong_kind_are_refused(field: str, value: object) -> None:
+    with pytest.raises(DeltaConfigError, match=field):
+        DweConfig(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("peer", ["h\x00st:1", "ho st:1", "host\n:1"])
+def test_a_peer_host_with_control_or_space_characters_is_refused(peer: str) -> None:
+    with pytest.raises(InvalidEndpoint, match="control or space"):
+        DweConfig(peers=(peer,))

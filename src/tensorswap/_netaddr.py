@@ -34,6 +34,8 @@ def split_host_port(text: str, *, default_host: str | None = None) -> tuple[str,
         if default_host is None:
             raise HostPortError(text, "expected HOST:PORT (the host is missing)")
         host = default_host
+    if not host.isprintable() or any(c.isspace() for c in host):
+        raise HostPortError(text, "the host holds a control or space character")
     # At most 5 significant digits before int(): more are out of range anyway, and int()
     # refuses more than 4,300 digits with a bare ValueError.
     digits = port_text.lstrip("0") or "0"

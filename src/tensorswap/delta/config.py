@@ -108,6 +108,10 @@ class DweConfig:
         object.__setattr__(self, "peers", tuple(parse_endpoint(p) for p in self.peers))
         if self.listen is not None:
             object.__setattr__(self, "listen", parse_endpoint(self.listen))
+        for name in ("max_fragment_bytes", "queue_size", "max_attempts", "max_connections"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise DeltaConfigError(f"{name} must be an integer, got {value!r}")
         try:
             check_limit(self.max_fragment_bytes)
         except ValueError as exc:
@@ -117,9 +121,9 @@ class DweConfig:
                 raise DeltaConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         positive = ("connect_timeout", "write_timeout", "frame_timeout", "idle_timeout")
         for name in (*positive, "backoff_initial"):
-            if not getattr(self, name) > 0:
+            if not getattr(self, name) > 0:  # NaN fails too
                 raise DeltaConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.backoff_max < self.backoff_initial:
+        if not self.backoff_max >= self.backoff_initial:  # NaN fails too
             raise DeltaConfigError("backoff_max must be >= backoff_initial")
 
     @classmethod
