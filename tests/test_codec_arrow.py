@@ -591,3 +591,24 @@ def test_is_tensorswap_block() -> None:
     assert not is_tensorswap_block(b"")
     assert not is_tensorswap_block(b"GARW\x00\x00\x00\x00")
     assert not is_tensorswap_block(12)
+
+
+def test_a_header_nested_too_deep_is_a_malformed_block() -> None:
+    import pyarrow as pa
+
+    from tensorswap.codec.arrow import META_KEY
+
+    depth = 5000
+    header = (
+        '{"v":1,"kind":"tensor","name":"x","dtype":"float32","shape":[1],"num_samples":0,'
+        '"encoding":"dense","params":{},"meta":{},"zz":' + "[" * depth + "]" * depth + "}"
+    ).encode()
+    schema = pa.schema(
+        [pa.field("values", pa.float32(), nullable=False)], metadata={META_KEY: header}
+    )
+    batch = pa.RecordBatch.from_arrays([pa.array([1.0], pa.float32())], schema=schema)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    with pytest.raises(MalformedBlock, match="header"):
+        decode_block(sink.getvalue())

@@ -292,7 +292,7 @@ def test_int8_refuses_a_range_that_overflows_float64() -> None:
         encode_block(TensorBlock("x", x), encoding=Encoding.INT8)
 
 
-@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5, math.nan])
+@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5, math.nan, 2.0**-21])
 def test_topk_fraction_out_of_range_is_refused(fraction: float) -> None:
     with pytest.raises(ValueError, match="topk_fraction"):
         encode_block(
@@ -403,3 +403,20 @@ def test_tampered_lossy_blocks_are_malformed(
 ) -> None:
     with pytest.raises(MalformedBlock):
         decode_block(_forge_lossy(changes, columns))
+
+
+@pytest.mark.parametrize(("k", "size"), [(0, 4), (1, (1 << 20) + 1), (2, 3 << 20)])
+def test_a_topk_block_cannot_claim_far_more_values_than_it_holds(k: int, size: int) -> None:
+    """k kept entries stand for at most k * 2**20 values (the encoder refuses fractions
+    below 2**-20): a small hostile block cannot make the decoder allocate a huge tensor."""
+    from tensorswap.codec.lossy import ENCODINGS
+
+    with pytest.raises(MalformedBlock, match="topk"):
+        ENCODINGS[Encoding.TOPK].rows({"k": k}, size)
+
+
+def test_the_smallest_topk_fraction_still_decodes() -> None:
+    values = np.zeros(1 << 20, np.float32)
+    values[7] = 3.0
+    block = encode_block(TensorBlock("x", values), encoding=Encoding.TOPK, topk_fraction=2.0**-20)
+    np.testing.assert_array_equal(decode_block(block).values, values)

@@ -368,10 +368,15 @@ def test_compressed_chunks_are_checked_before_allocating(store: BlockStore) -> N
     manifest = read_manifest(store, real)
     assert isinstance(manifest, TensorManifest) and len(manifest.chunks) == 2
     ref = manifest.chunks[0]
-    huge = ChunkRef(ref.cid_bytes, 10**12, ref.nbytes)
-    lie = _tensor_manifest(shape=(10**12 + 4,), compression="zstd", chunks=(huge, ref))
+    huge = ChunkRef(ref.cid_bytes, 2**33, ref.nbytes)
+    lie = _tensor_manifest(shape=(2**33 + 4,), compression="zstd", chunks=(huge, ref))
     cid = store.put(encode_manifest(lie), codec=Multicodec.TENSORSWAP_MANIFEST)
     with pytest.raises(MalformedManifest, match="holds float32 \\[4\\]"):
+        get_tensor(store, cid)
+    beyond = ChunkRef(ref.cid_bytes, 10**12, ref.nbytes)  # past what any load allows
+    lie = _tensor_manifest(shape=(10**12 + 4,), compression="zstd", chunks=(beyond, ref))
+    cid = store.put(encode_manifest(lie), codec=Multicodec.TENSORSWAP_MANIFEST)
+    with pytest.raises(MalformedManifest, match="exceeds"):
         get_tensor(store, cid)
 
 

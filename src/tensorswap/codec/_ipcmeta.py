@@ -98,13 +98,15 @@ def batch_layout(metadata: memoryview) -> BatchLayout:
     )
 
 
-def check_decompressed_sizes(layout: BatchLayout, body: memoryview, max_bytes: int) -> None:
-    """Refuse any compressed body buffer whose declared decompressed size exceeds `max_bytes`.
+def check_decompressed_sizes(layout: BatchLayout, body: memoryview, max_bytes: int) -> int:
+    """Refuse any compressed body buffer whose declared decompressed size exceeds `max_bytes`;
+    return the sum of the sizes declared (0 for an uncompressed batch).
 
     Runs before pyarrow decompresses (and so allocates) anything.
     """
+    total = 0
     if not layout.compressed:
-        return
+        return total
     for offset, length in layout.buffers:
         if length == 0:
             continue  # empty buffers are not decompressed
@@ -119,4 +121,36 @@ def check_decompressed_sizes(layout: BatchLayout, body: memoryview, max_bytes: i
             raise MalformedBlock(
                 f"Arrow compressed buffer claims {claimed} decompressed bytes, at most "
                 f"{max_bytes} fit the block's header"
+            )
+        total += claimed
+    return total
+
+
+def check_ipc_messages(data: memoryview, max_bytes: int) -> None:
+    """Walk the messages of an Arrow IPC stream (or a file's, after its 8-byte magic) and
+    refuse it when its compressed record batches declare more than `max_bytes` decompressed in
+    all: what pyarrow would allocate to read it. Uncompressed batches cost no more than the
+    bytes they occupy. Damaged framing raises MalformedBlock.
+    """
+    import pyarrow as pa
+
+    reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(data))
+    budget = max_bytes
+    while True:
+        try:
+            message = reader.read_next_message()
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError, ValueError, EOFError) as exc:
+            raise MalformedBlock(f"damaged Arrow IPC message: {exc}") from exc
+        if message is None:
+            return
+        if message.type != "record batch":
+            continue
+        body = memoryview(message.body) if message.body is not None else memoryview(b"")
+        layout = batch_layout(memoryview(message.metadata))
+        budget -= check_decompressed_sizes(layout, body, budget)
+        if budget < 0:
+            raise MalformedBlock(
+                f"Arrow IPC data declares over {max_bytes} decompressed bytes in all"
             )

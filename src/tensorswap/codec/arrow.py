@@ -279,7 +279,7 @@ def read_header(schema: pa.Schema) -> BlockHeader:
         )
     try:
         header = _header_decoder.decode(raw)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise MalformedBlock(f"bad tensorswap.block header: {exc}") from exc
     if header.v != FORMAT_VERSION:
         raise MalformedBlock(f"unsupported tensorswap block version {header.v}")

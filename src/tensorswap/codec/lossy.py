@@ -316,6 +316,11 @@ def _quantize(flat: np.ndarray, lo: float, scale: float, q: np.ndarray) -> None:
         np.copyto(q[start : start + piece.size], t, casting="unsafe")
 
 
+MAX_TOPK_RATIO = 1 << 20
+"""A top-k block expands to at most this many values per kept entry (``topk_fraction`` >=
+2**-20): a small block can never make a decoder allocate an unbounded tensor."""
+
+
 class TopK(TensorEncoding):
     """The k largest-magnitude entries as (sorted int64 indices, values of the tensor dtype)."""
 
@@ -325,8 +330,8 @@ class TopK(TensorEncoding):
     def encode(self, flat: np.ndarray, dtype: DType, **options: Any) -> tuple[Columns, Params]:
         finite_range(flat, dtype, Encoding.TOPK)
         fraction = float(options.get("topk_fraction", 0.01))
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"topk_fraction must be in (0, 1], got {fraction}")
+        if not 1.0 / MAX_TOPK_RATIO <= fraction <= 1.0:
+            raise ValueError(f"topk_fraction must be in [2**-20, 1], got {fraction}")
         k = min(flat.size, max(1, math.ceil(flat.size * fraction))) if flat.size else 0
         if k == flat.size:
             idx = np.arange(flat.size, dtype=np.int64)
@@ -342,6 +347,8 @@ class TopK(TensorEncoding):
         k = params.get("k")
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= size:
             raise MalformedBlock(f"topk: k={k!r} is not an integer in [0, {size}]")
+        if size > k * MAX_TOPK_RATIO:  # the encoder keeps >= 1 entry per 2**20 values
+            raise MalformedBlock(f"topk: {k} entries cannot stand for {size} values")
         return k
 
     def decode(
@@ -353,7 +360,10 @@ class TopK(TensorEncoding):
             raise MalformedBlock(f"topk: an index is outside [0, {size})")
         if idx.size > 1 and not bool(np.all(idx[1:] > idx[:-1])):
             raise MalformedBlock("topk: indices are not strictly increasing")
-        out = np.zeros(size, dtype=dtype.numpy)
+        try:
+            out = np.zeros(size, dtype=dtype.numpy)
+        except MemoryError as exc:
+            raise MalformedBlock(f"topk: cannot allocate {size} values") from exc
         out[idx] = vals
         return out
 

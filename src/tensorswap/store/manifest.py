@@ -294,6 +294,10 @@ def _load_tensor(
 ) -> TensorBlock:
     dtype = DType.parse(manifest.dtype)
     chunks = manifest.chunks
+    if manifest.size > MAX_DECODED_VALUES:  # before anything is fetched or allocated
+        raise MalformedManifest(
+            f"tensor of {manifest.size} values exceeds the {MAX_DECODED_VALUES} a load allows", cid
+        )
     threads = _thread_count(workers, len(chunks), sum(c.nbytes for c in chunks))
     buffers = _map(lambda chunk: store.get(chunk.cid, verify=verify), chunks, threads)
     exact = manifest.encoding == Encoding.DENSE and not manifest.compression
@@ -308,9 +312,15 @@ def _load_tensor(
         # Compressed or lossy chunks: decode (and so check) every one before allocating.
         indices = range(len(chunks))
         decode = lambda i: _decode_chunk(buffers[i], manifest, i, dtype, cid)  # noqa: E731
-        values = np.concatenate(_map(decode, indices, threads))
+        try:
+            values = np.concatenate(_map(decode, indices, threads))
+        except MemoryError as exc:
+            raise MalformedManifest(f"cannot allocate {manifest.size} values", cid) from exc
     else:  # uncompressed dense chunks, or none at all (a tensor of zero values)
-        values = _alloc.empty(manifest.size, dtype.numpy)  # recycled pages: see _alloc
+        try:
+            values = _alloc.empty(manifest.size, dtype.numpy)  # recycled pages: see _alloc
+        except MemoryError as exc:
+            raise MalformedManifest(f"cannot allocate {manifest.size} values", cid) from exc
         offsets = [0, *itertools.accumulate(chunk.values for chunk in chunks)]
 
         def fill(i: int) -> None:
