@@ -612,3 +612,26 @@ def test_a_header_nested_too_deep_is_a_malformed_block() -> None:
         writer.write_batch(batch)
     with pytest.raises(MalformedBlock, match="header"):
         decode_block(sink.getvalue())
+
+
+@pytest.mark.parametrize("kind", ["stream", "file"])
+def test_check_ipc_messages_bounds_what_a_compressed_ipc_would_decompress(kind: str) -> None:
+    import pyarrow as pa
+
+    from tensorswap.codec._ipcmeta import check_ipc_messages
+
+    table = pa.table({"zeros": pa.array(np.zeros(1 << 20, np.float32))})  # 4 MiB, compresses
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    opener = pa.ipc.new_stream if kind == "stream" else pa.ipc.new_file
+    with opener(sink, table.schema, options=options) as writer:
+        writer.write_table(table)
+        writer.write_table(table)
+    data = memoryview(sink.getvalue())
+    messages = data if kind == "stream" else data[8:]  # a file's messages follow its magic
+    assert len(data) < 64 * 1024
+    check_ipc_messages(messages, 16 << 20)  # 8 MiB declared: fits
+    with pytest.raises(MalformedBlock, match="decompressed"):
+        check_ipc_messages(messages, 6 << 20)  # the second batch crosses it
+    with pytest.raises(MalformedBlock):
+        check_ipc_messages(messages[: len(messages) // 2], 16 << 20)
