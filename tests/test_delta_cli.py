@@ -108,9 +108,9 @@ def test_damaged_state_file_is_a_clean_error(tmp_path: Path, capsys, name, conte
     good, bad = tmp_path / "good.npz", tmp_path / name
     np.savez(good, w=np.zeros(2))
     bad.write_bytes(content)
-    assert main(["delta", "send", "--to", "127.0.0.1:1", str(bad), str(good)]) == 1
+    assert main(["delta", "send", "--to", "127.0.0.1:1", str(bad), str(good)]) == 2
     err = capsys.readouterr().err
-    assert "not a readable" in err and name in err
+    assert "not a readable" in err and name in err and len(err.splitlines()) == 1
 
 
 def test_unreachable_peer_reports_what_was_not_sent(tmp_path: Path, capsys) -> None:

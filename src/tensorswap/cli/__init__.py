@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
+    except click.FileError as exc:  # a missing or unreadable file is bad input too
+        exc.show()
+        return 2
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code

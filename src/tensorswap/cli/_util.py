@@ -1,17 +1,38 @@
-"""Small helpers shared by CLI commands: reading files without copies, host:port parsing."""
+"""Small helpers shared by CLI commands: reading files without copies, host:port parsing,
+shared keys and TLS contexts whose bad files are one error line.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
+import ssl
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 
 from tensorswap._netaddr import HostPortError, split_host_port
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses NaN and infinities (NaN passes every comparison)."""
+
+    name = "float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{rv} is not a finite number.", param, ctx)
+        return rv
+
+
+SECONDS = FiniteFloatRange(min=0, min_open=True)
+"""A timeout option's type: a finite number of seconds > 0."""
 
 
 @contextlib.contextmanager
@@ -59,3 +80,51 @@ def parse_host_port(text: str, *, default_host: str = "127.0.0.1") -> tuple[str,
         return split_host_port(text, default_host=default_host)
     except HostPortError as exc:
         raise click.BadParameter(str(exc)) from None
+
+
+def read_key(key_file: str | None) -> bytes | None:
+    """:func:`tensorswap.wire.auth.load_key`, an empty or unreadable key a click.BadParameter."""
+    from tensorswap.wire.auth import KEY_ENV, load_key  # here: `cid` and `inspect` need no wire
+
+    try:
+        return load_key(key_file)
+    except (ValueError, OSError) as exc:
+        hint = "'--key-file'" if key_file is not None else f"${KEY_ENV}"
+        raise click.BadParameter(_reason(exc), param_hint=hint) from None
+
+
+def client_tls(cafile: str | None) -> ssl.SSLContext:
+    """A client TLS context trusting ``cafile`` (system roots when None); a bad file is a
+    click.BadParameter naming --tls-ca.
+    """
+    from tensorswap.wire.auth import client_ssl_context
+
+    try:
+        return client_ssl_context(cafile)
+    except (ValueError, OSError) as exc:  # ssl.SSLError is an OSError
+        raise click.BadParameter(
+            f"cannot load {cafile}: {_reason(exc)}", param_hint="'--tls-ca'"
+        ) from None
+
+
+def server_tls(certfile: str, keyfile: str | None) -> ssl.SSLContext:
+    """A server TLS context from a certificate (and key) file; a bad file is a
+    click.BadParameter naming --tls-cert / --tls-key.
+    """
+    from tensorswap.wire.auth import server_ssl_context
+
+    try:
+        return server_ssl_context(certfile, keyfile)
+    except (ValueError, OSError) as exc:
+        files = certfile if keyfile is None else f"{certfile} / {keyfile}"
+        hint = ["--tls-cert"] if keyfile is None else ["--tls-cert", "--tls-key"]
+        raise click.BadParameter(
+            f"cannot load a certificate and private key from {files}: {_reason(exc)}",
+            param_hint=hint,
+        ) from None
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, ssl.SSLError):
+        return exc.strerror
+    return str(exc) or type(exc).__name__

@@ -13,6 +13,7 @@ from typing import Any
 import click
 import numpy as np
 
+from tensorswap.cli._util import SECONDS
 from tensorswap.delta.bincode import MAX_DWE_FRAGMENT_BYTES
 from tensorswap.delta.bus import DweBus
 from tensorswap.delta.config import DweConfig, SendMode, parse_endpoint
@@ -20,7 +21,7 @@ from tensorswap.delta.fragment import extract_delta_fragment
 from tensorswap.delta.listener import DweListener, Verdict
 from tensorswap.delta.split import split_fragment
 from tensorswap.delta.verify import FleetKeys, GapPolicy, sign_fragment
-from tensorswap.errors import DeltaError
+from tensorswap.errors import CodecError, DeltaError
 
 
 def _keys(key: str | None, previous_key: str | None, config: DweConfig) -> FleetKeys | None:
@@ -28,6 +29,8 @@ def _keys(key: str | None, previous_key: str | None, config: DweConfig) -> Fleet
         if previous_key is not None:
             raise click.UsageError("--previous-key needs --key")
         return config.keys
+    if not key:
+        raise click.BadParameter("the fleet key is empty", param_hint="'--key'")
     return FleetKeys(key.encode(), previous_key.encode() if previous_key else None)
 
 
@@ -58,7 +61,12 @@ def delta() -> None:
     show_default=True,
     help="What to do when a session's sequence skips ahead.",
 )
-@click.option("--count", type=int, default=0, help="Exit after this many frames (0: never).")
+@click.option(
+    "--count",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Exit after this many frames (0: never).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per frame.")
 def listen(
     address: str,
@@ -146,7 +154,7 @@ def load_state(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise click.FileError(str(path), hint=str(exc)) from exc
     except Exception as exc:  # a damaged file: BadZipFile, ValueError, SafetensorError, ...
-        raise click.FileError(str(path), hint=f"not a readable {suffix} file: {exc}") from exc
+        raise CodecError(f"{path}: not a readable {suffix} file: {exc}") from exc
 
 
 @delta.command("send")
@@ -164,7 +172,7 @@ def load_state(path: Path) -> dict[str, Any]:
     show_default=True,
     help="per-fragment for axiom 0.1.5 listeners (one frame per connection).",
 )
-@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds in all.")
+@click.option("--timeout", type=SECONDS, default=30.0, show_default=True, help="Seconds in all.")
 def send(
     to: str,
     base: Path,

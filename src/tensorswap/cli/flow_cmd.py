@@ -7,6 +7,7 @@ import time
 
 import click
 
+from tensorswap.cli._util import SECONDS, FiniteFloatRange
 from tensorswap.flow import (
     CommunicationError,
     FlowError,
@@ -34,14 +35,14 @@ def flow() -> None:
 @click.option(
     "--wait",
     "wait_s",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=0.5,
     show_default=True,
     help="Seconds to wait after binding before the first message, so subscribers can join.",
 )
 @click.option(
     "--interval",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=0.0,
     show_default=True,
     help="Seconds to pause after each message.",
@@ -49,7 +50,7 @@ def flow() -> None:
 @click.option(
     "--linger",
     "linger_s",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=1.0,
     show_default=True,
     help="Seconds to keep flushing queued messages after the last one.",
@@ -114,7 +115,7 @@ def pub(
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=SECONDS,
     default=None,
     help="Stop when no message has arrived for this many seconds.",
 )

@@ -203,7 +203,7 @@ def _describe_safetensors(data: memoryview, all_: bool) -> dict[str, Any]:
     (n,) = struct.unpack_from("<Q", data, 0)
     try:
         header = json.loads(bytes(data[8 : 8 + n]))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: a deeply nested header
         raise CodecError(f"damaged safetensors header: {exc}") from exc
     tensors = [
         {"name": k, "dtype": v.get("dtype"), "shape": v.get("shape")}

@@ -9,12 +9,11 @@ from typing import Any
 import click
 
 from tensorswap.cid import Cid
-from tensorswap.cli._util import parse_host_port
+from tensorswap.cli._util import SECONDS, parse_host_port, read_key, server_tls
 from tensorswap.codec import TensorBlock
 from tensorswap.errors import TensorSwapError
 from tensorswap.store import DirectoryStore, put_tensor, read_manifest
 from tensorswap.store.manifest import TensorManifest
-from tensorswap.wire.auth import load_key, server_ssl_context
 from tensorswap.wire.connection import Timeouts
 from tensorswap.wire.errors import StreamEnded
 from tensorswap.wire.ipfrs import GradientStreamSession
@@ -98,8 +97,13 @@ async def _serve_ipfrs(host: str, port: int, landing: _Landing, ssl: Any, timeou
 )
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="TLS certificate.")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="TLS private key.")
-@click.option("--count", type=int, default=0, help="Exit after this many tensors (0: never).")
-@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds per frame.")
+@click.option(
+    "--count",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Exit after this many tensors (0: never).",
+)
+@click.option("--timeout", type=SECONDS, default=60.0, show_default=True, help="Seconds per frame.")
 def recv(
     listen: str,
     out: str,
@@ -118,16 +122,16 @@ def recv(
     host, port = parse_host_port(listen)
     if tls_key and not tls_cert:
         raise click.UsageError("--tls-key needs --tls-cert")
-    ssl = server_ssl_context(tls_cert, tls_key) if tls_cert else None
+    ssl = server_tls(tls_cert, tls_key) if tls_cert else None
+    if ipfrs and key_file is not None:
+        raise click.UsageError("--ipfrs streams carry no handshake: use --tls-cert")
+    key = None if ipfrs else read_key(key_file)
     store = DirectoryStore(out)
     landing = _Landing(store, count)
     try:
         if ipfrs:
-            if key_file is not None:
-                raise click.UsageError("--ipfrs streams carry no handshake: use --tls-cert")
             asyncio.run(_serve_ipfrs(host, port, landing, ssl, timeout))
         else:
-            key = load_key(key_file)
             timeouts = Timeouts(read=timeout)
             asyncio.run(_serve_blocks(host, port, landing, key, ssl, timeouts))
     except KeyboardInterrupt:

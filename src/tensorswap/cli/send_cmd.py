@@ -14,12 +14,11 @@ from typing import Any
 import click
 import numpy as np
 
-from tensorswap.cli._util import parse_host_port
+from tensorswap.cli._util import SECONDS, client_tls, parse_host_port, read_key
 from tensorswap.codec import TensorBlock, decode_block, is_tensorswap_block
 from tensorswap.codec.ipfrs import decode_ipfrs_gradient, is_ipfrs_gradient_file
-from tensorswap.errors import CodecError
+from tensorswap.errors import CodecError, TensorSwapError
 from tensorswap.store import DEFAULT_CHUNK_BYTES, ModelUpdate
-from tensorswap.wire.auth import client_ssl_context, load_key
 from tensorswap.wire.client import BlockClient, CompressionChoice
 from tensorswap.wire.connection import Timeouts
 from tensorswap.wire.frames import Compression
@@ -51,9 +50,15 @@ def load_tensors(path: str | Path, name: str | None = None) -> TensorBlock | Mod
     except OSError as exc:
         raise click.FileError(str(path), hint=exc.strerror or str(exc)) from exc
     if head.startswith(b"\x93NUMPY"):
-        return TensorBlock(label, np.load(path, mmap_mode="r", allow_pickle=False))
+        with _readable(path, ".npy"):
+            return TensorBlock(label, np.load(path, mmap_mode="r", allow_pickle=False))
     if head.startswith(b"PK") and zipfile.is_zipfile(path):
-        with np.load(path, allow_pickle=False) as npz:
+        # Our own file object: np.load(path) leaves its file open when the zip is damaged.
+        with (
+            _readable(path, ".npz"),
+            open(path, "rb") as file,
+            np.load(file, allow_pickle=False) as npz,
+        ):
             return ModelUpdate({k: npz[k] for k in npz.files}, name=label)
     data = np.memmap(path, mode="r") if path.stat().st_size else np.empty(0, np.uint8)
     if is_ipfrs_gradient_file(data):
@@ -73,6 +78,19 @@ def load_tensors(path: str | Path, name: str | None = None) -> TensorBlock | Mod
         f"{path}: not a .npy, .npz, safetensors, tensorswap block or ipfrs gradient file",
         param_hint="FILE",
     )
+
+
+@contextmanager
+def _readable(path: Path, kind: str) -> Iterator[None]:
+    """Turn numpy's errors over a damaged (truncated, object-dtype, bad header or member, bad
+    CRC) file into one CodecError; the CLI prints it as one line and exits with code 2.
+    """
+    try:
+        yield
+    except TensorSwapError:
+        raise
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise CodecError(f"{path}: not a readable {kind} file: {exc}") from exc
 
 
 def item_nbytes(update: ModelUpdate) -> int:
@@ -177,14 +195,18 @@ async def _send_ipfrs(
     help="Per-block compression; auto uses zstd where a sample shrinks by 15%+.",
 )
 @click.option(
-    "--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, show_default=True, help="Block size."
+    "--chunk-bytes",
+    type=click.IntRange(min=1),
+    default=DEFAULT_CHUNK_BYTES,
+    show_default=True,
+    help="Block size.",
 )
 @click.option(
     "--chunk-size",
-    type=int,
+    type=click.IntRange(min=0),
     default=DEFAULT_CHUNK_SIZE,
     show_default=True,
-    help="Values per ipfrs chunk (--ipfrs).",
+    help="Values per ipfrs chunk (--ipfrs; 0 means 1, as in ipfrs).",
 )
 @click.option(
     "--key-file",
@@ -193,7 +215,7 @@ async def _send_ipfrs(
 )
 @click.option("--tls", is_flag=True, help="Use TLS (system CAs unless --tls-ca).")
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA/cert to trust.")
-@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds per frame.")
+@click.option("--timeout", type=SECONDS, default=60.0, show_default=True, help="Seconds per frame.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: large).")
 def send(
     file: str,
@@ -215,10 +237,10 @@ def send(
     not sent again, so re-running after an interruption resumes the transfer.
     """
     host, port = parse_host_port(to)
-    key = load_key(key_file)
+    key = read_key(key_file)
     if ipfrs and key_file is not None:
         raise click.UsageError("--ipfrs streams carry no handshake: use --tls, not a key")
-    ssl = client_ssl_context(tls_ca) if tls or tls_ca else None
+    ssl = client_tls(tls_ca) if tls or tls_ca else None
     timeouts = Timeouts(read=timeout)
     item = load_tensors(file, name)
     if ipfrs:

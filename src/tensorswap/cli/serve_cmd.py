@@ -13,10 +13,15 @@ import threading
 
 import click
 
-from tensorswap.cli._util import parse_host_port
+from tensorswap.cli._util import (
+    SECONDS,
+    FiniteFloatRange,
+    parse_host_port,
+    read_key,
+    server_tls,
+)
 from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
 from tensorswap.rounds.server import RoundServer
-from tensorswap.wire.auth import load_key, server_ssl_context
 from tensorswap.wire.connection import Timeouts
 from tensorswap.wire.tcp import DEFAULT_MAX_CONNECTIONS
 
@@ -51,7 +56,7 @@ def resolve_key(key: str | None, key_file: str | None) -> bytes | None:
         if not key:
             raise click.BadParameter("the key is empty", param_hint="--key")
         return key.encode()
-    return load_key(key_file)
+    return read_key(key_file)
 
 
 async def _run(
@@ -115,7 +120,7 @@ async def _run(
 )
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="TLS certificate.")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="TLS private key.")
-@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds per frame.")
+@click.option("--timeout", type=SECONDS, default=60.0, show_default=True, help="Seconds per frame.")
 @click.option(
     "--fast-commit",
     is_flag=True,
@@ -131,7 +136,7 @@ async def _run(
 )
 @click.option(
     "--gc-grace",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=DEFAULT_GC_GRACE,
     show_default=True,
     metavar="SECONDS",
@@ -140,7 +145,7 @@ async def _run(
 )
 @click.option(
     "--max-wait",
-    type=click.FloatRange(min=0, min_open=True),
+    type=SECONDS,
     default=300.0,
     show_default=True,
     metavar="SECONDS",
@@ -187,7 +192,7 @@ def serve(
     secret = resolve_key(key, key_file)
     if tls_key and not tls_cert:
         raise click.UsageError("--tls-key needs --tls-cert")
-    ssl = server_ssl_context(tls_cert, tls_key) if tls_cert else None
+    ssl = server_tls(tls_cert, tls_key) if tls_cert else None
     release_large_frees()
     logging.basicConfig(
         level=getattr(logging, log_level.upper()),

@@ -11,11 +11,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from tensorswap.cli._util import parse_host_port
+from tensorswap.cli._util import SECONDS, client_tls, parse_host_port
 from tensorswap.cli.serve_cmd import resolve_key
 from tensorswap.rounds.client import RoundClient, ServerStatus
 from tensorswap.rounds.protocol import RoundRow
-from tensorswap.wire.auth import client_ssl_context
 from tensorswap.wire.connection import Timeouts
 
 __all__ = ["render", "status", "to_json"]
@@ -127,7 +126,7 @@ def render(report: ServerStatus, console: Console, now: float | None = None) -> 
 )
 @click.option("--tls", is_flag=True, help="Use TLS (system CAs unless --tls-ca).")
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA/cert to trust.")
-@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait.")
+@click.option("--timeout", type=SECONDS, default=10.0, show_default=True, help="Seconds to wait.")
 def status(
     address: str,
     as_json: bool,
@@ -140,7 +139,7 @@ def status(
     """Show the rounds of the coordinator at HOST:PORT: status, peers, contributions, bytes."""
     host, port = parse_host_port(address)
     secret = resolve_key(key, key_file)
-    ssl = client_ssl_context(tls_ca) if tls or tls_ca else None
+    ssl = client_tls(tls_ca) if tls or tls_ca else None
     report = asyncio.run(_fetch(host, port, secret, ssl, timeout))
     if as_json:
         click.echo(json.dumps(to_json(report), indent=2, sort_keys=True))
