@@ -188,3 +188,20 @@ def test_other_numeric_options_refuse_nan_and_negatives(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     assert f"'{argv[-2]}'" in run_bad(capsys, *argv)
+
+
+@pytest.mark.parametrize("kind", ["stream", "file"])
+def test_inspect_refuses_a_compressed_arrow_file_that_would_inflate_past_its_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    import pyarrow as pa
+
+    table = pa.table({"v": pa.array(np.zeros(20 << 20, np.float32))})  # 80 MiB of zeros
+    sink = pa.BufferOutputStream()
+    opener = pa.ipc.new_stream if kind == "stream" else pa.ipc.new_file
+    with opener(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+        w.write_table(table)
+    path = tmp_path / f"bomb.{kind}.arrow"
+    path.write_bytes(sink.getvalue().to_pybytes())
+    assert path.stat().st_size < 1 << 20
+    assert "decompressed bytes" in run_bad(capsys, "inspect", str(path))

@@ -17,6 +17,7 @@ import pyarrow as pa
 from tensorswap.cid import Cid, HashFunction, Multicodec
 from tensorswap.cli._util import mapped
 from tensorswap.codec import decode_block, is_tensorswap_block
+from tensorswap.codec._ipcmeta import check_ipc_messages
 from tensorswap.codec.garw import GarwBlock, compute_garw_cid, is_garw
 from tensorswap.codec.ipfrs import decode_ipfrs_gradient, is_ipfrs_gradient_file
 from tensorswap.delta.bincode import decode_fragment_file, looks_like_fragment_file
@@ -142,7 +143,14 @@ def _arrow_table_fields(table: pa.Table, all_: bool) -> dict[str, Any]:
     return out
 
 
+def _inflation_limit(data: memoryview) -> int:
+    """What a foreign, possibly compressed Arrow file may decompress to be described: 64 times
+    its size (real tensors compress far less) and at least 64 MiB; a 'zip bomb' is refused."""
+    return max(64 << 20, 64 * data.nbytes)
+
+
 def _describe_arrow_file(data: memoryview, all_: bool) -> dict[str, Any]:
+    check_ipc_messages(data[8:], _inflation_limit(data))  # messages follow the 8-byte magic
     try:
         table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
     except (pa.ArrowException, OSError, ValueError) as exc:
@@ -155,6 +163,7 @@ def _describe_arrow_file(data: memoryview, all_: bool) -> dict[str, Any]:
 
 
 def _describe_arrow_stream(data: memoryview, all_: bool) -> dict[str, Any]:
+    check_ipc_messages(data, _inflation_limit(data))
     try:
         table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
     except (pa.ArrowException, OSError, ValueError) as exc:

@@ -120,7 +120,7 @@ def check_decompressed_sizes(layout: BatchLayout, body: memoryview, max_bytes: i
         if not 0 <= claimed <= max_bytes:
             raise MalformedBlock(
                 f"Arrow compressed buffer claims {claimed} decompressed bytes, at most "
-                f"{max_bytes} fit the block's header"
+                f"{max_bytes} are allowed here"
             )
         total += claimed
     return total
