@@ -55,7 +55,8 @@ def _plain(value: Any) -> Any:
         return int(value)
     if isinstance(value, float | np.floating):
         return float(value)
-    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+    # unreachable for a validated message; msgspec passes this error to the caller
+    raise TypeError(f"a flow message cannot carry a {type(value).__name__}")
 
 
 _ENCODER = msgspec.json.Encoder(enc_hook=_plain)
