@@ -367,3 +367,58 @@ async def test_a_connection_in_the_middle_of_a_frame_is_not_evicted() -> None:
 def test_idle_timeout_must_be_positive() -> None:
     with pytest.raises(DeltaConfigError, match="idle_timeout"):
         DweConfig(idle_timeout=0)
+
+
+async def test_a_full_handler_queue_rejects_instead_of_stalling_every_connection() -> None:
+    queue: asyncio.Queue[DweFragment] = asyncio.Queue(maxsize=1)
+    verdicts: list[Verdict] = []
+    got = asyncio.Event()
+
+    def seen(v: Verdict) -> None:
+        verdicts.append(v)
+        got.set()
+
+    async with DweListener(queue, on_verdict=seen) as listener:
+        _, writer = await _send_raw(listener.endpoint, encode_frame(_fragment(1)))
+        _, other = await _send_raw(listener.endpoint, encode_frame(_fragment(2)))
+        async with asyncio.timeout(5):
+            while len(verdicts) < 2:
+                got.clear()
+                await got.wait()
+        await _close(writer)
+        await _close(other)
+    assert sorted(v.accepted for v in verdicts) == [False, True]
+    refused = next(v for v in verdicts if not v.accepted)
+    assert refused.reason is RejectReason.HANDLER_ERROR and "queue is full" in refused.detail
+    assert queue.qsize() == 1
+
+
+async def test_an_async_handler_that_never_returns_is_given_up_on() -> None:
+    never = asyncio.Event()
+    calls: list[int] = []
+
+    async def stuck(fragment: DweFragment) -> None:
+        calls.append(fragment.sequence)
+        if fragment.sequence == 1:
+            await never.wait()  # the first one never finishes
+
+    verdicts: list[Verdict] = []
+    got = asyncio.Event()
+
+    def seen(v: Verdict) -> None:
+        verdicts.append(v)
+        got.set()
+
+    config = DweConfig(handler_timeout=0.2)
+    async with DweListener(stuck, on_verdict=seen, config=config) as listener:
+        _, writer = await _send_raw(
+            listener.endpoint, encode_frame(_fragment(1)), encode_frame(_fragment(2))
+        )
+        async with asyncio.timeout(10):
+            while len(verdicts) < 2:
+                got.clear()
+                await got.wait()
+        await _close(writer)
+    assert [v.accepted for v in verdicts] == [False, True]
+    assert "did not finish within 0.2 s" in verdicts[0].detail
+    assert calls == [1, 2]

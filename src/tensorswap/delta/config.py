@@ -85,7 +85,8 @@ class DweConfig:
     its last, and closes a connection with no frame in progress after ``idle_timeout``.
     ``max_attempts`` is how many times one frame is tried per peer
     (each failed try reconnects after an exponential backoff from ``backoff_initial`` doubling
-    up to ``backoff_max``).
+    up to ``backoff_max``). A listener's async handler must finish within ``handler_timeout``
+    (it runs under the lock that orders every fragment), else the fragment is rejected.
     """
 
     peers: tuple[Endpoint, ...] = ()
@@ -99,6 +100,7 @@ class DweConfig:
     write_timeout: float = 30.0
     frame_timeout: float = 30.0
     idle_timeout: float = 300.0
+    handler_timeout: float = 30.0
     backoff_initial: float = 0.05
     backoff_max: float = 5.0
     max_attempts: int = 3
@@ -119,7 +121,13 @@ class DweConfig:
         for name in ("queue_size", "max_attempts", "max_connections"):
             if getattr(self, name) < 1:
                 raise DeltaConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        positive = ("connect_timeout", "write_timeout", "frame_timeout", "idle_timeout")
+        positive = (
+            "connect_timeout",
+            "write_timeout",
+            "frame_timeout",
+            "idle_timeout",
+            "handler_timeout",
+        )
         for name in (*positive, "backoff_initial"):
             if not getattr(self, name) > 0:  # NaN fails too
                 raise DeltaConfigError(f"{name} must be > 0, got {getattr(self, name)}")

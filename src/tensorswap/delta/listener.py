@@ -108,7 +108,8 @@ class DweListener:
             keys=self.config.keys, gap_policy=self.config.gap_policy
         )
         self.telemetry_recorder = telemetry if telemetry is not None else DweTelemetry()
-        self._handler = handler.put if isinstance(handler, asyncio.Queue) else handler
+        self._queue = handler if isinstance(handler, asyncio.Queue) else None
+        self._handler = None if isinstance(handler, asyncio.Queue) else handler
         self._on_verdict = on_verdict
         self._apply_lock = asyncio.Lock()
         self._server: asyncio.Server | None = None
@@ -304,16 +305,31 @@ class DweListener:
             self._reject(peer, exc.reason, exc.detail, size, fragment)
             return
         self.telemetry_recorder.record_accepted(fragment.session_id)
-        if self._handler is not None:
+        if self._queue is not None:
+            # Never wait for room: every connection waits behind this lock.
+            try:
+                self._queue.put_nowait(fragment)
+            except asyncio.QueueFull:
+                detail = f"handler queue is full ({self._queue.maxsize} fragments waiting)"
+                self._reject(peer, RejectReason.HANDLER_ERROR, detail, size, fragment)
+                return
+            self.telemetry_recorder.record_applied()
+        elif self._handler is not None:
+            limit = self.config.handler_timeout
+            deadline = asyncio.timeout(limit)
             try:
                 result = self._handler(fragment)
                 if inspect.isawaitable(result):
-                    await result
+                    async with deadline:
+                        await result
             except DeltaError as exc:
                 self._reject(peer, RejectReason.APPLY_FAILED, str(exc), size, fragment)
                 return
             except Exception as exc:  # a faulty handler must not take the listener down
-                detail = f"handler raised {exc!r}"
+                if deadline.expired():
+                    detail = f"handler did not finish within {limit:g} s"
+                else:
+                    detail = f"handler raised {exc!r}"
                 self._reject(peer, RejectReason.HANDLER_ERROR, detail, size, fragment)
                 return
             self.telemetry_recorder.record_applied()
