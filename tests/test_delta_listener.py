@@ -33,27 +33,38 @@ def _fragment(seq: int, fill: float = 1.0) -> DweFragment:
     )
 
 
+class Verdicts:
+    """An ``on_verdict`` that records; an event per verdict keeps the tests sleep-free."""
+
+    def __init__(self) -> None:
+        self.seen: list[Verdict] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, verdict: Verdict) -> None:
+        self.seen.append(verdict)
+        self._changed.set()
+
+    async def until(self, count: int, seconds: float = 5.0) -> list[Verdict]:
+        async with asyncio.timeout(seconds):
+            while len(self.seen) < count:
+                self._changed.clear()
+                await self._changed.wait()
+        return self.seen
+
+
 class Harness:
-    """A listener applying to its own state; an event per verdict keeps the tests sleep-free."""
+    """A listener applying to its own state, its verdicts recorded."""
 
     def __init__(self, **kwargs) -> None:
         self.state = [np.zeros((2, 3), np.float32)]
-        self.verdicts: list[Verdict] = []
-        self.changed = asyncio.Event()
+        self.record = Verdicts()
+        self.verdicts = self.record.seen
         self.listener = DweListener(
-            lambda f: apply_fragment(self.state, f), on_verdict=self._seen, **kwargs
+            lambda f: apply_fragment(self.state, f), on_verdict=self.record, **kwargs
         )
 
-    def _seen(self, verdict: Verdict) -> None:
-        self.verdicts.append(verdict)
-        self.changed.set()
-
     async def until(self, count: int) -> list[Verdict]:
-        async with asyncio.timeout(5):
-            while len(self.verdicts) < count:
-                self.changed.clear()
-                await self.changed.wait()
-        return self.verdicts
+        return await self.record.until(count)
 
 
 async def _send_raw(endpoint, *frames: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -205,17 +216,10 @@ async def test_handler_bug_is_contained() -> None:
     def broken(fragment: DweFragment) -> None:
         raise RuntimeError("boom")
 
-    verdicts: list[Verdict] = []
-    got = asyncio.Event()
-
-    def seen(v: Verdict) -> None:
-        verdicts.append(v)
-        got.set()
-
-    async with DweListener(broken, on_verdict=seen) as listener:
+    record = Verdicts()
+    async with DweListener(broken, on_verdict=record) as listener:
         _, writer = await _send_raw(listener.endpoint, encode_frame(_fragment(1)))
-        async with asyncio.timeout(5):
-            await got.wait()
+        verdicts = await record.until(1)
         await _close(writer)
     assert verdicts[0].reason is RejectReason.HANDLER_ERROR and "boom" in verdicts[0].detail
 
@@ -371,20 +375,11 @@ def test_idle_timeout_must_be_positive() -> None:
 
 async def test_a_full_handler_queue_rejects_instead_of_stalling_every_connection() -> None:
     queue: asyncio.Queue[DweFragment] = asyncio.Queue(maxsize=1)
-    verdicts: list[Verdict] = []
-    got = asyncio.Event()
-
-    def seen(v: Verdict) -> None:
-        verdicts.append(v)
-        got.set()
-
-    async with DweListener(queue, on_verdict=seen) as listener:
+    record = Verdicts()
+    async with DweListener(queue, on_verdict=record) as listener:
         _, writer = await _send_raw(listener.endpoint, encode_frame(_fragment(1)))
         _, other = await _send_raw(listener.endpoint, encode_frame(_fragment(2)))
-        async with asyncio.timeout(5):
-            while len(verdicts) < 2:
-                got.clear()
-                await got.wait()
+        verdicts = await record.until(2)
         await _close(writer)
         await _close(other)
     assert sorted(v.accepted for v in verdicts) == [False, True]
@@ -402,22 +397,13 @@ async def test_an_async_handler_that_never_returns_is_given_up_on() -> None:
         if fragment.sequence == 1:
             await never.wait()  # the first one never finishes
 
-    verdicts: list[Verdict] = []
-    got = asyncio.Event()
-
-    def seen(v: Verdict) -> None:
-        verdicts.append(v)
-        got.set()
-
+    record = Verdicts()
     config = DweConfig(handler_timeout=0.2)
-    async with DweListener(stuck, on_verdict=seen, config=config) as listener:
+    async with DweListener(stuck, on_verdict=record, config=config) as listener:
         _, writer = await _send_raw(
             listener.endpoint, encode_frame(_fragment(1)), encode_frame(_fragment(2))
         )
-        async with asyncio.timeout(10):
-            while len(verdicts) < 2:
-                got.clear()
-                await got.wait()
+        verdicts = await record.until(2, seconds=10)
         await _close(writer)
     assert [v.accepted for v in verdicts] == [False, True]
     assert "did not finish within 0.2 s" in verdicts[0].detail
