@@ -6,7 +6,9 @@ import enum
 import hashlib
 import json
 import math
+import re
 import struct
+import tracemalloc
 from decimal import Decimal
 
 import msgspec
@@ -422,6 +424,59 @@ def test_deeply_nested_json_is_a_malformed_message(document: bytes) -> None:
         decode(document)
     with pytest.raises(MalformedMessage, match="nesting too deep"):
         decode(document.decode())
+
+
+@pytest.mark.parametrize(
+    "filler",
+    [b"[]", b"{}", b"[0]", b'{"a":[]}'],
+    ids=["lists", "objects", "numbers", "nested"],
+)
+def test_a_broken_message_is_refused_without_building_its_json(filler: bytes) -> None:
+    # A 4 MiB body that the typed decode refuses used to be decoded into a generic Python
+    # tree first (about 20x its size: 1.5 GB for a 64 MiB frame); now the careful path only
+    # checks its syntax and decodes each body into its typed classes.
+    items = b",".join([filler] * (4 * 1024 * 1024 // (len(filler) + 1)))
+    frame = (
+        b'{"payload":{"Spikes":{"batch_id":1,"session_id":null,"timestamp":1,"spikes":['
+        + items
+        + b']}},"wire_version":1}'
+    )
+    tracemalloc.start()
+    try:
+        with pytest.raises(MalformedMessage, match=r"Spikes: .* at `\$\.spikes\[0\]"):
+            decode(frame)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < len(frame) // 4
+
+
+def test_big_values_in_error_messages_are_clipped_not_decoded() -> None:
+    big = b"[" + b"1," * 50_000 + b"1]"
+    for document, words in [
+        (b'{"wire_version":' + big + b',"payload":"Ping"}', "got [1,1,1"),
+        (b'{"Ping":' + big + b"}", "invalid type: [1,1,1"),
+        (b'{"wire_version":1,"payload":' + big + b"}", "invalid type: [1,1,1"),
+    ]:
+        with pytest.raises(MalformedMessage, match=re.escape(words)) as info:
+            decode(document)
+        assert len(str(info.value)) < 400
+
+
+def test_a_trace_row_with_no_channel_is_named_in_every_form() -> None:
+    for row in ('{"trace_value":0.5,"last_spike_time":3}', '{"neuron_id":"7"}'):
+        body = '{"EligibilityTraces":{"session_id":"s","batch_id":1,"traces":[' + row + "]}}"
+        with pytest.raises(MalformedMessage, match=r"at `\$\.traces\[0\]"):
+            decode(body)
+    body = (
+        '{"EligibilityTraces":{"session_id":"s","batch_id":1,"traces":['
+        '{"channel_id":1,"trace_value":0.5,"last_spike_time":3},'
+        '{"trace_value":0.5,"last_spike_time":3}]}}'
+    )
+    with pytest.raises(
+        MalformedMessage, match=r"missing required field `channel_id` - at `\$\.traces\[1\]`"
+    ):
+        decode(body)
 
 
 def test_a_str_with_a_lone_surrogate_is_a_malformed_message() -> None:

@@ -20,7 +20,10 @@ from msgspec.structs import astuple
 from tensorswap.flow.errors import FieldTypeError, MalformedMessage, WireVersionError
 from tensorswap.flow.floats import plus_exponents, serde_f32
 from tensorswap.flow.messages import (
+    U16,
+    U32,
     U32_MAX,
+    U64,
     UNIT_MESSAGES,
     UNIT_VARIANTS,
     VARIANTS,
@@ -177,8 +180,34 @@ def _unknown(name: str) -> MalformedMessage:
     return _bad_payload(f"unknown variant `{_clip(name)}`, expected one of {_EXPECTED}")
 
 
+_PEEK_LIMIT = 4096
+"""A JSON value of at most this many bytes may be decoded whole (for an error message, or to
+check a unit variant's ``null``); a bigger one is never turned into Python objects."""
+
+
+class _Unparsed:
+    """A JSON value too big to decode whole, standing in for it in an error message."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, raw: msgspec.Raw) -> None:
+        self.text = memoryview(raw)[: _ECHO_LIMIT + 1].tobytes().decode("utf-8", "replace")
+
+
+def _peek(raw: msgspec.Raw) -> Any:
+    """The value of a small, already well-formed JSON text; an ``_Unparsed`` for a big one."""
+    if len(raw) > _PEEK_LIMIT:
+        return _Unparsed(raw)
+    try:
+        return msgspec.json.decode(raw)
+    except RecursionError:  # 4 KiB of brackets nest deeper than the interpreter allows
+        return _Unparsed(raw)
+
+
 def _json_text(value: object) -> str:
     """``value`` as JSON for an error message, cut to ``_ECHO_LIMIT`` characters."""
+    if isinstance(value, _Unparsed):
+        return _clip(value.text)
     return _clip(msgspec.json.encode(value).decode())
 
 
@@ -195,42 +224,87 @@ def _build(name: str, body: Any) -> IpcMessage:
     return message
 
 
-def _alias_neuron_id(body: Any) -> Any:
-    """corpus-ipc accepts ``neuron_id`` as an alias of ``TraceData.channel_id``."""
-    if not isinstance(body, dict) or not isinstance(body.get("traces"), list):
-        return body
+class _AliasedTrace(msgspec.Struct, kw_only=True, gc=False):
+    """A ``TraceData`` row that may name its channel ``neuron_id`` (corpus-ipc's alias)."""
+
+    channel_id: U16 | UnsetType = UNSET
+    last_spike_time: U32
+    neuron_id: U16 | UnsetType = UNSET
+    trace_value: float
+
+
+class _AliasedTraces(msgspec.Struct, kw_only=True):
+    batch_id: U64
+    session_id: str
+    traces: list[_AliasedTrace]
+
+
+_ALIASED = msgspec.json.Decoder(_AliasedTraces)
+
+
+def _unalias(batch: _AliasedTraces) -> TraceBatch:
+    """The ``TraceBatch`` of rows that name their channel either way, but not both."""
     rows = []
-    for row in body["traces"]:
-        if isinstance(row, dict) and "neuron_id" in row:
-            if "channel_id" in row:
+    for i, row in enumerate(batch.traces):
+        channel = row.channel_id
+        if row.neuron_id is not UNSET:
+            if channel is not UNSET:
                 raise _bad_payload("duplicate field `channel_id` (also given as `neuron_id`)")
-            row = {("channel_id" if k == "neuron_id" else k): v for k, v in row.items()}
-        rows.append(row)
-    return {**body, "traces": rows}
+            channel = row.neuron_id
+        elif channel is UNSET:
+            raise _bad_payload(
+                f"EligibilityTraces: Object missing required field `channel_id` - at "
+                f"`$.traces[{i}]`"
+            )
+        rows.append(
+            TraceData(
+                channel_id=channel,
+                last_spike_time=row.last_spike_time,
+                trace_value=row.trace_value,
+            )
+        )
+    return TraceBatch(batch_id=batch.batch_id, session_id=batch.session_id, traces=rows)
 
 
-def _message(value: Any) -> IpcMessage:
-    """An ``IpcMessage`` from generic JSON, reporting structural faults as serde would."""
+# The careful path never builds a generic tree of a peer's JSON: ``[[],[],...]`` in a 64 MiB
+# frame took 1.5 GB and 10 s that way. It checks the syntax of the whole text (into a Raw, a
+# view of the input), splits objects into Raw members, and decodes each message body straight
+# into its typed classes.
+_WHOLE = msgspec.json.Decoder(msgspec.Raw)
+_SHELL = msgspec.json.Decoder(dict[str, msgspec.Raw] | str)
+_BODY = {
+    name: msgspec.json.Decoder(float if cls is Loss else cls)
+    for name, cls in VARIANTS.items()
+    if name not in UNIT_VARIANTS and cls is not TraceBatch
+}
+
+
+def _message(raw: msgspec.Raw) -> IpcMessage:
+    """An ``IpcMessage`` from well-formed JSON text, reporting structural faults as serde would."""
+    try:
+        value = _SHELL.decode(raw)
+    except msgspec.ValidationError:  # an array, a number, a bool or null
+        raise _bad_payload(
+            f"invalid type: {_json_text(_peek(raw))}, expected an IpcMessage"
+        ) from None
     if isinstance(value, str):
         if value in UNIT_MESSAGES:
             return UNIT_MESSAGES[value]
         if value in VARIANTS:
             raise _bad_payload(f"invalid type: unit variant, expected variant {value} with data")
         raise _unknown(value)
-    if not isinstance(value, dict):
-        raise _bad_payload(f"invalid type: {_json_text(value)}, expected an IpcMessage")
     if len(value) != 1:
         raise _bad_payload(f"a message object has exactly one variant key, found {len(value)}")
     ((name, body),) = value.items()
-    cls = VARIANTS.get(name)
-    if cls is None:
+    if name not in VARIANTS:
         raise _unknown(name)
     if name in UNIT_VARIANTS:
-        return _build(name, body)
-    if cls is TraceBatch:
-        body = _alias_neuron_id(body)
+        return _build(name, _peek(body))
     try:
-        typed = msgspec.convert(body, float if cls is Loss else cls)
+        if name == TraceBatch.variant:  # rows may name their channel ``neuron_id``
+            typed: Any = _unalias(_ALIASED.decode(body))
+        else:
+            typed = _BODY[name].decode(body)
     except msgspec.ValidationError as exc:
         raise _bad_payload(f"{name}: {exc}") from exc
     except RecursionError as exc:
@@ -250,7 +324,7 @@ def _check_version(value: object) -> None:
 def _decode_careful(data: bytes | str) -> IpcMessage:
     """corpus-ipc's decode order: JSON, version (before the payload), then the payload."""
     try:
-        value = msgspec.json.decode(data)
+        whole = _WHOLE.decode(data)
     except msgspec.DecodeError as exc:
         raise MalformedMessage(f"failed to decode envelope JSON: {exc}") from exc
     except RecursionError as exc:  # msgspec recurses once per array/object level
@@ -260,14 +334,16 @@ def _decode_careful(data: bytes | str) -> IpcMessage:
             f"failed to decode envelope JSON: not valid UTF-8 ({exc.reason} "
             f"at position {exc.start})"
         ) from exc
+    try:
+        value = _SHELL.decode(whole)
+    except msgspec.ValidationError:  # an array, a number, a bool or null
+        raise MalformedMessage("compatibility envelope must be a JSON object") from None
     if isinstance(value, dict) and "wire_version" in value:
-        _check_version(value["wire_version"])
+        _check_version(_peek(value["wire_version"]))
         if "payload" not in value:
             raise MalformedMessage("missing payload on compatibility envelope")
         return _message(value["payload"])
-    if isinstance(value, dict | str):  # a bare message: legacy, unversioned, version 1
-        return _message(value)
-    raise MalformedMessage("compatibility envelope must be a JSON object")
+    return _message(whole)  # a bare message: legacy, unversioned, version 1
 
 
 def _may_alias(data: bytes | str) -> bool:
