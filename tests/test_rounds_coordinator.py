@@ -36,10 +36,13 @@ from tensorswap.rounds.state import (
     RoundTracker,
 )
 from tensorswap.store import (
+    DEFAULT_CHUNK_BYTES,
     BlockStore,
     DirectoryStore,
     MemoryStore,
     ModelUpdate,
+    TensorManifest,
+    UpdateManifest,
     get_update,
     put_update,
     read_manifest,
@@ -354,3 +357,68 @@ def test_bfloat16_scalar_and_empty_tensors(coord: Coordinator) -> None:
     np.testing.assert_allclose(out.tensors["h"].astype(np.float32), 2.0)
     assert out.tensors["s"].shape == () and float(out.tensors["s"]) == 2.0
     assert out.tensors["e"].shape == (0, 4)
+
+
+def _chunk_cids(store: BlockStore, update_cid: Cid, name: str) -> list[bytes]:
+    update = read_manifest(store, update_cid)
+    assert isinstance(update, UpdateManifest)
+    (ref,) = [t for t in update.tensors if t.name == name]
+    tensor = read_manifest(store, ref.cid)
+    assert isinstance(tensor, TensorManifest)
+    return [chunk.cid_bytes for chunk in tensor.chunks]
+
+
+def _frozen_round(
+    coord: Coordinator, spec: RoundSpec, weights: tuple[int, ...] = (1, 2, 4)
+) -> tuple[np.ndarray, list[np.ndarray], Cid]:
+    """Peers that share one 2-chunk tensor's first chunk (a frozen part) and differ elsewhere."""
+    rng = np.random.default_rng(7)
+    per_chunk = DEFAULT_CHUNK_BYTES // 4
+    frozen = rng.standard_normal(per_chunk).astype(np.float32)
+    tails = [rng.standard_normal(1000).astype(np.float32) for _ in weights]
+    coord.start_round(RID, spec)
+    cid = None
+    for peer, n, tail in zip("abc", weights, tails, strict=True):
+        tensors = {"t": np.concatenate([frozen, tail]), "f": frozen[:1000].copy()}
+        cid = put_update(coord.store, ModelUpdate(tensors, n))
+        coord.submit(RID, peer, cid)
+    assert cid is not None
+    return frozen, tails, cid
+
+
+def test_chunks_every_peer_shares_aggregate_to_themselves_bit_for_bit(coord: Coordinator) -> None:
+    frozen, tails, peer_cid = _frozen_round(coord, RoundSpec(3))
+    result = coord.result(RID, timeout=30)
+    out = get_update(coord.store, result)
+    # float32 FedAvg of 1/7, 2/7, 4/7 of the same values is off by an ulp here and there ...
+    weighted = sum(np.float32(w / 7) * frozen for w in (1, 2, 4))
+    assert not np.array_equal(weighted, frozen)
+    # ... but a chunk every peer stored identically is the aggregate as it is
+    assert out.tensors["t"][: frozen.size].tobytes() == frozen.tobytes()
+    assert out.tensors["f"].tobytes() == frozen[:1000].tobytes()
+    np.testing.assert_allclose(
+        out.tensors["t"][frozen.size :], (tails[0] + 2 * tails[1] + 4 * tails[2]) / 7, rtol=1e-5
+    )
+    # so the result names the very blocks the peers hold: fetching it moves no frozen bytes
+    ours, theirs = _chunk_cids(coord.store, result, "t"), _chunk_cids(coord.store, peer_cid, "t")
+    assert ours[0] == theirs[0] and ours[1] != theirs[1]
+    assert _chunk_cids(coord.store, result, "f") == _chunk_cids(coord.store, peer_cid, "f")
+
+
+def test_shared_chunks_are_exact_after_a_reopen_too(tmp_path: Path) -> None:
+    with Coordinator.open(tmp_path, run_timer=False) as coord:
+        coord.start_round(RID, RoundSpec(2))
+        frozen = np.random.default_rng(3).standard_normal(500).astype(np.float32)
+        coord.submit(RID, "a", put_update(coord.store, ModelUpdate({"f": frozen}, 3)))
+    with Coordinator.open(tmp_path, run_timer=False) as coord:  # "a" is folded again
+        coord.submit(RID, "b", put_update(coord.store, ModelUpdate({"f": frozen.copy()}, 4)))
+        out = get_update(coord.store, coord.result(RID, timeout=30))
+        assert out.tensors["f"].tobytes() == frozen.tobytes()
+
+
+def test_clipped_rounds_average_shared_chunks_like_any_other(coord: Coordinator) -> None:
+    frozen, _, _ = _frozen_round(coord, RoundSpec(3, params={"max_norm": 1.0}))
+    out = get_update(coord.store, coord.result(RID, timeout=30))
+    # each update is scaled to norm 1, so the shared values come out scaled, not as stored
+    assert np.linalg.norm(out.tensors["t"]) <= 1.0 + 1e-4
+    assert not np.array_equal(out.tensors["t"][: frozen.size], frozen)

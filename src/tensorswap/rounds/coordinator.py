@@ -31,7 +31,15 @@ from tensorswap.rounds.deadline import (
     next_deadline,
 )
 from tensorswap.rounds.errors import InvalidUpdate, RoundFailed, RoundNotFound, UpdateMismatch
-from tensorswap.rounds.fold import Bounds, assemble, load_pieces
+from tensorswap.rounds.fold import (
+    Bounds,
+    ChunkSource,
+    assemble,
+    chunk_sources,
+    load_chunk,
+    load_pieces,
+    same_chunks,
+)
 from tensorswap.rounds.persist import RoundDatabase
 from tensorswap.rounds.result import put_pieces
 from tensorswap.rounds.state import (
@@ -166,24 +174,35 @@ class _SharedLock:
 class _Work:
     """Per-round aggregation state; its lock serializes every change to the round."""
 
-    __slots__ = ("acc", "bounds", "folded", "lock")
+    __slots__ = ("acc", "bounds", "folded", "lock", "same")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.acc: StreamingAccumulator | None = None
         self.folded: set[str] = set()
         self.bounds: Bounds | None = None
+        # pieces that every folded contribution stored as the very same chunk (None: no fold yet)
+        self.same: dict[str, ChunkSource] | None = None
 
     def reset(self, spec: AggregatorSpec | None = None) -> None:
         """Empty sums (a new accumulator for ``spec``, or none at all)."""
         self.acc = None if spec is None else new_accumulator(spec)
         self.folded = set()
         self.bounds = None
+        self.same = None
 
-    def fold(self, pieces: dict[str, np.ndarray], bounds: Bounds, num_samples: int) -> None:
+    def fold(
+        self,
+        pieces: dict[str, np.ndarray],
+        bounds: Bounds,
+        num_samples: int,
+        facts: UpdateFacts,
+    ) -> None:
         assert self.acc is not None
         self.acc.add(pieces, num_samples)
         self.bounds = bounds
+        sources = chunk_sources(facts, bounds)
+        self.same = sources if self.same is None else same_chunks(self.same, sources)
 
 
 class Coordinator:
@@ -432,7 +451,7 @@ class Coordinator:
                 work.reset(spec)
             pieces, bounds, n = load_pieces(self.store, facts, work.bounds, verify=self._verify)
             try:
-                work.fold(pieces, bounds, n)
+                work.fold(pieces, bounds, n, facts)
             except NonFiniteValues as exc:
                 raise InvalidUpdate(key, peer, f"{exc.count} non-finite values") from exc
             except AggregationError as exc:
@@ -485,13 +504,24 @@ class Coordinator:
                 for c in contributions:  # after a restart, or a rebuild: fold what is missing
                     if c.peer not in work.folded:
                         facts = self._facts(c)
-                        work.fold(*load_pieces(self.store, facts, work.bounds, verify=self._verify))
+                        loaded, cut, n = load_pieces(
+                            self.store, facts, work.bounds, verify=self._verify
+                        )
+                        work.fold(loaded, cut, n, facts)
                         work.folded.add(c.peer)
                 assert work.acc is not None and work.bounds is not None
-                result, bounds = work.acc.result(), work.bounds
+                result, bounds, same = work.acc.result(), work.bounds, work.same or {}
                 work.reset()  # free the sums before building and storing the result
                 layout = info.layout or self._layout_of(contributions[0])
                 pieces: dict[str, np.ndarray] = result.values  # type: ignore[assignment]
+                if spec.max_norm is None:
+                    # A piece every contribution stored as the same chunk averages to that
+                    # chunk: take its values as they are, bit for bit, so a frozen layer's
+                    # aggregate is the block every peer already holds (float32 sums are off
+                    # by an ulp or two); clipping would scale it, so not then.
+                    for key, source in same.items():
+                        if key in pieces:
+                            pieces[key] = load_chunk(self.store, source, verify=self._verify)
                 # chunk by chunk from the pieces when they are cut as put_update cuts
                 cid = put_pieces(
                     self.store,

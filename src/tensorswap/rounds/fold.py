@@ -21,7 +21,16 @@ from tensorswap.rounds.state import Layout
 from tensorswap.rounds.updates import UpdateFacts
 from tensorswap.store import BlockStore, MalformedManifest, TensorManifest, get_tensor
 
-__all__ = ["Bounds", "assemble", "load_pieces", "piece_key"]
+__all__ = [
+    "Bounds",
+    "ChunkSource",
+    "assemble",
+    "chunk_sources",
+    "load_chunk",
+    "load_pieces",
+    "piece_key",
+    "same_chunks",
+]
 
 Bounds = dict[str, tuple[int, ...]]
 """Per tensor, the flat offsets where pieces start, then its size: ``(0, c0, c0 + c1, ..., n)``."""
@@ -30,6 +39,17 @@ Bounds = dict[str, tuple[int, ...]]
 def piece_key(name: str, start: int) -> str:
     """The accumulator key of tensor ``name``'s piece starting at flat offset ``start``."""
     return f"{start}@{name}"
+
+
+ChunkSource = tuple[TensorManifest, int]
+"""A stored chunk: the manifest of its tensor and its index there."""
+
+
+def _own_bounds(tensor: TensorManifest) -> tuple[int, ...]:
+    """The flat offsets where ``tensor``'s stored chunks start, then its size."""
+    if tensor.size == 0:
+        return (0,)
+    return (0, *itertools.accumulate(chunk.values for chunk in tensor.chunks))
 
 
 def load_pieces(
@@ -44,9 +64,7 @@ def load_pieces(
     used: Bounds = {}
     for tensor_cid, tensor in facts.tensors:
         name = tensor.name
-        own = (0, *itertools.accumulate(chunk.values for chunk in tensor.chunks))
-        if tensor.size == 0:
-            own = (0,)
+        own = _own_bounds(tensor)
         want = own if bounds is None else bounds.get(name, own)
         used[name] = want
         if want == own:
@@ -58,6 +76,39 @@ def load_pieces(
             for start, stop in itertools.pairwise(want):
                 pieces[piece_key(name, start)] = flat[start:stop]
     return pieces, used, facts.num_samples
+
+
+def chunk_sources(facts: UpdateFacts, bounds: Bounds) -> dict[str, ChunkSource]:
+    """Piece key -> stored chunk, for the pieces of ``facts`` that are whole chunks of it when
+    cut at ``bounds`` (all of them unless it was stored with other chunk sizes)."""
+    sources: dict[str, ChunkSource] = {}
+    for _, tensor in facts.tensors:
+        own = _own_bounds(tensor)
+        if bounds.get(tensor.name) == own:
+            for i in range(len(tensor.chunks)):
+                sources[piece_key(tensor.name, own[i])] = (tensor, i)
+    return sources
+
+
+def same_chunks(
+    common: Mapping[str, ChunkSource], sources: Mapping[str, ChunkSource]
+) -> dict[str, ChunkSource]:
+    """The pieces of ``common`` that ``sources`` holds as the very same chunk (same CID)."""
+    same: dict[str, ChunkSource] = {}
+    for key, (tensor, index) in common.items():
+        other = sources.get(key)
+        if (
+            other is not None
+            and other[0].chunks[other[1]].cid_bytes == tensor.chunks[index].cid_bytes
+        ):
+            same[key] = (tensor, index)
+    return same
+
+
+def load_chunk(store: BlockStore, source: ChunkSource, *, verify: bool | None = None) -> np.ndarray:
+    """The values of one stored chunk, checked against its manifest."""
+    tensor, index = source
+    return _chunk_values(store, tensor, index, DType.parse(tensor.dtype), verify)
 
 
 def _chunk_values(
