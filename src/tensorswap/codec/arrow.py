@@ -360,6 +360,8 @@ def decode_block(data: Any, *, max_values: int | None = None) -> TensorBlock:
             raise MalformedBlock(f"Arrow stream starts with a {message.type} message")
         schema = pa.ipc.read_schema(message)
         plan = _plan(read_header(schema), limit)
+        # Before pyarrow reads the batch: it decompresses every column the schema lists.
+        indices = _column_indices(schema, plan)
         message = pa.ipc.read_message(reader)
         if message.type != "record batch":
             raise MalformedBlock(f"expected a record batch, found a {message.type} message")
@@ -381,26 +383,35 @@ def decode_block(data: Any, *, max_values: int | None = None) -> TensorBlock:
         if end + len(EOS) > len(view):
             raise TruncatedData("Arrow end-of-stream marker", end + len(EOS), len(view))
         raise MalformedBlock("a tensorswap block holds exactly one record batch")
-    return _block_from_batch(batch, plan, buf, view)
+    return _block_from_batch(batch, plan, indices, buf, view)
+
+
+def _column_indices(schema: pa.Schema, plan: _Plan) -> list[int]:
+    """Where each of the encoding's columns is in `schema`; MalformedBlock unless the schema
+    holds exactly those columns with their types (checked before any column is read)."""
+    if len(schema) != len(plan.spec.columns):
+        raise MalformedBlock(
+            f"{plan.encoding} block has {len(schema)} columns, expected {len(plan.spec.columns)}"
+        )
+    indices = []
+    for name, arrow_type in plan.spec.columns:
+        want = plan.dtype.arrow if arrow_type is None else arrow_type
+        idx = schema.get_field_index(name)
+        if idx < 0:
+            raise MalformedBlock(f"{plan.encoding} block has no {name!r} column")
+        found = schema.field(idx).type
+        if found != want:
+            raise MalformedBlock(f"column {name!r} is {found}, expected {want}")
+        indices.append(idx)
+    return indices
 
 
 def _block_from_batch(
-    batch: pa.RecordBatch, plan: _Plan, buf: pa.Buffer, view: memoryview
+    batch: pa.RecordBatch, plan: _Plan, indices: list[int], buf: pa.Buffer, view: memoryview
 ) -> TensorBlock:
-    if batch.num_columns != len(plan.spec.columns):
-        raise MalformedBlock(
-            f"{plan.encoding} block has {batch.num_columns} columns, "
-            f"expected {len(plan.spec.columns)}"
-        )
     cols: dict[str, np.ndarray] = {}
-    for name, arrow_type in plan.spec.columns:
-        want = plan.dtype.arrow if arrow_type is None else arrow_type
-        idx = batch.schema.get_field_index(name)
-        if idx < 0:
-            raise MalformedBlock(f"{plan.encoding} block has no {name!r} column")
+    for (name, _), idx in zip(plan.spec.columns, indices, strict=True):
         column = batch.column(idx)
-        if column.type != want:
-            raise MalformedBlock(f"column {name!r} is {column.type}, expected {want}")
         if column.null_count:
             raise MalformedBlock(f"column {name!r} holds nulls")
         cols[name] = _column_view(column, buf, view)
