@@ -4,6 +4,7 @@ that escaped untyped. Each test was seen failing before its fix."""
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import msgspec
@@ -12,6 +13,7 @@ import pyarrow as pa
 import pytest
 
 from tensorswap.codec import decode_block
+from tensorswap.codec.ipfrs import decode_ipfrs_gradient
 from tensorswap.errors import MalformedBlock
 
 
@@ -61,3 +63,27 @@ def test_wrongly_typed_compressed_column_is_refused_before_decompression(
     _refuse_batch_reads(monkeypatch)
     with pytest.raises(MalformedBlock, match="expected float"):
         decode_block(data)
+
+
+# ── codec: an ipfrs gradient file with other columns ───────────────────────────
+def test_ipfrs_decode_decompresses_only_the_value_column() -> None:
+    # A foreign file may carry any columns besides `value`; pyarrow decompressed all of them
+    # (a 373 KB file with 200 extra zstd columns of zeros took 211 MB for 512 KiB of values).
+    # Here the extra column's compressed bytes are garbage: never decompressed, never seen.
+    values = np.linspace(0, 1, 1000, dtype=np.float32)
+    table = pa.table(
+        {
+            "index": pa.array(np.arange(values.size, dtype=np.int32)),
+            "value": pa.array(values),
+            "extra": pa.array(np.zeros(values.size)),  # float64: an 8000-byte buffer
+        }
+    )
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    with pa.ipc.new_file(sink, table.schema, options=options) as writer:
+        writer.write_table(table)
+    data = bytearray(sink.getvalue().to_pybytes())
+    at = data.find(struct.pack("<q", 8000))  # the extra column's decompressed-size prefix
+    assert at > 0
+    data[at + 8 : at + 16] = b"\xff" * 8  # break its zstd frame
+    np.testing.assert_array_equal(decode_ipfrs_gradient(bytes(data)), values)

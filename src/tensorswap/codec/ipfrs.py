@@ -382,7 +382,9 @@ class _OpenFile:
     columns: list[tuple[str, pa.DataType]]
 
 
-def _open(data: Any) -> _OpenFile:
+def _open(data: Any, include: int | None = None) -> _OpenFile:
+    """Open the file; with `include`, batches read hold only that column (pyarrow then reads
+    and decompresses no other: a foreign file's extra columns cost nothing)."""
     buf = _as_arrow_buffer(data)
     size = buf.size
     if size < len(ARROW_MAGIC):
@@ -400,7 +402,8 @@ def _open(data: Any) -> _OpenFile:
     if not 0 < footer_length <= size - _MIN_FILE:
         raise TruncatedData("Arrow IPC file footer", max(footer_length, 0), size - _MIN_FILE)
     try:
-        reader = pa.ipc.open_file(buf)
+        options = None if include is None else pa.ipc.IpcReadOptions(included_fields=[include])
+        reader = pa.ipc.open_file(buf, options=options)
         schema = reader.schema
         columns = [(field.name, field.type) for field in schema]
     except (pa.ArrowException, OSError, ValueError, EOFError) as exc:  # UnicodeDecodeError too
@@ -434,8 +437,9 @@ _BLOCK = struct.Struct(
 _FOOTER_RECORD_BATCHES = 3  # Footer {version, schema, dictionaries, recordBatches, ...}
 
 
-def _check_batches(buf: pa.Buffer, max_values: int) -> None:
-    """Bound every record batch the footer lists before pyarrow reads (and decompresses) it.
+def _check_batches(buf: pa.Buffer, max_values: int) -> bool:
+    """Bound every record batch the footer lists before pyarrow reads (and decompresses) it;
+    whether any batch is compressed.
 
     Row counts must sum to at most `max_values`; a compressed body buffer may not claim more
     decompressed bytes than its batch's rows can need. Without this, a small file whose
@@ -453,6 +457,7 @@ def _check_batches(buf: pa.Buffer, max_values: int) -> None:
     if start < 0 or start + count * _BLOCK.size > len(footer):
         raise MalformedBlock("Arrow IPC file footer lists more record batches than it holds")
     rows = 0
+    compressed = False
     for i in range(count):
         offset, meta_length, body_length = _BLOCK.unpack_from(footer, start + i * _BLOCK.size)
         end = offset + meta_length + body_length
@@ -471,6 +476,8 @@ def _check_batches(buf: pa.Buffer, max_values: int) -> None:
         body = memoryview(message.body) if message.body is not None else memoryview(b"")
         # Widest ipfrs column is 4 bytes a row; other columns of a foreign file may be wider.
         check_decompressed_sizes(layout, body, layout.length * 8 + 64)
+        compressed = compressed or layout.compressed
+    return compressed
 
 
 def decode_ipfrs_gradient(data: Any, *, max_values: int = MAX_VALUES) -> np.ndarray:
@@ -481,11 +488,16 @@ def decode_ipfrs_gradient(data: Any, *, max_values: int = MAX_VALUES) -> np.ndar
     Raises MissingValueColumn or ValueColumnNotFloat32 (the seed's messages), InvalidMagic,
     TruncatedData or MalformedBlock; never a pyarrow exception. Unlike the seed, the column
     check also applies to a file of zero batches, and every batch's row count and declared
-    decompressed sizes are bounded (at most `max_values` values in all) before any is read.
+    decompressed sizes are bounded (at most `max_values` values in all) before any is read;
+    only the ``value`` column is read (and decompressed), whatever other columns a file has.
     """
     opened = _open(data)
     index = _value_index(opened.columns)
-    _check_batches(_as_arrow_buffer(data), max_values)
+    if _check_batches(_as_arrow_buffer(data), max_values):
+        # pyarrow decompresses every column of a batch it reads: read the value column alone
+        # (it then copies even uncompressed buffers, so uncompressed files keep the plain,
+        # zero-copy reader: their extra columns cost nothing).
+        opened, index = _open(data, include=index), 0
     reader = opened.reader
     try:
         parts = [
