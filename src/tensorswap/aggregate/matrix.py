@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorswap.aggregate.types import InvalidAggregatorOption, Layout, Shape
+from tensorswap.aggregate.types import InvalidAggregatorOption, Layout, Shape, parse_dtype
 from tensorswap.aggregate.validate import (
     FLOAT_DTYPE_NAMES,
     Batch,
@@ -58,7 +58,7 @@ class ContributionMatrix:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise InvalidAggregatorOption("capacity", capacity, "must be an int >= 1")
         self.layout = Layout.coerce(layout)
-        self.dtype = np.dtype(dtype)
+        self.dtype = parse_dtype(dtype)
         if dtype_name(self.dtype) not in FLOAT_DTYPE_NAMES:
             raise InvalidAggregatorOption("dtype", dtype, f"one of {sorted(FLOAT_DTYPE_NAMES)}")
         self.matrix = np.empty((capacity, self.layout.size), dtype=self.dtype)

@@ -14,6 +14,7 @@ from tensorswap.aggregate.types import (
     AggregateResult,
     AggregatorKind,
     AggregatorSpec,
+    InvalidAggregatorOption,
     NonFinitePolicy,
 )
 from tensorswap.aggregate.validate import Batch, validate
@@ -57,6 +58,8 @@ def aggregate(contributions: Contributions, spec: AggregatorSpec | None = None) 
     AggregationError, all ValueError.
     """
     spec = AggregatorSpec() if spec is None else spec
+    if not isinstance(spec, AggregatorSpec):
+        raise InvalidAggregatorOption("spec", spec, "not an AggregatorSpec")
     if isinstance(contributions, ContributionMatrix):
         batch = contributions.batch(spec.dtype)
     else:

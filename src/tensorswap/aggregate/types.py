@@ -97,7 +97,7 @@ class Layout:
             return Layout.named(spec)
         if isinstance(spec, int | np.integer):
             return Layout.single((int(spec),))
-        return Layout.single(tuple(spec))
+        return Layout.single(spec)  # anything else that is not a sequence of ints is refused
 
     @property
     def names(self) -> tuple[str | None, ...]:
@@ -129,6 +129,8 @@ class Layout:
             return 0
         if name is None:
             raise KeyError("a tensor name is required for a named layout")
+        if name not in self.keys:
+            raise KeyError(name)
         return self.keys.index(name)
 
 
@@ -142,13 +144,19 @@ def _checked_shape(shape: object) -> Shape:
     return dims
 
 
+def parse_dtype(dtype: object) -> np.dtype:
+    """np.dtype(dtype), or InvalidAggregatorOption (numpy raises TypeError, ValueError and
+    even SyntaxError, for 'f4,,', on what it cannot parse)."""
+    try:
+        return np.dtype(dtype)  # type: ignore[call-overload]
+    except (TypeError, ValueError, SyntaxError) as exc:
+        raise InvalidAggregatorOption("dtype", dtype, "not a dtype") from exc
+
+
 def _accumulate_dtype(dtype: object) -> np.dtype | None:
     if dtype is None:
         return None
-    try:
-        dt = np.dtype(dtype)  # type: ignore[call-overload]
-    except TypeError as exc:
-        raise InvalidAggregatorOption("dtype", dtype, "not a dtype") from exc
+    dt = parse_dtype(dtype)
     if dt not in ACCUMULATE_DTYPES:
         raise InvalidAggregatorOption("dtype", dtype, "accumulate in float32 or float64")
     return dt

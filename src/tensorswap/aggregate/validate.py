@@ -135,9 +135,12 @@ def as_array(obj: object, index: int) -> np.ndarray:
     elif is_torch_tensor(obj):
         try:
             arr = as_numpy(obj)
-        except (UnsupportedDtype, TypeError) as exc:  # complex, quantized, int16, ...
+        except UnsupportedDtype as exc:  # complex, quantized, int16, float8, ...
             name = str(getattr(obj, "dtype", "?")).removeprefix("torch.")
             raise UnsupportedAggregateDtype(index, name) from exc
+        except (TypeError, RuntimeError, NotImplementedError) as exc:  # sparse, meta, neg view
+            reason = f"torch tensor not readable as an array: {exc}"
+            raise InvalidContribution(index, reason) from exc
     else:
         raise InvalidContribution(
             index, f"values must be a numpy array or torch tensor, got {type(obj).__name__}"
