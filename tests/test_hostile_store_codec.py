@@ -12,9 +12,20 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from tensorswap.cid import Multicodec
 from tensorswap.codec import decode_block
+from tensorswap.codec.arrow import MAX_DECODED_VALUES
 from tensorswap.codec.ipfrs import decode_ipfrs_gradient
 from tensorswap.errors import MalformedBlock
+from tensorswap.store import (
+    MANIFEST_MAGIC,
+    MalformedManifest,
+    MemoryStore,
+    TensorManifest,
+    decode_manifest,
+    encode_manifest,
+    get_tensor,
+)
 
 
 def _stream(header: dict[str, Any], columns: dict[str, pa.Array], compression: Any) -> pa.Buffer:
@@ -87,3 +98,27 @@ def test_ipfrs_decode_decompresses_only_the_value_column() -> None:
     assert at > 0
     data[at + 8 : at + 16] = b"\xff" * 8  # break its zstd frame
     np.testing.assert_array_equal(decode_ipfrs_gradient(bytes(data)), values)
+
+
+# ── manifests: shapes no array can have ────────────────────────────────────────
+@pytest.mark.parametrize("shape", [(0, 2**40, 2**40), (0, 2**63), (2**64 - 1, 0)])
+def test_zero_size_shape_beyond_any_array_is_a_malformed_manifest(shape: tuple[int, ...]) -> None:
+    # Zero values, so the chunk sum checks out, but numpy cannot make an array of this shape:
+    # get_tensor let numpy's ValueError escape from reshape.
+    store = MemoryStore()
+    manifest = TensorManifest("w", "float32", shape, 0, "dense", "", (), {})
+    data = MANIFEST_MAGIC + msgspec.msgpack.encode(manifest)
+    with pytest.raises(MalformedManifest, match="shape"):
+        decode_manifest(data)
+    cid = store.put(data, codec=Multicodec.TENSORSWAP_MANIFEST)
+    with pytest.raises(MalformedManifest):
+        get_tensor(store, cid)
+
+
+def test_zero_size_shape_past_the_load_limit_is_refused_on_load() -> None:
+    store = MemoryStore()
+    shape = (0, MAX_DECODED_VALUES + 1)  # a valid manifest, but beyond what a load builds
+    manifest = TensorManifest("w", "float32", shape, 0, "dense", "", (), {})
+    cid = store.put(encode_manifest(manifest), codec=Multicodec.TENSORSWAP_MANIFEST)
+    with pytest.raises(MalformedManifest, match="exceeds"):
+        get_tensor(store, cid)

@@ -55,6 +55,7 @@ MAX_NDIM = 64
 PARALLEL_MIN_BYTES = 16 * 1024 * 1024
 """Tensors at least this large are chunked, hashed and copied on one thread per core."""
 _MAX_U64 = 2**64 - 1
+_MAX_EXTENT = 2**63 - 1  # numpy's largest array extent (npy_intp)
 _COMPRESSIONS = ("", "lz4", "zstd")
 Compression = Literal["lz4", "zstd"] | None
 _T = TypeVar("_T")
@@ -121,6 +122,12 @@ class TensorManifest(
     def size(self) -> int:
         """Number of values (1 for a 0-d tensor)."""
         return math.prod(self.shape)
+
+    @property
+    def extent(self) -> int:
+        """The product of the non-zero dims: what an array of this shape must be able to
+        address even when it holds no value (numpy refuses a shape whose extent is too big)."""
+        return math.prod(d for d in self.shape if d)
 
     def links(self) -> list[Cid]:
         """The chunk CIDs, in order."""
@@ -202,6 +209,8 @@ def _validate(manifest: Manifest, cid: Cid | None = None) -> None:
         raise bad(f"unknown compression {manifest.compression!r}")
     if len(manifest.shape) > MAX_NDIM or any(d < 0 for d in manifest.shape):
         raise bad(f"invalid shape {list(manifest.shape[:8])}")
+    if manifest.extent > _MAX_EXTENT:  # no array has it, even with a zero dim (zero values)
+        raise bad(f"shape {list(manifest.shape[:8])} spans more values than an array can")
     total = 0
     for i, chunk in enumerate(manifest.chunks):
         if chunk.cid.codec is not Multicodec.RAW:
@@ -294,9 +303,13 @@ def _load_tensor(
 ) -> TensorBlock:
     dtype = DType.parse(manifest.dtype)
     chunks = manifest.chunks
-    if manifest.size > MAX_DECODED_VALUES:  # before anything is fetched or allocated
+    # Before anything is fetched or allocated; the extent (zero dims aside) bounds the size
+    # and what the shape itself asks of numpy, as in the codec.
+    if manifest.extent > MAX_DECODED_VALUES:
         raise MalformedManifest(
-            f"tensor of {manifest.size} values exceeds the {MAX_DECODED_VALUES} a load allows", cid
+            f"tensor shape {list(manifest.shape[:8])} of {manifest.extent} values (zero dims "
+            f"aside) exceeds the {MAX_DECODED_VALUES} a load allows",
+            cid,
         )
     threads = _thread_count(workers, len(chunks), sum(c.nbytes for c in chunks))
     buffers = _map(lambda chunk: store.get(chunk.cid, verify=verify), chunks, threads)
