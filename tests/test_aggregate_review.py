@@ -13,6 +13,8 @@ from tensorswap.aggregate import (
     InvalidContribution,
     Layout,
     aggregate,
+    mean,
+    trimmed_mean,
 )
 from tensorswap.errors import AggregationError
 
@@ -69,3 +71,21 @@ def test_sparse_torch_tensor_is_an_invalid_contribution_not_a_dtype_error() -> N
     with pytest.raises(InvalidContribution, match="not readable") as info:
         aggregate([(torch.ones(2).to_sparse(), 1)])
     assert isinstance(info.value, AggregationError)
+
+
+# ── trimmed mean: a sum of finite values near float32's maximum must not overflow ──
+
+
+@pytest.mark.parametrize("trim", [0, 1])
+def test_trimmed_mean_of_values_near_the_float32_maximum_does_not_overflow(trim: int) -> None:
+    big = np.float32(3e38)
+    rows = [np.array([big, -big, 1.0], dtype=np.float32) for _ in range(5)]
+    result = trimmed_mean([(r, 1) for r in rows], trim_count=trim)
+    np.testing.assert_array_equal(result.values, np.array([big, -big, 1.0], dtype=np.float32))
+    if trim == 0:  # b = 0 is the mean, which does not overflow either
+        np.testing.assert_allclose(result.values, mean([(r, 1) for r in rows]).values, rtol=1e-6)
+
+
+def test_trimmed_mean_keeps_exact_results_of_small_sums() -> None:
+    rows = [np.array([v], dtype=np.float32) for v in (1.0, 2.0, 3.0, 100.0, -50.0)]
+    assert trimmed_mean([(r, 1) for r in rows], trim_count=1).values[0] == np.float32(2.0)

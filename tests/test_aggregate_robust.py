@@ -141,9 +141,12 @@ def test_trimmed_mean_needs_more_than_twice_the_trim() -> None:
 def test_trimmed_mean_overflow_is_reported() -> None:
     big = float(np.finfo(np.float32).max)
     xs = contribs(f32([[big], [big]]))
-    with pytest.raises(AggregateOverflow):
-        trimmed_mean(xs, trim_count=0)
+    # the sum overflows float32 but the mean of the quotients does not (nor does mean())
+    assert trimmed_mean(xs, trim_count=0).values[0] == np.float32(big)
     assert trimmed_mean(xs, trim_count=0, dtype="float64").values[0] == big
+    wide = [Contribution(np.array([1e39, 1e39]), 1) for _ in range(3)]  # float64 beyond float32
+    with pytest.raises(AggregateOverflow):
+        trimmed_mean(wide, trim_count=1, dtype="float32")
 
 
 def test_trim_options_are_exclusive_and_bounded() -> None:

@@ -66,8 +66,12 @@ def _trimmed_reducer(trim: int) -> Reducer:
     def reduce(block: np.ndarray, out: np.ndarray) -> None:
         k = block.shape[0]
         block.sort(axis=0)
-        np.sum(block[trim : k - trim], axis=0, out=out)
-        np.divide(out, block.dtype.type(k - 2 * trim), out=out)
+        kept, count = block[trim : k - trim], block.dtype.type(k - 2 * trim)
+        np.sum(kept, axis=0, out=out)
+        np.divide(out, count, out=out)
+        if not np.isfinite(out).all():  # a sum of finite values near the maximum overflowed:
+            np.divide(kept, count, out=kept)  # average the quotients (as the mean's weights do)
+            np.sum(kept, axis=0, out=out)
 
     return reduce
 
@@ -108,7 +112,9 @@ def trimmed_mean_aggregate(batch_in: Batch, spec: AggregatorSpec) -> AggregateRe
     """Coordinate-wise mean after removing the b smallest and b largest values.
 
     b = spec.trim_count, or floor(trim_fraction * n) (fraction 0.1 by default); 2b < n is
-    required. b = 0 is the plain mean. Unweighted and order-invariant like the median.
+    required. b = 0 is the plain mean. Unweighted and order-invariant like the median. A
+    column whose sum of kept values overflows (finite values near the dtype's maximum) is
+    recomputed as the sum of their quotients, so it overflows no more than the mean does.
     """
     screened = screen(batch_in, spec.non_finite, spec.max_norm)
     n = screened.batch.k
