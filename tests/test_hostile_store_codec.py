@@ -4,7 +4,9 @@ that escaped untyped. Each test was seen failing before its fix."""
 
 from __future__ import annotations
 
+import os
 import struct
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -12,13 +14,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from tensorswap.cid import Multicodec
+from tensorswap.cid import Cid, Multicodec
 from tensorswap.codec import decode_block
 from tensorswap.codec.arrow import MAX_DECODED_VALUES
 from tensorswap.codec.ipfrs import decode_ipfrs_gradient
-from tensorswap.errors import MalformedBlock
+from tensorswap.errors import BlockNotFound, CorruptBlock, MalformedBlock
 from tensorswap.store import (
     MANIFEST_MAGIC,
+    DirectoryStore,
     MalformedManifest,
     MemoryStore,
     TensorManifest,
@@ -122,3 +125,71 @@ def test_zero_size_shape_past_the_load_limit_is_refused_on_load() -> None:
     cid = store.put(encode_manifest(manifest), codec=Multicodec.TENSORSWAP_MANIFEST)
     with pytest.raises(MalformedManifest, match="exceeds"):
         get_tensor(store, cid)
+
+
+# ── DirectoryStore: something other than a block file at a block's path ──────────
+def _store_with_block(tmp_path: Path) -> tuple[DirectoryStore, Cid, bytes, str]:
+    store = DirectoryStore(tmp_path / "store")
+    data = b"block bytes " * 100
+    cid = store.put(data)
+    return store, cid, data, store.path_of(cid)
+
+
+def _expect_not_a_block_then_repair(store: DirectoryStore, cid: Cid, data: bytes) -> None:
+    assert not store.has(cid)
+    assert cid not in list(store)
+    with pytest.raises(BlockNotFound):
+        store.size_of(cid)
+    with pytest.raises(BlockNotFound):
+        store.age_of(cid)
+    with pytest.raises(CorruptBlock, match="not a regular file"):
+        store.get(cid)
+    assert not store.has(cid)
+    assert store.put(data) == cid  # the block can be stored (fetched) again
+    assert bytes(store.get(cid)) == data
+    assert store.size().blocks == 1
+
+
+@pytest.mark.timeout(10)  # a regression hangs in open(2); fail instead of waiting 120 s
+def test_fifo_at_a_block_path_does_not_hang_reads(tmp_path: Path) -> None:
+    # open(2) of a FIFO for reading waits for a writer: get() hung forever.
+    store, cid, data, path = _store_with_block(tmp_path)
+    os.unlink(path)
+    os.mkfifo(path)
+    _expect_not_a_block_then_repair(store, cid, data)
+
+
+def test_directory_at_a_block_path_is_moved_aside(tmp_path: Path) -> None:
+    # get() raised "cannot map ... No such device", size_of() gave the directory's size, and
+    # every put() of the block failed (os.replace cannot replace a directory): never storable.
+    store, cid, data, path = _store_with_block(tmp_path)
+    os.unlink(path)
+    os.mkdir(path)
+    (Path(path) / "inner").write_bytes(b"x")
+    # put first: it must move the directory aside by itself
+    assert store.put(data) == cid
+    assert bytes(store.get(cid)) == data
+    os.unlink(path)
+    os.mkdir(path)
+    _expect_not_a_block_then_repair(store, cid, data)
+    assert len(os.listdir(tmp_path / "store" / "quarantine")) == 2  # both kept, not deleted
+
+
+def test_symlink_at_a_block_path_is_never_followed(tmp_path: Path) -> None:
+    # The store writes regular files only, and its listings already skipped symlinks; but
+    # has() and get() followed one (to anywhere), and put() of the block touched the target's
+    # modification time outside the store and then trusted the link.
+    store, cid, data, path = _store_with_block(tmp_path)
+    outside = tmp_path / "outside"
+    outside.write_bytes(data)  # the right bytes even
+    os.utime(outside, (1_000_000, 1_000_000))
+    os.unlink(path)
+    os.symlink(outside, path)
+    _expect_not_a_block_then_repair(store, cid, data)
+    assert os.stat(outside).st_mtime == 1_000_000
+    assert outside.read_bytes() == data
+    os.unlink(path)
+    os.symlink(outside, path)
+    assert store.put(data) == cid
+    assert not os.path.islink(path)
+    assert os.stat(outside).st_mtime == 1_000_000

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import secrets
+import stat as statmod
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, CorruptBlock, InvalidCid, StoreError
@@ -25,6 +28,9 @@ _TMP_SUFFIX = ".tmp"
 _WRITE_STEP = 1 << 30  # os.write moves at most ~2 GiB per call on Linux; write in 1 GiB steps
 _HEX = frozenset("0123456789abcdef")
 _OWN_WRITES_KEPT = 1 << 16  # blocks remembered as written by this store (trust_own_writes)
+# A block file is a regular file the store wrote: a symlink is never followed, and opening a
+# FIFO put there must not wait for a writer (O_NONBLOCK changes nothing for regular files).
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 class DirectoryStore(BlockStore):
@@ -100,7 +106,12 @@ class DirectoryStore(BlockStore):
             # Already held (idempotent put; damage is caught and quarantined on read): its age
             # restarts, as for ``touch``, so a collection's grace period spares it; if it went
             # away meanwhile (a collection, a delete) it is written below.
-            if os.stat(path).st_size == data.nbytes and self._touch_file(cid, path):
+            found = os.lstat(path)
+            if not statmod.S_ISREG(found.st_mode):
+                # A directory, symlink, FIFO...: no block; moved aside so the block can be
+                # written (os.replace cannot replace a directory).
+                self._quarantine_file(path, found)
+            elif found.st_size == data.nbytes and self._touch_file(cid, path):
                 return
         except FileNotFoundError:
             pass
@@ -162,14 +173,21 @@ class DirectoryStore(BlockStore):
         """
         path = self.path_of(cid)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, _READ_FLAGS)
         except FileNotFoundError:
             raise BlockNotFound(cid) from None
         except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink (O_NOFOLLOW), a socket
+                with contextlib.suppress(OSError):
+                    self._not_a_block_file(cid, path, os.lstat(path))
             raise StoreError(f"cannot open block {cid} at {path}: {exc}") from exc
         mapping: mmap.mmap | None = None
         try:
             stat = os.fstat(fd)
+            if not statmod.S_ISREG(stat.st_mode):
+                os.close(fd)
+                fd = -1
+                self._not_a_block_file(cid, path, stat)
             if stat.st_size:
                 mapping = mmap.mmap(fd, stat.st_size, access=mmap.ACCESS_READ)
                 view = memoryview(mapping)
@@ -178,7 +196,8 @@ class DirectoryStore(BlockStore):
         except OSError as exc:
             raise StoreError(f"cannot map block {cid} at {path}: {exc}") from exc
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         check = self.verify_reads if verify is None else verify
         if check and verify is None and self.trust_own_writes:
             with self._own_lock:
@@ -194,10 +213,18 @@ class DirectoryStore(BlockStore):
             raise CorruptBlock(cid, path, detail + (f"; moved to {moved}" if moved else ""))
         return view
 
+    def _not_a_block_file(self, cid: Cid, path: str, seen: os.stat_result) -> NoReturn:
+        """Raise CorruptBlock for something other than a regular file at a block's path,
+        after moving it aside (it is kept, in quarantine) so the block can be put again."""
+        moved = self._quarantine_file(path, seen)
+        kind = statmod.filemode(seen.st_mode)
+        detail = f"not a regular file ({kind})" + (f"; moved to {moved}" if moved else "")
+        raise CorruptBlock(cid, path, detail)
+
     def _quarantine_file(self, path: str, seen: os.stat_result) -> str | None:
         """Move a corrupt file aside unless it was replaced meanwhile; where it went, or None."""
         try:
-            now = os.stat(path)
+            now = os.lstat(path)
             if (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
                 return None  # a writer replaced it with a fresh copy; leave that one alone
             os.makedirs(self._quarantine, exist_ok=True)
@@ -210,17 +237,26 @@ class DirectoryStore(BlockStore):
         return target
 
     def has(self, cid: Cid) -> bool:
-        return os.path.isfile(self.path_of(cid))
-
-    def age_of(self, cid: Cid) -> float:
-        """Seconds since the block's file was written or touched (its modification time)."""
-        path = self.path_of(cid)
         try:
-            mtime = os.stat(path).st_mtime
+            return statmod.S_ISREG(os.lstat(self.path_of(cid)).st_mode)
+        except (OSError, ValueError):  # as os.path.isfile
+            return False
+
+    def _block_stat(self, cid: Cid, path: str) -> os.stat_result:
+        """The block file's stat; BlockNotFound unless a regular file is there."""
+        try:
+            found = os.lstat(path)
         except FileNotFoundError:
             raise BlockNotFound(cid) from None
         except OSError as exc:
             raise StoreError(f"cannot stat block {cid} at {path}: {exc}") from exc
+        if not statmod.S_ISREG(found.st_mode):
+            raise BlockNotFound(cid)
+        return found
+
+    def age_of(self, cid: Cid) -> float:
+        """Seconds since the block's file was written or touched (its modification time)."""
+        mtime = self._block_stat(cid, self.path_of(cid)).st_mtime
         return max(0.0, time.time() - mtime)
 
     def touch(self, cids: Iterable[Cid]) -> None:
@@ -239,7 +275,7 @@ class DirectoryStore(BlockStore):
         try:
             with self._own_lock:
                 self._own.pop(cid, None)
-                os.utime(path)
+                os.utime(path, follow_symlinks=False)  # never a file outside the store
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -250,7 +286,7 @@ class DirectoryStore(BlockStore):
         path = self.path_of(cid)
         with self._own_lock:  # no touch between the age check and the unlink
             try:
-                if time.time() - os.stat(path).st_mtime < min_age:
+                if time.time() - os.lstat(path).st_mtime < min_age:
                     return None
             except FileNotFoundError:
                 return False
@@ -259,13 +295,7 @@ class DirectoryStore(BlockStore):
             return self._unlink(cid, path)
 
     def size_of(self, cid: Cid) -> int:
-        path = self.path_of(cid)
-        try:
-            return os.stat(path).st_size
-        except FileNotFoundError:
-            raise BlockNotFound(cid) from None
-        except OSError as exc:
-            raise StoreError(f"cannot stat block {cid} at {path}: {exc}") from exc
+        return self._block_stat(cid, self.path_of(cid)).st_size
 
     def delete(self, cid: Cid) -> bool:
         with self._own_lock:
