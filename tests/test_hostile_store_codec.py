@@ -25,6 +25,7 @@ from tensorswap.store import (
     MalformedManifest,
     MemoryStore,
     TensorManifest,
+    collect_garbage,
     decode_manifest,
     encode_manifest,
     get_tensor,
@@ -193,3 +194,21 @@ def test_symlink_at_a_block_path_is_never_followed(tmp_path: Path) -> None:
     assert store.put(data) == cid
     assert not os.path.islink(path)
     assert os.stat(outside).st_mtime == 1_000_000
+
+
+def test_directory_named_like_a_temp_file_does_not_break_collection(tmp_path: Path) -> None:
+    # remove_temp_files unlinked every ".*.tmp" entry of a shard: a directory there made
+    # collect_garbage fail with a raw IsADirectoryError after it had deleted the blocks.
+    store, cid, data, path = _store_with_block(tmp_path)
+    shard = os.path.dirname(path)
+    odd = os.path.join(shard, ".odd.tmp")
+    os.mkdir(odd)
+    os.utime(odd, (1_000_000, 1_000_000))
+    stale = os.path.join(shard, f".{cid}.0123.tmp")
+    Path(stale).write_bytes(b"partial")
+    os.utime(stale, (1_000_000, 1_000_000))
+    result = collect_garbage(store, [cid])
+    assert result.temp_files_removed == 1
+    assert not os.path.exists(stale)
+    assert os.path.isdir(odd)  # not ours to remove
+    assert bytes(store.get(cid)) == data

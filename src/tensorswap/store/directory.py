@@ -358,7 +358,9 @@ class DirectoryStore(BlockStore):
                         found.extend(
                             e.path
                             for e in _list_dir(sub.path)
-                            if e.name.startswith(".") and e.name.endswith(_TMP_SUFFIX)
+                            if e.name.startswith(".")
+                            and e.name.endswith(_TMP_SUFFIX)
+                            and not e.is_dir(follow_symlinks=False)  # the store writes files
                         )
         return found
 
@@ -370,10 +372,14 @@ class DirectoryStore(BlockStore):
         removed = 0
         limit = time.time() - older_than
         for path in self.temp_files():
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(path).st_mtime <= limit:
+            try:
+                if os.lstat(path).st_mtime <= limit:
                     os.unlink(path)
                     removed += 1
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise StoreError(f"cannot remove temp file {path}: {exc}") from exc
         return removed
 
     def __repr__(self) -> str:
