@@ -6,14 +6,20 @@ import numpy as np
 import pytest
 
 from tensorswap.aggregate import (
+    AggregateResult,
     AggregatorKind,
     AggregatorSpec,
     ContributionMatrix,
     InvalidAggregatorOption,
     InvalidContribution,
     Layout,
+    StreamingAccumulator,
     aggregate,
+    clip_contributions,
+    fedavg,
+    l2_norms,
     mean,
+    median,
     trimmed_mean,
 )
 from tensorswap.errors import AggregationError
@@ -89,3 +95,42 @@ def test_trimmed_mean_of_values_near_the_float32_maximum_does_not_overflow(trim:
 def test_trimmed_mean_keeps_exact_results_of_small_sums() -> None:
     rows = [np.array([v], dtype=np.float32) for v in (1.0, 2.0, 3.0, 100.0, -50.0)]
     assert trimmed_mean([(r, 1) for r in rows], trim_count=1).values[0] == np.float32(2.0)
+
+
+# ── norms of float32 updates are accurate (float64 accumulation), so clipping bounds hold ──
+
+_LONG = 1_000_000  # a float32 dot product over this many values drifts by ~1e-4
+
+
+def _long_row(value: float = 0.7) -> np.ndarray:
+    return np.full(_LONG, value, dtype=np.float32)
+
+
+def _norm64(a: np.ndarray) -> float:
+    return float(np.linalg.norm(a.astype(np.float64)))
+
+
+def test_l2_norm_of_a_long_float32_update_is_accurate() -> None:
+    row = _long_row()
+    (norm,) = l2_norms([(row, 1)])
+    assert norm == pytest.approx(_norm64(row), rel=1e-12)
+
+
+@pytest.mark.parametrize("value", [0.7, 3.3, 0.1])
+def test_clipped_long_float32_update_is_within_max_norm(value: float) -> None:
+    row = _long_row(value)
+    (clipped,) = clip_contributions([(row, 1)], max_norm=1.0)
+    assert _norm64(clipped.values) == pytest.approx(1.0, rel=1e-6)
+    for result in (
+        fedavg([(row, 1)], max_norm=1.0),
+        median([(row, 1)], max_norm=1.0),
+        _streamed([(row, 1)], max_norm=1.0),
+    ):
+        assert _norm64(result.values) == pytest.approx(1.0, rel=1e-6)
+
+
+def _streamed(items: list[tuple[np.ndarray, int]], **options: object) -> AggregateResult:
+    acc = StreamingAccumulator(**options)  # type: ignore[arg-type]
+    for values, n in items:
+        acc.add(values, n)
+    return acc.result()

@@ -100,14 +100,24 @@ def weighted_sum(part: Part, weights: np.ndarray, out: np.ndarray) -> None:
             np.add(into, tmp, out=into)
 
 
-def sumsq(row: np.ndarray) -> float:
-    """Sum of squares of a 1-D row (float32 BLAS for narrow types); inf/nan if non-finite."""
-    if row.dtype in (_F32, _F64):
+def sumsq(row: np.ndarray, exact: bool = False) -> float:
+    """Sum of squares of a 1-D row; inf/nan if non-finite.
+
+    Default: BLAS in the row's dtype (float32 for narrow types), the cheapest proof that a row
+    is finite, but a float32 dot drifts (~1e-4 relative over 1M values). exact=True
+    accumulates in float64 (einsum casts in cache-sized buffers): for a norm that clipping
+    relies on. Squares of float32 / float16 / bfloat16 values never overflow float64, so the
+    exact sum is finite exactly when the values are.
+    """
+    if row.dtype == _F64 or (row.dtype == _F32 and not exact):
         return float(np.dot(row, row))
+    if row.dtype == _F32:
+        return float(np.einsum("i,i->", row, row, dtype=_F64))
+    acc = _F64 if exact else _F32
     total = 0.0
     step = chunk_len(1, 4)
     for start in range(0, row.size, step):
-        chunk = row[start : start + step].astype(_F32)
+        chunk = row[start : start + step].astype(acc)
         total += float(np.dot(chunk, chunk))
     return total
 

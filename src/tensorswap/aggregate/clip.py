@@ -51,18 +51,19 @@ class RowCheck:
     nonfinite: int
 
 
-def check_row(batch: Batch, i: int) -> RowCheck:
-    """Norm and finiteness of row i in one BLAS dot per tensor.
+def check_row(batch: Batch, i: int, exact: bool = False) -> RowCheck:
+    """Norm and finiteness of row i in one pass (a dot product) per tensor.
 
     A finite sum of squares proves every value finite; only a non-finite sum triggers the
-    count, and a sum that merely overflowed is recomputed in scaled float64.
+    count, and a sum that merely overflowed is recomputed in scaled float64. The norm is
+    accurate to float64 rounding with exact=True (for clipping), else to the row dtype's.
     """
-    return check_rows([batch.row(i, j) for j in range(len(batch.parts))])
+    return check_rows([batch.row(i, j) for j in range(len(batch.parts))], exact)
 
 
-def check_rows(rows: Sequence[np.ndarray]) -> RowCheck:
+def check_rows(rows: Sequence[np.ndarray], exact: bool = False) -> RowCheck:
     """Norm and finiteness of one contribution given as flat rows, one per tensor."""
-    total = sum(sumsq(r) for r in rows)
+    total = sum(sumsq(r, exact) for r in rows)
     if math.isfinite(total):
         return RowCheck(math.sqrt(total), 0)
     bad = sum(count_nonfinite(r) for r in rows)
@@ -108,7 +109,7 @@ def screen(batch: Batch, policy: NonFinitePolicy, max_norm: float | None) -> Scr
     """
     if policy is NonFinitePolicy.PROPAGATE and max_norm is None:
         return Screened(batch, (), None)
-    checks = [check_row(batch, i) for i in range(batch.k)]
+    checks = [check_row(batch, i, exact=max_norm is not None) for i in range(batch.k)]
     keep: list[int] = []
     dropped: list[NonFiniteValues] = []
     for i, check in enumerate(checks):
@@ -133,7 +134,7 @@ def l2_norms(contributions: Sequence[object]) -> np.ndarray:
     For a mapping contribution the norm runs over all its tensors together.
     """
     batch = validate(contributions)
-    return np.array([check_row(batch, i).norm for i in range(batch.k)], dtype=np.float64)
+    return np.array([check_row(batch, i, True).norm for i in range(batch.k)], dtype=np.float64)
 
 
 @quiet
@@ -148,7 +149,7 @@ def clip_contributions(contributions: Sequence[object], max_norm: float) -> list
     if not ok or not math.isfinite(max_norm) or max_norm <= 0:
         raise InvalidAggregatorOption("max_norm", max_norm, "must be a finite number > 0")
     batch = validate(contributions)
-    checks = [check_row(batch, i) for i in range(batch.k)]
+    checks = [check_row(batch, i, True) for i in range(batch.k)]
     for i, check in enumerate(checks):
         if check.nonfinite:
             raise nonfinite_error(batch, i, check.nonfinite)

@@ -139,7 +139,7 @@ class StreamingAccumulator:
         policy, max_norm = self.spec.non_finite, self.spec.max_norm
         if policy is NonFinitePolicy.PROPAGATE and max_norm is None:
             return 1.0
-        check = check_rows(rows)
+        check = check_rows(rows, exact=max_norm is not None)
         if check.nonfinite and policy is not NonFinitePolicy.PROPAGATE:
             error = NonFiniteValues(index, check.nonfinite)
             if policy is NonFinitePolicy.RAISE:
