@@ -212,3 +212,27 @@ def test_directory_named_like_a_temp_file_does_not_break_collection(tmp_path: Pa
     assert not os.path.exists(stale)
     assert os.path.isdir(odd)  # not ours to remove
     assert bytes(store.get(cid)) == data
+
+
+def test_a_fresh_copy_written_while_a_corrupt_one_is_quarantined_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # get() finds the file corrupt and moves it aside; another process's put() may replace it
+    # with a good copy between the identity check and the move. That copy (whose put had
+    # returned) went to quarantine with the bad one: the stored block was lost.
+    store, cid, data, path = _store_with_block(tmp_path)
+    Path(path).write_bytes(b"short")  # truncated in place
+    real_makedirs = os.makedirs
+
+    def writer_races(name: Any, *args: Any, **kwargs: Any) -> None:  # runs inside the window
+        fresh = path + ".other-process"
+        Path(fresh).write_bytes(data)
+        os.replace(fresh, path)
+        real_makedirs(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", writer_races)
+    with pytest.raises(CorruptBlock):
+        store.get(cid)
+    monkeypatch.setattr(os, "makedirs", real_makedirs)
+    assert store.has(cid)
+    assert bytes(store.get(cid)) == data

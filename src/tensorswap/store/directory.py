@@ -232,6 +232,14 @@ class DirectoryStore(BlockStore):
                 self._quarantine, f"{os.path.basename(path)}.{secrets.token_hex(4)}"
             )
             os.replace(path, target)
+            moved = os.lstat(target)
+            if (moved.st_ino, moved.st_dev) != (seen.st_ino, seen.st_dev):
+                # A writer replaced the file between the check and the move: that fresh copy
+                # goes back (os.link never overwrites a newer one), the quarantine keeps none.
+                with contextlib.suppress(FileExistsError):
+                    os.link(target, path)
+                os.unlink(target)
+                return None
         except OSError:
             return None
         return target
