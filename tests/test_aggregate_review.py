@@ -14,6 +14,7 @@ from tensorswap.aggregate import (
     InvalidContribution,
     Layout,
     StreamingAccumulator,
+    TooFewContributions,
     aggregate,
     clip_contributions,
     fedavg,
@@ -134,3 +135,26 @@ def _streamed(items: list[tuple[np.ndarray, int]], **options: object) -> Aggrega
     for values, n in items:
         acc.add(values, n)
     return acc.result()
+
+
+# ── trim_fraction: b = floor(fraction * n) for the fraction as written ──
+
+
+@pytest.mark.parametrize(
+    ("fraction", "n", "trim"), [(0.29, 100, 29), (0.07, 100, 7), (0.1, 30, 3), (0.49, 100, 49)]
+)
+def test_trim_for_is_the_floor_of_the_written_fraction(fraction: float, n: int, trim: int) -> None:
+    # 0.29 * 100 is 28.999999999999996 in binary floating point
+    spec = AggregatorSpec(AggregatorKind.TRIMMED_MEAN, trim_fraction=fraction)
+    assert spec.trim_for(n) == trim
+
+
+def test_trim_fraction_edges() -> None:
+    rows = [np.array([float(v)], dtype=np.float32) for v in (1, 2, 3, 4, 100)]
+    items = [(r, 1) for r in rows]
+    assert trimmed_mean(items, trim_fraction=0).values[0] == np.float32(22.0)  # the mean
+    assert trimmed_mean(items, trim_fraction=0.4).values[0] == np.float32(3.0)  # b = 2: median
+    with pytest.raises(InvalidAggregatorOption):
+        trimmed_mean(items, trim_fraction=0.5)
+    with pytest.raises(TooFewContributions):
+        trimmed_mean(items, trim_count=3)  # 2b >= n: nothing left

@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from fractions import Fraction
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -227,7 +228,9 @@ class AggregatorSpec:
         if self.trim_count is not None:
             return self.trim_count
         fraction = 0.1 if self.trim_fraction is None else self.trim_fraction
-        return math.floor(fraction * n)
+        # The fraction as written (its shortest repr), exactly: 0.29 * 100 is 28.999999999999996
+        # in binary floating point, and floor(0.29 * 100) must be 29.
+        return math.floor(Fraction(repr(float(fraction))) * n)
 
 
 def _check_int(option: str, value: object, low: int) -> None:
