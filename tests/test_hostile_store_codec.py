@@ -18,7 +18,7 @@ from tensorswap.cid import Cid, Multicodec
 from tensorswap.codec import decode_block
 from tensorswap.codec.arrow import MAX_DECODED_VALUES
 from tensorswap.codec.ipfrs import decode_ipfrs_gradient
-from tensorswap.errors import BlockNotFound, CorruptBlock, MalformedBlock
+from tensorswap.errors import BlockNotFound, CorruptBlock, MalformedBlock, StoreError
 from tensorswap.store import (
     MANIFEST_MAGIC,
     DirectoryStore,
@@ -30,6 +30,7 @@ from tensorswap.store import (
     encode_manifest,
     get_tensor,
 )
+from tensorswap.store.directory import FORMAT_LINE
 
 
 def _stream(header: dict[str, Any], columns: dict[str, pa.Array], compression: Any) -> pa.Buffer:
@@ -236,3 +237,19 @@ def test_a_fresh_copy_written_while_a_corrupt_one_is_quarantined_stays(
     monkeypatch.setattr(os, "makedirs", real_makedirs)
     assert store.has(cid)
     assert bytes(store.get(cid)) == data
+
+
+@pytest.mark.timeout(10)  # a regression hangs in open(2)
+def test_fifo_as_format_file_is_refused_without_waiting(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "FORMAT")
+    with pytest.raises(StoreError, match="not a tensorswap block store"):
+        DirectoryStore(tmp_path)
+
+
+def test_format_file_is_read_no_further_than_its_line(tmp_path: Path) -> None:
+    # Any content other than the line is refused; the store reads one byte past it at most.
+    with open(tmp_path / "FORMAT", "wb") as f:
+        f.write(FORMAT_LINE)
+        f.truncate(1 << 40)  # sparse: a 1 TiB FORMAT file read whole would exhaust memory
+    with pytest.raises(StoreError, match="not a tensorswap block store"):
+        DirectoryStore(tmp_path)

@@ -79,7 +79,7 @@ class DirectoryStore(BlockStore):
         fmt = self.root / "FORMAT"
         try:
             if fmt.exists():
-                found = fmt.read_bytes()
+                found = _read_format(fmt)
                 if found != FORMAT_LINE:
                     raise StoreError(
                         f"{self.root} is not a tensorswap block store: FORMAT={found!r}"
@@ -392,6 +392,19 @@ class DirectoryStore(BlockStore):
 
     def __repr__(self) -> str:
         return f"DirectoryStore({str(self.root)!r}, fsync={self.fsync})"
+
+
+def _read_format(path: Path) -> bytes | str:
+    """The FORMAT file's first bytes (one past the line at most), or what it is instead: it
+    may be anything (a FIFO must not make the store wait, a huge file must not be read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not statmod.S_ISREG(mode):
+            return f"a {statmod.filemode(mode)} entry"
+        return os.read(fd, len(FORMAT_LINE) + 1)
+    finally:
+        os.close(fd)
 
 
 def _identity(stat: os.stat_result) -> tuple[int, int, int]:
