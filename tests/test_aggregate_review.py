@@ -18,9 +18,11 @@ from tensorswap.aggregate import (
     aggregate,
     clip_contributions,
     fedavg,
+    krum,
     l2_norms,
     mean,
     median,
+    multi_krum,
     trimmed_mean,
 )
 from tensorswap.errors import AggregationError
@@ -158,3 +160,18 @@ def test_trim_fraction_edges() -> None:
         trimmed_mean(items, trim_fraction=0.5)
     with pytest.raises(TooFewContributions):
         trimmed_mean(items, trim_count=3)  # 2b >= n: nothing left
+
+
+# ── Krum distances do not cancel catastrophically for updates sharing a large offset ──
+
+
+def test_krum_on_float64_updates_with_a_large_common_offset() -> None:
+    rng = np.random.default_rng(7)
+    base = np.full(1000, 1e6)
+    honest = [base + rng.standard_normal(1000) * 1e-6 for _ in range(5)]
+    outlier = base + 1e-3  # far from every honest update, relative to their spread
+    items = [(x, 1) for x in [outlier, *honest]]
+    assert krum(items, byzantine=1).used != (0,)
+    assert 0 not in multi_krum(items, byzantine=1, select=4).used
+    # with max_norm the rows are scaled (by 1 here) before the distances
+    assert krum(items, byzantine=1, max_norm=1e9).used != (0,)

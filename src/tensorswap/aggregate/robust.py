@@ -126,14 +126,25 @@ def trimmed_mean_aggregate(batch_in: Batch, spec: AggregatorSpec) -> AggregateRe
 
 
 def _gram(screened: Screened) -> np.ndarray:
-    """Float64 inner products of the (clipped) rows over all tensors, block by block."""
+    """Float64 inner products of the (clipped) rows, centred, over all tensors, block by block.
+
+    Distances come from |a|^2 + |b|^2 - 2 a.b, which cancels catastrophically when the rows
+    share an offset large against their differences (float64 updates around 1e6 differing by
+    1e-6 made Krum pick an outlier). Each block is therefore centred on its coordinate-wise
+    median first (distances do not change under translation; the median keeps the centre
+    among the honest rows); a column whose median is not finite (PROPAGATE) is not centred.
+    """
     batch = screened.batch
     gram = np.zeros((batch.k, batch.k), dtype=np.float64)
+    factors = None if screened.scales is None else screened.scales[:, None]
     for part in batch.parts:
-        for _, _, block in blocks(part, np.dtype(np.float64)):
+        for _, _, block in blocks(part, np.dtype(np.float64), copy=True):
+            if factors is not None:
+                block *= factors
+            centre = np.median(block, axis=0)
+            centre[~np.isfinite(centre)] = 0.0
+            block -= centre
             gram += block @ block.T
-    if screened.scales is not None:
-        gram *= np.outer(screened.scales, screened.scales)
     return gram
 
 
