@@ -175,3 +175,39 @@ def test_krum_on_float64_updates_with_a_large_common_offset() -> None:
     assert 0 not in multi_krum(items, byzantine=1, select=4).used
     # with max_norm the rows are scaled (by 1 here) before the distances
     assert krum(items, byzantine=1, max_norm=1e9).used != (0,)
+
+
+# ── streaming agrees with batch FedAvg on extreme sample counts; a failed add changes nothing ──
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [[2**62, 2**62], [2**63 - 1, 1, 0], [2**64 - 1, 2**64 - 1, 3], [0, 0, 0], [0, 5, 0], [7]],
+)
+def test_streaming_matches_batch_fedavg_on_extreme_counts(counts: list[int]) -> None:
+    rng = np.random.default_rng(len(counts))
+    items = [(rng.standard_normal(5).astype(np.float32), n) for n in counts]
+    batch, streamed = fedavg(items), _streamed(items)
+    np.testing.assert_allclose(streamed.values, batch.values, rtol=1e-6, atol=1e-7)
+    assert (streamed.used, streamed.total_samples) == (batch.used, batch.total_samples)
+
+
+def test_streaming_add_that_raises_leaves_the_accumulator_unchanged() -> None:
+    acc = StreamingAccumulator(max_norm=10.0)
+    acc.add({"w": np.ones(3, np.float32)}, 2)
+    before = (acc.result().values["w"].copy(), acc.count, acc.total_samples)  # type: ignore[index]
+    bad = [
+        ({"w": np.ones(4, np.float32)}, 1),
+        ({"v": np.ones(3, np.float32)}, 1),
+        ({"w": np.ones(3, np.float64)}, 1),
+        ({"w": np.ones(3, np.int32)}, 1),
+        ({"w": np.array([1.0, np.nan, 1.0], np.float32)}, 1),
+        ({"w": np.ones(3, np.float32)}, -1),
+        ([1.0, 2.0, 3.0], 1),
+    ]
+    for values, n in bad:
+        with pytest.raises(AggregationError):
+            acc.add(values, n)
+    after = acc.result()
+    np.testing.assert_array_equal(after.values["w"], before[0])  # type: ignore[index]
+    assert (acc.count, acc.total_samples) == before[1:]
