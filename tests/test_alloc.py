@@ -41,3 +41,25 @@ def test_arrays_do_not_share_memory() -> None:
 def test_negative_size_is_refused() -> None:
     with pytest.raises(ValueError, match="must not be negative"):
         empty(-1, np.float32)
+
+
+def _pooled(array: np.ndarray) -> bool:
+    while array.base is not None and not isinstance(array.base, pa.Buffer):
+        array = array.base
+    return isinstance(array.base, pa.Buffer)
+
+
+@pytest.mark.parametrize("kind", ["fedavg", "mean", "median", "trimmed_mean"])
+def test_large_aggregates_land_in_recycled_memory(kind: str) -> None:
+    from tensorswap.aggregate import AggregatorKind, AggregatorSpec, aggregate
+
+    size = POOL_MIN_BYTES // 4 * 2
+    rows = [np.full(size, float(i), np.float32) for i in range(4)]
+    trim = {"trim_fraction": 0.25} if kind == "trimmed_mean" else {}
+    spec = AggregatorSpec(AggregatorKind(kind), **trim)
+    result = aggregate([(row, 1) for row in rows], spec)
+    assert isinstance(result.values, np.ndarray) and _pooled(result.values)
+    assert result.values.flags.writeable
+    np.testing.assert_allclose(result.values, 1.5)
+    named = aggregate([({"a": row, "b": row[:10]}, 1) for row in rows], spec)
+    assert isinstance(named.values, dict) and _pooled(named.values["a"])

@@ -9,6 +9,7 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
+from tensorswap import _alloc
 from tensorswap.aggregate.types import Layout, Values
 from tensorswap.aggregate.validate import Batch, Part
 
@@ -160,11 +161,13 @@ def weighted_values(batch: Batch, weights: np.ndarray) -> Values:
     """Σ_i weights[i] * row i, per tensor, in each tensor's accumulation dtype.
 
     `weights` (float64, length batch.k) is cast once to the accumulation dtype, so float32
-    accumulation multiplies by float32 weights and nothing is promoted to float64.
+    accumulation multiplies by float32 weights and nothing is promoted to float64. Results
+    come from recycled memory (``tensorswap._alloc``): an aggregate per round then lands in
+    pages already faulted in, not in fresh ones the kernel must zero first.
     """
     if batch.flat is not None and len(set(batch.acc)) == 1:
         acc = batch.acc[0]
-        out = np.empty(batch.layout.size, dtype=acc)
+        out = _alloc.empty(batch.layout.size, acc)
         weighted_sum(batch.flat, weights.astype(acc), out)
         pieces = [
             out[o : o + n] for o, n in zip(batch.layout.offsets, batch.layout.sizes, strict=True)
@@ -172,7 +175,7 @@ def weighted_values(batch: Batch, weights: np.ndarray) -> Values:
         return build_values(batch.layout, pieces)
     outs = []
     for part, acc, size in zip(batch.parts, batch.acc, batch.layout.sizes, strict=True):
-        out = np.empty(size, dtype=acc)
+        out = _alloc.empty(size, acc)
         weighted_sum(part, weights.astype(acc), out)
         outs.append(out)
     return build_values(batch.layout, outs)

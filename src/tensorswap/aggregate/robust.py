@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tensorswap import _alloc
 from tensorswap.aggregate._kernels import blocks, build_values, weighted_values
 from tensorswap.aggregate.clip import Screened, ensure_finite, screen
 from tensorswap.aggregate.types import (
@@ -38,7 +39,7 @@ def _coordinatewise(screened: Screened, reduce: Reducer) -> Values:
     batch = screened.batch
     outs = []
     for part, acc, size in zip(batch.parts, batch.acc, batch.layout.sizes, strict=True):
-        out = np.empty(size, dtype=acc)
+        out = _alloc.empty(size, acc)  # recycled memory, as weighted_values
         factors = None if screened.scales is None else screened.scales.astype(acc)[:, None]
         for start, stop, block in blocks(part, acc, copy=True):
             if factors is not None:
