@@ -8,8 +8,6 @@ from collections import defaultdict
 
 import numpy as np
 
-from tensorswap import _alloc
-
 __all__ = ["ReceiveBuffers", "receive_buffers"]
 
 _GRANULE = 1 << 20  # slab sizes are rounded up to this, so blocks of similar size share slabs
@@ -21,13 +19,10 @@ class ReceiveBuffers:
     A payload of ``min_bytes`` or more gets a view of a recycled slab (or a new one); when
     the last reference to that view (or anything built on it: slices, read-only views, a
     store that adopted the block) goes away, the slab returns here, up to ``keep_bytes``
-    held idle; beyond that it goes back to pyarrow's memory pool (``tensorswap._alloc``),
-    which keeps the pages mapped for the next slabs. Reusing memory saves the page faults of
-    fresh memory, which on small VMs cost more than receiving the bytes. The default keeps
-    16 MiB idle here (four default-size blocks): enough for a server that writes blocks out and
-    receives the next ones into the same memory, little enough not to raise a process's peak
-    much; a store that holds blocks in memory and drops them later (a MemoryStore per round)
-    gets their pages back through the pool. Thread-safe.
+    held idle; beyond that it is freed. Reusing slabs saves the page faults of fresh memory,
+    which on small VMs cost more than receiving the bytes. The default keeps 16 MiB (four
+    default-size blocks): enough for a server that writes blocks out and receives the next
+    ones into the same memory, little enough not to raise a process's peak much. Thread-safe.
     """
 
     def __init__(self, keep_bytes: int = 16 << 20, min_bytes: int = 256 << 10) -> None:
@@ -55,8 +50,8 @@ class ReceiveBuffers:
                 self.reused += 1
             else:
                 self.allocated += 1
-        if slab is None:  # from pyarrow's pool, which keeps freed pages mapped (see _alloc)
-            slab = _alloc.empty(size, np.uint8)
+        if slab is None:
+            slab = np.empty(size, np.uint8)
         view = slab[:nbytes]
         weakref.finalize(view, self._give_back, slab)
         return memoryview(view)  # type: ignore[arg-type]
