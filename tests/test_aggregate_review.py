@@ -69,10 +69,10 @@ def test_torch_tensor_without_data_is_an_invalid_contribution() -> None:
         aggregate([(torch.zeros(2, device="meta"), 1)])
 
 
-def test_torch_negative_view_is_an_invalid_contribution() -> None:
+def test_torch_negative_view_is_read_as_the_numbers_it_shows() -> None:
     torch = pytest.importorskip("torch")
-    with pytest.raises(InvalidContribution):
-        aggregate([(torch.ones(2)._neg_view(), 1)])
+    result = aggregate([(torch.ones(2)._neg_view(), 1), (torch.ones(2), 3)])
+    np.testing.assert_array_equal(result.values, np.full(2, 0.5, np.float32))
 
 
 def test_sparse_torch_tensor_is_an_invalid_contribution_not_a_dtype_error() -> None:

@@ -235,3 +235,12 @@ def test_block_with_values_keeps_the_rest() -> None:
     other = block.with_values(np.ones(3, np.int8))
     assert (other.name, other.num_samples, dict(other.metadata)) == ("w", 5, {"a": "b"})
     assert other.dtype is DType.INT8
+
+
+def test_as_numpy_resolves_lazily_negated_torch_views() -> None:
+    torch = pytest.importorskip("torch")
+    view = torch._neg_view(torch.arange(4, dtype=torch.float32))
+    assert view.is_neg()
+    np.testing.assert_array_equal(as_numpy(view), -np.arange(4, dtype=np.float32))
+    plain = torch.arange(4, dtype=torch.float32)
+    assert np.shares_memory(as_numpy(plain), plain.numpy())  # no copy without the bit

@@ -121,7 +121,9 @@ def as_numpy(values: object) -> np.ndarray:
         arr = values
     elif is_torch_tensor(values):
         tensor: Any = values
-        tensor = tensor.detach()
+        # a lazily negated or conjugated view (x.conj().imag, torch._neg_view) holds the same
+        # numbers once resolved; resolve_* return the tensor itself when no such bit is set
+        tensor = tensor.detach().resolve_neg().resolve_conj()
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         name = str(tensor.dtype)
