@@ -154,6 +154,23 @@ def test_non_contiguous_and_identical_chunks_dedup(store: BlockStore) -> None:
     assert _same(get_tensor(store, cid).values, np.zeros((8, 16), np.float32))
 
 
+def test_a_chunk_listed_many_times_is_fetched_once(
+    store: BlockStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    values = np.concatenate([np.zeros(64, np.float32), np.ones(16, np.float32)])
+    cid = put_tensor(store, TensorBlock("t", values), chunk_bytes=CHUNK)  # 4 x zeros, 1 x ones
+    fetched: list[Cid] = []
+    get = store.get
+
+    def counting_get(block: Cid, *, verify: bool | None = None) -> memoryview:
+        fetched.append(block)
+        return get(block, verify=verify)
+
+    monkeypatch.setattr(store, "get", counting_get)
+    assert _same(get_tensor(store, cid, verify=True).values, values)
+    assert len(fetched) == 3 and len(set(fetched)) == 3  # the manifest and two distinct chunks
+
+
 def test_deterministic_cids(store: BlockStore) -> None:
     block = TensorBlock("t", np.arange(100, dtype=np.int64), metadata={"b": "2", "a": "1"})
     first = put_tensor(store, block, chunk_bytes=CHUNK)

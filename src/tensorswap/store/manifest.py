@@ -312,7 +312,12 @@ def _load_tensor(
             cid,
         )
     threads = _thread_count(workers, len(chunks), sum(c.nbytes for c in chunks))
-    buffers = _map(lambda chunk: store.get(chunk.cid, verify=verify), chunks, threads)
+    # Each distinct chunk is fetched (and, where the store verifies, hashed) once: a tensor of
+    # zeros lists one chunk many times.
+    distinct = {chunk.cid_bytes: chunk for chunk in chunks}
+    fetched = _map(lambda chunk: store.get(chunk.cid, verify=verify), distinct.values(), threads)
+    by_cid = dict(zip(distinct, fetched, strict=True))
+    buffers = [by_cid[chunk.cid_bytes] for chunk in chunks]
     exact = manifest.encoding == Encoding.DENSE and not manifest.compression
     for i, (chunk, buf) in enumerate(zip(manifest.chunks, buffers, strict=True)):
         # An uncompressed dense chunk holds all its values: the output size is bounded by
