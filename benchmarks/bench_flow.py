@@ -39,9 +39,11 @@ import zmq
 
 try:
     from benchmarks import best_pass_seconds
+    from benchmarks.__main__ import ratio_line
 except ModuleNotFoundError:  # run as a script: python benchmarks/bench_flow.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmarks import best_pass_seconds
+    from benchmarks.__main__ import ratio_line
 from tensorswap.flow import (
     Ping,
     Publisher,
@@ -266,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         f"msgspec alone (no validation) encode {floor_encode_us:.1f} + typed decode "
         f"{floor_decode_us:.1f} us/msg; {cores} core(s) -> ratio <= {raw_us / best_us:.2f}x"
     )
+    print(ratio_line("flow_vs_raw", ratio, ">=", GOAL))
+    print(ratio_line("bare_msgspec_vs_raw", bare / raw))
+    print(ratio_line("flow_vs_bare_msgspec", flow / bare))
+    print(ratio_line("ideal_ceiling_vs_raw", raw_us / best_us))
     if args.breakdown:
         encode_only = statistics.median(rates["flow", "raw"])
         decode_only = statistics.median(rates["raw", "flow"])
