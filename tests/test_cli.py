@@ -205,3 +205,28 @@ def test_inspect_npy_header_cannot_claim_more_than_the_file_holds(
     f = _write(tmp_path / "big.npy", forged)
     rc, out, err = run(capsys, "inspect", str(f))
     assert rc == 2 and out == "" and err.startswith("error:") and "1099511627776" in err
+
+
+# ── help texts and options a new user meets ──────────────────────────────────
+def test_bench_dir_that_is_not_a_benchmarks_folder_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, _, err = run(capsys, "bench", "--dir", str(tmp_path))
+    assert rc == 1 and str(tmp_path) in err and "__main__.py" in err
+    assert "installed without it" not in err
+
+
+@pytest.mark.parametrize("command", ["send", "recv", "serve", "status"])
+def test_key_file_help_says_the_variable_holds_the_key_itself(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = run(capsys, command, "--help")
+    assert rc == 0
+    assert "the key itself" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("command", ["listen", "send"])
+def test_delta_max_bytes_is_explained(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, "delta", command, "--help")
+    help_text = " ".join(out.split())
+    assert rc == 0 and "--max-bytes" in help_text and "fragment size cap" in help_text

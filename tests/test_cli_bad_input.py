@@ -164,6 +164,7 @@ def test_timeouts_must_be_finite_and_positive(
         ["serve", "--listen", "127.0.0.1:0", "--data", str(tmp_path / "data")],
         ["delta", "send", "--to", "127.0.0.1:1", str(npy), str(npy)],
         ["flow", "sub", "ipc:///nonexistent/flow.ipc"],
+        ["bench", "nonexistent-suite"],
     ):
         assert "'--timeout'" in run_bad(capsys, *argv, "--timeout", value)
 
@@ -178,6 +179,8 @@ def test_timeouts_must_be_finite_and_positive(
         ["flow", "pub", "ipc:///nonexistent/flow.ipc", "--interval", "inf"],
         ["recv", "--listen", "127.0.0.1:0", "--out", "store", "--count", "-1"],
         ["delta", "listen", "127.0.0.1:0", "--count", "-1"],
+        ["delta", "listen", "127.0.0.1:0", "--max-bytes", "0"],
+        ["delta", "listen", "127.0.0.1:0", "--max-bytes", "4294967296"],
     ],
 )
 def test_other_numeric_options_refuse_nan_and_negatives(

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tensorswap
+from tensorswap.cli._util import SECONDS
 
 __all__ = ["Ratio", "bench", "find_benchmarks", "parse_ratios"]
 
@@ -126,7 +127,9 @@ def _suites(directory: Path) -> list[str]:
     default=None,
     help="The benchmarks folder [default: <source tree>/benchmarks].",
 )
-@click.option("--timeout", default=1800.0, show_default=True, help="Seconds per suite.")
+@click.option(
+    "--timeout", type=SECONDS, default=1800.0, show_default=True, help="Seconds per suite."
+)
 @click.option("--show-output", is_flag=True, help="Also print each suite's own output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the ratios as JSON instead.")
 def bench(
@@ -143,6 +146,11 @@ def bench(
     or missed as the suite states it. Exit status 1 when a suite failed or missed a goal.
     """
     found = find_benchmarks(directory)
+    if found is None and directory is not None:
+        raise click.ClickException(
+            f"{directory} is not a benchmarks folder (it has no __main__.py); pass the "
+            "benchmarks/ folder of a tensorswap source tree."
+        )
     if found is None:
         raise click.ClickException(
             "no benchmarks folder: `tensorswap bench` needs the source tree (benchmarks/ next "

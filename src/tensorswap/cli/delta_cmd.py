@@ -45,6 +45,17 @@ def _key_options(func: Any) -> Any:
     )(func)
 
 
+def _max_bytes_option(func: Any) -> Any:
+    return click.option(
+        "--max-bytes",
+        type=click.IntRange(1, 2**32 - 1),
+        default=MAX_DWE_FRAGMENT_BYTES,
+        show_default=True,
+        help="The fragment size cap in bytes (axiom's default): listen refuses a larger frame, "
+        "send splits a larger delta into parts.",
+    )(func)
+
+
 @click.group("delta")
 def delta() -> None:
     """Weight-delta fragments over TCP, byte-compatible with axiom DWE."""
@@ -53,7 +64,7 @@ def delta() -> None:
 @delta.command("listen")
 @click.argument("address")
 @_key_options
-@click.option("--max-bytes", type=int, default=MAX_DWE_FRAGMENT_BYTES, show_default=True)
+@_max_bytes_option
 @click.option(
     "--gap-policy",
     type=click.Choice([p.value for p in GapPolicy]),
@@ -164,7 +175,7 @@ def load_state(path: Path) -> dict[str, Any]:
 @click.option("--session-id", default="tensorswap", show_default=True)
 @click.option("--sequence", type=int, default=None, help="First sequence [default: now in ns].")
 @_key_options
-@click.option("--max-bytes", type=int, default=MAX_DWE_FRAGMENT_BYTES, show_default=True)
+@_max_bytes_option
 @click.option(
     "--mode",
     type=click.Choice([m.value for m in SendMode]),

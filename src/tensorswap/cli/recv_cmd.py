@@ -93,7 +93,8 @@ async def _serve_ipfrs(host: str, port: int, landing: _Landing, ssl: Any, timeou
 @click.option(
     "--key-file",
     type=click.Path(exists=True, dir_okay=False),
-    help="Require this shared key (HMAC; default: $TENSORSWAP_KEY if set).",
+    help="Require the shared key in this file (HMAC; default: the key itself in "
+    "$TENSORSWAP_KEY, if set).",
 )
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="TLS certificate.")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="TLS private key.")

@@ -211,7 +211,8 @@ async def _send_ipfrs(
 @click.option(
     "--key-file",
     type=click.Path(exists=True, dir_okay=False),
-    help="Shared key for HMAC authentication (default: $TENSORSWAP_KEY).",
+    help="Read the shared key for HMAC authentication from a file (default: the key "
+    "itself in $TENSORSWAP_KEY, if set).",
 )
 @click.option("--tls", is_flag=True, help="Use TLS (system CAs unless --tls-ca).")
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA/cert to trust.")

@@ -116,7 +116,7 @@ async def _run(
 @click.option(
     "--key-file",
     type=click.Path(exists=True, dir_okay=False),
-    help="Read the shared secret from a file (default: $TENSORSWAP_KEY if set).",
+    help="Read the shared secret from a file (default: the key itself in $TENSORSWAP_KEY, if set).",
 )
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="TLS certificate.")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="TLS private key.")

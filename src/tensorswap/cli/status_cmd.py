@@ -122,7 +122,7 @@ def render(report: ServerStatus, console: Console, now: float | None = None) -> 
 @click.option(
     "--key-file",
     type=click.Path(exists=True, dir_okay=False),
-    help="Read the shared secret from a file (default: $TENSORSWAP_KEY if set).",
+    help="Read the shared secret from a file (default: the key itself in $TENSORSWAP_KEY, if set).",
 )
 @click.option("--tls", is_flag=True, help="Use TLS (system CAs unless --tls-ca).")
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA/cert to trust.")
