@@ -148,8 +148,8 @@ def bench(
     found = find_benchmarks(directory)
     if found is None and directory is not None:
         raise click.ClickException(
-            f"{directory} is not a benchmarks folder (it has no __main__.py); pass the "
-            "benchmarks/ folder of a tensorswap source tree."
+            f"{directory} is not a benchmarks folder (it has no __main__.py): `tensorswap "
+            "bench` needs the source tree's benchmarks/ folder."
         )
     if found is None:
         raise click.ClickException(
