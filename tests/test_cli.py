@@ -230,3 +230,16 @@ def test_delta_max_bytes_is_explained(command: str, capsys: pytest.CaptureFixtur
     rc, out, _ = run(capsys, "delta", command, "--help")
     help_text = " ".join(out.split())
     assert rc == 0 and "--max-bytes" in help_text and "fragment size cap" in help_text
+
+
+def test_inspect_help_promises_only_what_every_object_has(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = run(capsys, "inspect", "--help")
+    assert rc == 0 and "always has format and cid" in " ".join(out.split())
+    store = MemoryStore()
+    root = put_update(store, ModelUpdate({"a": np.ones(2, np.float32)}, 3))
+    f = _write(tmp_path / "update.bin", bytes(store.get(root)))
+    rc, out, _ = run(capsys, "inspect", str(f))
+    info = json.loads(out)
+    assert rc == 0 and {"format", "cid"} <= info.keys() and "dtype" not in info

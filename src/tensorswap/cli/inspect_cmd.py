@@ -278,7 +278,9 @@ def inspect(file: str, all_values: bool) -> int:
 
     Recognised: tensorswap blocks and manifests, Arrow IPC streams and files (including the
     ipfrs gradient file), GARW blocks, axiom DWE fragments, .npy and safetensors files.
-    The object has format, name, dtype, shape, num_samples, cid and the first values.
+    The object always has format and cid (of the file's bytes); for one tensor also name,
+    dtype, shape, num_samples and the first values; for a manifest, a safetensors file or a
+    fragment, its parts.
     An unknown or damaged file prints one error line and exits with code 2.
     """
     try:
