@@ -10,6 +10,9 @@ message as ``serde_json::to_vec`` does: fields in declaration order, f32 digits 
 
 from __future__ import annotations
 
+import operator
+import re
+from itertools import islice
 from typing import Any
 
 import msgspec
@@ -321,6 +324,76 @@ def _check_version(value: object) -> None:
         raise WireVersionError(value, MIN_WIRE_VERSION, WIRE_VERSION)
 
 
+# A valid message holds at most about 400,000 JSON values (65,536 rows or events of a few
+# fields each, 131,072 records in all), while a typed decode turns each value into a Python
+# object: ``0,`` into a 32-byte float, ``"k":0,`` into a key and a Raw (16x and more of the
+# frame). A text with more JSON values than this is refused before any of them is built.
+_VALUE_BUDGET = 1 << 19
+# A string, or a comma or opening bracket outside strings (group 1).
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|([,\[{])')
+_TOKEN_TEXT = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|([,\[{])')
+_GROUP = operator.itemgetter(1)
+
+
+def _value_bound(text: bytes | str | memoryview) -> int:
+    """An upper bound on the JSON values in ``text``: its commas and opening brackets, plus 1.
+
+    Every value but the outermost is an array element or a member value, and a container of
+    ``k`` of them holds ``k - 1`` commas; counting bytes inside strings too only adds to it.
+    """
+    if isinstance(text, memoryview):
+        return len(text) + 1
+    if isinstance(text, bytes):
+        return text.count(b",") + text.count(b"[") + text.count(b"{") + 1
+    return text.count(",") + text.count("[") + text.count("{") + 1
+
+
+def _over_budget(text: bytes | str | memoryview) -> bool:
+    """Whether well-formed JSON ``text`` holds more than ``_VALUE_BUDGET`` values, not counting
+    commas and brackets inside strings; linear, and nothing is kept while counting."""
+    if len(text) <= _VALUE_BUDGET or _value_bound(text) <= _VALUE_BUDGET:
+        return False
+    pattern = _TOKEN_TEXT if isinstance(text, str) else _TOKEN
+    outside = filter(None, map(_GROUP, pattern.finditer(text)))  # type: ignore[arg-type]
+    return next(islice(outside, _VALUE_BUDGET - 1, None), None) is not None
+
+
+def _refuse_over_budget(text: bytes | str | memoryview) -> None:
+    if _over_budget(text):
+        raise _bad_payload(
+            f"more than {_VALUE_BUDGET} JSON values, far beyond the protocol limits; "
+            "refused before decoding"
+        )
+
+
+class _Top(msgspec.Struct):
+    """The envelope's two members as raw text; other members are skipped, never built."""
+
+    payload: msgspec.Raw | UnsetType = UNSET
+    wire_version: msgspec.Raw | UnsetType = UNSET
+
+
+_TOP = msgspec.json.Decoder(_Top | str)
+
+
+def _decode_big(whole: msgspec.Raw) -> IpcMessage:
+    """The careful path for well-formed text with more JSON values than the budget: the
+    version is still checked before the payload, and no member or element is built."""
+    try:
+        top = _TOP.decode(whole)
+    except msgspec.ValidationError:  # an array, a number, a bool or null
+        raise MalformedMessage("compatibility envelope must be a JSON object") from None
+    if isinstance(top, _Top) and top.wire_version is not UNSET:
+        _check_version(_peek(top.wire_version))
+        if top.payload is UNSET:
+            raise MalformedMessage("missing payload on compatibility envelope")
+        body = top.payload
+    else:
+        body = whole
+    _refuse_over_budget(memoryview(body))  # a view: no copy of the text
+    return _message(body)
+
+
 def _decode_careful(data: bytes | str) -> IpcMessage:
     """corpus-ipc's decode order: JSON, version (before the payload), then the payload."""
     try:
@@ -334,6 +407,8 @@ def _decode_careful(data: bytes | str) -> IpcMessage:
             f"failed to decode envelope JSON: not valid UTF-8 ({exc.reason} "
             f"at position {exc.start})"
         ) from exc
+    if _over_budget(data):
+        return _decode_big(whole)
     try:
         value = _SHELL.decode(whole)
     except msgspec.ValidationError:  # an array, a number, a bool or null
@@ -388,7 +463,10 @@ def decode(data: bytes | bytearray | memoryview | str) -> IpcMessage:
     """
     if type(data) is not bytes and isinstance(data, bytearray | memoryview):
         data = bytes(data)
-    message = _decode_fast(data)
+    if len(data) > _VALUE_BUDGET and _value_bound(data) > _VALUE_BUDGET:
+        message = None  # maybe more JSON values than any valid message: never typed whole
+    else:
+        message = _decode_fast(data)
     if message is None:
         message = _decode_careful(data)
     try:
