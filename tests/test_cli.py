@@ -243,3 +243,39 @@ def test_inspect_help_promises_only_what_every_object_has(
     rc, out, _ = run(capsys, "inspect", str(f))
     info = json.loads(out)
     assert rc == 0 and {"format", "cid"} <= info.keys() and "dtype" not in info
+
+
+def test_send_progress_help_says_when_the_bar_shows(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, "send", "--help")
+    assert rc == 0 and "64 MiB or more" in " ".join(out.split())
+
+
+def test_send_progress_bar_keeps_stdout_to_the_result_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import re
+    import subprocess
+    import sys
+
+    np.save(tmp_path / "w.npy", np.arange(70_000, dtype=np.float32))
+    receiver = subprocess.Popen(
+        [sys.executable, "-c", "from tensorswap.cli import main; main()", "recv",
+         "--listen", "127.0.0.1:0", "--out", str(tmp_path / "store"), "--count", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert receiver.stderr is not None
+        line = receiver.stderr.readline()
+        port = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+        assert port, line
+        rc, out, _ = run(
+            capsys, "send", str(tmp_path / "w.npy"), "--to", f"127.0.0.1:{port[1]}", "--progress"
+        )
+    finally:
+        receiver.terminate()
+        receiver.wait(timeout=10)
+        receiver.stderr.close()  # type: ignore[union-attr]
+    assert rc == 0
+    assert len(out.splitlines()) == 1 and out.startswith("bagaybqab"), repr(out)

@@ -104,6 +104,7 @@ def _progress(total: int, show: bool | None) -> Iterator[Callable[[int, int], No
     if not enabled:
         yield None
         return
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -111,11 +112,13 @@ def _progress(total: int, show: bool | None) -> Iterator[Callable[[int, int], No
         TransferSpeedColumn,
     )
 
+    # On stderr, the stream whose terminal decides the default: stdout keeps the result line.
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
+        console=Console(stderr=True),
         transient=True,
     ) as bar:
         task = bar.add_task("sending", total=total)
@@ -217,7 +220,11 @@ async def _send_ipfrs(
 @click.option("--tls", is_flag=True, help="Use TLS (system CAs unless --tls-ca).")
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA/cert to trust.")
 @click.option("--timeout", type=SECONDS, default=60.0, show_default=True, help="Seconds per frame.")
-@click.option("--progress/--no-progress", default=None, help="Progress bar (default: large).")
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help=f"Progress bar (default: on a terminal, for {PROGRESS_MIN_BYTES >> 20} MiB or more).",
+)
 def send(
     file: str,
     to: str,
