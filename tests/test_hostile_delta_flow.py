@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import struct
 import tracemalloc
 
+import numpy as np
 import pytest
 
+from tensorswap.delta import DweConfig, DweListener, reassemble, split_fragment
+from tensorswap.delta.bincode import (
+    MAX_DWE_FRAGMENT_BYTES,
+    MAX_DWE_LAYERS,
+    MalformedFragment,
+    decode_fragment,
+    decode_fragment_signed,
+    encode_frame,
+)
+from tensorswap.delta.config import DeltaConfigError
+from tensorswap.delta.fragment import DweLayerDelta, make_fragment
+from tensorswap.delta.listener import Verdict
+from tensorswap.delta.verify import RejectReason
 from tensorswap.flow import GradientBatch, decode
 from tensorswap.flow.errors import MalformedMessage, WireVersionError
 
@@ -80,3 +96,62 @@ def test_commas_inside_strings_do_not_count_against_a_valid_message() -> None:
         message = decode(document)
         assert isinstance(message, GradientBatch)
         assert len(message.gradients) == 600
+
+
+# ── delta: a fragment of many empty layers ───────────────────────────────────────────────────
+def _empty_layers_frame(count: int) -> bytes:
+    def text(raw: bytes) -> bytes:
+        return struct.pack("<Q", len(raw)) + raw
+
+    head = text(b"axiom.dwe.v1") + text(b"s") + struct.pack("<QQ", 1, count)
+    return head + struct.pack("<QQQ", 0, 0, 0) * count + text(b"0" * 64)
+
+
+def test_a_fragment_of_many_empty_layers_is_refused_before_decoding_them() -> None:
+    # 8 MiB of 24-byte empty layers used to become 349,520 layer objects: 140 MB, 2-3 s.
+    body = _empty_layers_frame((MAX_DWE_FRAGMENT_BYTES - 120) // 24)
+    error, peak = _peak_of(decode_fragment_signed, body)
+    assert isinstance(error, MalformedFragment), error
+    assert "more than the 4096 allowed" in str(error)
+    assert peak < 1 << 20
+    assert len(decode_fragment(_empty_layers_frame(MAX_DWE_LAYERS)).layers) == MAX_DWE_LAYERS
+    with pytest.raises(MalformedFragment):
+        decode_fragment(_empty_layers_frame(11), max_layers=10)
+
+
+async def test_the_listener_refuses_too_many_layers_and_serves_the_next_frame() -> None:
+    verdicts: list[Verdict] = []
+    got = asyncio.Event()
+
+    def on_verdict(verdict: Verdict) -> None:
+        verdicts.append(verdict)
+        if len(verdicts) == 2:
+            got.set()
+
+    config = DweConfig(max_layers=3)
+    async with DweListener(lambda f: None, config=config, on_verdict=on_verdict) as listener:
+        assert listener.endpoint is not None
+        _, writer = await asyncio.open_connection("127.0.0.1", listener.endpoint.port)
+        try:
+            body = _empty_layers_frame(4)
+            good = make_fragment("s", 2, [DweLayerDelta(0, (1,), np.ones(1, np.float32))])
+            writer.write(struct.pack("<I", len(body)) + body)
+            writer.write(bytes(encode_frame(good)))
+            await writer.drain()
+            await got.wait()
+        finally:
+            writer.close()
+            await writer.wait_closed()
+    assert [v.reason for v in verdicts] == [RejectReason.MALFORMED, None]
+
+
+def test_split_never_packs_more_layers_than_a_listener_decodes() -> None:
+    layers = [DweLayerDelta(i, (1,), np.full(1, i, np.float32)) for i in range(10)]
+    fragment = make_fragment("s", 5, layers)
+    parts = split_fragment(fragment, max_layers=4)
+    assert [len(p.layers) for p in parts] == [4, 4, 2]
+    assert [p.sequence for p in parts] == [5, 6, 7]
+    assert reassemble(parts) == fragment
+    assert split_fragment(fragment) == [fragment]
+    with pytest.raises(DeltaConfigError):
+        DweConfig(max_layers=0)

@@ -13,6 +13,10 @@ from tensorswap.errors import DeltaError
 
 #: The crate's ``MAX_DWE_FRAGMENT_BYTES``: the default cap on one fragment's bincode bytes.
 MAX_DWE_FRAGMENT_BYTES = 8 * 1024 * 1024
+#: Default cap on the layer entries of one received fragment. Each entry becomes a few Python
+#: objects (~400 bytes) however few of its 24 bytes it spends, so 8 MiB of empty layers took 140 MB
+#: and 2-3 s of the listener's event loop; ``split_fragment`` never packs more into one part.
+MAX_DWE_LAYERS = 4096
 #: Largest cap a frame can announce: the length prefix is a u32.
 MAX_FRAME_LIMIT = 0xFFFF_FFFF
 #: Bytes of the length prefix in front of each fragment on a TCP stream.
@@ -226,7 +230,10 @@ def _decode_layer(reader: _Reader, index: int) -> DweLayerDelta:
 
 
 def decode_fragment_signed(
-    data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_DWE_FRAGMENT_BYTES
+    data: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int = MAX_DWE_FRAGMENT_BYTES,
+    max_layers: int = MAX_DWE_LAYERS,
 ) -> DecodedFragment:
     """Decode bincode bytes into a fragment, keeping a view of the HMAC-covered prefix.
 
@@ -234,6 +241,7 @@ def decode_fragment_signed(
     ``Option<String>`` hmac); trailing bytes after that are refused. Every count is bounded by
     the bytes actually present before anything is allocated, and the values are zero-copy
     read-only float32 views of ``data`` (keep ``data`` unchanged while the fragment lives).
+    More than ``max_layers`` layer entries are refused before any is decoded.
     """
     view = memoryview(data).cast("B")
     if len(view) > check_limit(max_bytes):
@@ -244,6 +252,8 @@ def decode_fragment_signed(
     sequence = reader.u64("sequence")
     count = reader.u64("layers length")
     reader.need("layers", count * _MIN_LAYER_BYTES)
+    if count > max_layers:
+        raise MalformedFragment(f"{count} layers, more than the {max_layers} allowed", reader.pos)
     layers = tuple(_decode_layer(reader, index) for index in range(count))
     state_hash = reader.string("state_hash")
     signed_end = reader.pos
@@ -264,10 +274,13 @@ def decode_fragment_signed(
 
 
 def decode_fragment(
-    data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_DWE_FRAGMENT_BYTES
+    data: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int = MAX_DWE_FRAGMENT_BYTES,
+    max_layers: int = MAX_DWE_LAYERS,
 ) -> DweFragment:
     """Decode bincode bytes into a :class:`DweFragment` (see :func:`decode_fragment_signed`)."""
-    return decode_fragment_signed(data, max_bytes=max_bytes).fragment
+    return decode_fragment_signed(data, max_bytes=max_bytes, max_layers=max_layers).fragment
 
 
 def decode_fragment_file(

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from tensorswap._netaddr import HostPortError, split_host_port
-from tensorswap.delta.bincode import MAX_DWE_FRAGMENT_BYTES, check_limit
+from tensorswap.delta.bincode import MAX_DWE_FRAGMENT_BYTES, MAX_DWE_LAYERS, check_limit
 from tensorswap.delta.verify import FleetKeys, GapPolicy
 from tensorswap.errors import DeltaError
 
@@ -105,12 +105,14 @@ class DweConfig:
     backoff_max: float = 5.0
     max_attempts: int = 3
     max_connections: int = 64
+    max_layers: int = MAX_DWE_LAYERS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peers", tuple(parse_endpoint(p) for p in self.peers))
         if self.listen is not None:
             object.__setattr__(self, "listen", parse_endpoint(self.listen))
-        for name in ("max_fragment_bytes", "queue_size", "max_attempts", "max_connections"):
+        counts = ("queue_size", "max_attempts", "max_connections", "max_layers")
+        for name in ("max_fragment_bytes", *counts):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise DeltaConfigError(f"{name} must be an integer, got {value!r}")
@@ -118,7 +120,7 @@ class DweConfig:
             check_limit(self.max_fragment_bytes)
         except ValueError as exc:
             raise DeltaConfigError(str(exc)) from exc
-        for name in ("queue_size", "max_attempts", "max_connections"):
+        for name in counts:
             if getattr(self, name) < 1:
                 raise DeltaConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         positive = (

@@ -280,7 +280,11 @@ class DweListener:
     async def _process(self, body: bytes, peer: str) -> None:
         self.telemetry_recorder.record_received(len(body))
         try:
-            decoded = decode_fragment_signed(body, max_bytes=self.config.max_fragment_bytes)
+            decoded = decode_fragment_signed(
+                body,
+                max_bytes=self.config.max_fragment_bytes,
+                max_layers=self.config.max_layers,
+            )
         except (MalformedFragment, FragmentTooLarge) as exc:
             self._reject(peer, RejectReason.MALFORMED, str(exc), len(body))
             return

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tensorswap.delta.bincode import HMAC_FIELD_BYTES, MAX_DWE_FRAGMENT_BYTES, encoded_size
+from tensorswap.delta.bincode import (
+    HMAC_FIELD_BYTES,
+    MAX_DWE_FRAGMENT_BYTES,
+    MAX_DWE_LAYERS,
+    encoded_size,
+)
 from tensorswap.delta.fragment import (
     DWE_SCHEMA,
     SLICE_SCHEMA,
@@ -52,6 +57,7 @@ class _Packer:
     reserve: int
     parts: list[DweFragment]
     pending: list[DweLayerDelta]
+    max_layers: int = MAX_DWE_LAYERS
     pending_bytes: int = 0
 
     def flush(self) -> None:
@@ -71,7 +77,8 @@ class _Packer:
             self.flush()
             self._slice(layer)
             return
-        if header + self.pending_bytes + size > self.max_bytes:
+        full = len(self.pending) >= self.max_layers
+        if full or header + self.pending_bytes + size > self.max_bytes:
             self.flush()
         self.pending.append(layer)
         self.pending_bytes += size
@@ -93,23 +100,27 @@ def split_fragment(
     *,
     max_bytes: int = MAX_DWE_FRAGMENT_BYTES,
     reserve_hmac: bool = True,
+    max_layers: int = MAX_DWE_LAYERS,
 ) -> list[DweFragment]:
     """Split ``fragment`` into parts whose bincode fits ``max_bytes``; one part if it fits.
 
     Parts are numbered ``fragment.sequence, fragment.sequence + 1, ...`` (the caller's next free
     sequence is ``fragment.sequence + len(parts)``), keep the layer order, and share the values'
     memory with ``fragment`` (slices are views). ``reserve_hmac`` leaves room for the hmac field
-    so that parts can be signed afterwards. Only whole-layer ``axiom.dwe.v1`` fragments split.
+    so that parts can be signed afterwards. No part holds more than ``max_layers`` layers (what a
+    listener decodes by default). Only whole-layer ``axiom.dwe.v1`` fragments split.
     """
     if fragment.schema != DWE_SCHEMA:
         raise SplitError(f"only {DWE_SCHEMA} fragments split, not {fragment.schema!r}")
     reserve = HMAC_FIELD_BYTES if reserve_hmac else 0
     unsigned = fragment.with_hmac(None)
-    if encoded_size(unsigned) + reserve <= max_bytes:
+    if max_layers < 1:
+        raise SplitError(f"max_layers must be >= 1, got {max_layers}")
+    if encoded_size(unsigned) + reserve <= max_bytes and len(fragment.layers) <= max_layers:
         return [fragment]
     if not fragment.layers:  # nothing to split, and the bare header alone does not fit
         raise SplitError(f"a fragment with no layers needs more than {max_bytes} bytes")
-    packer = _Packer(fragment.session_id, fragment.sequence, max_bytes, reserve, [], [])
+    packer = _Packer(fragment.session_id, fragment.sequence, max_bytes, reserve, [], [], max_layers)
     for layer in fragment.layers:
         packer.add(layer)
     packer.flush()
