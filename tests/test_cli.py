@@ -279,3 +279,30 @@ def test_send_progress_bar_keeps_stdout_to_the_result_line(
         receiver.stderr.close()  # type: ignore[union-attr]
     assert rc == 0
     assert len(out.splitlines()) == 1 and out.startswith("bagaybqab"), repr(out)
+
+
+def _fake_benchmarks(root: Path) -> Path:
+    folder = root / "fakebench"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "__main__.py").write_text(
+        "import sys\n"
+        "name = sys.argv[-1]\n"
+        "print('RATIO speed', '0.1 >= 0.5' if name == 'slow' else '3 >= 2')\n"
+    )
+    for name in ("slow", "fast"):
+        (folder / f"bench_{name}.py").write_text("")
+    return folder
+
+
+def test_bench_exit_status_and_summary_count_a_missed_goal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = _fake_benchmarks(tmp_path)
+    assert main(["bench", "--dir", str(folder), "fast"]) == 0
+    assert "report a missed goal: none" in " ".join(capsys.readouterr().out.split())
+    assert main(["bench", "--dir", str(folder)]) == 1
+    assert "report a missed goal: slow" in " ".join(capsys.readouterr().out.split())
+    assert main(["bench", "--dir", str(folder), "--json"]) == 1
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["missed"] == ["slow"] and payload["failed"] == []
