@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tensorswap.delta import DweConfig, DweListener, reassemble, split_fragment
+from tensorswap.delta.apply import StateMismatch, apply_fragment
 from tensorswap.delta.bincode import (
     MAX_DWE_FRAGMENT_BYTES,
     MAX_DWE_LAYERS,
@@ -19,9 +20,15 @@ from tensorswap.delta.bincode import (
     encode_frame,
 )
 from tensorswap.delta.config import DeltaConfigError
-from tensorswap.delta.fragment import DweLayerDelta, make_fragment
+from tensorswap.delta.fragment import (
+    DWE_SCHEMA,
+    SLICE_SCHEMA,
+    DweFragment,
+    DweLayerDelta,
+    make_fragment,
+)
 from tensorswap.delta.listener import Verdict
-from tensorswap.delta.verify import RejectReason
+from tensorswap.delta.verify import FragmentVerifier, RejectReason
 from tensorswap.flow import GradientBatch, decode
 from tensorswap.flow.errors import MalformedMessage, WireVersionError
 
@@ -155,3 +162,35 @@ def test_split_never_packs_more_layers_than_a_listener_decodes() -> None:
     assert split_fragment(fragment) == [fragment]
     with pytest.raises(DeltaConfigError):
         DweConfig(max_layers=0)
+
+
+# ── delta: entries that add to the same values twice ─────────────────────────────────────────
+def _twice(schema: str) -> tuple[list[np.ndarray], DweFragment]:
+    big = np.full(3, 60_000, np.float32)
+    if schema == SLICE_SCHEMA:  # [0, 3) and [1, 4) of one layer of 4 values
+        entries = [DweLayerDelta(0, (4, 0), big), DweLayerDelta(0, (4, 1), big)]
+        return [np.zeros(4, np.float16)], make_fragment("s", 1, entries, schema=schema)
+    entries = [DweLayerDelta(0, (3,), big), DweLayerDelta(0, (3,), big)]
+    return [np.zeros(3, np.float16)], make_fragment("s", 1, entries, schema=schema)
+
+
+@pytest.mark.parametrize("schema", [DWE_SCHEMA, SLICE_SCHEMA])
+def test_two_entries_on_the_same_values_are_refused_before_any_addition(schema: str) -> None:
+    # Each entry's overflow check saw the state before the other: 60,000 + 60,000 in float16
+    # passed and the verified fragment turned the state into inf.
+    states, fragment = _twice(schema)
+    FragmentVerifier().verify(fragment)
+    with pytest.raises(StateMismatch, match="same values"):
+        apply_fragment(states, fragment)
+    assert not states[0].any()
+
+
+def test_disjoint_slices_of_one_layer_in_one_fragment_still_apply() -> None:
+    entries = [
+        DweLayerDelta(0, (4, 2), np.ones(2, np.float32)),
+        DweLayerDelta(0, (4, 2), np.zeros(0, np.float32)),
+        DweLayerDelta(0, (4, 0), np.full(2, 2, np.float32)),
+    ]
+    states = [np.zeros(4, np.float32)]
+    assert apply_fragment(states, make_fragment("s", 1, entries, schema=SLICE_SCHEMA)) == 3
+    assert states[0].tolist() == [2, 2, 1, 1]

@@ -177,22 +177,44 @@ def apply_fragment(states: States, fragment: DweFragment) -> int:
 
     ``states`` is a list of numpy arrays / torch tensors, or a dict whose i-th key is layer i.
     Every layer is checked first (index range, value count vs shape or slice bounds, state shape,
-    floating dtype, writability); only when all pass are the additions made, so a bad layer in the
-    middle leaves every state untouched. Returns the number of layer entries applied. The
-    fragment is assumed verified (see :class:`~tensorswap.delta.verify.FragmentVerifier`).
+    floating dtype, writability, no two entries adding to the same values); only when all pass
+    are the additions made, so a bad layer in the middle leaves every state untouched. Returns
+    the number of layer entries applied. The fragment is assumed verified (see
+    :class:`~tensorswap.delta.verify.FragmentVerifier`).
     """
     if fragment.schema not in KNOWN_SCHEMAS:
         raise ApplyError(f"cannot apply schema {fragment.schema!r}")
     targets = state_list(states)
     steps: list[_Step] = []
+    covered: dict[int, list[tuple[int, int]]] = {}
     for layer in fragment.layers:
         if layer.layer_index >= len(targets):
             raise LayerOutOfRange(layer.layer_index, len(targets))
         target = layer_target(fragment.schema, layer)
         steps.append(_plan(targets[layer.layer_index], target, layer.values, layer.layer_index))
+        covered.setdefault(layer.layer_index, []).append(
+            (target.offset, target.offset + target.count)
+        )
+    _refuse_overlap(covered)
     for step in steps:
         step()
     return len(steps)
+
+
+def _refuse_overlap(covered: dict[int, list[tuple[int, int]]]) -> None:
+    """Refuse entries that add to the same values of one state twice: each entry's overflow
+    check sees the state before the others, so two 60,000 deltas on one float16 value each
+    passed and the sum became inf."""
+    for index, ranges in covered.items():
+        if len(ranges) < 2:
+            continue
+        reach = 0
+        for start, end in sorted(r for r in ranges if r[0] < r[1]):
+            if start < reach:
+                raise StateMismatch(
+                    index, "two entries of the fragment add to the same values of this layer"
+                )
+            reach = end
 
 
 def state_list(states: States) -> list[Any]:
