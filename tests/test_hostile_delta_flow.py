@@ -25,10 +25,11 @@ from tensorswap.delta.fragment import (
     SLICE_SCHEMA,
     DweFragment,
     DweLayerDelta,
+    compute_state_hash,
     make_fragment,
 )
 from tensorswap.delta.listener import Verdict
-from tensorswap.delta.verify import FragmentVerifier, RejectReason
+from tensorswap.delta.verify import FleetKeys, FragmentRejected, FragmentVerifier, RejectReason
 from tensorswap.flow import GradientBatch, decode
 from tensorswap.flow.errors import MalformedMessage, WireVersionError
 
@@ -194,3 +195,43 @@ def test_disjoint_slices_of_one_layer_in_one_fragment_still_apply() -> None:
     states = [np.zeros(4, np.float32)]
     assert apply_fragment(states, make_fragment("s", 1, entries, schema=SLICE_SCHEMA)) == 3
     assert states[0].tolist() == [2, 2, 1, 1]
+
+
+# ── delta: a peer's long strings are quoted short ────────────────────────────────────────────
+async def test_long_schema_and_session_strings_are_quoted_short() -> None:
+    # repr() of 4 MiB of NUL bytes is 16 MiB: it went into the verdict, the exception and
+    # telemetry's last_error (kept until the next error).
+    huge = "\x00" * (4 << 20)
+    odd = DweFragment(huge, huge, 1, (), compute_state_hash(()))
+    weird = make_fragment(huge, 1, [])
+    with pytest.raises(FragmentRejected) as info:
+        FragmentVerifier().check_integrity(odd)
+    assert len(str(info.value)) < 2000
+    assert "4194304 characters" in str(info.value)
+    with pytest.raises(FragmentRejected) as info:  # hmac_missing names the session
+        FragmentVerifier(keys=FleetKeys(b"k")).check_integrity(weird)
+    assert len(str(info.value)) < 2000
+
+    verdicts: list[Verdict] = []
+    got = asyncio.Event()
+
+    def on_verdict(verdict: Verdict) -> None:
+        verdicts.append(verdict)
+        got.set()
+
+    config = DweConfig(max_fragment_bytes=16 << 20)
+    async with DweListener(lambda f: None, config=config, on_verdict=on_verdict) as listener:
+        assert listener.endpoint is not None
+        _, writer = await asyncio.open_connection("127.0.0.1", listener.endpoint.port)
+        try:
+            writer.write(bytes(encode_frame(odd, max_bytes=16 << 20)))
+            await writer.drain()
+            await got.wait()
+        finally:
+            writer.close()
+            await writer.wait_closed()
+        error = listener.telemetry().last_error
+    assert verdicts[0].reason is RejectReason.UNKNOWN_SCHEMA
+    assert len(verdicts[0].detail) < 2000
+    assert len(verdicts[0].describe()) < 2000
+    assert error is not None and len(error) < 2000

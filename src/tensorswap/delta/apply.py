@@ -13,6 +13,7 @@ from tensorswap.delta.fragment import (
     DweFragment,
     LayerTarget,
     layer_target,
+    quoted,
 )
 from tensorswap.errors import DeltaError
 
@@ -183,7 +184,7 @@ def apply_fragment(states: States, fragment: DweFragment) -> int:
     :class:`~tensorswap.delta.verify.FragmentVerifier`).
     """
     if fragment.schema not in KNOWN_SCHEMAS:
-        raise ApplyError(f"cannot apply schema {fragment.schema!r}")
+        raise ApplyError(f"cannot apply schema {quoted(fragment.schema)}")
     targets = state_list(states)
     steps: list[_Step] = []
     covered: dict[int, list[tuple[int, int]]] = {}

@@ -339,6 +339,17 @@ def element_count(dims: Iterable[int], limit: int | None = None) -> int:
     return total
 
 
+_QUOTE_LIMIT = 200
+
+
+def quoted(text: str) -> str:
+    """``repr(text)`` for an error message, of at most the first 200 characters of a peer's
+    string (a repr of 8 MiB of NUL bytes is 32 MiB, kept in telemetry's ``last_error``)."""
+    if len(text) <= _QUOTE_LIMIT:
+        return repr(text)
+    return f"{text[:_QUOTE_LIMIT]!r}... ({len(text)} characters)"
+
+
 def _shape_text(shape: tuple[int, ...]) -> str:
     """A shape for an error message: in full when short, else its first dims and its rank."""
     if len(shape) <= 8:

@@ -28,7 +28,7 @@ from tensorswap.delta.bincode import (
     read_frame_length,
 )
 from tensorswap.delta.config import DeltaConfigError, DweConfig, Endpoint
-from tensorswap.delta.fragment import DweFragment
+from tensorswap.delta.fragment import DweFragment, quoted
 from tensorswap.delta.telemetry import DweTelemetry, TelemetrySnapshot
 from tensorswap.delta.verify import FragmentRejected, FragmentVerifier, KeyUsed, RejectReason
 from tensorswap.errors import DeltaError
@@ -60,7 +60,7 @@ class Verdict:
     def describe(self) -> str:
         """One human-readable line."""
         what = (
-            f"session={self.session_id!r} seq={self.sequence} layers={self.layers} "
+            f"session={quoted(self.session_id)} seq={self.sequence} layers={self.layers} "
             f"values={self.values}"
             if self.session_id is not None
             else "frame"

@@ -30,6 +30,7 @@ from tensorswap.delta.fragment import (
     element_count,
     layer_target,
     make_fragment,
+    quoted,
 )
 from tensorswap.errors import DeltaError
 
@@ -111,7 +112,7 @@ def split_fragment(
     listener decodes by default). Only whole-layer ``axiom.dwe.v1`` fragments split.
     """
     if fragment.schema != DWE_SCHEMA:
-        raise SplitError(f"only {DWE_SCHEMA} fragments split, not {fragment.schema!r}")
+        raise SplitError(f"only {DWE_SCHEMA} fragments split, not {quoted(fragment.schema)}")
     reserve = HMAC_FIELD_BYTES if reserve_hmac else 0
     unsigned = fragment.with_hmac(None)
     if max_layers < 1:
@@ -141,7 +142,7 @@ def _check_parts(parts: Sequence[DweFragment]) -> None:
     first = parts[0]
     for position, part in enumerate(parts):
         if part.session_id != first.session_id:
-            raise SplitError(f"part {position} is from session {part.session_id!r}")
+            raise SplitError(f"part {position} is from session {quoted(part.session_id)}")
         expected = first.sequence + position
         if part.sequence != expected:
             raise SplitError(f"part {position} has sequence {part.sequence}, expected {expected}")

@@ -19,6 +19,7 @@ from tensorswap.delta.fragment import (
     LayerLayoutError,
     compute_state_hash,
     layer_target,
+    quoted,
 )
 from tensorswap.errors import DeltaError
 
@@ -54,7 +55,9 @@ class FragmentRejected(DeltaError):
         self.detail = detail
         self.session_id = session_id
         self.sequence = sequence
-        where = f" (session {session_id!r}, sequence {sequence})" if sequence is not None else ""
+        where = ""
+        if sequence is not None:
+            where = f" (session {quoted(session_id)}, sequence {sequence})"
         super().__init__(f"fragment rejected, {reason.value}{where}: {detail}")
 
 
@@ -250,7 +253,7 @@ class FragmentVerifier:
         sid, seq = fragment.session_id, fragment.sequence
         if fragment.schema not in KNOWN_SCHEMAS:
             raise UnknownSchema(
-                RejectReason.UNKNOWN_SCHEMA, f"schema {fragment.schema!r}", sid, seq
+                RejectReason.UNKNOWN_SCHEMA, f"schema {quoted(fragment.schema)}", sid, seq
             )
         actual = compute_state_hash(fragment.layers)
         claimed = fragment.state_hash.lower().encode("ascii", "replace")
