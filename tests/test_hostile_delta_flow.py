@@ -29,7 +29,14 @@ from tensorswap.delta.fragment import (
     make_fragment,
 )
 from tensorswap.delta.listener import Verdict
-from tensorswap.delta.verify import FleetKeys, FragmentRejected, FragmentVerifier, RejectReason
+from tensorswap.delta.verify import (
+    FleetKeys,
+    FragmentRejected,
+    FragmentVerifier,
+    RejectReason,
+    SequenceRejected,
+    SequenceTracker,
+)
 from tensorswap.flow import GradientBatch, decode
 from tensorswap.flow.errors import MalformedMessage, WireVersionError
 
@@ -235,3 +242,27 @@ async def test_long_schema_and_session_strings_are_quoted_short() -> None:
     assert len(verdicts[0].detail) < 2000
     assert len(verdicts[0].describe()) < 2000
     assert error is not None and len(error) < 2000
+
+
+# ── delta: what the sequence tracker keeps per session ───────────────────────────────────────
+def test_the_tracker_keeps_a_digest_of_long_session_ids() -> None:
+    # Up to 65,536 sessions are remembered: with 8 MiB session ids, each accepted fragment
+    # used to keep its 8 MiB alive (512 GiB at the cap), long after the frame was gone.
+    tracker = SequenceTracker(max_sessions=4)
+    long_id = "s" * (1 << 20)
+    tracemalloc.start()
+    try:
+        for i in range(4):
+            tracker.commit(long_id + str(i), 5)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 1 << 16  # the digests, not the 4 MiB of ids built in the loop and dropped
+    assert tracker.last(long_id + "0") == 5
+    assert tracker.last(long_id + "9") is None
+    with pytest.raises(SequenceRejected):
+        tracker.check(long_id + "1", 5)
+    assert tracker.check(long_id + "1", 7) == 1
+    tracker.commit("short", 1)  # a fifth session evicts the oldest
+    assert tracker.last(long_id + "0") is None
+    assert tracker.last("short") == 1

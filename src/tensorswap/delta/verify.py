@@ -181,18 +181,21 @@ class SequenceTracker:
         self.gap_policy = gap_policy
         self.max_sessions = max_sessions
         self.evicted = 0
-        self._last: OrderedDict[str, int] = OrderedDict()
+        # Keyed by the session id, or by its SHA-256 when longer than 64 characters: a peer's
+        # session ids may be megabytes each, and up to max_sessions of them are remembered.
+        self._last: OrderedDict[str | bytes, int] = OrderedDict()
         self._lock = threading.Lock()
 
     def last(self, session_id: str) -> int | None:
         """The last accepted sequence of ``session_id``, or None."""
         with self._lock:
-            return self._last.get(session_id)
+            return self._last.get(_session_key(session_id))
 
     def check(self, session_id: str, sequence: int) -> int:
         """Raise :class:`SequenceRejected` unless ``sequence`` may follow; return skipped count."""
+        key = _session_key(session_id)
         with self._lock:
-            last = self._last.get(session_id)
+            last = self._last.get(key)
         if last is None:
             return 0
         if sequence == last:
@@ -206,17 +209,29 @@ class SequenceTracker:
 
     def commit(self, session_id: str, sequence: int) -> int:
         """Check ``sequence`` again and record it as accepted; return the skipped count."""
+        key = _session_key(session_id)
         with self._lock:
-            last = self._last.get(session_id)
+            last = self._last.get(key)
             if last is not None and sequence <= last:
                 reason = RejectReason.REPLAY if sequence == last else RejectReason.STALE
                 raise SequenceRejected(reason, session_id, sequence, last)
-            self._last[session_id] = sequence
-            self._last.move_to_end(session_id)
+            self._last[key] = sequence
+            self._last.move_to_end(key)
             while len(self._last) > self.max_sessions:
                 self._last.popitem(last=False)
                 self.evicted += 1
         return 0 if last is None else sequence - last - 1
+
+
+_SESSION_KEY_CHARS = 64
+
+
+def _session_key(session_id: str) -> str | bytes:
+    """What the tracker stores for ``session_id``: itself when short, else its SHA-256 digest
+    (bytes, so it never equals a short id)."""
+    if len(session_id) <= _SESSION_KEY_CHARS:
+        return session_id
+    return hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).digest()
 
 
 class FragmentVerifier:
