@@ -266,3 +266,20 @@ def test_the_tracker_keeps_a_digest_of_long_session_ids() -> None:
     tracker.commit("short", 1)  # a fifth session evicts the oldest
     assert tracker.last(long_id + "0") is None
     assert tracker.last("short") == 1
+
+
+def test_a_layer_with_more_dims_than_any_state_is_refused_before_decoding_them() -> None:
+    # 1,000,000 dims (7.6 MiB) decoded into a tuple of Python ints: 45 MB, kept with the
+    # fragment, for a shape no numpy array or torch tensor can have.
+    def frame(ndim: int) -> bytes:
+        def text(raw: bytes) -> bytes:
+            return struct.pack("<Q", len(raw)) + raw
+
+        head = text(b"axiom.dwe.v1") + text(b"s") + struct.pack("<QQQQ", 1, 1, 0, ndim)
+        return head + struct.pack("<Q", 1) * ndim + struct.pack("<Q", 0) + text(b"0" * 64)
+
+    error, peak = _peak_of(decode_fragment_signed, frame(1_000_000))
+    assert isinstance(error, MalformedFragment), error
+    assert "more than the 65 allowed" in str(error)
+    assert peak < 1 << 20
+    assert decode_fragment(frame(65)).layers[0].shape == (1,) * 65

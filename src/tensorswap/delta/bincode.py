@@ -28,6 +28,9 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _U64X2 = struct.Struct("<QQ")
 _F32 = np.dtype("<f4")
+#: Most dims a layer entry may carry: numpy's 64, plus a slice entry's offset. A deeper shape
+#: can never match a state, and each dim decodes to a Python int (8 bytes became ~44).
+MAX_DWE_DIMS = 65
 # Smallest encoded layer: layer_index, shape length, values length (all u64).
 _MIN_LAYER_BYTES = 24
 
@@ -216,6 +219,10 @@ def _decode_layer(reader: _Reader, index: int) -> DweLayerDelta:
         raise TruncatedFragment(f"layers[{index}] header", pos, 16, end - pos)
     layer_index, ndim = _U64X2.unpack_from(data, pos)
     pos += 16
+    if ndim > MAX_DWE_DIMS:
+        raise MalformedFragment(
+            f"layers[{index}] has {ndim} dims, more than the {MAX_DWE_DIMS} allowed", pos - 8
+        )
     if ndim > (end - pos - 8) // 8:  # the dims and the values length must fit
         raise TruncatedFragment(f"layers[{index}].shape", pos, 8 * ndim + 8, end - pos)
     shape = struct.unpack_from(f"<{ndim}Q", data, pos) if ndim else ()
