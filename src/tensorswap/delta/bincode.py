@@ -219,12 +219,12 @@ def _decode_layer(reader: _Reader, index: int) -> DweLayerDelta:
         raise TruncatedFragment(f"layers[{index}] header", pos, 16, end - pos)
     layer_index, ndim = _U64X2.unpack_from(data, pos)
     pos += 16
+    if ndim > (end - pos - 8) // 8:  # the dims and the values length must fit
+        raise TruncatedFragment(f"layers[{index}].shape", pos, 8 * ndim + 8, end - pos)
     if ndim > MAX_DWE_DIMS:
         raise MalformedFragment(
             f"layers[{index}] has {ndim} dims, more than the {MAX_DWE_DIMS} allowed", pos - 8
         )
-    if ndim > (end - pos - 8) // 8:  # the dims and the values length must fit
-        raise TruncatedFragment(f"layers[{index}].shape", pos, 8 * ndim + 8, end - pos)
     shape = struct.unpack_from(f"<{ndim}Q", data, pos) if ndim else ()
     pos += 8 * ndim
     (count,) = _U64.unpack_from(data, pos)
