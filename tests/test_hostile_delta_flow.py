@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 import tracemalloc
 
@@ -283,3 +284,39 @@ def test_a_layer_with_more_dims_than_any_state_is_refused_before_decoding_them()
     assert "more than the 65 allowed" in str(error)
     assert peak < 1 << 20
     assert decode_fragment(frame(65)).layers[0].shape == (1,) * 65
+
+
+# ── delta: a flood of tiny frames on one connection ──────────────────────────────────────────
+async def test_a_flood_of_tiny_frames_does_not_hold_the_listener_for_everyone() -> None:
+    # Frames already buffered are read without waiting, so one connection's 60,000 empty
+    # frames kept the event loop (2.3 s) and every other connection waited behind them.
+    flood = 20_000
+    order: list[str] = []
+    done = asyncio.Event()
+    other: list[socket.socket] = []
+    good = make_fragment("s", 1, [DweLayerDelta(0, (1,), np.ones(1, np.float32))])
+
+    def on_verdict(verdict: Verdict) -> None:
+        order.append("good" if verdict.accepted else "flood")
+        if len(order) == 1:  # the flood is being read: the other peer's frame is sent now
+            assert listener.endpoint is not None
+            peer = socket.create_connection(("127.0.0.1", listener.endpoint.port))
+            other.append(peer)
+            peer.sendall(bytes(encode_frame(good)))
+        if len(order) == flood + 1:
+            done.set()
+
+    async with DweListener(lambda f: None, on_verdict=on_verdict) as listener:
+        assert listener.endpoint is not None
+        _, writer = await asyncio.open_connection("127.0.0.1", listener.endpoint.port)
+        try:
+            writer.write(struct.pack("<I", 0) * flood)
+            await writer.drain()
+            await done.wait()
+        finally:
+            writer.close()
+            await writer.wait_closed()
+            for peer in other:
+                peer.close()
+    assert order.count("good") == 1
+    assert order.index("good") < flood  # served while the flood was still being read
