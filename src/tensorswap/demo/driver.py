@@ -706,7 +706,10 @@ def plot_report(report: DemoReport, path: Path) -> None:
                     f" {r.killed} killed", (r.round, 0.97), color="red", ha="left", va="top"
                 )
         ax_acc.legend(loc="lower right")
-        ax_bytes.legend(loc="upper right")
+        # headroom above the bars, so the legend never covers the last rounds
+        low, high = ax_bytes.get_ylim()
+        ax_bytes.set_ylim(low, high * 1.3)
+        ax_bytes.legend(loc="upper center", ncol=3, frameon=False)
         cfg = report.config
         fig.suptitle(
             f"tensorswap demo: {cfg['peers']} peers, {cfg['topology']}, {cfg['aggregator']}, "
