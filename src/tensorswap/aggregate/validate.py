@@ -138,7 +138,7 @@ def as_array(obj: object, index: int) -> np.ndarray:
         except UnsupportedDtype as exc:  # complex, quantized, int16, float8, ...
             name = str(getattr(obj, "dtype", "?")).removeprefix("torch.")
             raise UnsupportedAggregateDtype(index, name) from exc
-        except (TypeError, RuntimeError) as exc:  # sparse; meta (NotImplementedError)
+        except (TypeError, RuntimeError) as exc:  # sparse; meta (a RuntimeError subclass)
             reason = f"torch tensor not readable as an array: {exc}"
             raise InvalidContribution(index, reason) from exc
     else:
