@@ -226,7 +226,7 @@ def test_collect_garbage_from_inside_a_submit_is_refused(coord: Coordinator) -> 
 def test_a_collection_that_cannot_be_queued_does_not_stop_the_round(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import tensorswap.rounds.coordinator as module
+    import tensorswap.rounds.retention as module
 
     class NoThreads(module.ThreadPoolExecutor):
         def submit(self, *args: object, **kwargs: object) -> module.Future[None]:
@@ -239,7 +239,7 @@ def test_a_collection_that_cannot_be_queued_does_not_stop_the_round(
         coord.start_round(rid, RoundSpec(1))
         coord.submit(rid, "p", put(store, 1))
         assert isinstance(coord.wait(rid, timeout=30), Complete)
-        assert not coord._gc_queued  # the next round end tries again
+        assert not coord._retention._queued  # the next round end tries again
         monkeypatch.undo()
 
 

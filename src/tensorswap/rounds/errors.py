@@ -11,6 +11,7 @@
     ├── UpdateMismatch          (also ValueError) layer names, dtypes or shapes differ
     ├── InvalidUpdate           (also ValueError) the update's values cannot be aggregated
     ├── RoundFailed             the round ended Failed; its reason is attached
+    ├── ContributionsLost       too few readable contributions left to aggregate (quorum)
     ├── InvalidRoundSpec        (also ValueError) a round configuration that cannot work
     └── RoundTimeout            (also TimeoutError) waiting for a round's result timed out
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 from tensorswap.errors import RoundsError
 
 __all__ = [
+    "ContributionsLost",
     "DuplicateContribution",
     "InvalidRoundSpec",
     "InvalidUpdate",
@@ -132,3 +134,19 @@ class RoundTimeout(RoundsError, TimeoutError):
         self.timeout = timeout
         self.status = status
         super().__init__(f"round {key} not finished after {timeout:g} s (status: {status})")
+
+
+class ContributionsLost(RoundsError):
+    """Accepted contributions were left out of the aggregate (a block of theirs failed its
+    hash check or vanished) and fewer than the round's quorum remain; the round fails."""
+
+    def __init__(self, key: str, left: int, quorum: int, dropped: dict[str, str]) -> None:
+        self.key = key
+        self.left = left
+        self.quorum = quorum
+        self.dropped = dict(dropped)
+        reasons = "; ".join(f"peer {p!r}: {why}" for p, why in list(self.dropped.items())[:4])
+        super().__init__(
+            f"round {key}: {left} readable contribution(s) left after dropping "
+            f"{len(self.dropped)} (quorum {quorum}): {reasons}"
+        )

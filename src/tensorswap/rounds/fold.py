@@ -11,19 +11,22 @@ same way (one copy, still correct).
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Mapping
 
 import numpy as np
 
+from tensorswap.aggregate import AggregatorSpec, StreamingAccumulator
 from tensorswap.codec import DType, decode_block
 from tensorswap.errors import CodecError
 from tensorswap.rounds.state import Layout
-from tensorswap.rounds.updates import UpdateFacts
+from tensorswap.rounds.updates import UpdateFacts, new_accumulator
 from tensorswap.store import BlockStore, MalformedManifest, TensorManifest, get_tensor
 
 __all__ = [
     "Bounds",
     "ChunkSource",
+    "RoundWork",
     "assemble",
     "chunk_sources",
     "load_chunk",
@@ -53,13 +56,16 @@ def _own_bounds(tensor: TensorManifest) -> tuple[int, ...]:
 
 
 def load_pieces(
-    store: BlockStore, facts: UpdateFacts, bounds: Bounds | None, *, verify: bool | None = None
+    store: BlockStore, facts: UpdateFacts, bounds: Bounds | None
 ) -> tuple[dict[str, np.ndarray], Bounds, int]:
     """The checked update ``facts`` as flat pieces, the bounds they follow, its num_samples.
 
-    With ``bounds`` None the update's own chunks are the pieces. A chunk that does not
-    decode to what its manifest says raises MalformedManifest.
+    With ``bounds`` None the update's own chunks are the pieces. Every chunk is re-hashed as
+    it is read (whatever the store's default): an aggregate never folds bytes whose hash was
+    not checked on this read. A chunk that fails raises CorruptBlock (a directory store has
+    quarantined it); one that does not decode to what its manifest says, MalformedManifest.
     """
+    verify = True
     pieces: dict[str, np.ndarray] = {}
     used: Bounds = {}
     for tensor_cid, tensor in facts.tensors:
@@ -105,10 +111,11 @@ def same_chunks(
     return same
 
 
-def load_chunk(store: BlockStore, source: ChunkSource, *, verify: bool | None = None) -> np.ndarray:
-    """The values of one stored chunk, checked against its manifest."""
+def load_chunk(store: BlockStore, source: ChunkSource) -> np.ndarray:
+    """The values of one stored chunk, re-hashed as it is read and checked against its
+    manifest (CorruptBlock, MalformedManifest)."""
     tensor, index = source
-    return _chunk_values(store, tensor, index, DType.parse(tensor.dtype), verify)
+    return _chunk_values(store, tensor, index, DType.parse(tensor.dtype), True)
 
 
 def _chunk_values(
@@ -151,3 +158,39 @@ def assemble(
 def describe(bounds: Mapping[str, tuple[int, ...]]) -> str:
     """``name: k pieces`` per tensor, for logs."""
     return ", ".join(f"{name}: {max(len(b) - 1, 0)} pieces" for name, b in bounds.items())
+
+
+class RoundWork:
+    """One round's streaming fold: its sums, who is in them, where pieces are cut, and the
+    chunks every folded contribution shares. Its lock serializes every change to the round."""
+
+    __slots__ = ("acc", "bounds", "folded", "lock", "same")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.acc: StreamingAccumulator | None = None
+        self.folded: set[str] = set()
+        self.bounds: Bounds | None = None
+        # pieces that every folded contribution stored as the very same chunk (None: no fold yet)
+        self.same: dict[str, ChunkSource] | None = None
+
+    def reset(self, spec: AggregatorSpec | None = None) -> None:
+        """Empty sums (a new accumulator for ``spec``, or none at all)."""
+        self.acc = None if spec is None else new_accumulator(spec)
+        self.folded = set()
+        self.bounds = None
+        self.same = None
+
+    def fold(
+        self,
+        pieces: dict[str, np.ndarray],
+        bounds: Bounds,
+        num_samples: int,
+        facts: UpdateFacts,
+    ) -> None:
+        """Add one contribution's pieces (``load_pieces``) to the sums."""
+        assert self.acc is not None
+        self.acc.add(pieces, num_samples)
+        self.bounds = bounds
+        sources = chunk_sources(facts, bounds)
+        self.same = sources if self.same is None else same_chunks(self.same, sources)

@@ -92,9 +92,20 @@ class Collecting(_Status):
 
 @dataclass(frozen=True, slots=True)
 class Aggregating(_Status):
-    """Closed for contributions; the aggregate is being computed."""
+    """Closed for contributions; the aggregate is being computed.
 
+    ``reason`` is empty while all goes well; after a transient failure (the disk full while
+    storing the aggregate) it says what failed and when the next attempt is, and the round
+    stays Aggregating until it succeeds or its retries run out.
+    """
+
+    reason: str = ""
     name: ClassVar[str] = "Aggregating"
+
+    def to_dict(self) -> dict[str, object]:
+        return (
+            {"status": self.name, "reason": self.reason} if self.reason else {"status": self.name}
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +138,7 @@ def status_from_dict(data: Mapping[str, object]) -> RoundStatus:
         if name == "Collecting":
             return Collecting(_as_int(data["received"]), _as_int(data["expected"]))
         if name == "Aggregating":
-            return Aggregating()
+            return Aggregating(str(data.get("reason", "")))
         if name == "Complete":
             return Complete(str(data["cid"]))
         if name == "Failed":
@@ -261,7 +272,14 @@ class RoundInfo:
     created_at: float
     deadline: float | None
     layout: Layout | None
+    dropped: tuple[tuple[str, str], ...] = ()
+    """Accepted contributions left out of the aggregate, as ``(peer, reason)``: a block of
+    theirs failed its hash check (quarantined) or vanished from the store."""
 
     @property
     def received(self) -> int:
         return len(self.peers)
+
+    @property
+    def dropped_peers(self) -> frozenset[str]:
+        return frozenset(peer for peer, _ in self.dropped)

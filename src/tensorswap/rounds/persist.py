@@ -63,6 +63,14 @@ CREATE TABLE IF NOT EXISTS contributions (
     PRIMARY KEY (round, initiator, peer),
     FOREIGN KEY (round, initiator) REFERENCES rounds (round, initiator) ON DELETE CASCADE
 );
+CREATE TABLE IF NOT EXISTS dropped (
+    round        INTEGER NOT NULL,
+    initiator    TEXT    NOT NULL,
+    peer         TEXT    NOT NULL,
+    reason       TEXT    NOT NULL,
+    PRIMARY KEY (round, initiator, peer),
+    FOREIGN KEY (round, initiator) REFERENCES rounds (round, initiator) ON DELETE CASCADE
+);
 """
 
 
@@ -186,6 +194,14 @@ class RoundDatabase:
         with self._transaction() as db:
             db.executemany("DELETE FROM rounds WHERE round = ? AND initiator = ?", rows)
 
+    def drop_contribution(self, round_id: RoundId, peer: str, reason: str) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO dropped (round, initiator, peer, reason)"
+                " VALUES (?, ?, ?, ?)",
+                (_round_number(round_id), round_id.initiator, peer, reason),
+            )
+
     def load(self) -> list[tuple[RoundInfo, list[Contribution]]]:
         """Every round with its contributions in acceptance order."""
         with self._lock:
@@ -199,12 +215,19 @@ class RoundDatabase:
                     "SELECT round, initiator, peer, update_cid, num_samples, nbytes, submitted_at"
                     " FROM contributions ORDER BY round, initiator, seq"
                 ).fetchall()
+                dropped_rows = self._conn.execute(
+                    "SELECT round, initiator, peer, reason FROM dropped"
+                    " ORDER BY round, initiator, rowid"
+                ).fetchall()
             except sqlite3.Error as exc:
                 raise RoundsError(f"cannot read round database {self.path}: {exc}") from exc
         by_round: dict[RoundId, list[Contribution]] = {}
         for number, initiator, peer, cid, samples, nbytes, at in contributions:
             rid = RoundId(number, initiator)
             by_round.setdefault(rid, []).append(Contribution(rid, peer, cid, samples, nbytes, at))
+        dropped: dict[RoundId, list[tuple[str, str]]] = {}
+        for number, initiator, peer, why in dropped_rows:
+            dropped.setdefault(RoundId(number, initiator), []).append((peer, why))
         loaded: list[tuple[RoundInfo, list[Contribution]]] = []
         for row in rounds:
             (number, initiator, expected, quorum, timeout_s, strategy, params) = row[:7]
@@ -228,6 +251,7 @@ class RoundDatabase:
                 created_at,
                 deadline,
                 _parse_layout(layout),
+                tuple(dropped.get(rid, ())),
             )
             loaded.append((info, items))
         return loaded

@@ -75,12 +75,15 @@ class RoundJournal(Protocol):
 
     def delete_rounds(self, round_ids: Iterable[RoundId]) -> None: ...
 
+    def drop_contribution(self, round_id: RoundId, peer: str, reason: str) -> None: ...
+
 
 class _Round:
     __slots__ = (
         "contributions",
         "created_at",
         "deadline",
+        "dropped",
         "id",
         "layout",
         "nbytes",
@@ -97,6 +100,7 @@ class _Round:
         self.layout = info.layout
         self.contributions: dict[str, Contribution] = {c.peer: c for c in contributions}
         self.nbytes = sum(c.nbytes for c in self.contributions.values())
+        self.dropped: dict[str, str] = dict(info.dropped)
 
     def add(self, contribution: Contribution) -> None:
         self.contributions[contribution.peer] = contribution
@@ -112,6 +116,7 @@ class _Round:
             self.created_at,
             self.deadline,
             self.layout,
+            tuple(self.dropped.items()),
         )
 
 
@@ -230,6 +235,31 @@ class RoundTracker:
                 return False
             self._set_status(entry, Aggregating())
         self._notify(round_id, Aggregating())
+        return True
+
+    def note_aggregating(self, round_id: RoundId, reason: str) -> bool:
+        """Show ``reason`` in an Aggregating round's status (a transient failure, retried);
+        False if the round is not Aggregating. Not journaled: a restarted coordinator
+        aggregates the round again anyway."""
+        with self._lock:
+            entry = self._rounds.get(round_id)
+            if entry is None or not isinstance(entry.status, Aggregating):
+                return False
+            status = entry.status = Aggregating(reason)
+        self._notify(round_id, status)
+        return True
+
+    def drop(self, round_id: RoundId, peer: str, reason: str) -> bool:
+        """Leave ``peer``'s accepted contribution out of the round's aggregate, for ``reason``
+        (journaled; the contribution itself stays recorded). False if the round or the
+        contribution is unknown, or it was dropped already."""
+        with self._lock:
+            entry = self._rounds.get(round_id)
+            if entry is None or peer not in entry.contributions or peer in entry.dropped:
+                return False
+            if self._journal is not None:
+                self._journal.drop_contribution(round_id, peer, reason)
+            entry.dropped[peer] = reason
         return True
 
     def mark_complete(self, round_id: RoundId, cid: str) -> bool:

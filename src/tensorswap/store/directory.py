@@ -49,9 +49,10 @@ class DirectoryStore(BlockStore):
       (fetched) again.
     - ``trust_own_writes=True``: a block this store object wrote itself (after hashing its
       bytes in ``put`` / ``put_verified``) is not re-hashed by ``get`` while its file is
-      still the one written (same inode, size and modification time); anything else, and
-      everything after a restart, is re-hashed as usual. For a server that verified what
-      it received and reads it back soon after (the rounds coordinator).
+      still the one written (same inode, size, modification and status change times);
+      anything else, and everything after a restart, is re-hashed as usual. For a server
+      that reads its own small manifests back soon after (the rounds coordinator; the reads
+      that feed an aggregate always re-hash).
     - Lifetime: the returned memoryview owns the mapping. It stays valid (also after the
       block is deleted, since POSIX keeps an unlinked file's pages) until the view and every
       object built on it (numpy arrays, slices) are garbage collected; then the mapping is
@@ -407,9 +408,11 @@ def _read_format(path: Path) -> bytes | str:
         os.close(fd)
 
 
-def _identity(stat: os.stat_result) -> tuple[int, int, int]:
-    """What must stay the same for a file to count as the one this store wrote."""
-    return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    """What must stay the same for a file to count as the one this store wrote. The status
+    change time is in it because no process can set it back: a file written in place and
+    given its old modification time again (``os.utime``) is no longer trusted."""
+    return (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
 def _list_dir(path: str) -> list[os.DirEntry[str]]:
