@@ -92,3 +92,17 @@ def test_a_touched_block_is_rehashed_and_a_file_changed_before_is_caught(
     store.touch([cid])  # the touch must not bless the damaged file
     with pytest.raises(CorruptBlock):
         store.get(cid)
+
+
+def test_a_file_rewritten_in_place_with_its_mtime_restored_is_rehashed(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path, trust_own_writes=True)
+    cid = store.put(DATA)
+    path = store.path_of(cid)
+    before = os.stat(path)
+    with open(path, "r+b") as f:  # same inode, same size
+        f.seek(4096)
+        f.write(b"\xff" * 4096)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(CorruptBlock):
+        store.get(cid)
+    assert not store.has(cid)  # quarantined

@@ -17,11 +17,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from tensorswap.aggregate import AggregatorSpec, StreamingAccumulator
-from tensorswap.codec import DType, decode_block
-from tensorswap.errors import CodecError
+from tensorswap.codec import DType
 from tensorswap.rounds.state import Layout
 from tensorswap.rounds.updates import UpdateFacts, new_accumulator
-from tensorswap.store import BlockStore, MalformedManifest, TensorManifest, get_tensor
+from tensorswap.store import BlockStore, TensorManifest, decode_chunk, get_tensor
 
 __all__ = [
     "Bounds",
@@ -65,7 +64,6 @@ def load_pieces(
     not checked on this read. A chunk that fails raises CorruptBlock (a directory store has
     quarantined it); one that does not decode to what its manifest says, MalformedManifest.
     """
-    verify = True
     pieces: dict[str, np.ndarray] = {}
     used: Bounds = {}
     for tensor_cid, tensor in facts.tensors:
@@ -74,11 +72,10 @@ def load_pieces(
         want = own if bounds is None else bounds.get(name, own)
         used[name] = want
         if want == own:
-            dtype = DType.parse(tensor.dtype)
             for i in range(len(tensor.chunks)):
-                pieces[piece_key(name, own[i])] = _chunk_values(store, tensor, i, dtype, verify)
+                pieces[piece_key(name, own[i])] = _chunk_values(store, tensor, i)
         else:
-            flat = get_tensor(store, tensor_cid, verify=verify).flat()
+            flat = get_tensor(store, tensor_cid, verify=True).flat()
             for start, stop in itertools.pairwise(want):
                 pieces[piece_key(name, start)] = flat[start:stop]
     return pieces, used, facts.num_samples
@@ -115,24 +112,12 @@ def load_chunk(store: BlockStore, source: ChunkSource) -> np.ndarray:
     """The values of one stored chunk, re-hashed as it is read and checked against its
     manifest (CorruptBlock, MalformedManifest)."""
     tensor, index = source
-    return _chunk_values(store, tensor, index, DType.parse(tensor.dtype), True)
+    return _chunk_values(store, tensor, index)
 
 
-def _chunk_values(
-    store: BlockStore, tensor: TensorManifest, index: int, dtype: DType, verify: bool | None
-) -> np.ndarray:
-    chunk = tensor.chunks[index]
-    data = store.get(chunk.cid, verify=verify)
-    try:
-        piece = decode_block(data, max_values=chunk.values)
-    except CodecError as exc:
-        raise MalformedManifest(f"chunk {index} of {tensor.name!r}: {exc}") from exc
-    if piece.dtype is not dtype or piece.shape != (chunk.values,):
-        raise MalformedManifest(
-            f"chunk {index} of {tensor.name!r} holds {piece.dtype} {list(piece.shape)}, "
-            f"manifest says {dtype} [{chunk.values}]"
-        )
-    return piece.values
+def _chunk_values(store: BlockStore, tensor: TensorManifest, index: int) -> np.ndarray:
+    """Chunk ``index`` of ``tensor``, re-hashed as it is read, decoded as the store decodes."""
+    return decode_chunk(store.get(tensor.chunks[index].cid, verify=True), tensor, index)
 
 
 def assemble(

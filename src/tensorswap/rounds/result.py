@@ -14,13 +14,12 @@ from tensorswap.codec import DType, TensorBlock, encode_block_into, encoded_size
 from tensorswap.rounds.fold import Bounds, piece_key
 from tensorswap.rounds.state import Layout
 from tensorswap.store import (
-    DEFAULT_CHUNK_BYTES,
     BlockStore,
     ChunkRef,
-    TensorManifest,
-    TensorRef,
-    UpdateManifest,
+    chunk_bounds,
     encode_manifest,
+    tensor_manifest,
+    update_manifest,
 )
 
 __all__ = ["put_pieces"]
@@ -51,8 +50,7 @@ def put_pieces(
     for layer in layout:
         dtype = DType.parse(layer.dtype)
         size = int(np.prod(layer.shape, dtype=np.int64))
-        per = max(1, DEFAULT_CHUNK_BYTES // dtype.itemsize)
-        want = (0, *range(per, size, per), size) if size else (0,)
+        want = chunk_bounds(size, dtype.itemsize)
         got = bounds.get(layer.name, (0, size))
         if tuple(got) != want:
             return None
@@ -79,20 +77,9 @@ def put_pieces(
     with ThreadPoolExecutor(workers, thread_name_prefix="tensorswap-result") as pool:
         for layer, dtype, row in plans:
             chunks = list(pool.map(put_chunk, row))  # in order: the manifest lists them so
-            manifest = TensorManifest(
-                name=layer.name,
-                dtype=dtype.value,
-                shape=tuple(layer.shape),
-                num_samples=0,
-                encoding="dense",
-                compression="",
-                chunks=tuple(chunks),
-                metadata={},
-            )
+            manifest = tensor_manifest(layer.name, dtype, tuple(layer.shape), chunks)
             manifest_bytes = encode_manifest(manifest)
             tensor_cid = store.put(manifest_bytes, codec=Multicodec.TENSORSWAP_MANIFEST)
-            refs.append(TensorRef(layer.name, tensor_cid.to_bytes()))
-    update = UpdateManifest(
-        name=name, num_samples=num_samples, tensors=tuple(refs), metadata=dict(metadata)
-    )
+            refs.append((layer.name, tensor_cid))
+    update = update_manifest(name, num_samples, refs, metadata)
     return store.put(encode_manifest(update), codec=Multicodec.TENSORSWAP_MANIFEST)

@@ -9,21 +9,22 @@ from tensorswap.store.manifest import (
     ChunkRef,
     MalformedManifest,
     Manifest,
-    ModelUpdate,
     TensorManifest,
     TensorRef,
     UpdateManifest,
+    chunk_bounds,
+    chunk_starts,
+    decode_chunk,
     decode_manifest,
     encode_manifest,
-    get_tensor,
-    get_update,
     is_manifest,
     manifest_closure,
-    put_tensor,
-    put_update,
     read_manifest,
+    tensor_manifest,
+    update_manifest,
 )
 from tensorswap.store.memory import MemoryStore
+from tensorswap.store.tensors import ModelUpdate, get_tensor, get_update, put_tensor, put_update
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -40,7 +41,10 @@ __all__ = [
     "TensorManifest",
     "TensorRef",
     "UpdateManifest",
+    "chunk_bounds",
+    "chunk_starts",
     "collect_garbage",
+    "decode_chunk",
     "decode_manifest",
     "encode_manifest",
     "get_tensor",
@@ -51,4 +55,6 @@ __all__ = [
     "put_update",
     "reachable",
     "read_manifest",
+    "tensor_manifest",
+    "update_manifest",
 ]

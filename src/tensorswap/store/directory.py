@@ -73,7 +73,7 @@ class DirectoryStore(BlockStore):
         self.fsync = fsync
         self.verify_reads = verify_reads
         self.trust_own_writes = trust_own_writes
-        self._own: OrderedDict[Cid, tuple[int, int, int]] = OrderedDict()
+        self._own: OrderedDict[Cid, tuple[int, int, int, int]] = OrderedDict()
         self._own_lock = threading.Lock()
         self._blocks = os.path.join(self.root, "blocks")
         self._quarantine = os.path.join(self.root, "quarantine")
@@ -152,10 +152,10 @@ class DirectoryStore(BlockStore):
                     done += os.write(fd, data[done : done + _WRITE_STEP])
                 if self.fsync:
                     os.fsync(fd)
-                written = os.fstat(fd)
+                os.replace(tmp, path)
+                written = os.fstat(fd)  # after the rename, which sets the status change time
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)

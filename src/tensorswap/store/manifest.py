@@ -1,22 +1,16 @@
-"""Tensor and model-update manifests: tensors split into chunk blocks, addressed by one CID."""
+"""Tensor and model-update manifests (the format), and the one way chunks are cut and listed."""
 
 from __future__ import annotations
 
-import itertools
 import math
-import os
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Literal, TypeVar
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import numpy as np
 
-from tensorswap import _alloc
-from tensorswap.cid import Cid, HashFunction, Multicodec, byte_view
-from tensorswap.codec import DType, Encoding, TensorBlock, as_numpy, decode_block, encode_block
+from tensorswap.cid import Cid, Multicodec, byte_view
+from tensorswap.codec import DType, Encoding, decode_block
 from tensorswap.codec.arrow import MAX_DECODED_VALUES
 from tensorswap.errors import CodecError, InvalidCid, StoreError
 
@@ -31,20 +25,21 @@ __all__ = [
     "ChunkRef",
     "MalformedManifest",
     "Manifest",
-    "ModelUpdate",
     "TensorManifest",
     "TensorRef",
     "UpdateManifest",
+    "chunk_bounds",
+    "chunk_starts",
+    "decode_chunk",
     "decode_manifest",
     "encode_manifest",
-    "get_tensor",
-    "get_update",
     "is_manifest",
     "manifest_closure",
     "manifest_kind",
-    "put_tensor",
-    "put_update",
     "read_manifest",
+    "tensor_manifest",
+    "update_manifest",
+    "values_per_chunk",
 ]
 
 MANIFEST_MAGIC = b"TSMF\x01"
@@ -52,14 +47,10 @@ MANIFEST_MAGIC = b"TSMF\x01"
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 """Default chunk size: tensors are cut every ``DEFAULT_CHUNK_BYTES // itemsize`` values."""
 MAX_NDIM = 64
-PARALLEL_MIN_BYTES = 16 * 1024 * 1024
-"""Tensors at least this large are chunked, hashed and copied on one thread per core."""
 _MAX_U64 = 2**64 - 1
 _MAX_EXTENT = 2**63 - 1  # numpy's largest array extent (npy_intp)
 _COMPRESSIONS = ("", "lz4", "zstd")
 Compression = Literal["lz4", "zstd"] | None
-_T = TypeVar("_T")
-_R = TypeVar("_R")
 
 
 class MalformedManifest(StoreError, ValueError):
@@ -222,139 +213,84 @@ def _validate(manifest: Manifest, cid: Cid | None = None) -> None:
         raise bad(f"chunks hold {total} values, shape {list(manifest.shape)} needs {manifest.size}")
 
 
-# ── tensors ──────────────────────────────────────────────────────────────────
-def put_tensor(
-    store: BlockStore,
-    block: TensorBlock,
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    hash: HashFunction = HashFunction.BLAKE3,
-    encoding: Encoding | str = Encoding.DENSE,
-    compression: Compression = None,
-    workers: int | None = None,
-) -> Cid:
-    """Store ``block`` as chunk blocks plus a tensor manifest; return the manifest's CID.
-
-    Chunks hold ``chunk_bytes // itemsize`` values each (the last one fewer); each is the
-    codec's encoding of an unnamed 1-D block of those values, so equal values give equal
-    chunk CIDs whatever tensor they belong to. Blocks already held are not stored twice.
-    The same tensor with the same parameters always gives the same CID. The manifest is put
-    after all its chunks, so a store that shows the manifest holds the chunks too.
-    ``workers`` threads encode and hash chunks (None: one per core for big tensors).
-    """
+# ── the one way chunks are cut and manifests built ───────────────────────────
+def values_per_chunk(itemsize: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """How many values of ``itemsize`` bytes one chunk of ``chunk_bytes`` holds (at least 1)."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    enc = Encoding(encoding)
-    flat = block.flat()
-    per_chunk = max(1, chunk_bytes // block.dtype.itemsize)
-    starts = range(0, flat.size, per_chunk)
-    threads = _thread_count(workers, len(starts), block.nbytes)
+    return max(1, chunk_bytes // itemsize)
 
-    def put_chunk(start: int) -> ChunkRef:
-        piece = TensorBlock("", flat[start : start + per_chunk])
-        data = encode_block(piece, encoding=enc, compression=compression)
-        # Parallel workers hash single-threaded: blake3's own pool would only contend.
-        cid = store.put(data, hash=hash, adopt=True, threads=1 if threads > 1 else None)
-        return ChunkRef(cid.to_bytes(), piece.size, data.size)
 
-    refs = _map(put_chunk, starts, threads)
-    manifest = TensorManifest(
-        name=block.name,
-        dtype=block.dtype.value,
-        shape=block.shape,
-        num_samples=block.num_samples,
-        encoding=enc.value,
+def chunk_starts(size: int, itemsize: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> range:
+    """The flat offsets where a tensor of ``size`` values is cut into chunks: every producer
+    of tensor blocks (``put_tensor``, the wire's chunker, a round's result) cuts here, so
+    equal values give equal chunk CIDs."""
+    return range(0, size, values_per_chunk(itemsize, chunk_bytes))
+
+
+def chunk_bounds(
+    size: int, itemsize: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> tuple[int, ...]:
+    """``chunk_starts`` followed by ``size``: ``(0, c, 2c, ..., size)`` (``(0,)`` when empty)."""
+    if not size:
+        return (0,)
+    return (*chunk_starts(size, itemsize, chunk_bytes), size)
+
+
+def tensor_manifest(
+    name: str,
+    dtype: DType | str,
+    shape: tuple[int, ...],
+    chunks: Iterable[ChunkRef],
+    *,
+    num_samples: int = 0,
+    metadata: Mapping[str, str] | None = None,
+    encoding: Encoding | str = Encoding.DENSE,
+    compression: str = "",
+) -> TensorManifest:
+    """The manifest listing ``chunks`` (in order) of a tensor cut at ``chunk_starts``."""
+    return TensorManifest(
+        name=name,
+        dtype=DType.parse(dtype).value if isinstance(dtype, str) else dtype.value,
+        shape=tuple(shape),
+        num_samples=num_samples,
+        encoding=Encoding(encoding).value,
         compression=compression or "",
-        chunks=tuple(refs),
-        metadata=dict(block.metadata),
+        chunks=tuple(chunks),
+        metadata=dict(metadata or {}),
     )
-    return store.put(encode_manifest(manifest), codec=Multicodec.TENSORSWAP_MANIFEST, hash=hash)
 
 
-def read_manifest(store: BlockStore, cid: Cid, *, verify: bool | None = None) -> Manifest:
-    """Fetch and decode the manifest ``cid`` (BlockNotFound if absent, MalformedManifest)."""
-    if cid.codec is not Multicodec.TENSORSWAP_MANIFEST:
-        raise MalformedManifest("not a manifest CID (codec is not tensorswap-manifest)", cid)
-    return decode_manifest(store.get(cid, verify=verify), cid)
+def update_manifest(
+    name: str,
+    num_samples: int,
+    tensors: Iterable[tuple[str, Cid]],
+    metadata: Mapping[str, str] | None = None,
+) -> UpdateManifest:
+    """The model-update manifest linking each ``(name, tensor manifest CID)`` in order."""
+    return UpdateManifest(
+        name=name,
+        num_samples=num_samples,
+        tensors=tuple(TensorRef(n, cid.to_bytes()) for n, cid in tensors),
+        metadata=dict(metadata or {}),
+    )
 
 
-def get_tensor(
-    store: BlockStore, cid: Cid, *, verify: bool | None = None, workers: int | None = None
-) -> TensorBlock:
-    """Load the tensor whose manifest is ``cid``.
+def decode_chunk(
+    buf: memoryview, manifest: TensorManifest, index: int, cid: Cid | None = None
+) -> np.ndarray:
+    """The values of chunk ``index`` of ``manifest`` from its block's bytes ``buf``.
 
-    A tensor of one chunk is returned as a zero-copy (read-only) view of that chunk's block;
-    otherwise one writable array is allocated and each chunk is decoded in place and copied
-    once into its slice. Every chunk is fetched and checked before the output is allocated.
-    ``workers`` threads fetch and copy chunks (None: one per core for big tensors).
+    Checked against the manifest: the block's length, a decode bounded by the chunk's value
+    count (and ``MAX_DECODED_VALUES``), its dtype and shape; MalformedManifest otherwise.
     """
-    manifest = read_manifest(store, cid, verify=verify)
-    if not isinstance(manifest, TensorManifest):
-        raise MalformedManifest(f"expected a tensor manifest, got {manifest_kind(manifest)}", cid)
-    return _load_tensor(store, manifest, cid, verify, workers)
-
-
-def _load_tensor(
-    store: BlockStore,
-    manifest: TensorManifest,
-    cid: Cid,
-    verify: bool | None,
-    workers: int | None,
-) -> TensorBlock:
+    chunk = manifest.chunks[index]
     dtype = DType.parse(manifest.dtype)
-    chunks = manifest.chunks
-    # Before anything is fetched or allocated; the extent (zero dims aside) bounds the size
-    # and what the shape itself asks of numpy, as in the codec.
-    if manifest.extent > MAX_DECODED_VALUES:
+    if buf.nbytes != chunk.nbytes:
         raise MalformedManifest(
-            f"tensor shape {list(manifest.shape[:8])} of {manifest.extent} values (zero dims "
-            f"aside) exceeds the {MAX_DECODED_VALUES} a load allows",
+            f"chunk {index} ({chunk.cid}) is {buf.nbytes} bytes, manifest says {chunk.nbytes}",
             cid,
         )
-    threads = _thread_count(workers, len(chunks), sum(c.nbytes for c in chunks))
-    # Each distinct chunk is fetched (and, where the store verifies, hashed) once: a tensor of
-    # zeros lists one chunk many times.
-    distinct = {chunk.cid_bytes: chunk for chunk in chunks}
-    fetched = _map(lambda chunk: store.get(chunk.cid, verify=verify), distinct.values(), threads)
-    by_cid = dict(zip(distinct, fetched, strict=True))
-    buffers = [by_cid[chunk.cid_bytes] for chunk in chunks]
-    exact = manifest.encoding == Encoding.DENSE and not manifest.compression
-    for i, (chunk, buf) in enumerate(zip(manifest.chunks, buffers, strict=True)):
-        # An uncompressed dense chunk holds all its values: the output size is bounded by
-        # bytes actually held, never by a count alone.
-        if buf.nbytes != chunk.nbytes or (exact and buf.nbytes < chunk.values * dtype.itemsize):
-            raise MalformedManifest(f"chunk {i} ({chunk.cid}) is {buf.nbytes} bytes", cid)
-    if len(buffers) == 1:
-        values = _decode_chunk(buffers[0], manifest, 0, dtype, cid)
-    elif not exact and buffers:
-        # Compressed or lossy chunks: decode (and so check) every one before allocating.
-        indices = range(len(chunks))
-        decode = lambda i: _decode_chunk(buffers[i], manifest, i, dtype, cid)  # noqa: E731
-        try:
-            values = np.concatenate(_map(decode, indices, threads))
-        except MemoryError as exc:
-            raise MalformedManifest(f"cannot allocate {manifest.size} values", cid) from exc
-    else:  # uncompressed dense chunks, or none at all (a tensor of zero values)
-        try:
-            values = _alloc.empty(manifest.size, dtype.numpy)  # recycled pages: see _alloc
-        except MemoryError as exc:
-            raise MalformedManifest(f"cannot allocate {manifest.size} values", cid) from exc
-        offsets = [0, *itertools.accumulate(chunk.values for chunk in chunks)]
-
-        def fill(i: int) -> None:
-            piece = _decode_chunk(buffers[i], manifest, i, dtype, cid)
-            np.copyto(values[offsets[i] : offsets[i + 1]], piece)
-
-        _map(fill, range(len(chunks)), threads)
-    return TensorBlock(
-        manifest.name, values.reshape(manifest.shape), manifest.num_samples, manifest.metadata
-    )
-
-
-def _decode_chunk(
-    buf: memoryview, manifest: TensorManifest, index: int, dtype: DType, cid: Cid
-) -> np.ndarray:
-    chunk = manifest.chunks[index]
     try:
         # The manifest's value count bounds what the block's header may make the decoder
         # build: a small topk or compressed chunk cannot claim a huge shape.
@@ -364,106 +300,23 @@ def _decode_chunk(
         raise MalformedManifest(f"{reason}: {exc}", cid) from exc
     if piece.dtype is not dtype or piece.shape != (chunk.values,):
         raise MalformedManifest(
-            f"chunk {index} ({chunk.cid}) holds {piece.dtype} {list(piece.shape)}, "
-            f"manifest says {dtype} [{chunk.values}]",
+            f"chunk {index} ({chunk.cid}) of {manifest.name!r} holds {piece.dtype} "
+            f"{list(piece.shape)}, manifest says {dtype} [{chunk.values}]",
             cid,
         )
     return piece.values
 
 
-def _thread_count(requested: int | None, tasks: int, nbytes: int) -> int:
-    if requested is not None:
-        if requested < 1:
-            raise ValueError(f"workers must be positive, got {requested}")
-        return max(1, min(requested, tasks))
-    if tasks < 2 or nbytes < PARALLEL_MIN_BYTES:
-        return 1
-    return max(1, min(tasks, os.cpu_count() or 1))
-
-
-def _map(fn: Callable[[_T], _R], items: Iterable[_T], threads: int) -> list[_R]:
-    """``[fn(x) for x in items]``, on ``threads`` threads that are all joined before returning."""
-    if threads <= 1:
-        return [fn(item) for item in items]
-    with ThreadPoolExecutor(threads, thread_name_prefix="tensorswap-store") as pool:
-        return list(pool.map(fn, items))
+def read_manifest(store: BlockStore, cid: Cid, *, verify: bool | None = None) -> Manifest:
+    """Fetch and decode the manifest ``cid`` (BlockNotFound if absent, MalformedManifest)."""
+    if cid.codec is not Multicodec.TENSORSWAP_MANIFEST:
+        raise MalformedManifest("not a manifest CID (codec is not tensorswap-manifest)", cid)
+    return decode_manifest(store.get(cid, verify=verify), cid)
 
 
 def manifest_kind(manifest: Manifest) -> str:
     """``"tensor"`` or ``"update"``."""
     return "tensor" if isinstance(manifest, TensorManifest) else "update"
-
-
-# ── model updates ────────────────────────────────────────────────────────────
-@dataclass(frozen=True, eq=False)
-class ModelUpdate:
-    """Named tensors (numpy; torch accepted) from one client, with its sample count."""
-
-    tensors: Mapping[str, np.ndarray]
-    num_samples: int = 0
-    metadata: Mapping[str, str] = field(default_factory=dict)
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        converted = {str(k): as_numpy(v) for k, v in self.tensors.items()}
-        object.__setattr__(self, "tensors", MappingProxyType(converted))
-        object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
-        if isinstance(self.num_samples, bool) or not isinstance(self.num_samples, int):
-            raise TypeError(f"num_samples must be an int, got {type(self.num_samples).__name__}")
-        if not 0 <= self.num_samples <= _MAX_U64:
-            raise ValueError(f"num_samples must be in [0, 2**64-1], got {self.num_samples}")
-
-
-def put_update(
-    store: BlockStore,
-    update: ModelUpdate,
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    hash: HashFunction = HashFunction.BLAKE3,
-    encoding: Encoding | str = Encoding.DENSE,
-    compression: Compression = None,
-    workers: int | None = None,
-) -> Cid:
-    """Store every tensor (see ``put_tensor``) and an update manifest listing them; its CID.
-
-    Tensors keep the mapping's order. A tensor already stored (same name, values and
-    parameters) adds no block: only changed chunks and the small manifests are new.
-    """
-    refs = []
-    for name, values in update.tensors.items():
-        tensor_cid = put_tensor(
-            store,
-            TensorBlock(name, values),
-            chunk_bytes=chunk_bytes,
-            hash=hash,
-            encoding=encoding,
-            compression=compression,
-            workers=workers,
-        )
-        refs.append(TensorRef(name, tensor_cid.to_bytes()))
-    manifest = UpdateManifest(
-        name=update.name,
-        num_samples=update.num_samples,
-        tensors=tuple(refs),
-        metadata=dict(update.metadata),
-    )
-    return store.put(encode_manifest(manifest), codec=Multicodec.TENSORSWAP_MANIFEST, hash=hash)
-
-
-def get_update(
-    store: BlockStore, cid: Cid, *, verify: bool | None = None, workers: int | None = None
-) -> ModelUpdate:
-    """Load the model update whose manifest is ``cid`` (each tensor as in ``get_tensor``)."""
-    manifest = read_manifest(store, cid, verify=verify)
-    if not isinstance(manifest, UpdateManifest):
-        raise MalformedManifest(f"expected an update manifest, got {manifest_kind(manifest)}", cid)
-    tensors = {}
-    for ref in manifest.tensors:
-        tensor = get_tensor(store, ref.cid, verify=verify, workers=workers)
-        if tensor.name != ref.name:
-            raise MalformedManifest(f"entry {ref.name!r} links tensor {tensor.name!r}", cid)
-        tensors[ref.name] = tensor.values
-    return ModelUpdate(tensors, manifest.num_samples, manifest.metadata, manifest.name)
 
 
 # ── reachability ─────────────────────────────────────────────────────────────

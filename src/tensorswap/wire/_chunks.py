@@ -14,10 +14,10 @@ from tensorswap.cid import Cid, HashFunction, Multicodec, byte_view
 from tensorswap.codec import TensorBlock, encode_block
 from tensorswap.store.manifest import (
     ChunkRef,
-    TensorManifest,
-    TensorRef,
-    UpdateManifest,
+    chunk_starts,
     encode_manifest,
+    tensor_manifest,
+    update_manifest,
 )
 from tensorswap.wire.connection import PreparedBlock, prepare_block
 from tensorswap.wire.frames import Compression, CompressionChoice, choose_compression, crc32c
@@ -102,14 +102,12 @@ class TensorChunker:
         hash: HashFunction = HashFunction.BLAKE3,
         compression: CompressionChoice = Compression.NONE,
     ) -> None:
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.tensor = tensor
         self.hash = HashFunction(hash)
         self.compression = compression
         self._flat = tensor.flat()
-        self._per_chunk = max(1, chunk_bytes // tensor.dtype.itemsize)
-        self.starts = range(0, self._flat.size, self._per_chunk)
+        self.starts = chunk_starts(self._flat.size, tensor.dtype.itemsize, chunk_bytes)
+        self._per_chunk = self.starts.step
         sizes = {min(self._per_chunk, self._flat.size - s) for s in self.starts}
         self._templates = {n: _template(self._flat.dtype, n) for n in sizes}
 
@@ -130,15 +128,13 @@ class TensorChunker:
     def manifest(self, refs: list[ChunkRef]) -> PreparedChunk:
         """The tensor manifest block listing ``refs`` (in order)."""
         tensor = self.tensor
-        manifest = TensorManifest(
-            name=tensor.name,
-            dtype=tensor.dtype.value,
-            shape=tensor.shape,
+        manifest = tensor_manifest(
+            tensor.name,
+            tensor.dtype,
+            tensor.shape,
+            refs,
             num_samples=tensor.num_samples,
-            encoding="dense",
-            compression="",
-            chunks=tuple(refs),
-            metadata=dict(tensor.metadata),
+            metadata=tensor.metadata,
         )
         return manifest_chunk(encode_manifest(manifest), self.hash)
 
@@ -157,10 +153,5 @@ def update_manifest_chunk(
     hash: HashFunction = HashFunction.BLAKE3,
 ) -> PreparedChunk:
     """The update manifest block ``put_update`` would store for these tensor manifests."""
-    manifest = UpdateManifest(
-        name=name,
-        num_samples=num_samples,
-        tensors=tuple(TensorRef(n, cid.to_bytes()) for n, cid in tensors),
-        metadata=metadata,
-    )
+    manifest = update_manifest(name, num_samples, tensors, metadata)
     return manifest_chunk(encode_manifest(manifest), hash)

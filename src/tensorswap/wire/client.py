@@ -17,10 +17,10 @@ from tensorswap.store.base import BlockStore
 from tensorswap.store.manifest import (
     DEFAULT_CHUNK_BYTES,
     ChunkRef,
-    ModelUpdate,
     manifest_closure,
     read_manifest,
 )
+from tensorswap.store.tensors import ModelUpdate
 from tensorswap.wire._chunks import PreparedChunk, TensorChunker, update_manifest_chunk
 from tensorswap.wire._pipeline import cpu_workers, prefetched
 from tensorswap.wire._sink import BlockSink
