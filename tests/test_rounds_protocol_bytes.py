@@ -12,6 +12,7 @@ from tensorswap.rounds.errors import (
     RoundTimeout,
     UnknownUpdate,
 )
+from tensorswap.rounds.messages import _StatusWire
 from tensorswap.rounds.protocol import (
     RoundAnswer,
     RoundCall,
@@ -305,3 +306,17 @@ def test_statuses_decode_into_round_statuses() -> None:
         wire = decode_answer(bytes.fromhex(GOLDEN_ANSWERS[name])).status
         assert wire is not None and wire.to_status() == status
         assert wire["status"] == status.name and wire.to_dict() == status.to_dict()
+
+
+def test_an_optional_status_field_changes_no_bytes_until_it_is_set() -> None:
+    """How a status gains a field (e.g. why it is Aggregating) without breaking anyone."""
+
+    class AggregatingWithReason(_StatusWire, frozen=True, tag="Aggregating"):
+        model = Aggregating
+        reason: str | None = None
+
+    golden = bytes.fromhex(GOLDEN_ANSWERS["aggregating"])
+    newer = RoundAnswer(status=AggregatingWithReason())  # type: ignore[arg-type]
+    assert encode_answer(newer) == golden
+    with_reason = encode_answer(RoundAnswer(status=AggregatingWithReason("robust")))  # type: ignore[arg-type]
+    assert decode_answer(with_reason) == decode_answer(golden)  # older readers ignore it

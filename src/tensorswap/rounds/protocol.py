@@ -11,6 +11,7 @@ replies ``handled=False``. Layout in ``docs/rounds.md``.
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import msgspec
 
@@ -87,6 +88,9 @@ APP = "rounds"
 
 OPS = ("start", "submit", "status", "wait")
 """Rounds requests: start a round, submit the committed update, status (one or all), wait."""
+
+if tuple(cls.__struct_config__.tag for cls in get_args(RoundRequest)) != OPS:
+    raise TypeError(f"OPS {OPS} do not name the RoundRequest structs' tags in order")
 
 _encoder = msgspec.msgpack.Encoder()
 _call_decoder = msgspec.msgpack.Decoder(RoundRequest)
