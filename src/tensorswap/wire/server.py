@@ -78,10 +78,12 @@ class ServerStats:
         self._open: set[Transport] = set()
 
     def opened(self, transport: Transport) -> None:
+        """Count a connection that is now being served."""
         self.connections += 1
         self._open.add(transport)
 
     def ended(self, transport: Transport) -> None:
+        """Count a served connection's end; its bytes move to ``ended_bytes_*``."""
         self._open.discard(transport)
         self.ended_bytes_in += transport.bytes_received
         self.ended_bytes_out += transport.bytes_sent
