@@ -15,6 +15,7 @@ from tensorswap.cli._util import SECONDS, client_tls, parse_host_port
 from tensorswap.cli.serve_cmd import resolve_key
 from tensorswap.rounds.client import RoundClient, ServerStatus
 from tensorswap.rounds.protocol import RoundRow
+from tensorswap.rounds.state import Complete, Failed
 from tensorswap.wire.connection import Timeouts
 
 __all__ = ["render", "status", "to_json"]
@@ -39,7 +40,7 @@ def to_json(report: ServerStatus) -> dict[str, object]:
         {
             "round": row.round,
             "initiator": row.initiator,
-            "status": row.status,
+            "status": row.status.to_dict(),
             "received": row.received,
             "expected": row.expected,
             "quorum": row.quorum,
@@ -63,16 +64,16 @@ def _size(nbytes: float) -> str:
 
 
 def _status_text(row: RoundRow) -> str:
-    name = str(row.status.get("status", "?"))
-    if name == "Complete":
-        return f"[green]Complete[/] …{str(row.status.get('cid', ''))[-10:]}"
-    if name == "Failed":
-        return f"[red]Failed[/] {row.status.get('reason', '')}"
-    return name
+    status = row.status.to_status()
+    if isinstance(status, Complete):
+        return f"[green]Complete[/] …{status.cid[-10:]}"
+    if isinstance(status, Failed):
+        return f"[red]Failed[/] {status.reason}"
+    return status.name
 
 
 def _deadline(row: RoundRow, now: float) -> str:
-    if row.deadline is None or row.status.get("status") in ("Complete", "Failed"):
+    if row.deadline is None or row.status.to_status().is_terminal:
         return "-"
     left = row.deadline - now
     return f"in {left:.0f} s" if left > 0 else "passed"

@@ -409,10 +409,10 @@ async def _star_outcome(client: Any, initiator: str, report: RoundReport) -> Non
     status = await client.server_status()
     for row in status.rounds:
         if row.round == report.round and row.initiator == initiator:
-            name = row.status.get("status")
-            if name == "Complete":
+            status = row.status.to_status()  # a RoundStatus
+            if status.name == "Complete":
                 report.ok = True
-                report.aggregate = str(row.status.get("cid"))
+                report.aggregate = str(status.cid)
                 if row.received >= row.expected:
                     report.outcome = f"complete: all {row.expected} peers"
                     report.how = "all peers"
@@ -424,7 +424,7 @@ async def _star_outcome(client: Any, initiator: str, report: RoundReport) -> Non
                     report.how = f"deadline, quorum {row.received}/{row.expected}"
             else:
                 report.ok = False
-                report.outcome = f"failed: {row.status.get('reason', name)}"
+                report.outcome = f"failed: {getattr(status, 'reason', status.name)}"
                 report.how = "failed"
             return
     report.outcome = report.how = "unknown to the coordinator"
@@ -592,7 +592,7 @@ def _row_json(row: Any) -> dict[str, Any]:
     return {
         "round": row.round,
         "initiator": row.initiator,
-        "status": dict(row.status),
+        "status": row.status.to_dict(),
         "received": row.received,
         "expected": row.expected,
         "quorum": row.quorum,

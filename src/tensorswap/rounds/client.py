@@ -17,14 +17,18 @@ from tensorswap.rounds.errors import RoundFailed, RoundTimeout
 from tensorswap.rounds.protocol import (
     APP,
     RoundAnswer,
-    RoundCall,
+    RoundRequest,
     RoundRow,
+    StartRequest,
+    StatusRequest,
+    SubmitRequest,
+    WaitRequest,
     decode_answer,
     encode_call,
     raise_remote,
     spec_to_wire,
 )
-from tensorswap.rounds.state import Complete, RoundId, RoundSpec, RoundStatus, status_from_dict
+from tensorswap.rounds.state import Complete, RoundId, RoundSpec, RoundStatus
 from tensorswap.store import (
     BlockStore,
     MemoryStore,
@@ -60,8 +64,10 @@ class SubmitResult:
 class ServerStatus:
     """Every round the coordinator holds, and its counters.
 
-    ``omitted`` counts the rounds the coordinator left out to keep its answer within its
-    message limit (live rounds and the newest are listed first).
+    Each row's ``status`` is a typed wire status (``row.status.to_status()`` is the
+    RoundStatus; ``row.status["status"]`` its name, as when it was a dict). ``omitted``
+    counts the rounds the coordinator left out to keep its answer within its message limit
+    (live rounds and the newest are listed first).
     """
 
     rounds: list[RoundRow]
@@ -124,9 +130,9 @@ class RoundClient:
     # ── rounds ───────────────────────────────────────────────────────────────
     async def start_round(self, round_id: RoundId, spec: RoundSpec) -> bool:
         """Start a round on the coordinator; False if it already exists (then just join it)."""
-        answer = await self._call(
-            RoundCall("start", round_id.round, round_id.initiator, spec=spec_to_wire(spec))
-        )
+        rid = round_id
+        request = StartRequest(round=rid.round, initiator=rid.initiator, spec=spec_to_wire(spec))
+        answer = await self._call(request)
         return bool(answer.started)
 
     async def submit(
@@ -150,9 +156,7 @@ class RoundClient:
             if not isinstance(update, ModelUpdate):
                 update = ModelUpdate(dict(update), num_samples)
             cid = await asyncio.to_thread(put_update, self.store, update)
-        call = RoundCall(
-            "submit", round_id.round, round_id.initiator, peer=self.peer, update=cid.to_bytes()
-        )
+        call = SubmitRequest.of(round_id, self.peer, cid)
         async with self._lock:
             start, wire_start = time.perf_counter(), self.blocks.transport.bytes_sent
             closure = await asyncio.to_thread(_children_first, self.store, cid)
@@ -173,12 +177,13 @@ class RoundClient:
 
     async def status(self, round_id: RoundId) -> RoundStatus:
         """The round's current status (RoundNotFound if the coordinator has no such round)."""
-        answer = await self._call(RoundCall("status", round_id.round, round_id.initiator))
+        rid = round_id
+        answer = await self._call(StatusRequest(round=rid.round, initiator=rid.initiator))
         return _status(answer)
 
     async def server_status(self) -> ServerStatus:
         """Every round with its peers and bytes, and the coordinator's counters."""
-        answer = await self._call(RoundCall("status", all=True))
+        answer = await self._call(StatusRequest(all=True))
         return ServerStatus(answer.rounds or [], answer.stats or {}, max(0, answer.omitted or 0))
 
     async def wait(self, round_id: RoundId, timeout: float | None = None) -> RoundStatus:
@@ -195,7 +200,7 @@ class RoundClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         asked = timeout
         while True:
-            call = RoundCall("wait", round_id.round, round_id.initiator, timeout=asked)
+            call = WaitRequest(round=round_id.round, initiator=round_id.initiator, timeout=asked)
             read = self.blocks.conn.timeouts.read
             limit = None if asked is None or read is None else asked + read
             try:
@@ -234,7 +239,7 @@ class RoundClient:
     # ── one request ──────────────────────────────────────────────────────────
     async def _call(
         self,
-        call: RoundCall,
+        call: RoundRequest,
         *,
         limit: float | None = None,
         unbounded: bool = False,
@@ -278,7 +283,4 @@ def _fact(exc: RoundTimeout) -> str:
 def _status(answer: RoundAnswer) -> RoundStatus:
     if answer.status is None:
         raise ProtocolViolation("the coordinator's answer lacks a status")
-    try:
-        return status_from_dict(answer.status)
-    except ValueError as exc:
-        raise ProtocolViolation(f"bad round status from the coordinator: {exc}") from exc
+    return answer.status.to_status()

@@ -1,20 +1,48 @@
-"""The rounds application on the wire: RoundCall / RoundAnswer in REQUEST / REPLY frames.
+"""The rounds application on the wire: typed requests and answers in REQUEST / REPLY frames.
 
 A rounds request is the body of a wire REQUEST frame for the application ``"rounds"`` and
 its answer the body of the REPLY (the wire's public extension point: ``BlockServer``
-``handlers`` and ``BlockClient.request``). Both bodies are msgpack maps. A server without a
-rounds handler replies ``handled=False``. Layout in ``docs/rounds.md``.
+``handlers`` and ``BlockClient.request``). Both bodies are msgpack maps: a request is one of
+the ``op``-tagged structs of ``rounds.messages``, laid out as ``RoundCall``; an answer is a
+``RoundAnswer`` whose statuses are ``status``-tagged. A server without a rounds handler
+replies ``handled=False``. Layout in ``docs/rounds.md``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import msgspec
 
 from tensorswap.errors import TensorSwapError
 from tensorswap.rounds import errors as rounds_errors
 from tensorswap.rounds.errors import InvalidRoundSpec, RoundsError
+from tensorswap.rounds.messages import (
+    MAX_LAYER_DIMS,
+    MAX_LAYER_ELEMENTS,
+    MAX_NAME_BYTES,
+    AggregatingWire,
+    CollectingWire,
+    CompleteWire,
+    ErrorInfo,
+    FailedWire,
+    Param,
+    PendingWire,
+    RoundAnswer,
+    RoundCall,
+    RoundRequest,
+    RoundRow,
+    SpecWire,
+    StartRequest,
+    StatusRequest,
+    StatusWire,
+    SubmitRequest,
+    WaitRequest,
+    layout_of,
+    status_to_wire,
+    utf8_len,
+)
 from tensorswap.rounds.state import LayerSpec, RoundId, RoundInfo, RoundSpec
 from tensorswap.wire.errors import ProtocolViolation, RemoteError
 
@@ -24,22 +52,35 @@ __all__ = [
     "MAX_LAYER_ELEMENTS",
     "MAX_NAME_BYTES",
     "OPS",
+    "AggregatingWire",
+    "CollectingWire",
+    "CompleteWire",
     "ErrorInfo",
+    "FailedWire",
+    "PendingWire",
     "RoundAnswer",
     "RoundCall",
+    "RoundRequest",
     "RoundRow",
     "SpecWire",
+    "StartRequest",
+    "StatusRequest",
+    "StatusWire",
+    "SubmitRequest",
+    "WaitRequest",
     "decode_answer",
     "decode_call",
     "encode_answer",
     "encode_call",
     "error_info",
+    "layout_of",
     "peer_of",
     "raise_remote",
     "round_id_of",
     "row_of",
     "spec_from_wire",
     "spec_to_wire",
+    "status_to_wire",
 ]
 
 APP = "rounds"
@@ -48,98 +89,28 @@ APP = "rounds"
 OPS = ("start", "submit", "status", "wait")
 """Rounds requests: start a round, submit the committed update, status (one or all), wait."""
 
-MAX_NAME_BYTES = 256
-"""The longest initiator, peer, strategy, parameter name or value, layer name or dtype a
-server accepts, in UTF-8 bytes. Longer names are refused (see ``round_id_of``, ``peer_of``,
-``spec_from_wire``), so no string a client sends can swell the answers other clients read."""
-
-MAX_LAYER_DIMS = 64
-"""The most dimensions a layer of a round's ``layout`` may have (numpy's own limit)."""
-
-MAX_LAYER_ELEMENTS = 2**48
-"""The most elements a layer of a round's ``layout`` may have (the product of its dims)."""
-
-Param = float | int | str
-
-
-class SpecWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """A RoundSpec on the wire; ``layout`` is ``[[name, dtype, [dims...]], ...]``."""
-
-    expected_peers: int
-    quorum: int | None = None
-    timeout_s: float | None = None
-    strategy: str = "fedavg"
-    params: dict[str, Param] = {}
-    layout: list[tuple[str, str, list[int]]] | None = None
-
-
-class RoundCall(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """A request: ``op`` (see OPS) about round ``(round, initiator)`` on behalf of ``peer``.
-
-    ``update`` is the binary CID of the submitted model update (``submit`` only).
-    """
-
-    op: str
-    round: int = 0
-    initiator: str = ""
-    peer: str = ""
-    spec: SpecWire | None = None
-    timeout: float | None = None
-    all: bool = False
-    update: bytes | None = None
-
-
-class ErrorInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """A refused request: the RoundsError leaf's name, its message and its facts."""
-
-    code: str
-    message: str
-    facts: dict[str, Param | None] = {}
-
-
-class RoundRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """One round as ``status`` reports it."""
-
-    round: int
-    initiator: str
-    status: dict[str, Param]
-    received: int
-    expected: int
-    quorum: int
-    strategy: str
-    nbytes: int
-    peers: list[str]
-    created_at: float
-    deadline: float | None
-
-
-class RoundAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """The answer: ``error`` set when refused; otherwise what the op returns.
-
-    ``omitted`` counts the rounds a ``status`` answer leaves out to stay within the server's
-    message limit (None or 0: every round is listed).
-    """
-
-    error: ErrorInfo | None = None
-    started: bool | None = None
-    status: dict[str, Param] | None = None
-    rounds: list[RoundRow] | None = None
-    stats: dict[str, Param] | None = None
-    omitted: int | None = None
-
+if tuple(cls.__struct_config__.tag for cls in get_args(RoundRequest)) != OPS:
+    raise TypeError(f"OPS {OPS} do not name the RoundRequest structs' tags in order")
 
 _encoder = msgspec.msgpack.Encoder()
-_call_decoder = msgspec.msgpack.Decoder(RoundCall)
+_call_decoder = msgspec.msgpack.Decoder(RoundRequest)
 _answer_decoder = msgspec.msgpack.Decoder(RoundAnswer)
 
 
-def encode_call(call: RoundCall) -> bytes:
-    """The REQUEST body carrying ``call``."""
+def encode_call(call: RoundRequest | RoundCall) -> bytes:
+    """The REQUEST body carrying ``call``: a typed request in the RoundCall layout (every
+    key, in order), or a RoundCall as it is."""
+    if not isinstance(call, RoundCall):
+        call = layout_of(call)
     return _encoder.encode(call)
 
 
-def decode_call(body: bytes) -> RoundCall:
-    """A RoundCall from a client's REQUEST body; ProtocolViolation when it is none."""
+def decode_call(body: bytes) -> RoundRequest:
+    """The request in a client's REQUEST body, checked (see ``rounds.messages``).
+
+    ProtocolViolation for anything else: not msgpack, nested too deeply, an unknown ``op``,
+    a key of the wrong type, a bad round id, peer name or CID, a bad wait timeout.
+    """
     try:
         return _call_decoder.decode(body)
     except msgspec.DecodeError as exc:
@@ -154,7 +125,8 @@ def encode_answer(answer: RoundAnswer) -> bytes:
 
 
 def decode_answer(body: bytes) -> RoundAnswer:
-    """A RoundAnswer from the coordinator's REPLY body; ProtocolViolation when it is none."""
+    """A RoundAnswer from the coordinator's REPLY body; ProtocolViolation when it is none
+    (a status with an unknown name or a bad CID included)."""
     try:
         return _answer_decoder.decode(body)
     except msgspec.DecodeError as exc:
@@ -193,7 +165,7 @@ def spec_from_wire(wire: SpecWire) -> RoundSpec:
 
 
 def _check_spec_name(value: str, what: str) -> None:
-    size = _utf8_len(value)
+    size = utf8_len(value)
     if size > MAX_NAME_BYTES:
         raise InvalidRoundSpec(f"{what} is {size} bytes long; at most {MAX_NAME_BYTES} allowed")
 
@@ -214,16 +186,12 @@ def _layer_from_wire(name: str, dtype: str, dims: list[int]) -> LayerSpec:
     return LayerSpec(name, dtype, tuple(int(x) for x in dims))
 
 
-def _utf8_len(value: str) -> int:
-    return len(value.encode("utf-8", "surrogatepass"))
-
-
 def row_of(info: RoundInfo) -> RoundRow:
     spec = info.spec
     return RoundRow(
         round=info.round_id.round,
         initiator=info.round_id.initiator,
-        status=info.status.to_dict(),  # type: ignore[arg-type]
+        status=status_to_wire(info.status),
         received=info.received,
         expected=spec.expected_peers,
         quorum=spec.min_peers,
@@ -235,12 +203,13 @@ def row_of(info: RoundInfo) -> RoundRow:
     )
 
 
-def round_id_of(call: RoundCall) -> RoundId:
+def round_id_of(call: RoundCall | RoundRequest) -> RoundId:
     """The call's RoundId; ProtocolViolation for one that is not valid.
 
-    The initiator must be a non-empty name of at most MAX_NAME_BYTES bytes (UTF-8).
+    The initiator must be a non-empty name of at most MAX_NAME_BYTES bytes (UTF-8). (A
+    decoded RoundRequest was checked already.)
     """
-    size = _utf8_len(call.initiator)
+    size = utf8_len(call.initiator)
     if size > MAX_NAME_BYTES:
         raise ProtocolViolation(
             f"bad round id in a rounds request: the initiator is {size} bytes long; "
@@ -252,12 +221,13 @@ def round_id_of(call: RoundCall) -> RoundId:
         raise ProtocolViolation(f"bad round id in a rounds request: {exc}") from exc
 
 
-def peer_of(call: RoundCall) -> str:
+def peer_of(call: RoundCall | SubmitRequest) -> str:
     """The call's peer name; ProtocolViolation unless it is 1 to MAX_NAME_BYTES bytes long."""
-    size = _utf8_len(call.peer)
+    size = utf8_len(call.peer)
     if not 0 < size <= MAX_NAME_BYTES:
+        op = call.op if isinstance(call, RoundCall) else "submit"
         raise ProtocolViolation(
-            f"a {call.op} request's peer name is {size} bytes long; 1 to {MAX_NAME_BYTES} allowed"
+            f"a {op} request's peer name is {size} bytes long; 1 to {MAX_NAME_BYTES} allowed"
         )
     return call.peer
 
@@ -272,7 +242,7 @@ _REMOTE_TYPES: dict[str, type[TensorSwapError]] = {
 
 def error_info(exc: TensorSwapError) -> ErrorInfo:
     """What a refusal tells the client: the leaf's name, message and plain-valued facts."""
-    facts = {
+    facts: dict[str, Param | None] = {
         k: v
         for k, v in vars(exc).items()
         if not k.startswith("_") and (v is None or isinstance(v, int | float | str))

@@ -6,37 +6,45 @@ import asyncio
 import logging
 import math
 import ssl as ssl_module
+from collections import deque
 from dataclasses import dataclass
-from typing import Self
+from typing import Self, assert_never
 
 import msgspec
 
-from tensorswap.cid import Cid
-from tensorswap.errors import InvalidCid, TensorSwapError
+from tensorswap.errors import TensorSwapError
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.errors import RoundNotFound, RoundTimeout
 from tensorswap.rounds.protocol import (
     APP,
-    OPS,
+    CompleteWire,
+    FailedWire,
     RoundAnswer,
-    RoundCall,
+    RoundRequest,
     RoundRow,
+    StartRequest,
+    StatusRequest,
+    SubmitRequest,
+    WaitRequest,
     decode_call,
     encode_answer,
     error_info,
-    peer_of,
-    round_id_of,
     row_of,
     spec_from_wire,
+    status_to_wire,
 )
 from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.store import BlockStore
 from tensorswap.wire import (
     AppRequest,
     BlockServer,
     ProtocolViolation,
+    ServerStats,
+    TcpListener,
     Timeouts,
     Transport,
     WireLimits,
+    serve_tcp,
 )
 from tensorswap.wire.tcp import DEFAULT_MAX_CONNECTIONS
 
@@ -55,24 +63,25 @@ class TrafficStats:
     open_connections: int
 
 
-class RoundServer(BlockServer):
-    """A BlockServer that also runs rounds (start, submit, status, wait) for ``coordinator``.
+class RoundServer:
+    """A BlockServer plus rounds (start, submit, status, wait) for ``coordinator``.
 
-    Rounds requests are wire application requests for the app ``"rounds"`` (see
-    ``rounds.protocol``): the block service stores every block sent before a request, then
-    the request runs and its answer comes back in the REPLY. A refused request (a
-    RoundsError) is answered in the reply and the connection stays usable; any other
-    failure ends the connection as in BlockServer. ``wait`` requests do not hold a thread:
-    they are woken by the coordinator's status changes. ``store_depth`` bounds the received
-    blocks waiting to be stored per connection (memory: about ``connections * (store_depth
-    + 1)`` blocks). The server does not own the coordinator.
+    It holds a ``BlockServer`` (``self.blocks``) over the coordinator's store with a handler
+    for the app ``"rounds"`` (see ``rounds.protocol``): the block service stores every block
+    sent before a request, then the request runs and its answer comes back in the REPLY. A
+    refused request (a RoundsError) is answered in the reply and the connection stays
+    usable; any other failure ends the connection as in BlockServer. ``wait`` requests do
+    not hold a thread: they are woken by the coordinator's status changes. ``store_depth``
+    bounds the received blocks waiting to be stored per connection (memory: about
+    ``connections * (store_depth + 1)`` blocks). The server does not own the coordinator.
 
     A ``wait`` lasts at most ``max_wait`` seconds whatever the client asked (then it is
     answered RoundTimeout with ``timeout`` = the time waited; RoundClient asks again), so a
     client that went away holds its connection for ``max_wait`` at most. A wait timeout that
     is not a finite number >= 0 is a protocol violation. A ``status`` answer that would not
     fit in the message limit leaves rounds out (live ones and the newest are kept) and says
-    how many in ``omitted``.
+    how many in ``omitted``. Wire counters (bytes, connections, blocks) are the block
+    server's ``stats``.
     """
 
     def __init__(
@@ -89,7 +98,7 @@ class RoundServer(BlockServer):
     ) -> None:
         if not (isinstance(max_wait, int | float) and math.isfinite(max_wait) and max_wait > 0):
             raise ValueError(f"max_wait must be a finite number of seconds > 0, got {max_wait!r}")
-        super().__init__(
+        self.blocks = BlockServer(
             coordinator.store,
             key=key,
             limits=limits,
@@ -99,47 +108,96 @@ class RoundServer(BlockServer):
             handlers={APP: self._on_request},
             max_connections=max_connections,
         )
+        """The block service every connection is served by (rounds requests included)."""
         self.coordinator = coordinator
         self.max_wait = float(max_wait)
         """The longest one ``wait`` request waits (seconds)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[RoundId, set[asyncio.Event]] = {}
-        self._live: set[Transport] = set()
-        self._closed_in = 0
-        self._closed_out = 0
         coordinator.subscribe(self._on_change)
 
+    # ── lifecycle: the block server's ───────────────────────────────────────
     async def start(
         self, host: str = "127.0.0.1", port: int = 0, *, ssl: ssl_module.SSLContext | None = None
     ) -> Self:
+        """Listen on ``host:port`` (TLS with ``ssl``); the bound port is ``self.port``.
+
+        The listener is the block server's (``blocks.listener``, within its
+        ``max_connections``), but each connection enters through ``self.handle``.
+        """
         self._loop = asyncio.get_running_loop()
-        await super().start(host, port, ssl=ssl)
+        self.blocks.listener = await serve_tcp(
+            self.handle, host, port, ssl=ssl, max_connections=self.blocks.max_connections
+        )
         log.info("coordinator listening on %s:%d", host, self.port)
         return self
 
-    def traffic(self) -> TrafficStats:
-        """Bytes in and out so far, over closed and open connections."""
-        live_in = sum(t.bytes_received for t in self._live)
-        live_out = sum(t.bytes_sent for t in self._live)
-        return TrafficStats(
-            self._closed_in + live_in,
-            self._closed_out + live_out,
-            self.stats.connections,
-            len(self._live),
-        )
-
-    # ── connections ──────────────────────────────────────────────────────────
     async def handle(self, transport: Transport) -> None:
-        self._live.add(transport)
-        try:
-            await super().handle(transport)
-        finally:
-            self._live.discard(transport)
-            self._closed_in += transport.bytes_received
-            self._closed_out += transport.bytes_sent
+        """Serve one connection (the block service and rounds) until the client closes it."""
+        await self.blocks.handle(transport)
+
+    async def aclose(self) -> None:
+        """Stop listening and cancel the connections being served."""
+        await self.blocks.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @property
+    def port(self) -> int:
+        return self.blocks.port
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` the server listens on (RuntimeError before ``start``)."""
+        listener = self.listener
+        if listener is None:
+            raise RuntimeError("server not started")
+        return listener.host, listener.port
+
+    @property
+    def listener(self) -> TcpListener | None:
+        return self.blocks.listener
+
+    @property
+    def stats(self) -> ServerStats:
+        """The block server's counters (connections, bytes, blocks, requests)."""
+        return self.blocks.stats
+
+    @property
+    def errors(self) -> deque[BaseException]:
+        """The last failures that ended a connection (the block server's)."""
+        return self.blocks.errors
+
+    @property
+    def store(self) -> BlockStore:
+        return self.blocks.store
+
+    @property
+    def limits(self) -> WireLimits:
+        return self.blocks.limits
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return self.blocks.timeouts
+
+    @property
+    def max_connections(self) -> int:
+        return self.blocks.max_connections
+
+    def traffic(self) -> TrafficStats:
+        """Bytes in and out so far, over closed and open connections (the wire's counts)."""
+        stats = self.blocks.stats
+        return TrafficStats(
+            stats.bytes_in, stats.bytes_out, stats.connections, stats.open_connections
+        )
 
     # ── rounds requests ──────────────────────────────────────────────────────
     async def _on_request(self, request: AppRequest) -> bytes:
+        self._loop = asyncio.get_running_loop()
         answer = await self._call(decode_call(request.body))
         body = encode_answer(answer)
         if len(body) > self._reply_budget and answer.rounds:
@@ -171,43 +229,43 @@ class RoundServer(BlockServer):
         kept = [row for i, row in enumerate(rows) if i in keep]
         return msgspec.structs.replace(answer, rounds=kept, omitted=len(rows) - len(kept))
 
-    async def _call(self, call: RoundCall) -> RoundAnswer:
-        if call.op not in OPS:
-            raise ProtocolViolation(f"unknown rounds op {call.op!r}; known {list(OPS)}")
+    async def _call(self, request: RoundRequest) -> RoundAnswer:
+        """The answer to a decoded (so checked) request; a RoundsError becomes a refusal."""
         coord = self.coordinator
         try:
-            if call.op == "status" and call.all:
-                rows = [row_of(info) for info in coord.rounds()]
-                return RoundAnswer(rounds=rows, stats=self._stats())
-            rid = round_id_of(call)
-            if call.op == "start":
-                if call.spec is None:
-                    raise ProtocolViolation("a start request needs a spec")
-                spec = spec_from_wire(call.spec)
-                started = await asyncio.to_thread(coord.start_round, rid, spec)
-                return RoundAnswer(started=started, status=_status_dict(coord, rid))
-            if call.op == "submit":
-                peer = peer_of(call)
-                update = _update_cid(call)
-                status = await asyncio.to_thread(coord.submit, rid, peer, update)
-                return RoundAnswer(status=status.to_dict())  # type: ignore[arg-type]
-            if call.op == "wait":
-                status = await self._wait(rid, call.timeout)
-                return RoundAnswer(status=status.to_dict())  # type: ignore[arg-type]
-            info = coord.info(rid)
-            if info is None:
-                raise RoundNotFound(rid.as_key())
-            return RoundAnswer(rounds=[row_of(info)], status=info.status.to_dict())  # type: ignore[arg-type]
+            match request:
+                case StatusRequest(all=True):
+                    rows = [row_of(info) for info in coord.rounds()]
+                    return RoundAnswer(rounds=rows, stats=self._stats())
+                case StartRequest():
+                    rid, spec = request.round_id, spec_from_wire(request.spec)
+                    started = await asyncio.to_thread(coord.start_round, rid, spec)
+                    current = coord.status(rid)
+                    wired = None if current is None else status_to_wire(current)
+                    return RoundAnswer(started=started, status=wired)
+                case SubmitRequest():
+                    rid, peer, update = request.round_id, request.peer, request.cid
+                    status = await asyncio.to_thread(coord.submit, rid, peer, update)
+                    return RoundAnswer(status=status_to_wire(status))
+                case WaitRequest():
+                    status = await self._wait(request.round_id, request.timeout)
+                    return RoundAnswer(status=status_to_wire(status))
+                case StatusRequest():
+                    rid = request.round_id
+                    info = coord.info(rid)
+                    if info is None:
+                        raise RoundNotFound(rid.as_key())
+                    return RoundAnswer(rounds=[row_of(info)], status=status_to_wire(info.status))
+                case _:
+                    assert_never(request)
         except ProtocolViolation:
             raise
         except TensorSwapError as exc:
             return RoundAnswer(error=error_info(exc))
 
     async def _wait(self, rid: RoundId, timeout: float | None) -> RoundStatus:
-        if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):
-            raise ProtocolViolation(
-                f"a wait timeout must be a finite number of seconds >= 0, got {timeout!r}"
-            )
+        """The round's status once terminal; RoundTimeout after ``timeout`` (checked finite
+        and >= 0 when the request was decoded) or ``max_wait``, whichever is shorter."""
         limit = self.max_wait if timeout is None else min(timeout, self.max_wait)
         event = asyncio.Event()
         self._waiters.setdefault(rid, set()).add(event)
@@ -265,18 +323,4 @@ _LIST_HEADER = 5
 
 
 def _is_terminal(row: RoundRow) -> bool:
-    return row.status.get("status") in ("Complete", "Failed")
-
-
-def _update_cid(call: RoundCall) -> Cid:
-    if call.update is None:
-        raise ProtocolViolation("a submit request names no update")
-    try:
-        return Cid.parse(call.update)
-    except InvalidCid as exc:
-        raise ProtocolViolation(f"a submit request names an invalid CID: {exc.reason}") from exc
-
-
-def _status_dict(coord: Coordinator, rid: RoundId) -> dict[str, float | int | str] | None:
-    status = coord.status(rid)
-    return None if status is None else status.to_dict()  # type: ignore[return-value]
+    return isinstance(row.status, CompleteWire | FailedWire)

@@ -59,7 +59,10 @@ logger = logging.getLogger("tensorswap.wire")
 
 @dataclass
 class ServerStats:
-    """Counters over the server's lifetime (mutated by the event loop only)."""
+    """Counters over the server's lifetime (mutated by the event loop only).
+
+    ``bytes_in`` / ``bytes_out``: wire bytes over every connection so far, open ones included.
+    """
 
     connections: int = 0
     blocks_stored: int = 0
@@ -68,6 +71,34 @@ class ServerStats:
     blocks_served: int = 0
     failed_connections: int = 0
     requests: int = 0
+    ended_bytes_in: int = 0
+    ended_bytes_out: int = 0
+
+    def __post_init__(self) -> None:
+        self._open: set[Transport] = set()
+
+    def opened(self, transport: Transport) -> None:
+        """Count a connection that is now being served."""
+        self.connections += 1
+        self._open.add(transport)
+
+    def ended(self, transport: Transport) -> None:
+        """Count a served connection's end; its bytes move to ``ended_bytes_*``."""
+        self._open.discard(transport)
+        self.ended_bytes_in += transport.bytes_received
+        self.ended_bytes_out += transport.bytes_sent
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
+
+    @property
+    def bytes_in(self) -> int:
+        return self.ended_bytes_in + sum(t.bytes_received for t in self._open)
+
+    @property
+    def bytes_out(self) -> int:
+        return self.ended_bytes_out + sum(t.bytes_sent for t in self._open)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +235,7 @@ class BlockServer:
 
         The transport is left open for the caller to close.
         """
-        self.stats.connections += 1
+        self.stats.opened(transport)
         conn = FrameConnection(transport, limits=self.limits, timeouts=self.timeouts)
         sink = BlockSink(self.store, self.store_depth)
         try:
@@ -218,6 +249,7 @@ class BlockServer:
             self._failed(exc, transport, unexpected=True)
             await self._report(conn, "internal", f"internal server error: {type(exc).__name__}")
         finally:
+            self.stats.ended(transport)
             await sink.close()
             self.stats.blocks_stored += sink.blocks
             self.stats.bytes_stored += sink.nbytes
