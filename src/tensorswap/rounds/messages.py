@@ -248,7 +248,10 @@ class CollectingWire(_StatusWire, frozen=True, tag="Collecting"):
 
 
 class AggregatingWire(_StatusWire, frozen=True, tag="Aggregating"):
+    """``reason`` names a transient failure being retried (left out when empty)."""
+
     model = Aggregating
+    reason: str = ""
 
 
 class CompleteWire(_StatusWire, frozen=True, tag="Complete"):
