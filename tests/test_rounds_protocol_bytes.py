@@ -13,7 +13,7 @@ from tensorswap.rounds.errors import (
     RoundTimeout,
     UnknownUpdate,
 )
-from tensorswap.rounds.messages import _StatusWire, status_to_wire
+from tensorswap.rounds.messages import _StatusWire
 from tensorswap.rounds.protocol import (
     RoundAnswer,
     RoundCall,
