@@ -130,3 +130,25 @@ def test_a_block_damaged_before_submit_is_refused_and_can_be_pushed_again(
         assert isinstance(status, Complete)
         result = get_update(store, Cid.parse(status.cid)).tensors["w"]
         np.testing.assert_array_equal(result, np.full(SIZE, 1.0, dtype=np.float32))
+
+
+def test_status_shows_the_dropped_contribution_and_a_retry_reason() -> None:
+    from rich.console import Console
+
+    from tensorswap.cli.status_cmd import render
+    from tensorswap.rounds.client import ServerStatus
+    from tensorswap.rounds.protocol import RoundAnswer, decode_answer, encode_answer, row_of
+    from tensorswap.rounds.state import Aggregating, RoundInfo
+
+    why = "unreadable: corrupt block bafkxyz (quarantined)"
+    info = RoundInfo(
+        RID, RoundSpec(2), Aggregating("retrying in 1.0 s: No space left on device"),
+        ("a", "b"), 10, 0.0, None, None, (("b", why),),
+    )  # fmt: skip
+    row = decode_answer(encode_answer(RoundAnswer(rounds=[row_of(info)]))).rounds
+    assert row is not None and row[0].dropped == [("b", why)]
+    console = Console(width=200, record=True)
+    render(ServerStatus(row, {}), console, now=0.0)
+    text = console.export_text()
+    assert "dropped b: unreadable: corrupt block bafkxyz" in text
+    assert "Aggregating retrying in 1.0 s: No space left on device" in text

@@ -9,13 +9,14 @@ import time
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tensorswap.cli._util import SECONDS, client_tls, parse_host_port
 from tensorswap.cli.serve_cmd import resolve_key
 from tensorswap.rounds.client import RoundClient, ServerStatus
 from tensorswap.rounds.protocol import RoundRow
-from tensorswap.rounds.state import Complete, Failed
+from tensorswap.rounds.state import Aggregating, Complete, Failed
 from tensorswap.wire.connection import Timeouts
 
 __all__ = ["render", "status", "to_json"]
@@ -49,6 +50,7 @@ def to_json(report: ServerStatus) -> dict[str, object]:
             "peers": row.peers,
             "created_at": row.created_at,
             "deadline": row.deadline,
+            "dropped": [{"peer": peer, "reason": why} for peer, why in row.dropped],
         }
         for row in report.rounds
     ]
@@ -68,8 +70,14 @@ def _status_text(row: RoundRow) -> str:
     if isinstance(status, Complete):
         return f"[green]Complete[/] …{status.cid[-10:]}"
     if isinstance(status, Failed):
-        return f"[red]Failed[/] {status.reason}"
-    return status.name
+        text = f"[red]Failed[/] {escape(status.reason)}"
+    elif isinstance(status, Aggregating) and status.reason:
+        text = f"[yellow]Aggregating[/] {escape(status.reason)}"
+    else:
+        text = status.name
+    for peer, why in row.dropped:  # contributions left out of the aggregate, and why
+        text += f"\n[yellow]dropped[/] {escape(peer)}: {escape(why)}"
+    return text
 
 
 def _deadline(row: RoundRow, now: float) -> str:

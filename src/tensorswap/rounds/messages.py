@@ -319,8 +319,9 @@ class ErrorInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     facts: dict[str, Param | None] = {}
 
 
-class RoundRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """One round as ``status`` reports it."""
+class RoundRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
+    """One round as ``status`` reports it; ``dropped`` (left out while empty) lists the
+    accepted contributions left out of its aggregate, as ``[peer, reason]``."""
 
     round: int
     initiator: str
@@ -333,6 +334,7 @@ class RoundRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     peers: list[str]
     created_at: float
     deadline: float | None
+    dropped: list[tuple[str, str]] = []
 
 
 class RoundAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

@@ -83,6 +83,10 @@ __all__ = [
     "status_to_wire",
 ]
 
+MAX_REASON_CHARS = 400
+"""How much of a dropped contribution's reason a status row carries."""
+
+
 APP = "rounds"
 """The application name rounds requests are addressed to (``Request.app``)."""
 
@@ -200,6 +204,7 @@ def row_of(info: RoundInfo) -> RoundRow:
         peers=list(info.peers),
         created_at=info.created_at,
         deadline=info.deadline,
+        dropped=[(peer, why[:MAX_REASON_CHARS]) for peer, why in info.dropped],
     )
 
 
