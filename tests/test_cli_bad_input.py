@@ -208,3 +208,39 @@ def test_inspect_refuses_a_compressed_arrow_file_that_would_inflate_past_its_lim
     path.write_bytes(sink.getvalue().to_pybytes())
     assert path.stat().st_size < 1 << 20
     assert "decompressed bytes" in run_bad(capsys, "inspect", str(path))
+
+
+def _npy_with_header(header: bytes, body: bytes = bytes(100)) -> bytes:
+    """A version 1.0 .npy file whose header text is ``header`` (padded as numpy pads it)."""
+    pad = -(10 + len(header) + 1) % 64
+    text = header + b" " * pad + b"\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text + body
+
+
+# numpy's header parser raises tokenize.TokenError, SyntaxError, ValueError and more.
+_UNPARSABLE_HEADERS = {
+    "token": b"{'descr': '<f4', 'fortran_order': False, 'shape': ((5, 5), }",
+    "syntax": b"{'descr': '<f4', 'fortran_order': False, 'shape': (5,)) }",
+    "not-a-dict": b"['descr', '<f4']",
+    "shape-type": b"{'descr': '<f4', 'fortran_order': False, 'shape': 'five'}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(_UNPARSABLE_HEADERS))
+@pytest.mark.parametrize("command", ["inspect", "send"])
+def test_a_npy_header_numpy_cannot_parse_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, case: str
+) -> None:
+    path = tmp_path / "bad.npy"
+    path.write_bytes(_npy_with_header(_UNPARSABLE_HEADERS[case]))
+    argv = [command, str(path)] + (["--to", "127.0.0.1:1"] if command == "send" else [])
+    line = run_bad(capsys, *argv)
+    assert str(path) in line and "npy" in line
+
+
+def test_a_npz_member_whose_header_does_not_parse_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _npz(tmp_path / "bad.npz", _npy_with_header(_UNPARSABLE_HEADERS["token"]))
+    line = run_bad(capsys, "send", str(path), "--to", "127.0.0.1:1")
+    assert str(path) in line and "not a readable .npz file" in line

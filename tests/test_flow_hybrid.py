@@ -16,6 +16,7 @@ from tensorswap.flow import (
     CommunicationError,
     EmbeddingBatch,
     FieldTypeError,
+    FlowClosed,
     GradientBatch,
     GradientUpdate,
     HybridFlowBackend,
@@ -35,7 +36,6 @@ from tensorswap.flow import (
     Subscriber,
     TraceBatch,
     TraceData,
-    TransportClosed,
     TransportConfig,
     UnexpectedVariant,
     ValidationError,
@@ -169,7 +169,7 @@ def test_close_discards_a_held_sibling(opened: tuple[HybridFlowBackend, Publishe
         assert backend.try_receive_gradients() is None
     assert backend.held_trace == sample_traces()
     backend.close()
-    with pytest.raises(TransportClosed) as info:
+    with pytest.raises(FlowClosed) as info:
         backend.try_receive_traces()
     assert isinstance(info.value, CommunicationError)
     assert backend.held_trace is None
@@ -265,7 +265,7 @@ def test_every_call_after_close_is_a_communication_error(
         backend.try_receive_gradients,
         backend.try_receive_traces,
     ):
-        with pytest.raises(TransportClosed):
+        with pytest.raises(FlowClosed):
             call()
 
 

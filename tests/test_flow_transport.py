@@ -16,6 +16,7 @@ import zmq
 from tensorswap.flow import (
     CommunicationError,
     EmbeddingBatch,
+    FlowClosed,
     FramingError,
     InitializationError,
     InvalidArgument,
@@ -28,7 +29,6 @@ from tensorswap.flow import (
     SpikeBatch,
     SpikeEvent,
     Subscriber,
-    TransportClosed,
     TransportConfig,
     ValidationError,
     WireVersionError,
@@ -377,15 +377,15 @@ def test_every_call_after_close_is_transport_closed(pair: Pair) -> None:
     subscriber.close()
     publisher.close()  # idempotent
     assert publisher.closed and subscriber.closed
-    with pytest.raises(TransportClosed):
+    with pytest.raises(FlowClosed):
         publisher.send(Loss(float("nan")))  # closed wins over an invalid payload
-    with pytest.raises(TransportClosed):
+    with pytest.raises(FlowClosed):
         publisher.send_frame(b"x")
-    with pytest.raises(TransportClosed):
+    with pytest.raises(FlowClosed):
         subscriber.try_recv()
-    with pytest.raises(TransportClosed, match="the subscriber is closed"):
+    with pytest.raises(FlowClosed, match="the subscriber is closed"):
         subscriber.recv(timeout=0.01)
-    with pytest.raises(TransportClosed):
+    with pytest.raises(FlowClosed):
         _ = publisher.endpoint
 
 
@@ -412,5 +412,5 @@ async def test_close_wakes_a_pending_arecv(pair: Pair) -> None:
     waiter = asyncio.ensure_future(subscriber.arecv())
     await asyncio.sleep(0.01)
     subscriber.close()
-    with pytest.raises(TransportClosed):
+    with pytest.raises(FlowClosed):
         await asyncio.wait_for(waiter, 5)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
+
+import pytest
 
 import tensorswap
 
@@ -31,8 +34,53 @@ def test_errors_share_one_root() -> None:
             assert issubclass(obj, tensorswap.TensorSwapError), name
 
 
+# The layers whose API ``tensorswap`` re-exports: whatever they raise is public too.
+_REEXPORTED_LAYERS = (
+    "errors",
+    "cid",
+    "codec",
+    "codec.garw",
+    "codec.ipfrs",
+    "aggregate",
+    "store",
+    "delta",
+    "wire",
+    "rounds",
+)
+
+
+@pytest.mark.parametrize("layer", _REEXPORTED_LAYERS)
+def test_every_error_a_reexported_layer_raises_is_public(layer: str) -> None:
+    module = importlib.import_module(f"tensorswap.{layer}")
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            assert name in tensorswap.__all__, f"tensorswap.{layer}.{name}"
+            assert getattr(tensorswap, name) is obj, name
+
+
+def test_the_errors_users_catch_import_from_the_top() -> None:
+    from tensorswap import (  # noqa: F401 - the import is the test
+        AuthenticationFailed,
+        BlockHashMismatch,
+        ChecksumMismatch,
+        ConnectionFailed,
+        DuplicateContribution,
+        InvalidUpdate,
+        MalformedFragment,
+        PeerTimeout,
+        ProtocolViolation,
+        RemoteError,
+        RoundFailed,
+        RoundNotFound,
+        RoundTimeout,
+        StateMismatch,
+        UnknownUpdate,
+        UpdateMismatch,
+    )
+
+
 def test_subpackages_are_not_shadowed_by_reexports() -> None:
-    import importlib
     import types
 
     for name in ("aggregate", "codec", "store", "delta", "cid", "errors", "wire", "rounds", "flow"):

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from tensorswap.errors import ShapeMismatch  # noqa: E402
 from tensorswap.torch import (  # noqa: E402
-    StateMismatch,
+    TensorNamesMismatch,
     delta_of,
     gradients_of,
     load_tensors,
@@ -55,7 +55,7 @@ def test_load_tensors_names_missing_and_unexpected() -> None:
     tensors = tensors_of(m)
     tensors.pop("0.bias")
     tensors["extra"] = np.zeros(1, np.float32)
-    with pytest.raises(StateMismatch) as info:
+    with pytest.raises(TensorNamesMismatch) as info:
         load_tensors(m, tensors)
     assert info.value.missing == ["0.bias"] and info.value.unexpected == ["extra"]
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from tensorswap.errors import TensorSwapError
 
-class HostPortError(ValueError):
-    """Text that is not ``HOST:PORT``; callers translate it into their own error type."""
+
+class HostPortError(TensorSwapError, ValueError):
+    """Text that is not ``HOST:PORT`` (a misuse error); callers translate it into their own."""
 
     def __init__(self, text: str, reason: str) -> None:
         self.text = text

@@ -20,14 +20,18 @@
     │   ├── ShapeMismatch          (the codec leaf is shared: same facts, same name)
     │   ├── DtypeMismatch
     │   └── NonFiniteValues
-    ├── WireError                  (wire)
-    ├── RoundsError                (rounds)
-    ├── DeltaError                 (delta)
-    └── FlowError                  (flow)
+    ├── WireError                  (wire: leaves in tensorswap.wire.errors)
+    ├── RoundsError                (rounds: leaves in tensorswap.rounds.errors)
+    ├── DeltaError                 (delta: leaves next to their raisers in tensorswap.delta)
+    ├── FlowError                  (flow: leaves in tensorswap.flow.errors)
+    ├── TensorNamesMismatch        (torch) (also ValueError) named tensors disagree on names
+    ├── HostPortError              (also ValueError) text that is not HOST:PORT (misuse)
+    └── DemoError                  (demo) (also RuntimeError) the demo could not run
 
 Layer packages define further leaves next to their raisers, always under the branch of
-their layer. Lower-level exceptions (pyarrow, zmq, OSError) are translated at the layer
-boundary with ``raise ... from exc``. Every error carries its facts as attributes.
+their layer, and no two error classes share a name (tests/test_error_tree.py checks both).
+Lower-level exceptions (pyarrow, zmq, OSError) are translated at the layer boundary with
+``raise ... from exc``. Every error carries its facts as attributes.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Small helpers shared by CLI commands: reading files without copies, host:port parsing,
-shared keys and TLS contexts whose bad files are one error line.
+"""Small helpers shared by CLI commands: reading files without copies, the boundary where a
+damaged file's parser failure becomes one typed error, host:port parsing, shared keys and TLS
+contexts whose bad files are one error line.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import mmap
 import os
 import ssl
 import stat
+import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import click
 
 from tensorswap._netaddr import HostPortError, split_host_port
+from tensorswap.errors import CodecError, TensorSwapError
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -69,6 +72,33 @@ def mapped(path: str | Path) -> Iterator[memoryview]:
             with contextlib.suppress(BufferError):
                 view.release()
                 mm.close()
+
+
+@contextlib.contextmanager
+def reading(kind: str, path: str | Path | None = None) -> Iterator[None]:
+    """The CLI's boundary for parsing a user's file as ``kind``: whatever the parser raises
+    (numpy's header parser alone raises tokenize.TokenError, SyntaxError, ValueError,
+    TypeError, ...; others struct.error, RecursionError, MemoryError for a header that asks
+    for more than there is) becomes one CodecError, "PATH: not a readable KIND file: REASON",
+    which the command prints as one line with exit code 2.
+
+    tensorswap's own errors (already typed, with their facts) and click's pass unchanged.
+    """
+    try:
+        yield
+    except (TensorSwapError, click.ClickException):
+        raise
+    except Exception as exc:  # a parser of untrusted bytes may raise anything
+        where = f"{path}: " if path is not None else ""
+        raise CodecError(f"{where}not a readable {kind} file: {_parse_failure(exc)}") from exc
+
+
+def _parse_failure(exc: Exception) -> str:
+    if isinstance(exc, SyntaxError):  # Python-literal headers (.npy) that do not parse
+        return f"its header does not parse ({exc.msg})"
+    if isinstance(exc, tokenize.TokenError):
+        return f"its header does not parse ({exc.args[0]})"
+    return str(exc) or type(exc).__name__
 
 
 def parse_host_port(text: str, *, default_host: str = "127.0.0.1") -> tuple[str, int]:

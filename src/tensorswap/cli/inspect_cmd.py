@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from tensorswap.cid import Cid, HashFunction, Multicodec
-from tensorswap.cli._util import mapped
+from tensorswap.cli._util import mapped, reading
 from tensorswap.codec import decode_block, is_tensorswap_block
 from tensorswap.codec._ipcmeta import check_ipc_messages
 from tensorswap.codec.garw import GarwBlock, compute_garw_cid, is_garw
@@ -178,22 +178,21 @@ def _describe_arrow_stream(data: memoryview, all_: bool) -> dict[str, Any]:
 def _describe_npy(data: memoryview, all_: bool) -> dict[str, Any]:
     import io
 
+    # numpy's failures on a damaged file (a header that does not parse raises TokenError,
+    # SyntaxError, ValueError, ...) become one CodecError in describe()'s reading() boundary.
     fmt = np.lib.format
     stream = io.BytesIO(data)
-    try:
-        version = fmt.read_magic(stream)
-        # Version 3 differs from 2 only in the header's text encoding (UTF-8, not latin-1).
-        read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-        shape, _, dtype = read_header(stream)
-        # np.load allocates the whole array before reading it: bound the header's shape by the
-        # bytes the file holds first.
-        needed = stream.tell() + math.prod(shape) * dtype.itemsize
-        if needed > data.nbytes:
-            raise TruncatedData(f".npy array of shape {list(shape)}", needed, data.nbytes)
-        stream.seek(0)
-        values = np.load(stream, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise CodecError(f"damaged .npy file: {exc}") from exc
+    version = fmt.read_magic(stream)
+    # Version 3 differs from 2 only in the header's text encoding (UTF-8, not latin-1).
+    read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+    shape, _, dtype = read_header(stream)
+    # np.load allocates the whole array before reading it: bound the header's shape by the
+    # bytes the file holds first.
+    needed = stream.tell() + math.prod(shape) * dtype.itemsize
+    if needed > data.nbytes:
+        raise TruncatedData(f".npy array of shape {list(shape)}", needed, data.nbytes)
+    stream.seek(0)
+    values = np.load(stream, allow_pickle=False)
     return {
         "format": "npy",
         "cid": str(Cid.of(data)),
@@ -258,10 +257,14 @@ FORMATS: list[_Format] = [
 
 
 def describe(data: memoryview, *, all_values: bool = False) -> dict[str, Any]:
-    """Describe `data` with the first format that recognises it; UnknownFormat otherwise."""
+    """Describe `data` with the first format that recognises it; UnknownFormat otherwise.
+
+    Every failure of a format's parser on damaged bytes is a CodecError (a TensorSwapError).
+    """
     for fmt in FORMATS:
-        if fmt.sniff(data):
-            return fmt.describe(data, all_values)
+        with reading(fmt.name):
+            if fmt.sniff(data):
+                return fmt.describe(data, all_values)
     raise UnknownFormat(
         "unrecognised format (not a tensorswap block or manifest, Arrow IPC, ipfrs gradient, "
         "GARW, DWE fragment, .npy or safetensors file)"

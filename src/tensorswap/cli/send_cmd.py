@@ -14,10 +14,9 @@ from typing import Any
 import click
 import numpy as np
 
-from tensorswap.cli._util import SECONDS, client_tls, parse_host_port, read_key
+from tensorswap.cli._util import SECONDS, client_tls, parse_host_port, read_key, reading
 from tensorswap.codec import TensorBlock, decode_block, is_tensorswap_block
 from tensorswap.codec.ipfrs import decode_ipfrs_gradient, is_ipfrs_gradient_file
-from tensorswap.errors import CodecError, TensorSwapError
 from tensorswap.store import DEFAULT_CHUNK_BYTES, ModelUpdate
 from tensorswap.wire.client import BlockClient, CompressionChoice
 from tensorswap.wire.connection import Timeouts
@@ -49,48 +48,36 @@ def load_tensors(path: str | Path, name: str | None = None) -> TensorBlock | Mod
             head = f.read(16)
     except OSError as exc:
         raise click.FileError(str(path), hint=exc.strerror or str(exc)) from exc
+    # Every parser failure on a damaged file (numpy's header parser raises TokenError,
+    # SyntaxError, ValueError, ...) is one CodecError: reading() is the boundary.
     if head.startswith(b"\x93NUMPY"):
-        with _readable(path, ".npy"):
+        with reading(".npy", path):
             return TensorBlock(label, np.load(path, mmap_mode="r", allow_pickle=False))
     if head.startswith(b"PK") and zipfile.is_zipfile(path):
         # Our own file object: np.load(path) leaves its file open when the zip is damaged.
         with (
-            _readable(path, ".npz"),
+            reading(".npz", path),
             open(path, "rb") as file,
             np.load(file, allow_pickle=False) as npz,
         ):
             return ModelUpdate({k: npz[k] for k in npz.files}, name=label)
     data = np.memmap(path, mode="r") if path.stat().st_size else np.empty(0, np.uint8)
     if is_ipfrs_gradient_file(data):
-        return TensorBlock(label, decode_ipfrs_gradient(data))
+        with reading("ipfrs gradient", path):
+            return TensorBlock(label, decode_ipfrs_gradient(data))
     if is_tensorswap_block(data):
-        block = decode_block(data)
+        with reading("tensorswap block", path):
+            block = decode_block(data)
         return block if name is None else TensorBlock(name, block.values, block.num_samples)
     if len(head) >= 10 and head[8:9] == b"{":
         from safetensors.numpy import load_file
 
-        try:
-            tensors = load_file(str(path))
-        except Exception as exc:  # safetensors raises its own SafetensorError/ValueError
-            raise CodecError(f"{path}: not a readable safetensors file: {exc}") from exc
-        return ModelUpdate(tensors, name=label)
+        with reading("safetensors", path):  # safetensors raises SafetensorError, ValueError
+            return ModelUpdate(load_file(str(path)), name=label)
     raise click.BadParameter(
         f"{path}: not a .npy, .npz, safetensors, tensorswap block or ipfrs gradient file",
         param_hint="FILE",
     )
-
-
-@contextmanager
-def _readable(path: Path, kind: str) -> Iterator[None]:
-    """Turn numpy's errors over a damaged (truncated, object-dtype, bad header or member, bad
-    CRC) file into one CodecError; the CLI prints it as one line and exits with code 2.
-    """
-    try:
-        yield
-    except TensorSwapError:
-        raise
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        raise CodecError(f"{path}: not a readable {kind} file: {exc}") from exc
 
 
 def item_nbytes(update: ModelUpdate) -> int:

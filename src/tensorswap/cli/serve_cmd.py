@@ -71,6 +71,7 @@ async def _run(
     gc_grace: float = DEFAULT_GC_GRACE,
     max_wait: float = 300.0,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    reset: bool = False,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -79,7 +80,12 @@ async def _run(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
     coordinator = await asyncio.to_thread(
-        Coordinator.open, data, durable=durable, keep_rounds=keep_rounds, gc_grace=gc_grace
+        Coordinator.open,
+        data,
+        durable=durable,
+        reset=reset,
+        keep_rounds=keep_rounds,
+        gc_grace=gc_grace,
     )
     try:
         server = RoundServer(
@@ -161,6 +167,14 @@ async def _run(
     help="Clients served at once; more are refused at once (each holds a file descriptor).",
 )
 @click.option(
+    "--reset",
+    is_flag=True,
+    help="Start a fresh round journal over the existing block store: the old "
+    "DATA/rounds.sqlite3 (if any) is kept as DATA/rounds.sqlite3.reset-<UTC time> and its "
+    "rounds are forgotten. Without it, serve refuses to start over a damaged journal, or a "
+    "missing or empty one while DATA/blocks holds blocks.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -179,6 +193,7 @@ def serve(
     gc_grace: float,
     max_wait: float,
     max_connections: int,
+    reset: bool,
     log_level: str,
 ) -> None:
     """Run a coordinator: rounds (start, submit, status, wait) and blocks on one port.
@@ -213,6 +228,7 @@ def serve(
             gc_grace,
             max_wait,
             max_connections,
+            reset,
         )
     )
 

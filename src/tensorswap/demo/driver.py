@@ -30,6 +30,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import tensorswap
+from tensorswap.errors import TensorSwapError
 
 __all__ = ["DemoConfig", "DemoError", "DemoReport", "RoundReport", "plot_report", "run_demo"]
 
@@ -38,7 +39,7 @@ STOP_TIMEOUT_S = 10.0
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
-class DemoError(RuntimeError):
+class DemoError(TensorSwapError, RuntimeError):
     """The demo could not run (a process failed to start, a peer gave up, ...)."""
 
 

@@ -10,7 +10,7 @@
     ├── ProcessingError              a backend failed while processing
     ├── ModelError                   model persistence failed
     ├── CommunicationError           the exchange failed
-    │   ├── TransportClosed          the transport or backend was closed
+    │   ├── FlowClosed               a publisher, subscriber or hybrid backend was closed
     │   ├── FramingError             an empty or multipart ZeroMQ message
     │   ├── WireVersionError         an envelope version outside the supported window
     │   ├── MalformedMessage         JSON that is not a well-formed message (syntax, shape, types)
@@ -72,8 +72,11 @@ class CommunicationError(FlowError):
     """Sending or receiving failed, or what arrived is not a message."""
 
 
-class TransportClosed(CommunicationError):
-    """The transport or backend was closed; every later call fails the same way."""
+class FlowClosed(CommunicationError):
+    """This side closed the ZeroMQ socket or hybrid backend; every later call fails the same way.
+
+    (Not the wire layer's TransportClosed: flow endpoints are ZeroMQ sockets, not TCP streams.)
+    """
 
     def __init__(self, what: str = "transport") -> None:
         self.what = what
@@ -208,6 +211,7 @@ class UnexpectedVariant(ProtocolError):
 __all__ = [
     "CommunicationError",
     "FieldTypeError",
+    "FlowClosed",
     "FlowError",
     "FramingError",
     "InitializationError",
@@ -222,7 +226,6 @@ __all__ = [
     "ReadoutLimitExceeded",
     "SetupError",
     "SlotOccupied",
-    "TransportClosed",
     "UnexpectedVariant",
     "ValidationError",
     "ValidationKind",

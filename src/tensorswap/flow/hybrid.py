@@ -7,7 +7,7 @@ that arrives while traces are wanted (or the reverse) is held in a one-message s
 by its own method; each receive reads at most two frames. A second sibling while the slot is
 full raises SlotOccupied: the new frame is consumed and the held one stays. Any other variant
 raises UnexpectedVariant and its frame is consumed, neither dropped quietly nor pushed back.
-After :meth:`close` every call raises TransportClosed and held messages are gone.
+After :meth:`close` every call raises FlowClosed and held messages are gone.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import zmq
 
 from tensorswap.flow.errors import (
     FieldTypeError,
+    FlowClosed,
     InvalidConfig,
     SlotOccupied,
-    TransportClosed,
     UnexpectedVariant,
 )
 from tensorswap.flow.messages import (
@@ -136,7 +136,7 @@ class HybridFlowBackend:
 
     # ── outbound ──────────────────────────────────────────────────────────────────────────────
     def send_spikes(self, spikes: SpikeBatch) -> None:
-        """Publish a spike batch (validated first; a closed backend raises TransportClosed)."""
+        """Publish a spike batch (validated first; a closed backend raises FlowClosed)."""
         self._send(spikes, SpikeBatch)
 
     def send_embeddings(self, embeddings: EmbeddingBatch) -> None:
@@ -145,7 +145,7 @@ class HybridFlowBackend:
 
     def _send(self, message: IpcMessage, kind: type) -> None:
         if self._outbound.closed:
-            raise TransportClosed("hybrid backend")
+            raise FlowClosed("hybrid backend")
         if not isinstance(message, kind):
             raise FieldTypeError("message", f"a {kind.__name__}", message)
         self._outbound.send(message)
@@ -163,7 +163,7 @@ class HybridFlowBackend:
         if self._inbound.closed:
             self._held_gradient = None
             self._held_trace = None
-            raise TransportClosed("hybrid backend")
+            raise FlowClosed("hybrid backend")
         held = self._take_held(want)
         if held is not None:
             return held

@@ -19,11 +19,11 @@ import zmq
 from tensorswap.flow.envelope import decode, encode
 from tensorswap.flow.errors import (
     CommunicationError,
+    FlowClosed,
     FramingError,
     InvalidArgument,
     InvalidConfig,
     SetupError,
-    TransportClosed,
 )
 from tensorswap.flow.messages import IpcMessage
 
@@ -145,7 +145,7 @@ class _Endpoint:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise TransportClosed(self._what)
+            raise FlowClosed(self._what)
 
     def close(self) -> None:
         """Close the socket (waiting up to ``linger_ms`` to flush); idempotent."""
@@ -178,7 +178,7 @@ class Publisher(_Endpoint):
     def send(self, message: IpcMessage) -> None:
         """Validate, encode and publish ``message`` as one frame; never blocks.
 
-        A closed publisher raises TransportClosed before the message is looked at.
+        A closed publisher raises FlowClosed before the message is looked at.
         """
         self._check_open()
         self._send(encode(message))
@@ -308,7 +308,7 @@ class Subscriber(_Endpoint):
                 loop.remove_reader(fd)
 
     def close(self) -> None:
-        """Close the socket; a pending :meth:`arecv` then raises TransportClosed."""
+        """Close the socket; a pending :meth:`arecv` then raises FlowClosed."""
         if self._waiter is not None:
             loop, fd, ready = self._waiter
             self._waiter = None

@@ -5,9 +5,12 @@ from tensorswap.rounds.client import RoundClient, ServerStatus, SubmitResult
 from tensorswap.rounds.coordinator import Coordinator, CoordinatorStats
 from tensorswap.rounds.deadline import Clock, FakeClock, SystemClock, expiry_verdict
 from tensorswap.rounds.errors import (
+    ContributionsLost,
     DuplicateContribution,
     InvalidRoundSpec,
     InvalidUpdate,
+    JournalDamaged,
+    JournalMissing,
     RoundAlreadyTerminal,
     RoundClosed,
     RoundFailed,
@@ -40,6 +43,7 @@ __all__ = [
     "Collecting",
     "Complete",
     "Contribution",
+    "ContributionsLost",
     "Coordinator",
     "CoordinatorStats",
     "DuplicateContribution",
@@ -47,6 +51,8 @@ __all__ = [
     "FakeClock",
     "InvalidRoundSpec",
     "InvalidUpdate",
+    "JournalDamaged",
+    "JournalMissing",
     "LayerSpec",
     "Pending",
     "RoundAlreadyTerminal",

@@ -27,7 +27,7 @@ from tensorswap.rounds.deadline import (
 )
 from tensorswap.rounds.errors import RoundFailed
 from tensorswap.rounds.fold import RoundWork
-from tensorswap.rounds.persist import RoundDatabase
+from tensorswap.rounds.persist import RoundDatabase, open_journal
 from tensorswap.rounds.retention import DEFAULT_GC_GRACE, Retention, RetentionWorker
 from tensorswap.rounds.retry import RetryPolicy, RetrySchedule, transient_cause
 from tensorswap.rounds.screen import check_layout, screen
@@ -165,15 +165,25 @@ class Coordinator:
 
     @classmethod
     def open(
-        cls, data_dir: str | os.PathLike[str], *, durable: bool = True, **kwargs: object
+        cls,
+        data_dir: str | os.PathLike[str],
+        *,
+        durable: bool = True,
+        reset: bool = False,
+        **kwargs: object,
     ) -> Coordinator:
         """A coordinator over ``<dir>/rounds.sqlite3`` and a directory store in ``<dir>/blocks``.
 
-        Both are created if missing, reopened otherwise, and closed by ``close``.
+        Both are created if missing, reopened otherwise, and closed by ``close``. A lost or
+        damaged journal is refused, and ``reset`` starts a fresh one: see ``open_journal``.
         """
         root = Path(data_dir)
         store = DirectoryStore(root / STORE_DIRNAME, trust_own_writes=True)
-        journal = RoundDatabase.in_dir(root, durable=durable)
+        try:
+            journal = open_journal(root, store, durable=durable, reset=reset)
+        except BaseException:
+            store.close()
+            raise
         try:
             return cls(store, journal=journal, owns=True, **kwargs)  # type: ignore[arg-type]
         except BaseException:

@@ -13,10 +13,14 @@
     ├── RoundFailed             the round ended Failed; its reason is attached
     ├── ContributionsLost       too few readable contributions left to aggregate (quorum)
     ├── InvalidRoundSpec        (also ValueError) a round configuration that cannot work
-    └── RoundTimeout            (also TimeoutError) waiting for a round's result timed out
+    ├── RoundTimeout            (also TimeoutError) waiting for a round's result timed out
+    ├── JournalMissing          the journal is missing or empty next to a store with blocks
+    └── JournalDamaged          SQLite finds the journal damaged (quick_check, not a database)
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from tensorswap.errors import RoundsError
 
@@ -25,6 +29,8 @@ __all__ = [
     "DuplicateContribution",
     "InvalidRoundSpec",
     "InvalidUpdate",
+    "JournalDamaged",
+    "JournalMissing",
     "RoundAlreadyTerminal",
     "RoundClosed",
     "RoundFailed",
@@ -149,4 +155,37 @@ class ContributionsLost(RoundsError):
         super().__init__(
             f"round {key}: {left} readable contribution(s) left after dropping "
             f"{len(self.dropped)} (quorum {quorum}): {reasons}"
+        )
+
+
+class JournalMissing(RoundsError):
+    """The round journal is missing or empty (``state``) while the block store holds blocks.
+
+    Starting over it would silently forget every round and accepted contribution, so nothing
+    was opened or created; start with ``reset=True`` (``tensorswap serve --reset``) to begin a
+    fresh journal over the store on purpose.
+    """
+
+    def __init__(self, path: Path, state: str, store: str) -> None:
+        self.path = path
+        self.state = state
+        self.store = store
+        super().__init__(
+            f"round journal {path} is {state} but the block store {store} holds blocks: "
+            f"its rounds and contributions would be lost; refusing to start (reset starts "
+            f"a fresh journal on purpose: tensorswap serve --reset)"
+        )
+
+
+class JournalDamaged(RoundsError):
+    """SQLite finds the round journal damaged: ``PRAGMA quick_check`` failed, the file is not
+    a database, or a row does not parse. ``detail`` is what SQLite (or the parser) said.
+    """
+
+    def __init__(self, path: Path, detail: str) -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(
+            f"round journal {path} is damaged: {detail} (restore it from a backup, or start "
+            f"a fresh journal with tensorswap serve --reset, which keeps this one aside)"
         )

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Any, Self
 
 from tensorswap.errors import RoundsError
+from tensorswap.rounds.errors import JournalDamaged, JournalMissing
 from tensorswap.rounds.state import (
     Aggregating,
     Collecting,
@@ -28,10 +31,19 @@ from tensorswap.rounds.state import (
     RoundStatus,
 )
 
-__all__ = ["DB_FILENAME", "SCHEMA_VERSION", "RoundDatabase"]
+if TYPE_CHECKING:
+    from tensorswap.store.base import BlockStore
+
+__all__ = ["DB_FILENAME", "SCHEMA_VERSION", "RoundDatabase", "open_journal"]
 
 DB_FILENAME = "rounds.sqlite3"
 SCHEMA_VERSION = 1
+
+log = logging.getLogger(__name__)
+
+# SQLite's result codes for a damaged file (anything else, a lock or a full disk, is not).
+_DAMAGED = {"SQLITE_CORRUPT", "SQLITE_NOTADB"}
+_MAX_DETAIL = 400
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rounds (
@@ -85,9 +97,23 @@ class RoundDatabase:
     above 2**63-1 are refused here.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, durable: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        durable: bool = True,
+        store_with_blocks: str | None = None,
+    ) -> None:
+        """Open (or create) the journal at ``path``; a damaged one is refused (JournalDamaged).
+
+        ``PRAGMA quick_check`` runs first. ``store_with_blocks`` names the block store this
+        journal belongs to when that store holds blocks: a missing or empty database (no
+        tables) is then refused with JournalMissing, and left as it was found.
+        """
         self.path = Path(path)
         self._lock = threading.Lock()
+        if store_with_blocks is not None and not self.path.exists():
+            raise JournalMissing(self.path, "missing", store_with_blocks)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = sqlite3.connect(
@@ -96,6 +122,7 @@ class RoundDatabase:
         except (OSError, sqlite3.Error) as exc:
             raise RoundsError(f"cannot open round database {self.path}: {exc}") from exc
         try:
+            self._check(store_with_blocks)
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
             self._conn.execute("PRAGMA foreign_keys=ON")
@@ -109,10 +136,26 @@ class RoundDatabase:
             self._conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
             self._conn.close()
+            if getattr(exc, "sqlite_errorname", "") in _DAMAGED:
+                raise JournalDamaged(self.path, str(exc)) from exc
             raise RoundsError(f"cannot initialise round database {self.path}: {exc}") from exc
         except BaseException:
             self._conn.close()
             raise
+
+    def _check(self, store_with_blocks: str | None) -> None:
+        """quick_check the file (before anything writes to it); refuse an empty one when its
+        store holds blocks."""
+        findings = [row[0] for row in self._conn.execute("PRAGMA quick_check")]
+        if findings != ["ok"]:
+            detail = "; ".join(" ".join(str(f).split()) for f in findings)
+            if len(detail) > _MAX_DETAIL:
+                detail = detail[: _MAX_DETAIL - 3] + "..."
+            raise JournalDamaged(self.path, f"PRAGMA quick_check says: {detail}")
+        if store_with_blocks is not None:
+            (tables,) = self._conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            if tables == 0:
+                raise JournalMissing(self.path, "empty", store_with_blocks)
 
     @classmethod
     def in_dir(cls, data_dir: str | os.PathLike[str], *, durable: bool = True) -> RoundDatabase:
@@ -223,15 +266,35 @@ class RoundDatabase:
                 raise RoundsError(f"cannot read round database {self.path}: {exc}") from exc
         by_round: dict[RoundId, list[Contribution]] = {}
         for number, initiator, peer, cid, samples, nbytes, at in contributions:
-            rid = RoundId(number, initiator)
-            by_round.setdefault(rid, []).append(Contribution(rid, peer, cid, samples, nbytes, at))
+            try:
+                rid = RoundId(number, initiator)
+                contribution = Contribution(rid, peer, cid, samples, nbytes, at)
+            except (TypeError, ValueError) as exc:
+                raise JournalDamaged(
+                    self.path, f"a contribution to round {number}-{initiator} does not parse: {exc}"
+                ) from exc
+            by_round.setdefault(rid, []).append(contribution)
         dropped: dict[RoundId, list[tuple[str, str]]] = {}
         for number, initiator, peer, why in dropped_rows:
             dropped.setdefault(RoundId(number, initiator), []).append((peer, why))
-        loaded: list[tuple[RoundInfo, list[Contribution]]] = []
-        for row in rounds:
-            (number, initiator, expected, quorum, timeout_s, strategy, params) = row[:7]
-            (spec_layout, layout, status, result_cid, reason, created_at, deadline) = row[7:]
+        loaded = [self._parse_round(row, by_round, dropped) for row in rounds]
+        log.info(
+            "round journal %s: restored %d round(s) and %d contribution(s)",
+            self.path,
+            len(loaded),
+            len(contributions),
+        )
+        return loaded
+
+    def _parse_round(
+        self,
+        row: Any,
+        by_round: dict[RoundId, list[Contribution]],
+        dropped: dict[RoundId, list[tuple[str, str]]],
+    ) -> tuple[RoundInfo, list[Contribution]]:
+        (number, initiator, expected, quorum, timeout_s, strategy, params) = row[:7]
+        (spec_layout, layout, status, result_cid, reason, created_at, deadline) = row[7:]
+        try:
             rid = RoundId(number, initiator)
             spec = RoundSpec(
                 expected,
@@ -253,8 +316,11 @@ class RoundDatabase:
                 _parse_layout(layout),
                 tuple(dropped.get(rid, ())),
             )
-            loaded.append((info, items))
-        return loaded
+        except (RoundsError, TypeError, ValueError, KeyError, IndexError) as exc:
+            raise JournalDamaged(
+                self.path, f"round {number}-{initiator} does not parse: {exc}"
+            ) from exc
+        return info, items
 
     # ── lifecycle ────────────────────────────────────────────────────────────
     def close(self) -> None:
@@ -284,6 +350,53 @@ class RoundDatabase:
             " WHERE round = ? AND initiator = ?",
             (name, cid, reason, _round_number(rid), rid.initiator),
         )
+
+
+def open_journal(
+    data_dir: str | os.PathLike[str],
+    store: BlockStore,
+    *,
+    durable: bool = True,
+    reset: bool = False,
+) -> RoundDatabase:
+    """The journal ``<data_dir>/rounds.sqlite3`` of a coordinator whose blocks are ``store``.
+
+    Refuses to start rather than lose rounds silently: a missing or empty database while
+    ``store`` holds blocks is JournalMissing, a database SQLite finds damaged is
+    JournalDamaged; nothing is created or changed then. With ``reset``, an existing journal
+    (healthy or not) is moved aside, with its ``-wal`` and ``-shm`` files, to
+    ``rounds.sqlite3.reset-<UTC time>`` (a WARNING names it) and a fresh one is started.
+    """
+    path = Path(data_dir) / DB_FILENAME
+    if reset:
+        aside = _set_aside(path)
+        where = f"the old one is kept as {aside}" if aside else "there was none"
+        log.warning("starting a fresh round journal %s on request (reset): %s", path, where)
+        return RoundDatabase(path, durable=durable)
+    holds_blocks = next(iter(store), None) is not None
+    name = str(getattr(store, "root", store))
+    return RoundDatabase(path, durable=durable, store_with_blocks=name if holds_blocks else None)
+
+
+def _set_aside(path: Path) -> Path | None:
+    """Rename the database and its WAL and shared-memory files to one unused ``.reset-`` name
+    (they stay a consistent database there); None when there is no database or WAL."""
+    parts = [Path(f"{path}{suffix}") for suffix in ("", "-wal", "-shm")]
+    if not any(p.exists() for p in parts[:2]):
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = path.with_name(f"{path.name}.reset-{stamp}")
+    n = 1
+    while any(Path(f"{aside}{suffix}").exists() for suffix in ("", "-wal", "-shm")):
+        n += 1
+        aside = path.with_name(f"{path.name}.reset-{stamp}-{n}")
+    try:
+        for part, suffix in zip(parts, ("", "-wal", "-shm"), strict=True):
+            if part.exists():
+                part.rename(f"{aside}{suffix}")
+    except OSError as exc:
+        raise RoundsError(f"cannot move the round journal {path} aside: {exc}") from exc
+    return aside
 
 
 def _round_number(rid: RoundId) -> int:

@@ -15,8 +15,12 @@ from tensorswap.codec.dtypes import as_numpy, to_torch
 from tensorswap.errors import AggregateShapeMismatch, TensorSwapError
 
 
-class StateMismatch(TensorSwapError, ValueError):
-    """Named tensors do not fit a module's state: missing or extra names, or other shapes."""
+class TensorNamesMismatch(TensorSwapError, ValueError):
+    """Two sets of named tensors disagree on their names (a module's state and the tensors
+    loaded into it, or the two sides of a delta): ``missing`` and ``unexpected`` names.
+
+    Other shapes under the same name are :class:`~tensorswap.errors.AggregateShapeMismatch`.
+    """
 
     def __init__(self, missing: list[str], unexpected: list[str], detail: str = "") -> None:
         self.missing = missing
@@ -28,7 +32,7 @@ class StateMismatch(TensorSwapError, ValueError):
             parts.append(f"unexpected {unexpected}")
         if detail:
             parts.append(detail)
-        super().__init__("state does not fit the module: " + "; ".join(parts))
+        super().__init__("tensor names do not match: " + "; ".join(parts))
 
 
 def _state(obj: Any) -> Mapping[str, Any]:
@@ -64,7 +68,7 @@ def load_tensors(module: Any, tensors: Mapping[str, Any], *, strict: bool = True
     missing = [n for n in state if n not in tensors] if strict else []
     unexpected = [n for n in tensors if n not in state]
     if missing or unexpected:
-        raise StateMismatch(missing, unexpected)
+        raise TensorNamesMismatch(missing, unexpected)
     arrays = {n: as_numpy(v) for n, v in tensors.items()}
     for name, arr in arrays.items():
         if tuple(arr.shape) != tuple(state[name].shape):
@@ -82,7 +86,7 @@ def delta_of(new: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, np.nd
     missing = [n for n in base if n not in new]
     unexpected = [n for n in new if n not in base]
     if missing or unexpected:
-        raise StateMismatch(missing, unexpected)
+        raise TensorNamesMismatch(missing, unexpected)
     out = {}
     for name in base:
         a, b = as_numpy(new[name]), as_numpy(base[name])
@@ -93,4 +97,4 @@ def delta_of(new: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, np.nd
     return out
 
 
-__all__ = ["StateMismatch", "delta_of", "gradients_of", "load_tensors", "tensors_of"]
+__all__ = ["TensorNamesMismatch", "delta_of", "gradients_of", "load_tensors", "tensors_of"]
