@@ -152,3 +152,35 @@ def test_status_shows_the_dropped_contribution_and_a_retry_reason() -> None:
     text = console.export_text()
     assert "dropped b: unreadable: corrupt block bafkxyz" in text
     assert "Aggregating retrying in 1.0 s: No space left on device" in text
+
+
+async def test_a_client_pushes_again_a_block_the_coordinator_quarantined(tmp_path: Path) -> None:
+    from tensorswap.rounds.client import RoundClient
+    from tensorswap.rounds.server import RoundServer
+    from tensorswap.rounds.state import Collecting
+
+    key = b"integrity-key"
+    coord = Coordinator.open(tmp_path, clock=FakeClock(), run_timer=False, durable=False)
+    server = RoundServer(coord, key=key)
+    try:
+        await server.start("127.0.0.1", 0)
+        client = await RoundClient.connect("127.0.0.1", server.port, peer="a", key=key)
+        try:
+            first, second = RoundId(1, "lead"), RoundId(2, "lead")
+            for rid in (first, second):
+                await client.start_round(rid, RoundSpec(2))
+            values = {"w": np.full(SIZE, 1.0, np.float32)}
+            done = await client.submit(first, values, 5)
+            assert done.push.sent_blocks >= 1
+            store = coord.store
+            assert isinstance(store, DirectoryStore)
+            _damage(_chunk_path(store, done.cid))  # the coordinator's copy rots on its disk
+            again = await client.submit(second, values, 5)  # the same update, already "held"
+            assert again.cid == done.cid
+            assert again.push.sent_blocks == 1  # the quarantined chunk, pushed again
+            assert isinstance(again.status, Collecting)
+        finally:
+            await client.aclose()
+    finally:
+        await server.aclose()
+        coord.close()

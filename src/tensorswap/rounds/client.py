@@ -13,7 +13,7 @@ from typing import Any, Literal, Self
 import numpy as np
 
 from tensorswap.cid import Cid
-from tensorswap.rounds.errors import RoundFailed, RoundTimeout
+from tensorswap.rounds.errors import RoundFailed, RoundTimeout, UnknownUpdate
 from tensorswap.rounds.protocol import (
     APP,
     RoundAnswer,
@@ -148,7 +148,9 @@ class RoundClient:
         ``update`` is a ModelUpdate, a dict of named numpy arrays / torch tensors (then
         ``num_samples`` is its sample count), or the CID of an update already in this
         client's store. Returns once the contribution is durable on the coordinator; raises
-        what the coordinator refused it for.
+        what the coordinator refused it for. If the coordinator answers that it lacks a block
+        (one of its copies failed its hash check and was quarantined), the blocks it lacks are
+        pushed once more and the submit repeated.
         """
         if isinstance(update, Cid):
             cid = update
@@ -162,13 +164,24 @@ class RoundClient:
             closure = await asyncio.to_thread(_children_first, self.store, cid)
             lacking = await self.blocks.missing(closure)
             sent = await self.blocks.put_blocks(self.store, lacking, compression=compression)
+            sent_blocks = len(lacking)
             # The server stores every block sent before it runs the submit: no separate
             # commit, one round trip.
-            answer = await self._call(call, locked=True)
+            try:
+                answer = await self._call(call, locked=True)
+            except UnknownUpdate:
+                # A block the coordinator held failed its hash check there (it quarantined
+                # it) or went away: it now lacks it, so push what it lacks once more.
+                lacking = await self.blocks.missing(closure)
+                if not lacking:
+                    raise
+                sent += await self.blocks.put_blocks(self.store, lacking, compression=compression)
+                sent_blocks += len(lacking)
+                answer = await self._call(call, locked=True)
             push = PushResult(
                 roots=(cid,),
                 offered=len(closure),
-                sent_blocks=len(lacking),
+                sent_blocks=sent_blocks,
                 sent_bytes=sent,
                 wire_bytes=self.blocks.transport.bytes_sent - wire_start,
                 seconds=time.perf_counter() - start,
