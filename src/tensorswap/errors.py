@@ -21,6 +21,7 @@
     │   ├── DtypeMismatch
     │   └── NonFiniteValues
     ├── WireError                  (wire)
+    │   └── TransportError         (transport: byte streams under wire and delta)
     ├── RoundsError                (rounds)
     ├── DeltaError                 (delta)
     └── FlowError                  (flow)
@@ -193,6 +194,14 @@ class WireError(TensorSwapError):
     """Sending or receiving frames or blocks failed."""
 
 
+class TransportError(WireError):
+    """A byte stream failed: connect, send, receive, a peer refusing us, use after close.
+
+    The transport layer (``tensorswap.transport``) sits under both wire and delta; its
+    branch stays inside WireError so that ``except WireError`` still catches it.
+    """
+
+
 class RoundsError(TensorSwapError):
     """A coordinator round operation failed."""
 
@@ -225,6 +234,7 @@ __all__ = [
     "ShapeMismatch",
     "StoreError",
     "TensorSwapError",
+    "TransportError",
     "TruncatedData",
     "UnsupportedDtype",
     "WireError",
