@@ -30,6 +30,7 @@ from tensorswap.store import (
     put_update,
 )
 from tensorswap.store.base import BlockStore
+from tensorswap.transport import Transport, connect_tcp, memory_pair, serve_tcp
 from tensorswap.wire.auth import client_ssl_context, server_ssl_context
 from tensorswap.wire.client import BlockClient
 from tensorswap.wire.connection import FrameConnection, Timeouts, prepare_block
@@ -44,7 +45,6 @@ from tensorswap.wire.errors import (
 from tensorswap.wire.frames import Compression
 from tensorswap.wire.messages import Commit, Committed, Offer, Want, wire_cids
 from tensorswap.wire.server import BlockServer
-from tensorswap.transport import Transport, connect_tcp, memory_pair, serve_tcp
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
