@@ -158,7 +158,8 @@ async def _run(
     default=DEFAULT_MAX_CONNECTIONS,
     show_default=True,
     metavar="N",
-    help="Clients served at once; more are refused at once (each holds a file descriptor).",
+    help="Clients served at once (each holds a file descriptor); at the cap a newcomer closes "
+    "the connection idle the longest (1 s or more), else it is refused with ERROR busy.",
 )
 @click.option(
     "--log-level",
