@@ -185,7 +185,7 @@ class DweListener:
         loop = asyncio.get_running_loop()
         turn = loop.time()
         prefix = bytearray(FRAME_PREFIX_BYTES)
-        first = memoryview(prefix)[:1]
+        first, rest = memoryview(prefix)[:1], memoryview(prefix)[1:]
         while True:
             if loop.time() - turn >= _TURN_SECONDS:  # let every other connection and task run
                 await asyncio.sleep(0)
@@ -204,7 +204,7 @@ class DweListener:
             if not got:
                 return  # closed between frames
             with transport.busy():  # a frame in progress: never evicted
-                body = await self._read_frame(transport, prefix)
+                body = await self._read_frame(transport, prefix, rest)
             if body is None:
                 return
             try:
@@ -214,8 +214,12 @@ class DweListener:
                 detail = f"internal error: {exc!r}"
                 self._reject(transport.peer, RejectReason.INTERNAL_ERROR, detail, len(body))
 
-    async def _read_frame(self, transport: Transport, prefix: bytearray) -> memoryview | None:
+    async def _read_frame(
+        self, transport: Transport, prefix: bytearray, rest: memoryview
+    ) -> memoryview | None:
         """The body of the frame whose first prefix byte is in ``prefix``, or None (then close).
+
+        ``rest`` is the view of ``prefix`` after its first byte.
 
         The body is a read-only view of a buffer of its own, received in place.
         """
@@ -223,7 +227,6 @@ class DweListener:
         length: int | None = None
         try:
             async with asyncio.timeout(self.config.frame_timeout):
-                rest = memoryview(prefix)[1:]
                 if await transport.receive_into(rest) < rest.nbytes:
                     self._reject(
                         peer, RejectReason.TRUNCATED, "connection closed inside a prefix", 0

@@ -124,19 +124,25 @@ class StreamProtocol(asyncio.BufferedProtocol):
             self._reader = None
             self.idle_since = None
 
-    async def receive_into(self, view: memoryview) -> int:
+    def take_buffered(self, view: memoryview, got: int = 0) -> int:
+        """Copy read-ahead bytes into ``view[got:]`` without waiting; the new ``got``."""
+        available = self._end - self._start
+        if not available:
+            return got
+        take = min(available, view.nbytes - got)
+        view[got : got + take] = self._spill_view[self._start : self._start + take]
+        self._start += take
+        if self._start == self._end:
+            self._start = self._end = 0
+            self._resume_reading()
+        return got + take
+
+    async def receive_into(self, view: memoryview, got: int = 0) -> int:
+        """Fill ``view`` from ``view[got:]`` on (fewer bytes only at EOF); the bytes filled."""
         total = view.nbytes
-        got = 0
         while got < total:
-            available = self._end - self._start
-            if available:
-                take = min(available, total - got)
-                view[got : got + take] = self._spill_view[self._start : self._start + take]
-                self._start += take
-                got += take
-                if self._start == self._end:
-                    self._start = self._end = 0
-                    self._resume_reading()
+            if self._end - self._start:
+                got = self.take_buffered(view, got)
                 continue
             if self.eof:
                 break

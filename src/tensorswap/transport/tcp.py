@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import socket
 import ssl as ssl_module
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from tensorswap.transport._stream import DIRECT_RECEIVE_BYTES, StreamProtocol
@@ -87,15 +86,8 @@ class TcpTransport(Transport):
         """Bytes handed to ``send`` that the kernel has not taken yet."""
         return 0 if self._protocol.lost else self._transport.get_write_buffer_size()
 
-    @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
-        protocol = self._protocol
-        protocol.held += 1
-        protocol.idle_since = None
-        try:
-            yield
-        finally:
-            protocol.held -= 1
+    def busy(self) -> contextlib.AbstractContextManager[None]:
+        return _Busy(self._protocol)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -152,10 +144,13 @@ class TcpTransport(Transport):
         if self._closed:
             raise TransportClosed(self.peer)
         view = byte_view(buffer)
-        got = await self._protocol.receive_into(view)
+        protocol = self._protocol
+        got = protocol.take_buffered(view)  # small reads are mostly served from read-ahead
+        if got < view.nbytes:
+            got = await protocol.receive_into(view, got)
         self.bytes_received += got
-        if got < view.nbytes and self._protocol.error is not None:
-            raise ConnectionFailed(self.peer, describe(self._protocol.error, "connection lost"))
+        if got < view.nbytes and protocol.error is not None:
+            raise ConnectionFailed(self.peer, describe(protocol.error, "connection lost"))
         return got
 
     async def send_eof(self) -> None:
@@ -186,6 +181,22 @@ class TcpTransport(Transport):
         self._closed = True
         self._close_direct()
         self._transport.abort()
+
+
+class _Busy(contextlib.AbstractContextManager[None]):
+    """``TcpTransport.busy()``: a class, not a generator: the DWE listener enters one a frame."""
+
+    __slots__ = ("_protocol",)
+
+    def __init__(self, protocol: StreamProtocol) -> None:
+        self._protocol = protocol
+
+    def __enter__(self) -> None:
+        self._protocol.held += 1
+        self._protocol.idle_since = None
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._protocol.held -= 1
 
 
 def describe(exc: BaseException | None, default: str) -> str:
