@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,9 +13,11 @@ from tensorswap.cid import Cid
 from tensorswap.codec import TensorBlock
 from tensorswap.store import MemoryStore, get_tensor
 from tensorswap.wire import errors as wire_errors
+from tensorswap.wire.auth import client_ssl_context, server_ssl_context
 from tensorswap.wire.client import BlockClient
 from tensorswap.wire.errors import ConnectionFailed, StreamEnded, WireError
 from tensorswap.wire.server import BlockServer
+from test_transport import make_cert
 
 KEY = b"cap test key"
 ABSENT = Cid.of(b"a block nobody holds")
@@ -90,3 +93,19 @@ async def test_a_client_refused_at_the_cap_sees_server_busy() -> None:
         for client in active:  # nobody was evicted for the refused one
             assert await client.missing([ABSENT]) == [ABSENT]
             await client.aclose()
+
+
+async def test_a_tls_client_refused_at_the_cap_sees_server_busy(tmp_path: Path) -> None:
+    cert, key = make_cert(tmp_path)
+    server = BlockServer(MemoryStore(), key=KEY, max_connections=1)
+    await server.start(ssl=server_ssl_context(cert, key))
+    assert server.listener is not None
+    server.listener.clock = FakeClock()  # never advanced: however slow the TLS handshakes
+    try:
+        ctx = client_ssl_context(cert)
+        async with await BlockClient.connect("127.0.0.1", server.port, key=KEY, ssl=ctx) as held:
+            assert await held.missing([ABSENT]) == [ABSENT]  # active just now: not evictable
+            with pytest.raises(wire_errors.ServerBusy, match=r"connection cap \(1\)"):
+                await BlockClient.connect("127.0.0.1", server.port, key=KEY, ssl=ctx)
+    finally:
+        await server.aclose()
