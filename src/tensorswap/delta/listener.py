@@ -219,9 +219,8 @@ class DweListener:
     ) -> memoryview | None:
         """The body of the frame whose first prefix byte is in ``prefix``, or None (then close).
 
-        ``rest`` is the view of ``prefix`` after its first byte.
-
-        The body is a read-only view of a buffer of its own, received in place.
+        ``rest`` is the view of ``prefix`` after its first byte. The body is a read-only view
+        of a buffer of its own, received in place.
         """
         peer = transport.peer
         length: int | None = None
