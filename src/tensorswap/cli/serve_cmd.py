@@ -22,8 +22,8 @@ from tensorswap.cli._util import (
 )
 from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
 from tensorswap.rounds.server import RoundServer
+from tensorswap.transport import DEFAULT_MAX_CONNECTIONS
 from tensorswap.wire.connection import Timeouts
-from tensorswap.wire.tcp import DEFAULT_MAX_CONNECTIONS
 
 __all__ = ["release_large_frees", "resolve_key", "serve"]
 
