@@ -20,6 +20,7 @@ from tensorswap.delta import (
     FragmentTooLarge,
     SendMode,
     apply_fragment,
+    encode_frame,
     extract_delta_fragment,
     make_fragment,
 )
@@ -94,6 +95,34 @@ async def test_four_listeners_apply_every_fragment_exactly_once(mode, signed) ->
     assert stats.enqueued == 12
     connections = 4 if mode is SendMode.PERSISTENT else 48
     assert stats.reconnects == connections
+
+
+@pytest.mark.parametrize("mode", [SendMode.PERSISTENT, SendMode.PER_FRAGMENT])
+async def test_the_bytes_on_the_wire_are_the_dwe_frames_and_nothing_else(mode) -> None:
+    """What a plain socket receives is exactly the frames' encodings, back to back."""
+    fragments = _fragments(3)
+    expected = b"".join(bytes(encode_frame(f)) for f in fragments)
+    received = bytearray()
+    got_all = asyncio.Event()
+
+    async def capture(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while chunk := await reader.read(1 << 16):
+            received.extend(chunk)
+            if len(received) >= len(expected):
+                got_all.set()
+        writer.close()
+        await writer.wait_closed()
+
+    server = await asyncio.start_server(capture, "127.0.0.1", 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        async with DweBus(config=DweConfig(peers=(f"127.0.0.1:{port}",), mode=mode)) as bus:
+            for fragment in fragments:
+                assert bus.broadcast(fragment)
+            async with asyncio.timeout(10):
+                await bus.flush()
+                await got_all.wait()
+    assert bytes(received) == expected
 
 
 async def test_queue_full_drops_are_counted_and_never_block() -> None:

@@ -354,8 +354,10 @@ async def test_a_connection_in_the_middle_of_a_frame_is_not_evicted() -> None:
     frame = encode_frame(_fragment(1))
     async with h.listener:
         _, busy = await _send_raw(h.listener.endpoint, frame[:10])
-        await _wait_for(
-            lambda: any(c.idle_since is None for c in h.listener._connections)  # frame started
+        tcp = h.listener.tcp_listener
+        assert tcp is not None
+        await _wait_for(  # the prefix has been read: a frame is in progress
+            lambda: [(t.bytes_received, t.idle_since) for t in tcp.served()] == [(4, None)]
         )
         refused, refused_w = await _send_raw(h.listener.endpoint)
         assert await _closed_by_listener(refused)

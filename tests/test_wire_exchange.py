@@ -1,8 +1,12 @@
-"""Block exchange over tensorswap frames: push/pull, dedup, resume, verification, auth, TLS."""
+"""Block exchange over tensorswap frames: push/pull, dedup, resume, verification, auth, TLS.
+
+Every exchange runs over each Transport (in-memory and loopback TCP; TLS where it matters).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import subprocess
 from collections.abc import AsyncIterator
@@ -26,6 +30,7 @@ from tensorswap.store import (
     put_update,
 )
 from tensorswap.store.base import BlockStore
+from tensorswap.transport import Transport, connect_tcp, memory_pair, serve_tcp
 from tensorswap.wire.auth import client_ssl_context, server_ssl_context
 from tensorswap.wire.client import BlockClient
 from tensorswap.wire.connection import FrameConnection, Timeouts, prepare_block
@@ -40,8 +45,6 @@ from tensorswap.wire.errors import (
 from tensorswap.wire.frames import Compression
 from tensorswap.wire.messages import Commit, Committed, Offer, Want, wire_cids
 from tensorswap.wire.server import BlockServer
-from tensorswap.wire.tcp import connect_tcp, serve_tcp
-from tensorswap.wire.transport import Transport, memory_pair
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -61,8 +64,10 @@ def block_sizes(store: BlockStore, cids: list[Cid]) -> int:
     return sum(store.get(cid).nbytes for cid in cids)
 
 
-@pytest.fixture
-async def tcp_pair() -> AsyncIterator[tuple[Transport, Transport]]:
+Pair = tuple[Transport, Transport]
+
+
+async def _tcp_pair() -> AsyncIterator[Pair]:
     """A real loopback TCP connection: (client end, server end)."""
     accepted: asyncio.Queue[Transport] = asyncio.Queue(1)
     release = asyncio.Event()
@@ -81,16 +86,54 @@ async def tcp_pair() -> AsyncIterator[tuple[Transport, Transport]]:
             release.set()
 
 
+@pytest.fixture(params=["memory", "tcp"])
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
+    """Two connected ends, (client, server), of each kind of transport."""
+    if request.param == "memory":
+        a, b = memory_pair(capacity=1 << 20)
+        yield a, b
+        await a.aclose()
+        await b.aclose()
+        return
+    async for ends in _tcp_pair():
+        yield ends
+
+
+@pytest.fixture(params=["memory", "tcp"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@contextlib.asynccontextmanager
+async def connected(
+    server: BlockServer, kind: str, key: bytes | None = None
+) -> AsyncIterator[BlockClient]:
+    """A client of ``server``: over loopback TCP (``server.start``) or an in-memory pair."""
+    if kind == "tcp":
+        async with (
+            await server.start() as started,
+            await BlockClient.connect("127.0.0.1", started.port, key=key) as client,
+        ):
+            yield client
+        return
+    a, b = memory_pair(capacity=1 << 20)
+    serving = asyncio.ensure_future(server.handle(b))
+    try:
+        async with await BlockClient.open(a, key=key) as client:
+            yield client
+    finally:
+        async with asyncio.timeout(10):
+            await serving  # the server returns once the client closed
+        await b.aclose()
+
+
 # ── round trips ──────────────────────────────────────────────────────────────
 @pytest.mark.parametrize("compression", [Compression.NONE, Compression.LZ4, "auto"])
-async def test_push_tensor_over_tcp(compression: Compression | str, tmp_path: Path) -> None:
+async def test_push_tensor(compression: Compression | str, tmp_path: Path, kind: str) -> None:
     src, root, values = tensor_store()
     dst = DirectoryStore(tmp_path / "dst")
     landed: list[Cid] = []
-    async with (
-        await BlockServer(dst, on_root=landed.append).start() as server,
-        await BlockClient.connect("127.0.0.1", server.port) as client,
-    ):
+    async with connected(BlockServer(dst, on_root=landed.append), kind) as client:
         result = await client.push(src, root, compression=compression)  # type: ignore[arg-type]
     closure = manifest_closure(src, root)
     assert result.offered == result.sent_blocks == len(closure)
@@ -99,15 +142,12 @@ async def test_push_tensor_over_tcp(compression: Compression | str, tmp_path: Pa
     np.testing.assert_array_equal(get_tensor(dst, root).values, values)
 
 
-async def test_push_model_update_and_pull_it_back() -> None:
+async def test_push_model_update_and_pull_it_back(kind: str) -> None:
     src = MemoryStore()
     update = ModelUpdate({"a": np.ones((30, 40), np.float32), "b": np.arange(5000.0)}, 7)
     root = put_update(src, update, chunk_bytes=CHUNK)
     dst, back = MemoryStore(), MemoryStore()
-    async with (
-        await BlockServer(dst).start() as server,
-        await BlockClient.connect("127.0.0.1", server.port) as client,
-    ):
+    async with connected(BlockServer(dst), kind) as client:
         await client.push(src, root)
         pulled = await client.pull(root, back)
     assert pulled.fetched == pulled.blocks == len(manifest_closure(src, root))
@@ -116,13 +156,10 @@ async def test_push_model_update_and_pull_it_back() -> None:
     np.testing.assert_array_equal(got.tensors["b"], update.tensors["b"])
 
 
-async def test_get_blocks_reports_missing() -> None:
+async def test_get_blocks_reports_missing(kind: str) -> None:
     src, root, _ = tensor_store()
     absent = Cid.of(b"nobody has this")
-    async with (
-        await BlockServer(src).start() as server,
-        await BlockClient.connect("127.0.0.1", server.port) as client,
-    ):
+    async with connected(BlockServer(src), kind) as client:
         into = MemoryStore()
         missing = await client.get_blocks([root, absent], into)
         assert missing == [absent]
@@ -133,16 +170,13 @@ async def test_get_blocks_reports_missing() -> None:
 
 
 # ── dedup and resume ─────────────────────────────────────────────────────────
-async def test_second_push_sends_nothing_and_shared_chunks_are_skipped() -> None:
+async def test_second_push_sends_nothing_and_shared_chunks_are_skipped(kind: str) -> None:
     src, root, values = tensor_store()
     changed = values.copy()
     changed[-10:] += 1  # only the last chunk differs
     root2 = put_tensor(src, TensorBlock("w", changed), chunk_bytes=CHUNK)
     dst = MemoryStore()
-    async with (
-        await BlockServer(dst).start() as server,
-        await BlockClient.connect("127.0.0.1", server.port) as client,
-    ):
+    async with connected(BlockServer(dst), kind) as client:
         first = await client.push(src, root)
         again = await client.push(src, root)
         second = await client.push(src, root2)
@@ -188,14 +222,14 @@ class KillAfter(Transport):
 
 
 async def test_killed_transfer_resumes_with_only_missing_blocks(
-    tcp_pair: tuple[Transport, Transport],
+    pair: Pair,
 ) -> None:
     src, root, values = tensor_store(200_000)
     closure = manifest_closure(src, root)
     total = block_sizes(src, closure)
     dst = MemoryStore()
     server = BlockServer(dst)
-    client_end, server_end = tcp_pair
+    client_end, server_end = pair
     serving = asyncio.ensure_future(server.handle(server_end))
     client = await BlockClient.open(KillAfter(client_end, total // 2))
     with pytest.raises(ConnectionFailed):
@@ -215,7 +249,7 @@ async def test_killed_transfer_resumes_with_only_missing_blocks(
     np.testing.assert_array_equal(get_tensor(dst, root).values, values)
 
 
-async def test_offered_blocks_the_server_holds_are_touched() -> None:
+async def test_offered_blocks_the_server_holds_are_touched(pair: Pair) -> None:
     """Blocks a client learns the server holds get a fresh age, so that a collection with a
     grace period cannot delete them before the client references them."""
     src, root, _ = tensor_store(n=2_000)
@@ -225,7 +259,7 @@ async def test_offered_blocks_the_server_holds_are_touched() -> None:
     for cid in held:
         dst.put_verified(cid, src.get(cid))
         make_older(dst, cid, 10_000)
-    a, b = memory_pair(capacity=1 << 20)
+    a, b = pair
     serving = asyncio.ensure_future(BlockServer(dst).handle(b))
     async with await BlockClient.open(a) as client:
         result = await client.push(src, root)
@@ -235,10 +269,10 @@ async def test_offered_blocks_the_server_holds_are_touched() -> None:
 
 
 # ── verification ─────────────────────────────────────────────────────────────
-async def test_block_that_does_not_match_its_cid_is_not_stored() -> None:
+async def test_block_that_does_not_match_its_cid_is_not_stored(pair: Pair) -> None:
     dst = MemoryStore()
     server = BlockServer(dst)
-    a, b = memory_pair(capacity=1 << 20)
+    a, b = pair
     serving = asyncio.ensure_future(server.handle(b))
     client = await BlockClient.open(a)
     claimed = Cid.of(b"the real bytes")
@@ -253,10 +287,12 @@ async def test_block_that_does_not_match_its_cid_is_not_stored() -> None:
 
 
 @pytest.mark.parametrize("where", ["data", "cid"])
-async def test_corrupted_block_frame_is_a_checksum_mismatch_and_not_stored(where: str) -> None:
+async def test_corrupted_block_frame_is_a_checksum_mismatch_and_not_stored(
+    where: str, pair: Pair
+) -> None:
     dst = MemoryStore()
     server = BlockServer(dst)
-    a, b = memory_pair(capacity=1 << 20)
+    a, b = pair
     serving = asyncio.ensure_future(server.handle(b))
     client = await BlockClient.open(a)
     data = bytes(range(256)) * 64
@@ -278,11 +314,11 @@ async def test_corrupted_block_frame_is_a_checksum_mismatch_and_not_stored(where
     await a.aclose()
 
 
-async def test_commit_of_incomplete_root_is_refused() -> None:
+async def test_commit_of_incomplete_root_is_refused(pair: Pair) -> None:
     src, root, _ = tensor_store()
     dst = MemoryStore()
     server = BlockServer(dst)
-    a, b = memory_pair(capacity=1 << 20)
+    a, b = pair
     serving = asyncio.ensure_future(server.handle(b))
     client = await BlockClient.open(a)
     await client.put_blocks(src, [root])  # the manifest without its chunks
@@ -293,13 +329,13 @@ async def test_commit_of_incomplete_root_is_refused() -> None:
     await a.aclose()
 
 
-async def test_want_is_the_offered_cids_the_server_lacks() -> None:
+async def test_want_is_the_offered_cids_the_server_lacks(pair: Pair) -> None:
     src, root, _ = tensor_store()
     closure = manifest_closure(src, root)
     dst = MemoryStore()
     dst.put(src.get(closure[1]))
     server = BlockServer(dst)
-    a, b = memory_pair(capacity=1 << 20)
+    a, b = pair
     serving = asyncio.ensure_future(server.handle(b))
     client = await BlockClient.open(a)
     conn: FrameConnection = client.conn
@@ -314,13 +350,10 @@ async def test_want_is_the_offered_cids_the_server_lacks() -> None:
 
 
 # ── authentication and TLS ───────────────────────────────────────────────────
-async def test_matching_keys_authenticate_both_ways() -> None:
+async def test_matching_keys_authenticate_both_ways(kind: str) -> None:
     src, root, values = tensor_store()
     dst = MemoryStore()
-    async with (
-        await BlockServer(dst, key=KEY).start() as server,
-        await BlockClient.connect("127.0.0.1", server.port, key=KEY) as client,
-    ):
+    async with connected(BlockServer(dst, key=KEY), kind, key=KEY) as client:
         await client.push(src, root)
     np.testing.assert_array_equal(get_tensor(dst, root).values, values)
 
@@ -334,11 +367,11 @@ async def test_matching_keys_authenticate_both_ways() -> None:
     ],
 )
 async def test_wrong_or_missing_key_is_refused_and_nothing_stored(
-    server_key: bytes | None, client_key: bytes | None, needle: str
+    server_key: bytes | None, client_key: bytes | None, needle: str, pair: Pair
 ) -> None:
     dst = MemoryStore()
     server = BlockServer(dst, key=server_key)
-    a, b = memory_pair(capacity=1 << 20)
+    a, b = pair
     serving = asyncio.ensure_future(server.handle(b))
     with pytest.raises(AuthenticationFailed, match=needle):
         await BlockClient.open(a, key=client_key)
@@ -382,17 +415,17 @@ async def test_push_over_tls_with_a_key(tmp_path: Path) -> None:
 
 
 # ── timeouts ─────────────────────────────────────────────────────────────────
-async def test_client_drops_a_server_that_never_welcomes() -> None:
-    a, b = memory_pair()
+async def test_client_drops_a_server_that_never_welcomes(pair: Pair) -> None:
+    a, b = pair
     with pytest.raises(PeerTimeout):
         await BlockClient.open(a, timeouts=Timeouts(handshake=0.05))
     await b.aclose()
 
 
-async def test_server_drops_a_client_that_stalls_mid_frame() -> None:
+async def test_server_drops_a_client_that_stalls_mid_frame(pair: Pair) -> None:
     src, root, _ = tensor_store()
     server = BlockServer(MemoryStore(), timeouts=Timeouts(read=0.05, idle=5))
-    a, b = memory_pair(capacity=1 << 20)
+    a, b = pair
     serving = asyncio.ensure_future(server.handle(b))
     await BlockClient.open(a)
     block = prepare_block(root, src.get(root))
@@ -402,9 +435,9 @@ async def test_server_drops_a_client_that_stalls_mid_frame() -> None:
     await a.aclose()
 
 
-async def test_server_drops_an_idle_client() -> None:
+async def test_server_drops_an_idle_client(pair: Pair) -> None:
     server = BlockServer(MemoryStore(), timeouts=Timeouts(idle=0.05))
-    a, b = memory_pair()
+    a, b = pair
     serving = asyncio.ensure_future(server.handle(b))
     await BlockClient.open(a)
     await serving
@@ -413,7 +446,7 @@ async def test_server_drops_an_idle_client() -> None:
 
 
 # ── pipelined pushes ─────────────────────────────────────────────────────────
-async def test_push_tensor_pipeline_matches_put_tensor_and_dedups() -> None:
+async def test_push_tensor_pipeline_matches_put_tensor_and_dedups(kind: str) -> None:
     values = np.random.default_rng(3).standard_normal(50_000).astype(np.float32)
     values[:20_000] = 0.0  # several identical all-zero chunks
     tensor = TensorBlock("t", values, num_samples=9, metadata={"k": "v"})
@@ -421,10 +454,7 @@ async def test_push_tensor_pipeline_matches_put_tensor_and_dedups() -> None:
     expected = put_tensor(expected_store, tensor, chunk_bytes=CHUNK)
     closure = manifest_closure(expected_store, expected)
     dst = MemoryStore()
-    async with (
-        await BlockServer(dst).start() as server,
-        await BlockClient.connect("127.0.0.1", server.port) as client,
-    ):
+    async with connected(BlockServer(dst), kind) as client:
         first = await client.push_tensor(tensor, chunk_bytes=CHUNK, batch=3)
         again = await client.push_tensor(tensor, chunk_bytes=CHUNK, batch=3)
     assert first.roots == (expected,)
@@ -434,28 +464,25 @@ async def test_push_tensor_pipeline_matches_put_tensor_and_dedups() -> None:
     np.testing.assert_array_equal(get_tensor(dst, expected).values, values)
 
 
-async def test_push_update_pipeline_matches_put_update() -> None:
+async def test_push_update_pipeline_matches_put_update(kind: str) -> None:
     update = ModelUpdate(
         {"a": np.ones((30, 40), np.float32), "b": np.arange(5000.0)}, 7, {"m": "1"}, "u"
     )
     expected = put_update(MemoryStore(), update, chunk_bytes=CHUNK)
     dst = MemoryStore()
-    async with (
-        await BlockServer(dst).start() as server,
-        await BlockClient.connect("127.0.0.1", server.port) as client,
-    ):
+    async with connected(BlockServer(dst), kind) as client:
         result = await client.push_update(update, chunk_bytes=CHUNK, compression="auto")
     assert result.roots == (expected,)
     got = get_update(dst, expected)
     np.testing.assert_array_equal(got.tensors["a"], update.tensors["a"])
 
 
-async def test_killed_push_tensor_resumes(tcp_pair: tuple[Transport, Transport]) -> None:
+async def test_killed_push_tensor_resumes(pair: Pair) -> None:
     values = np.random.default_rng(4).standard_normal(200_000).astype(np.float32)
     tensor = TensorBlock("w", values)
     dst = MemoryStore()
     server = BlockServer(dst)
-    client_end, server_end = tcp_pair
+    client_end, server_end = pair
     serving = asyncio.ensure_future(server.handle(server_end))
     client = await BlockClient.open(KillAfter(client_end, values.nbytes // 2))
     with pytest.raises(ConnectionFailed):

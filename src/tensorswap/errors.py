@@ -21,6 +21,8 @@
     │   ├── DtypeMismatch
     │   └── NonFiniteValues
     ├── WireError                  (wire: leaves in tensorswap.wire.errors)
+    │   └── TransportError         (transport: byte streams under wire and delta; leaves in
+    │                              tensorswap.transport.errors, re-exported by wire.errors)
     ├── RoundsError                (rounds: leaves in tensorswap.rounds.errors)
     ├── DeltaError                 (delta: leaves next to their raisers in tensorswap.delta)
     ├── FlowError                  (flow: leaves in tensorswap.flow.errors)
@@ -197,6 +199,14 @@ class WireError(TensorSwapError):
     """Sending or receiving frames or blocks failed."""
 
 
+class TransportError(WireError):
+    """A byte stream failed: connect, send, receive, a peer refusing us, use after close.
+
+    The transport layer (``tensorswap.transport``) sits under both wire and delta; its
+    branch stays inside WireError so that ``except WireError`` still catches it.
+    """
+
+
 class RoundsError(TensorSwapError):
     """A coordinator round operation failed."""
 
@@ -229,6 +239,7 @@ __all__ = [
     "ShapeMismatch",
     "StoreError",
     "TensorSwapError",
+    "TransportError",
     "TruncatedData",
     "UnsupportedDtype",
     "WireError",

@@ -14,12 +14,11 @@ from tensorswap.codec import TensorBlock
 from tensorswap.errors import TensorSwapError
 from tensorswap.store import DirectoryStore, put_tensor, read_manifest
 from tensorswap.store.manifest import TensorManifest
+from tensorswap.transport import Transport, serve_tcp
 from tensorswap.wire.connection import Timeouts
 from tensorswap.wire.errors import StreamEnded
 from tensorswap.wire.ipfrs import GradientStreamSession
 from tensorswap.wire.server import BlockServer
-from tensorswap.wire.tcp import serve_tcp
-from tensorswap.wire.transport import Transport
 
 __all__ = ["describe_root", "recv"]
 

@@ -18,11 +18,11 @@ from tensorswap.cli._util import SECONDS, client_tls, parse_host_port, read_key,
 from tensorswap.codec import TensorBlock, decode_block, is_tensorswap_block
 from tensorswap.codec.ipfrs import decode_ipfrs_gradient, is_ipfrs_gradient_file
 from tensorswap.store import DEFAULT_CHUNK_BYTES, ModelUpdate
+from tensorswap.transport import connect_tcp
 from tensorswap.wire.client import BlockClient, CompressionChoice
 from tensorswap.wire.connection import Timeouts
 from tensorswap.wire.frames import Compression
 from tensorswap.wire.ipfrs import DEFAULT_CHUNK_SIZE, GradientStreamSession
-from tensorswap.wire.tcp import connect_tcp
 
 __all__ = ["load_tensors", "send"]
 

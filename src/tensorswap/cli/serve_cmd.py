@@ -22,8 +22,8 @@ from tensorswap.cli._util import (
 )
 from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
 from tensorswap.rounds.server import RoundServer
+from tensorswap.transport import DEFAULT_MAX_CONNECTIONS
 from tensorswap.wire.connection import Timeouts
-from tensorswap.wire.tcp import DEFAULT_MAX_CONNECTIONS
 
 __all__ = ["release_large_frees", "resolve_key", "serve"]
 
@@ -164,7 +164,8 @@ async def _run(
     default=DEFAULT_MAX_CONNECTIONS,
     show_default=True,
     metavar="N",
-    help="Clients served at once; more are refused at once (each holds a file descriptor).",
+    help="Clients served at once (each holds a file descriptor); at the cap a newcomer closes "
+    "the connection idle the longest (1 s or more), else it is refused with ERROR busy.",
 )
 @click.option(
     "--reset",

@@ -30,6 +30,7 @@ from tensorswap.delta.fragment import DweFragment
 from tensorswap.delta.telemetry import DweTelemetry, TelemetrySnapshot
 from tensorswap.delta.verify import fragment_hmac
 from tensorswap.errors import DeltaError
+from tensorswap.transport import TcpTransport, TransportError, connect_tcp
 
 # Encoding and signing a fragment above this size runs in a worker thread, off the event loop.
 _OFFLOAD_BYTES = 1 << 20
@@ -64,22 +65,17 @@ class _Frame:
 class _Peer:
     endpoint: Endpoint
     queue: asyncio.Queue[_Frame]
-    reader: asyncio.StreamReader | None = None
-    writer: asyncio.StreamWriter | None = None
+    transport: TcpTransport | None = None
     delay: float = 0.0
 
     def connected(self) -> bool:
-        return (
-            self.writer is not None
-            and self.reader is not None
-            and not self.reader.at_eof()  # the peer closed its side: reconnect before writing
-            and not self.writer.is_closing()
-        )
+        # the peer closed its side: reconnect before writing
+        return self.transport is not None and not self.transport.peer_closed
 
-    async def disconnect(self) -> None:
-        writer, self.reader, self.writer = self.writer, None, None
-        if writer is not None:
-            await _close(writer)
+    async def disconnect(self, *, broken: bool = False) -> None:
+        transport, self.transport = self.transport, None
+        if transport is not None:
+            await _close(transport, broken=broken)
 
 
 class DweBus:
@@ -310,7 +306,7 @@ class DweBus:
                     self.telemetry_recorder.record_failure(error)
                     self.telemetry_recorder.record_send_failure(error)
                     with contextlib.suppress(Exception):
-                        await peer.disconnect()
+                        await peer.disconnect(broken=True)
                 finally:
                     peer.queue.task_done()
                     self._settle(frame)
@@ -326,11 +322,11 @@ class DweBus:
                     await self._send_persistent(peer, frame)
                 else:
                     await self._send_per_fragment(peer, frame)
-            # UnicodeError: a host name IDNA cannot encode (say, a label over 63 characters)
-            # fails in getaddrinfo; like a refused connection, it fails this peer, not the bus.
-            except (OSError, TimeoutError, asyncio.IncompleteReadError, UnicodeError) as exc:
+            # A host name IDNA cannot encode (say, a label over 63 characters) fails in
+            # connect_tcp like a refused connection: it fails this peer, not the bus.
+            except (TransportError, OSError, TimeoutError) as exc:
                 error = exc
-                await peer.disconnect()
+                await peer.disconnect(broken=True)
                 peer.delay = min(
                     self.config.backoff_max, peer.delay * 2 or self.config.backoff_initial
                 )
@@ -350,51 +346,50 @@ class DweBus:
                 async with asyncio.timeout(peer.delay):
                     await self._closing.wait()
 
-    async def _connect(self, peer: _Peer) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        async with asyncio.timeout(self.config.connect_timeout):
-            streams = await asyncio.open_connection(peer.endpoint.host, peer.endpoint.port)
+    async def _connect(self, peer: _Peer) -> TcpTransport:
+        transport = await connect_tcp(
+            peer.endpoint.host, peer.endpoint.port, timeout=self.config.connect_timeout
+        )
         self.telemetry_recorder.record_reconnect()
-        return streams
+        return transport
 
     async def _send_persistent(self, peer: _Peer, frame: _Frame) -> None:
         if not peer.connected():
             await peer.disconnect()
-            peer.reader, peer.writer = await self._connect(peer)
-        writer = peer.writer
-        if writer is None:  # connected() was true or we just connected
-            raise ConnectionError("no connection")
-        writer.write(frame.data)
-        if writer.transport.get_write_buffer_size():  # the kernel did not take it all at once
-            async with asyncio.timeout(self.config.write_timeout):
-                await writer.drain()
+            peer.transport = await self._connect(peer)
+        transport = peer.transport
+        if transport is None:  # connected() was true or we just connected
+            raise TransportError("no connection")
+        async with asyncio.timeout(self.config.write_timeout):
+            await transport.send(frame.data)
 
     async def _send_per_fragment(self, peer: _Peer, frame: _Frame) -> None:
-        reader, writer = await self._connect(peer)
+        transport = await self._connect(peer)
+        broken = True
         try:
-            writer.write(frame.data)
-            if writer.can_write_eof():
-                writer.write_eof()
             async with asyncio.timeout(self.config.write_timeout):
-                await writer.drain()
+                await transport.send(frame.data)
+                await transport.send_eof()
+            broken = False
             # The receiver closes once it has read the frame: waiting for that keeps fragments
             # in order across connections. Its absence is not a failure (the bytes were sent).
-            with contextlib.suppress(TimeoutError, OSError):
+            with contextlib.suppress(TimeoutError, TransportError):
                 async with asyncio.timeout(self.config.write_timeout):
-                    while await reader.read(1 << 16):
+                    sink = bytearray(1 << 16)
+                    while await transport.receive_into(sink):
                         pass
         finally:
-            await _close(writer)
+            await _close(transport, broken=broken)
 
 
-async def _close(writer: asyncio.StreamWriter) -> None:
+async def _close(transport: TcpTransport, *, broken: bool) -> None:
     """Close a connection without waiting on a peer that stopped reading.
 
-    ``close()`` would wait until the write buffer has been flushed, which a stalled peer
-    never allows: bytes still buffered (a write that timed out) are dropped with ``abort()``.
+    A clean close would wait until the write buffer has been flushed, which a stalled peer
+    never allows: a broken stream (a send that failed or timed out), or one with bytes still
+    buffered, is aborted instead.
     """
-    if writer.transport.get_write_buffer_size():
-        writer.transport.abort()
+    if broken or transport.write_buffer_size:
+        transport.abort()
     else:
-        writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
+        await transport.aclose()

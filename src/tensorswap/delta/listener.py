@@ -8,13 +8,13 @@ even when copies arrive on several connections at the same time.
 
 A frame must arrive within ``frame_timeout`` of its first byte; a connection with no frame in
 progress is closed after ``idle_timeout``, and when ``max_connections`` are open the longest-idle
-one makes room for a newcomer. Nothing a connection or a callback raises stops the listener.
+one makes room for a newcomer (the shared ``tensorswap.transport.TcpListener`` keeps the cap and
+evicts). Nothing a connection or a callback raises stops the listener.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from tensorswap.delta.bincode import (
+    FRAME_PREFIX_BYTES,
     FragmentTooLarge,
     MalformedFragment,
     decode_fragment_signed,
@@ -32,11 +33,11 @@ from tensorswap.delta.fragment import DweFragment, quoted
 from tensorswap.delta.telemetry import DweTelemetry, TelemetrySnapshot
 from tensorswap.delta.verify import FragmentRejected, FragmentVerifier, KeyUsed, RejectReason
 from tensorswap.errors import DeltaError
+from tensorswap.transport import TcpListener, Transport, TransportError, serve_tcp
 
 Handler = Callable[[DweFragment], Awaitable[object] | object]
 # Fragments above this size are hashed and authenticated in a worker thread.
 _OFFLOAD_BYTES = 1 << 20
-_READ_LIMIT = 1 << 20
 # A connection whose frames are already buffered never waits, so it would keep the event loop
 # until its buffer ran dry (60,000 four-byte frames: 2.3 s); it yields after this long.
 _TURN_SECONDS = 0.005
@@ -74,18 +75,8 @@ class Verdict:
         return f"{self.peer} {what} bytes={self.fragment_bytes} {verdict}{extra}"
 
 
-@dataclass(eq=False)
-class _Connection:
-    """One served connection; ``idle_since`` is None while a frame is being read or handled."""
-
-    peer: str
-    writer: asyncio.StreamWriter
-    idle_since: float | None
-    task: asyncio.Task[None] | None = None
-
-
 class DweListener:
-    """Serve the DWE protocol on TCP; every connection task is owned by the listener's TaskGroup.
+    """Serve the DWE protocol on TCP; every connection task is owned by its ``TcpListener``.
 
     ``handler`` is called with each verified fragment (sync or async; an ``asyncio.Queue`` is
     put into); it may raise a :class:`DeltaError` (e.g. from ``apply_fragment``) to refuse it,
@@ -115,10 +106,8 @@ class DweListener:
         self._handler = None if isinstance(handler, asyncio.Queue) else handler
         self._on_verdict = on_verdict
         self._apply_lock = asyncio.Lock()
-        self._server: asyncio.Server | None = None
-        self._group: asyncio.TaskGroup | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._connections: set[_Connection] = set()  # open and not evicted
+        self.tcp_listener: TcpListener | None = None
+        """The transport listener serving the connections (cap, eviction), once started."""
         self._closed = asyncio.Event()
         self.endpoint: Endpoint | None = None
 
@@ -128,23 +117,24 @@ class DweListener:
 
     async def start(self, host: str | None = None, port: int | None = None) -> Endpoint:
         """Bind (default: ``config.listen``, else 127.0.0.1 on a free port) and start serving."""
-        if self._server is not None or self._closed.is_set():
+        if self.tcp_listener is not None or self._closed.is_set():
             raise DeltaError("listener already started or closed")
         default = self.config.listen or Endpoint("127.0.0.1", 0)
         bind_host = host if host is not None else default.host
         bind_port = port if port is not None else default.port
-        self._group = asyncio.TaskGroup()
-        await self._group.__aenter__()
         try:
-            self._server = await asyncio.start_server(
-                self._on_connect, bind_host, bind_port, limit=_READ_LIMIT
+            self.tcp_listener = await serve_tcp(
+                self._serve,
+                bind_host,
+                bind_port,
+                max_connections=self.config.max_connections,
+                min_idle=0.0,  # any connection between frames may make room
+                on_refused=self._refused,
+                on_evicted=self._evicted,
             )
-        except (OSError, UnicodeError) as exc:  # UnicodeError: a host name IDNA refuses
-            await self._group.__aexit__(None, None, None)
-            self._group = None
+        except TransportError as exc:
             raise DeltaError(f"cannot listen on {bind_host}:{bind_port}: {exc}") from exc
-        sockname = self._server.sockets[0].getsockname()
-        self.endpoint = Endpoint(str(sockname[0]), int(sockname[1]))
+        self.endpoint = Endpoint(self.tcp_listener.host, self.tcp_listener.port)
         return self.endpoint
 
     async def wait_closed(self) -> None:
@@ -156,14 +146,8 @@ class DweListener:
         if self._closed.is_set():
             return
         self._closed.set()
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._group is not None:
-            await self._group.__aexit__(None, None, None)
-        if self._server is not None:
-            await self._server.wait_closed()
+        if self.tcp_listener is not None:
+            await self.tcp_listener.aclose()
 
     async def __aenter__(self) -> DweListener:
         await self.start()
@@ -178,113 +162,94 @@ class DweListener:
         await self.aclose()
 
     # ── connections ─────────────────────────────────────────────────────────
-    def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._closed.is_set() or self._group is None:
-            writer.close()
-            return
-        if len(self._connections) >= self.config.max_connections and not self._evict_idle():
-            self.telemetry_recorder.record_error(
-                f"dwe listener: refused a connection beyond {self.config.max_connections} "
-                "(every connection has a frame in progress)"
-            )
-            writer.close()
-            return
-        loop = asyncio.get_running_loop()
-        conn = _Connection(_peer_name(writer), writer, loop.time())
-        task = self._group.create_task(self._serve(reader, conn))
-        conn.task = task
-        self._connections.add(conn)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    async def _refused(self, transport: Transport) -> None:
+        self.telemetry_recorder.record_error(
+            f"dwe listener: refused a connection beyond {self.config.max_connections} "
+            "(every connection has a frame in progress)"
+        )
 
-    def _evict_idle(self) -> bool:
-        """Close the connection idle the longest to make room; False if none is idle."""
-        idle = [c for c in self._connections if c.idle_since is not None]
-        if not idle:
-            return False
-        victim = min(idle, key=lambda c: c.idle_since or 0.0)
-        self._connections.discard(victim)
+    def _evicted(self, transport: Transport) -> None:
         self.telemetry_recorder.record_idle_closed()
-        log.info("dwe listener: closing idle connection %s to make room", victim.peer)
-        victim.writer.close()
-        if victim.task is not None:
-            victim.task.cancel()
-        return True
+        log.info("dwe listener: closing idle connection %s to make room", transport.peer)
 
-    async def _serve(self, reader: asyncio.StreamReader, conn: _Connection) -> None:
+    async def _serve(self, transport: Transport) -> None:
         try:
-            await self._serve_frames(reader, conn)
-        except OSError as exc:
-            self.telemetry_recorder.record_error(f"dwe listener {conn.peer}: {exc!r}")
+            await self._serve_frames(transport)
+        except TransportError as exc:  # reset, broken pipe: this connection only
+            self.telemetry_recorder.record_error(f"dwe listener {transport.peer}: {exc!r}")
         except Exception as exc:  # a bug must cost this connection only, never the listener
-            log.exception("dwe listener %s: connection failed", conn.peer)
-            self.telemetry_recorder.record_failure(f"dwe listener {conn.peer}: {exc!r}")
-        finally:
-            self._connections.discard(conn)
+            log.exception("dwe listener %s: connection failed", transport.peer)
+            self.telemetry_recorder.record_failure(f"dwe listener {transport.peer}: {exc!r}")
 
-    async def _serve_frames(self, reader: asyncio.StreamReader, conn: _Connection) -> None:
+    async def _serve_frames(self, transport: Transport) -> None:
         loop = asyncio.get_running_loop()
         turn = loop.time()
-        try:
-            while True:
-                now = conn.idle_since = loop.time()
-                if now - turn >= _TURN_SECONDS:  # let every other connection and task run
-                    await asyncio.sleep(0)
-                    turn = loop.time()
-                try:
-                    async with asyncio.timeout(self.config.idle_timeout):
-                        first = await reader.readexactly(1)
-                except asyncio.IncompleteReadError:
-                    return  # closed between frames
-                except TimeoutError:
-                    self.telemetry_recorder.record_idle_closed()
-                    log.info(
-                        "dwe listener: %s idle for %ss, closed", conn.peer, self.config.idle_timeout
-                    )
-                    return
-                conn.idle_since = None
-                body = await self._read_frame(reader, conn.peer, first)
-                if body is None:
-                    return
-                try:
-                    await self._process(body, conn.peer)
-                except Exception as exc:  # the stream is still in step: keep the connection
-                    log.exception("dwe listener %s: frame processing failed", conn.peer)
-                    detail = f"internal error: {exc!r}"
-                    self._reject(conn.peer, RejectReason.INTERNAL_ERROR, detail, len(body))
-        finally:
-            conn.writer.close()
-            with contextlib.suppress(OSError):
-                await conn.writer.wait_closed()
+        prefix = bytearray(FRAME_PREFIX_BYTES)
+        first, rest = memoryview(prefix)[:1], memoryview(prefix)[1:]
+        while True:
+            if loop.time() - turn >= _TURN_SECONDS:  # let every other connection and task run
+                await asyncio.sleep(0)
+                turn = loop.time()
+            try:  # idle here (no frame in progress): the listener may evict this connection
+                async with asyncio.timeout(self.config.idle_timeout):
+                    got = await transport.receive_into(first)
+            except TimeoutError:
+                self.telemetry_recorder.record_idle_closed()
+                log.info(
+                    "dwe listener: %s idle for %ss, closed",
+                    transport.peer,
+                    self.config.idle_timeout,
+                )
+                return
+            if not got:
+                return  # closed between frames
+            with transport.busy():  # a frame in progress: never evicted
+                body = await self._read_frame(transport, prefix, rest)
+            if body is None:
+                return
+            try:
+                await self._process(body, transport.peer)
+            except Exception as exc:  # the stream is still in step: keep the connection
+                log.exception("dwe listener %s: frame processing failed", transport.peer)
+                detail = f"internal error: {exc!r}"
+                self._reject(transport.peer, RejectReason.INTERNAL_ERROR, detail, len(body))
 
     async def _read_frame(
-        self, reader: asyncio.StreamReader, peer: str, first: bytes
-    ) -> bytes | None:
-        """The body of the frame whose first prefix byte is ``first``, or None (then close)."""
+        self, transport: Transport, prefix: bytearray, rest: memoryview
+    ) -> memoryview | None:
+        """The body of the frame whose first prefix byte is in ``prefix``, or None (then close).
+
+        ``rest`` is the view of ``prefix`` after its first byte. The body is a read-only view
+        of a buffer of its own, received in place.
+        """
+        peer = transport.peer
         length: int | None = None
         try:
             async with asyncio.timeout(self.config.frame_timeout):
-                prefix = first + await reader.readexactly(3)
+                if await transport.receive_into(rest) < rest.nbytes:
+                    self._reject(
+                        peer, RejectReason.TRUNCATED, "connection closed inside a prefix", 0
+                    )
+                    return None
                 try:
                     length = read_frame_length(prefix, self.config.max_fragment_bytes)
                 except FragmentTooLarge as exc:  # refused before reading or allocating the body
                     self._reject(peer, RejectReason.TOO_LARGE, str(exc), exc.size)
                     return None
-                return await reader.readexactly(length)
-        except asyncio.IncompleteReadError as exc:
-            if length is None:
-                detail = "connection closed inside a prefix"
-                self._reject(peer, RejectReason.TRUNCATED, detail, 0)
-            else:
-                detail = f"connection closed after {len(exc.partial)} of {length} bytes"
-                self._reject(peer, RejectReason.TRUNCATED, detail, length)
+                body = bytearray(length)
+                got = await transport.receive_into(body)
         except TimeoutError:
             what = "length prefix" if length is None else f"frame of {length} bytes"
             detail = f"{what} not complete in {self.config.frame_timeout}s"
             self._reject(peer, RejectReason.TIMEOUT, detail, length or 0)
-        return None
+            return None
+        if got < length:
+            detail = f"connection closed after {got} of {length} bytes"
+            self._reject(peer, RejectReason.TRUNCATED, detail, length)
+            return None
+        return memoryview(body).toreadonly()
 
-    async def _process(self, body: bytes, peer: str) -> None:
+    async def _process(self, body: memoryview, peer: str) -> None:
         self.telemetry_recorder.record_received(len(body))
         try:
             decoded = decode_fragment_signed(
@@ -400,10 +365,3 @@ class DweListener:
         except Exception as exc:  # a faulty callback must not take the listener down
             log.exception("dwe listener: on_verdict raised for %s", verdict.describe())
             self.telemetry_recorder.record_failure(f"dwe listener: on_verdict raised {exc!r}")
-
-
-def _peer_name(writer: asyncio.StreamWriter) -> str:
-    name = writer.get_extra_info("peername")
-    if isinstance(name, tuple) and len(name) >= 2:
-        return f"{name[0]}:{name[1]}"
-    return str(name)

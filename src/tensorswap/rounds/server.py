@@ -44,7 +44,6 @@ from tensorswap.wire import (
     Timeouts,
     Transport,
     WireLimits,
-    serve_tcp,
 )
 from tensorswap.wire.tcp import DEFAULT_MAX_CONNECTIONS
 
@@ -122,13 +121,11 @@ class RoundServer:
     ) -> Self:
         """Listen on ``host:port`` (TLS with ``ssl``); the bound port is ``self.port``.
 
-        The listener is the block server's (``blocks.listener``, within its
-        ``max_connections``), but each connection enters through ``self.handle``.
+        The listener is the block server's (``blocks.listener``: its connection cap and
+        busy refusals), but each connection enters through ``self.handle``.
         """
         self._loop = asyncio.get_running_loop()
-        self.blocks.listener = await serve_tcp(
-            self.handle, host, port, ssl=ssl, max_connections=self.blocks.max_connections
-        )
+        await self.blocks.start(host, port, ssl=ssl, handler=self.handle)
         log.info("coordinator listening on %s:%d", host, self.port)
         return self
 

@@ -20,9 +20,11 @@ from tensorswap.wire.errors import (
     PeerTimeout,
     ProtocolViolation,
     RemoteError,
+    ServerBusy,
     StreamEnded,
     TotalChunksMismatch,
     TransportClosed,
+    TransportError,
     UnexpectedEof,
 )
 from tensorswap.wire.frames import Compression, FrameHeader, FrameKind
@@ -69,6 +71,7 @@ __all__ = [
     "PushResult",
     "RemoteError",
     "RequestHandler",
+    "ServerBusy",
     "ServerStats",
     "StreamEnded",
     "TcpListener",
@@ -77,6 +80,7 @@ __all__ = [
     "TotalChunksMismatch",
     "Transport",
     "TransportClosed",
+    "TransportError",
     "UnexpectedEof",
     "WireLimits",
     "chunk_count",

@@ -7,22 +7,27 @@ import hmac
 import os
 import secrets
 import ssl
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from tensorswap.transport import Transport
 from tensorswap.wire.connection import FrameConnection
 from tensorswap.wire.errors import (
     AuthenticationFailed,
     ProtocolViolation,
     RemoteError,
+    ServerBusy,
     StreamEnded,
 )
 from tensorswap.wire.frames import PROTOCOL_VERSION
 from tensorswap.wire.messages import Error, Hello, Ready, Welcome
 
 __all__ = [
+    "BUSY_CODE",
     "HANDSHAKE_MESSAGE_BYTES",
     "KEY_ENV",
     "NONCE_BYTES",
+    "busy_refusal",
     "client_handshake",
     "client_proof",
     "client_ssl_context",
@@ -38,6 +43,8 @@ HANDSHAKE_MESSAGE_BYTES = 4096
 nothing larger is allocated for a peer that has not authenticated."""
 KEY_ENV = "TENSORSWAP_KEY"
 """Environment variable the CLI reads a shared key from (the key file option wins)."""
+BUSY_CODE = "busy"
+"""Error code a server at its connection cap sends in place of its Welcome (ServerBusy)."""
 _CLIENT_LABEL = b"tensorswap/1 client proof\x00"
 _SERVER_LABEL = b"tensorswap/1 server proof\x00"
 
@@ -64,6 +71,21 @@ def load_key(path: str | os.PathLike[str] | None = None, *, env: str = KEY_ENV) 
     if not key:
         raise ValueError("the shared key is empty")
     return key
+
+
+def busy_refusal(max_connections: int) -> Callable[[Transport], Awaitable[None]]:
+    """A listener's ``on_refused`` for the tensorswap framing: ``ERROR busy`` before closing.
+
+    Sent in place of the Welcome, so a client learns why it was refused (``ServerBusy``)
+    instead of seeing the connection close before the handshake.
+    """
+
+    async def refuse(transport: Transport) -> None:
+        conn = FrameConnection(transport)
+        reason = f"at its connection cap ({max_connections}); retry later"
+        await conn.send_error(BUSY_CODE, reason)
+
+    return refuse
 
 
 async def server_handshake(
@@ -119,7 +141,8 @@ async def client_handshake(
 
     Raises AuthenticationFailed when the server wants a key and none is configured, when a
     key is configured but the server does not authenticate (a server without the key could
-    be anyone), when the server refuses the proof, or when the server's proof is wrong.
+    be anyone), when the server refuses the proof, or when the server's proof is wrong;
+    ServerBusy when the server answers ``ERROR busy`` (at its connection cap) instead.
     """
     seconds = conn.timeouts.handshake
     try:
@@ -128,6 +151,10 @@ async def client_handshake(
         )
     except StreamEnded as exc:
         raise AuthenticationFailed(conn.peer, "server closed before its welcome") from exc
+    except RemoteError as exc:
+        if exc.code == BUSY_CODE:
+            raise ServerBusy(conn.peer, exc.message) from exc
+        raise
     if welcome.protocol != PROTOCOL_VERSION:
         raise ProtocolViolation(f"server speaks protocol {welcome.protocol}")
     if len(welcome.nonce) != NONCE_BYTES:

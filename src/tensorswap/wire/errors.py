@@ -4,10 +4,12 @@
 
     WireError
     ├── StreamEnded            the peer closed cleanly at a frame boundary before any frame
-    ├── UnexpectedEof          the peer closed inside a frame (received < expected bytes)
-    ├── ConnectionFailed       connect/read/write failed at the OS level (refused, reset, ...)
-    ├── PeerTimeout            (also TimeoutError) connect or a frame read took too long
-    ├── TransportClosed        (also RuntimeError) local use of a closed transport
+    ├── TransportError         (tensorswap.transport.errors; re-exported here)
+    │   ├── UnexpectedEof      the peer closed inside a frame (received < expected bytes)
+    │   ├── ConnectionFailed   connect/read/write failed at the OS level (refused, reset, ...)
+    │   │   └── ServerBusy     the server is at its connection cap and said so (ERROR busy)
+    │   ├── PeerTimeout        (also TimeoutError) connect or a frame read took too long
+    │   └── TransportClosed    (also RuntimeError) local use of a closed transport
     ├── ProtocolViolation      the peer sent bytes or messages the protocol forbids
     │   ├── FrameTooLarge      a length or count above the configured limit (refused unread)
     │   ├── TotalChunksMismatch / DuplicateChunk / ChunkIndexOutOfRange   (ipfrs streams)
@@ -21,7 +23,14 @@
 
 from __future__ import annotations
 
-from tensorswap.errors import WireError
+from tensorswap.errors import TransportError, WireError
+from tensorswap.transport.errors import (
+    ConnectionFailed,
+    PeerTimeout,
+    ServerBusy,
+    TransportClosed,
+    UnexpectedEof,
+)
 
 __all__ = [
     "AuthenticationFailed",
@@ -36,9 +45,11 @@ __all__ = [
     "PeerTimeout",
     "ProtocolViolation",
     "RemoteError",
+    "ServerBusy",
     "StreamEnded",
     "TotalChunksMismatch",
     "TransportClosed",
+    "TransportError",
     "UnexpectedEof",
     "WireError",
 ]
@@ -54,46 +65,6 @@ class StreamEnded(WireError):
     def __init__(self, what: str = "stream") -> None:
         self.what = what
         super().__init__(f"{what} ended before the first frame (peer closed the connection)")
-
-
-class UnexpectedEof(WireError):
-    """The peer closed the stream in the middle of a frame."""
-
-    def __init__(self, what: str, received: int, expected: int) -> None:
-        self.what = what
-        self.received = received
-        self.expected = expected
-        super().__init__(
-            f"connection closed inside {what}: received {received} of {expected} bytes"
-        )
-
-
-class ConnectionFailed(WireError):
-    """An OS-level failure connecting, reading or writing (refused, reset, broken pipe)."""
-
-    def __init__(self, peer: str, detail: str) -> None:
-        self.peer = peer
-        self.detail = detail
-        super().__init__(f"connection to {peer} failed: {detail}")
-
-
-class PeerTimeout(WireError, TimeoutError):
-    """The peer did not connect or deliver a frame in time; the connection is dropped."""
-
-    def __init__(self, what: str, seconds: float, peer: str = "") -> None:
-        self.what = what
-        self.seconds = seconds
-        self.peer = peer
-        who = f" from {peer}" if peer else ""
-        super().__init__(f"timed out after {seconds:g}s waiting for {what}{who}")
-
-
-class TransportClosed(WireError, RuntimeError):
-    """This side already closed the transport; nothing more can be sent or received."""
-
-    def __init__(self, peer: str = "") -> None:
-        self.peer = peer
-        super().__init__(f"transport to {peer or 'peer'} is closed")
 
 
 class ProtocolViolation(WireError):

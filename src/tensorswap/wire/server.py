@@ -17,7 +17,7 @@ from tensorswap.store.base import BlockStore
 from tensorswap.store.manifest import manifest_closure
 from tensorswap.wire._pipeline import prefetched
 from tensorswap.wire._sink import BlockSink
-from tensorswap.wire.auth import server_handshake
+from tensorswap.wire.auth import busy_refusal, server_handshake
 from tensorswap.wire.connection import (
     FrameConnection,
     PreparedBlock,
@@ -193,22 +193,35 @@ class BlockServer:
         self.handlers: dict[str, RequestHandler] = dict(handlers or {})
         """Application request handlers by app name (see ``AppRequest``)."""
         self.max_connections = max_connections
-        """Clients served at once once started (``start``); more are aborted on connect."""
+        """Clients served at once once started (``start``); see ``start`` for one more."""
         self.stats = ServerStats()
         self.errors: deque[BaseException] = deque(maxlen=100)
         self.listener: TcpListener | None = None
 
     # ── lifecycle ────────────────────────────────────────────────────────────
     async def start(
-        self, host: str = "127.0.0.1", port: int = 0, *, ssl: ssl_module.SSLContext | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        ssl: ssl_module.SSLContext | None = None,
+        handler: Callable[[Transport], Awaitable[None]] | None = None,
     ) -> Self:
         """Listen on ``host:port`` (TLS with ``ssl``); the bound port is ``self.port``.
 
-        At most ``self.max_connections`` clients are served at once; one more is aborted as
-        soon as it connects (``self.listener.refused`` counts them).
+        At most ``self.max_connections`` clients are served at once; one more closes the
+        connection idle the longest, or is refused with ``ERROR busy`` (``ServerBusy`` on
+        the client) when none has been idle for ``DEFAULT_MIN_IDLE`` seconds (see wire.md).
+        Each connection is served by ``handler`` (default ``self.handle``; a service that
+        wraps this server passes its own, which ends in ``self.handle``).
         """
         self.listener = await serve_tcp(
-            self.handle, host, port, ssl=ssl, max_connections=self.max_connections
+            handler or self.handle,
+            host,
+            port,
+            ssl=ssl,
+            max_connections=self.max_connections,
+            on_refused=busy_refusal(self.max_connections),
         )
         return self
 

@@ -1,4 +1,8 @@
-"""One conformance suite for every Transport: in-memory, TCP and TLS over loopback."""
+"""One conformance suite for every Transport: in-memory, TCP and TLS over loopback.
+
+Every test taking ``pair`` runs on each implementation; what only TCP has (the listener's cap,
+copy-free paths) follows at the end, and the listener's eviction rule in test_transport_listener.
+"""
 
 from __future__ import annotations
 
@@ -12,22 +16,21 @@ from pathlib import Path
 
 import pytest
 
-from tensorswap.wire.auth import client_ssl_context, server_ssl_context
-from tensorswap.wire.errors import (
-    ConnectionFailed,
-    PeerTimeout,
-    TransportClosed,
-    UnexpectedEof,
-)
-from tensorswap.wire.tcp import (
+from tensorswap.transport import (
     DIRECT_RECEIVE_BYTES,
     DIRECT_SEND_BYTES,
+    ConnectionFailed,
+    PeerTimeout,
     TcpListener,
     TcpTransport,
+    Transport,
+    TransportClosed,
+    UnexpectedEof,
     connect_tcp,
+    memory_pair,
     serve_tcp,
 )
-from tensorswap.wire.transport import Transport, memory_pair
+from tensorswap.wire.auth import client_ssl_context, server_ssl_context
 
 Pair = tuple[Transport, Transport]
 
@@ -186,6 +189,14 @@ async def test_cancelled_receive_leaves_transport_usable_for_close(pair: Pair) -
     await b.aclose()
 
 
+async def test_busy_marks_nest_and_leave_the_stream_alone(pair: Pair) -> None:
+    a, b = pair
+    with a.busy(), a.busy():
+        await a.send(b"in a message")
+    with b.busy():
+        assert await receive_all(b, 12) == b"in a message"
+
+
 async def test_memory_send_is_bounded_by_capacity() -> None:
     a, b = memory_pair(capacity=1024)
     sender = asyncio.ensure_future(a.send(b"x" * 5000))
@@ -208,6 +219,11 @@ async def test_connect_refused_is_connection_failed() -> None:
     await listener.aclose()
     with pytest.raises(ConnectionFailed):
         await connect_tcp("127.0.0.1", port, timeout=5)
+
+
+async def test_a_host_name_idna_refuses_is_connection_failed() -> None:
+    with pytest.raises(ConnectionFailed, match="connect"):
+        await connect_tcp("a" * 64 + ".invalid", 9, timeout=5)  # a label over 63 characters
 
 
 async def test_tls_with_untrusted_certificate_fails(tmp_path: Path) -> None:
