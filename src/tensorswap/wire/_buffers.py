@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 import threading
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["ReceiveBuffers", "receive_buffers"]
+__all__ = ["ReceiveBuffers", "receive_buffers", "release_free_memory"]
 
 _GRANULE = 1 << 20  # slab sizes are rounded up to this, so blocks of similar size share slabs
 
@@ -80,3 +84,30 @@ _SHARED = ReceiveBuffers()
 def receive_buffers() -> ReceiveBuffers:
     """The process-wide pool the wire receives block payloads into."""
     return _SHARED
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim: Callable[[int], int] = libc.malloc_trim  # glibc only (not musl)
+    except (OSError, AttributeError):
+        return None
+    return trim
+
+
+_TRIM = _malloc_trim()
+
+
+def release_free_memory() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``); True if it did.
+
+    Large buffers are mapped and unmapped on their own, but a burst of blocks under glibc's
+    mmap threshold (which grows to 32 MiB as large buffers are freed) stays in the heap once
+    freed, counted in the process's resident memory; this returns it. It walks the heap
+    (milliseconds for a large one): call it off the event loop, after a burst, not per block.
+    """
+    if _TRIM is None:
+        return False
+    return bool(_TRIM(0))
