@@ -38,6 +38,7 @@ from tensorswap.wire import (
     Transport,
     WireLimits,
 )
+from tensorswap.wire.server import DEFAULT_MAX_INFLIGHT_BYTES
 from tensorswap.wire.tcp import DEFAULT_MAX_CONNECTIONS
 
 __all__ = ["RoundServer", "TrafficStats"]
@@ -86,6 +87,7 @@ class RoundServer(BlockServer):
         store_depth: int = 2,
         max_wait: float = 300.0,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     ) -> None:
         if not (isinstance(max_wait, int | float) and math.isfinite(max_wait) and max_wait > 0):
             raise ValueError(f"max_wait must be a finite number of seconds > 0, got {max_wait!r}")
@@ -98,6 +100,7 @@ class RoundServer(BlockServer):
             store_depth=store_depth,
             handlers={APP: self._on_request},
             max_connections=max_connections,
+            max_inflight_bytes=max_inflight_bytes,
         )
         self.coordinator = coordinator
         self.max_wait = float(max_wait)
