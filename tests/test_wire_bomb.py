@@ -254,3 +254,21 @@ async def test_a_bomb_is_answered_at_once_too() -> None:
             conn.transport.abort()
         assert server.budget.in_flight == 0
         assert server.budget.peak > 8 * MiB  # its raw_len was counted before decompressing
+
+
+# ── nothing of a refused block outlives its connection ───────────────────────
+async def test_kept_errors_do_not_hold_the_blocks_that_failed() -> None:
+    async with await BlockServer(MemoryStore()).start() as server:
+        conn = await raw_connection(server.port)
+        try:
+            await conn.send_prepared(prepare_block(Cid.of(b"real"), b"forged"))
+            assert (await read_error(conn)).code == "block_hash_mismatch"
+            await expect_closed(conn)
+        finally:
+            conn.transport.abort()
+    failure = server.errors[-1]
+    assert isinstance(failure, BlockHashMismatch)
+    chain = [failure, failure.__cause__, failure.__context__]
+    assert failure.__cause__ is not None
+    # a traceback would keep the failed check's frames, and the block in them, alive
+    assert all(e is None or e.__traceback__ is None for e in chain)

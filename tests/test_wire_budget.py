@@ -167,17 +167,19 @@ async def test_many_tasks_never_push_the_peak_above_the_limit() -> None:
     assert budget.waits > 0
 
 
-async def test_on_idle_reports_the_high_water_mark_each_time_the_budget_empties() -> None:
-    highs: list[int] = []
-    budget = ByteBudget(100, on_idle=highs.append)
+async def test_on_idle_reports_the_bytes_granted_each_time_the_budget_empties() -> None:
+    idle: list[int] = []
+    budget = ByteBudget(100, on_idle=idle.append)
     first = await budget.reserve(30)
     second = await budget.reserve(50)
     first.release()
-    assert highs == []
+    third = await budget.reserve(40)
     second.release()
-    assert highs == [80]
+    assert idle == []
+    third.release()
+    assert idle == [120]
     with await budget.reserve(10):
         pass
-    assert highs == [80, 10]
-    budget.release(0)  # nothing was in flight since: not reported again
-    assert highs == [80, 10]
+    assert idle == [120, 10]
+    budget.release(0)  # nothing was granted since: not reported again
+    assert idle == [120, 10]

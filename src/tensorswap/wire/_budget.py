@@ -42,8 +42,8 @@ class ByteBudget:
     granted gives its bytes back, so cancellation never leaks a reservation. Event loop only
     (not thread-safe).
 
-    ``on_idle(high)``, if given, is called each time the bytes in flight fall back to 0, with
-    the most that were in flight since the previous time (a server frees memory then).
+    ``on_idle(granted)``, if given, is called each time the bytes in flight fall back to 0,
+    with the bytes granted since the previous time (a server returns freed memory then).
     """
 
     def __init__(
@@ -60,7 +60,7 @@ class ByteBudget:
         self.waits = 0
         self.refused = 0
         self.on_idle = on_idle
-        self._high = 0  # the peak since in_flight was last 0
+        self._granted = 0  # bytes granted since in_flight was last 0
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
     def stats(self) -> BudgetStats:
@@ -74,7 +74,7 @@ class ByteBudget:
     def _grant(self, nbytes: int) -> None:
         self.in_flight += nbytes
         self.peak = max(self.peak, self.in_flight)
-        self._high = max(self._high, self.in_flight)
+        self._granted += nbytes
 
     async def acquire(self, nbytes: int, what: str = "bytes in flight") -> None:
         """Reserve ``nbytes``, waiting (FIFO) while they do not fit; OverBudget above limit."""
@@ -107,10 +107,10 @@ class ByteBudget:
             raise ValueError(f"cannot release {nbytes} bytes of {self.in_flight} in flight")
         self.in_flight -= nbytes
         self._wake()
-        if self.in_flight == 0 and self._high:
-            high, self._high = self._high, 0
+        if self.in_flight == 0 and self._granted:
+            granted, self._granted = self._granted, 0
             if self.on_idle is not None:
-                self.on_idle(high)
+                self.on_idle(granted)
 
     def _wake(self) -> None:
         while self._waiters:

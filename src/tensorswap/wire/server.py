@@ -202,7 +202,9 @@ class BlockServer:
         self.budget = ByteBudget(max_inflight_bytes, on_idle=self._after_burst)
         """Bytes in flight over all connections (see the class docstring)."""
         self._counters = ServerStats(inflight_limit_bytes=max_inflight_bytes)
-        self._trimming = False
+        self._untrimmed = 0  # bytes granted since the heap was last trimmed
+        self._trimmed_at = -_TRIM_INTERVAL
+        self._trim_due = False
         self.errors: deque[BaseException] = deque(maxlen=100)
         self.listener: TcpListener | None = None
 
@@ -217,23 +219,29 @@ class BlockServer:
         stats.inflight_refused = budget.refused
         return stats
 
-    def _after_burst(self, high: int) -> None:
-        """The budget emptied after holding ``high`` bytes: return freed heap pages to the OS
-        (in a thread: it walks the heap), once at a time."""
-        if high < _TRIM_AFTER or self._trimming:
+    def _after_burst(self, granted: int) -> None:
+        """The budget emptied after granting ``granted`` bytes: once ``_TRIM_AFTER`` bytes
+        passed since the last time, return the heap's free pages to the OS (in a thread: it
+        walks the heap), at most once per ``_TRIM_INTERVAL`` seconds."""
+        self._untrimmed += granted
+        if self._untrimmed < _TRIM_AFTER or self._trim_due:
             return
-        self._trimming = True
-
-        def trim() -> None:
-            try:
-                release_free_memory()
-            finally:
-                self._trimming = False
-
-        with contextlib.suppress(RuntimeError):  # no running loop: nothing to schedule on
-            asyncio.get_running_loop().run_in_executor(None, trim)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # released outside a loop: nothing to schedule on
             return
-        self._trimming = False
+        self._trim_due = True
+        loop.call_later(max(0.0, self._trimmed_at + _TRIM_INTERVAL - loop.time()), self._trim)
+
+    def _trim(self) -> None:
+        if self.budget.in_flight:  # busy again: the next time it empties
+            self._trim_due = False
+            return
+        loop = asyncio.get_running_loop()
+        self._untrimmed = 0
+        self._trimmed_at = loop.time()
+        trimming = loop.run_in_executor(None, release_free_memory)
+        trimming.add_done_callback(lambda _: setattr(self, "_trim_due", False))
 
     # ── lifecycle ────────────────────────────────────────────────────────────
     async def start(
@@ -294,11 +302,11 @@ class BlockServer:
         self, exc: BaseException, transport: Transport, *, unexpected: bool = False
     ) -> None:
         self.stats.failed_connections += 1
-        self.errors.append(exc)
         if unexpected:
             logger.error("connection from %s failed: %r", transport.peer, exc, exc_info=exc)
         else:
             logger.warning("connection from %s failed: %s", transport.peer, exc)
+        self.errors.append(_without_frames(exc))
 
     @staticmethod
     async def _report(conn: FrameConnection, code: str, message: str) -> None:
@@ -439,8 +447,26 @@ class BlockServer:
 
 
 _TRIM_AFTER = 64 << 20
-"""Heap trimming follows a burst of at least this many bytes in flight (cheaper ones don't
-leave enough behind to matter)."""
+"""The heap is trimmed once the budget is idle after at least this many bytes went through
+it (fewer don't leave enough behind to matter)."""
+_TRIM_INTERVAL = 1.0
+"""Seconds between heap trims at least (each makes the next allocations fault pages in)."""
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """``exc`` (and the exceptions chained to it) without tracebacks, to be kept: a traceback
+    holds its frames' variables, such as the block a failed check was given, and ``errors``
+    would keep up to 100 of those (as many blocks of up to 256 MiB) alive."""
+    todo: list[BaseException | None] = [exc]
+    seen: set[int] = set()
+    while todo:
+        item = todo.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        item.__traceback__ = None
+        todo += [item.__cause__, item.__context__]
+    return exc
 
 
 def _needed(header: FrameHeader, prefix: BlockPrefix | None) -> tuple[int, str]:
