@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -272,3 +274,33 @@ async def test_kept_errors_do_not_hold_the_blocks_that_failed() -> None:
     assert failure.__cause__ is not None
     # a traceback would keep the failed check's frames, and the block in them, alive
     assert all(e is None or e.__traceback__ is None for e in chain)
+
+
+async def test_a_dropped_server_frees_its_store_without_waiting_for_the_collector() -> None:
+    """No reference cycle (budget, trimmer, kept errors) keeps a served store alive."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for forged in (False, True):
+            store = MemoryStore()
+            server = BlockServer(store)
+            a, b = memory_pair(capacity=1 << 22)
+            serving = asyncio.ensure_future(server.handle(b))
+            src = MemoryStore()
+            cid = src.put(bytes(range(256)) * 8192)
+            async with await BlockClient.open(a) as client:
+                if forged:
+                    await client.conn.send_prepared(prepare_block(Cid.of(b"x"), b"y"))
+                    with pytest.raises(RemoteError):
+                        await client.commit([])
+                else:
+                    await client.put_blocks(src, [cid], compression=Compression.ZSTD)
+                    await client.commit([cid])
+            await serving
+            await b.aclose()
+            alive = weakref.ref(store)
+            del store, server, serving
+            assert alive() is None, f"forged={forged}"
+    finally:
+        if enabled:
+            gc.enable()

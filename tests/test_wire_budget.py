@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from tensorswap.wire._budget import ByteBudget, Reservation
+from tensorswap.wire._buffers import HeapTrimmer, release_free_memory
 from tensorswap.wire.errors import FrameTooLarge, OverBudget
 
 
@@ -183,3 +184,26 @@ async def test_on_idle_reports_the_bytes_granted_each_time_the_budget_empties() 
     assert idle == [120, 10]
     budget.release(0)  # nothing was granted since: not reported again
     assert idle == [120, 10]
+
+
+# ── heap trimming after bursts ───────────────────────────────────────────────
+async def test_the_heap_is_trimmed_once_enough_bytes_went_by_and_not_while_busy() -> None:
+    busy = False
+    trimmer = HeapTrimmer(lambda: busy, after=100, interval=0)
+    trimmer(60)
+    await settle()
+    assert trimmer.trims == 0  # 60 bytes: not worth it
+    busy = True
+    trimmer(60)
+    await settle()
+    assert trimmer.trims == 0  # due, but a new burst began: put off
+    busy = False
+    trimmer(1)
+    async with asyncio.timeout(10):
+        while trimmer.trims == 0:
+            await asyncio.sleep(0.001)
+    assert trimmer.trims == 1
+    trimmer(99)  # the count restarted at the trim
+    await settle()
+    assert trimmer.trims == 1
+    assert isinstance(release_free_memory(), bool)  # False where there is no glibc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import sys
@@ -12,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["ReceiveBuffers", "receive_buffers", "release_free_memory"]
+__all__ = ["HeapTrimmer", "ReceiveBuffers", "receive_buffers", "release_free_memory"]
 
 _GRANULE = 1 << 20  # slab sizes are rounded up to this, so blocks of similar size share slabs
 
@@ -111,3 +112,54 @@ def release_free_memory() -> bool:
     if _TRIM is None:
         return False
     return bool(_TRIM(0))
+
+
+class HeapTrimmer:
+    """``release_free_memory`` after bursts: call it with the bytes a burst moved, when it ends.
+
+    Once ``after`` bytes have gone by since the last trim, the next call schedules one on the
+    running loop's default executor, at most one per ``interval`` seconds; ``busy()`` true
+    when it is due (a new burst began) puts it off until the next call. A server hands it to
+    its ``ByteBudget`` as ``on_idle``. Event loop only.
+    """
+
+    def __init__(
+        self,
+        busy: Callable[[], bool] = lambda: False,
+        *,
+        after: int = 64 << 20,
+        interval: float = 1.0,
+    ) -> None:
+        self.busy = busy
+        self.after = after
+        self.interval = interval
+        self.trims = 0
+        """Trims started so far."""
+        self._untrimmed = 0
+        self._last = -interval
+        self._due = False
+
+    def __call__(self, nbytes: int) -> None:
+        self._untrimmed += nbytes
+        if self._untrimmed < self.after or self._due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside a loop: nothing to schedule on
+            return
+        self._due = True
+        loop.call_later(max(0.0, self._last + self.interval - loop.time()), self._trim)
+
+    def _trim(self) -> None:
+        if self.busy():
+            self._due = False
+            return
+        loop = asyncio.get_running_loop()
+        self._untrimmed = 0
+        self._last = loop.time()
+        self.trims += 1
+        trimming = loop.run_in_executor(None, release_free_memory)
+        trimming.add_done_callback(self._done)
+
+    def _done(self, _: object) -> None:
+        self._due = False

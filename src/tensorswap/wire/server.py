@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import ssl as ssl_module
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from tensorswap.errors import BlockNotFound, StoreError, TensorSwapError
 from tensorswap.store.base import BlockStore
 from tensorswap.store.manifest import manifest_closure
 from tensorswap.wire._budget import DEFAULT_MAX_INFLIGHT_BYTES, ByteBudget, Reservation
-from tensorswap.wire._buffers import release_free_memory
+from tensorswap.wire._buffers import HeapTrimmer
 from tensorswap.wire._pipeline import prefetched
 from tensorswap.wire._sink import BlockSink
 from tensorswap.wire.auth import server_handshake
@@ -199,12 +200,10 @@ class BlockServer:
         """Application request handlers by app name (see ``AppRequest``)."""
         self.max_connections = max_connections
         """Clients served at once once started (``start``); more are aborted on connect."""
-        self.budget = ByteBudget(max_inflight_bytes, on_idle=self._after_burst)
+        self.budget = ByteBudget(max_inflight_bytes)
         """Bytes in flight over all connections (see the class docstring)."""
+        self.budget.on_idle = HeapTrimmer(_busy(self.budget))
         self._counters = ServerStats(inflight_limit_bytes=max_inflight_bytes)
-        self._untrimmed = 0  # bytes granted since the heap was last trimmed
-        self._trimmed_at = -_TRIM_INTERVAL
-        self._trim_due = False
         self.errors: deque[BaseException] = deque(maxlen=100)
         self.listener: TcpListener | None = None
 
@@ -218,30 +217,6 @@ class BlockServer:
         stats.inflight_waits = budget.waits
         stats.inflight_refused = budget.refused
         return stats
-
-    def _after_burst(self, granted: int) -> None:
-        """The budget emptied after granting ``granted`` bytes: once ``_TRIM_AFTER`` bytes
-        passed since the last time, return the heap's free pages to the OS (in a thread: it
-        walks the heap), at most once per ``_TRIM_INTERVAL`` seconds."""
-        self._untrimmed += granted
-        if self._untrimmed < _TRIM_AFTER or self._trim_due:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # released outside a loop: nothing to schedule on
-            return
-        self._trim_due = True
-        loop.call_later(max(0.0, self._trimmed_at + _TRIM_INTERVAL - loop.time()), self._trim)
-
-    def _trim(self) -> None:
-        if self.budget.in_flight:  # busy again: the next time it empties
-            self._trim_due = False
-            return
-        loop = asyncio.get_running_loop()
-        self._untrimmed = 0
-        self._trimmed_at = loop.time()
-        trimming = loop.run_in_executor(None, release_free_memory)
-        trimming.add_done_callback(lambda _: setattr(self, "_trim_due", False))
 
     # ── lifecycle ────────────────────────────────────────────────────────────
     async def start(
@@ -446,11 +421,17 @@ class BlockServer:
         await conn.send_message(Got(missing=wire_cids(missing)), stream_id)
 
 
-_TRIM_AFTER = 64 << 20
-"""The heap is trimmed once the budget is idle after at least this many bytes went through
-it (fewer don't leave enough behind to matter)."""
-_TRIM_INTERVAL = 1.0
-"""Seconds between heap trims at least (each makes the next allocations fault pages in)."""
+def _busy(budget: ByteBudget) -> Callable[[], bool]:
+    """Whether ``budget`` has bytes in flight, without keeping it alive (the budget holds the
+    trimmer that asks: a strong reference would make a cycle, and a server dropped with its
+    store would wait for the garbage collector to free them)."""
+    ref = weakref.ref(budget)
+
+    def busy() -> bool:
+        alive = ref()
+        return alive is not None and alive.in_flight > 0
+
+    return busy
 
 
 def _without_frames(exc: BaseException) -> BaseException:
