@@ -37,6 +37,33 @@ class FiniteFloatRange(click.FloatRange):
 SECONDS = FiniteFloatRange(min=0, min_open=True)
 """A timeout option's type: a finite number of seconds > 0."""
 
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class ByteSize(click.ParamType):
+    """A byte count >= 1: ``1073741824``, or with a binary unit: ``512MiB``, ``1G``, ``64k``."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int):
+            number = value
+        else:
+            text = str(value).strip().lower().removesuffix("b").removesuffix("i")
+            digits = text.rstrip("kmgt")
+            unit = text[len(digits) :]
+            if not digits.strip().isdigit() or unit not in _UNITS:
+                self.fail(
+                    f"{value!r} is not a byte size (like 1073741824, 512MiB or 1GiB)", param, ctx
+                )
+            number = int(digits) * _UNITS[unit]
+        if number < 1:
+            self.fail(f"{value!r} is below 1 byte", param, ctx)
+        return number
+
+
+BYTES = ByteSize()
+
 
 @contextlib.contextmanager
 def mapped(path: str | Path) -> Iterator[memoryview]:

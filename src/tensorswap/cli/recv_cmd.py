@@ -9,12 +9,13 @@ from typing import Any
 import click
 
 from tensorswap.cid import Cid
-from tensorswap.cli._util import SECONDS, parse_host_port, read_key, server_tls
+from tensorswap.cli._util import BYTES, SECONDS, parse_host_port, read_key, server_tls
 from tensorswap.codec import TensorBlock
 from tensorswap.errors import TensorSwapError
 from tensorswap.store import DirectoryStore, put_tensor, read_manifest
 from tensorswap.store.manifest import TensorManifest
 from tensorswap.transport import Transport, serve_tcp
+from tensorswap.wire._budget import DEFAULT_MAX_INFLIGHT_BYTES
 from tensorswap.wire.connection import Timeouts
 from tensorswap.wire.errors import StreamEnded
 from tensorswap.wire.ipfrs import GradientStreamSession
@@ -52,9 +53,21 @@ class _Landing:
 
 
 async def _serve_blocks(
-    host: str, port: int, landing: _Landing, key: bytes | None, ssl: Any, timeouts: Timeouts
+    host: str,
+    port: int,
+    landing: _Landing,
+    key: bytes | None,
+    ssl: Any,
+    timeouts: Timeouts,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
 ) -> None:
-    server = BlockServer(landing.store, key=key, timeouts=timeouts, on_root=landing)
+    server = BlockServer(
+        landing.store,
+        key=key,
+        timeouts=timeouts,
+        on_root=landing,
+        max_inflight_bytes=max_inflight_bytes,
+    )
     async with await server.start(host, port, ssl=ssl):
         click.echo(f"listening on {host}:{server.port}", err=True)
         await landing.done.wait()
@@ -104,6 +117,17 @@ async def _serve_ipfrs(host: str, port: int, landing: _Landing, ssl: Any, timeou
     help="Exit after this many tensors (0: never).",
 )
 @click.option("--timeout", type=SECONDS, default=60.0, show_default=True, help="Seconds per frame.")
+@click.option(
+    "--max-inflight-bytes",
+    type=BYTES,
+    default="1GiB",
+    show_default=True,
+    metavar="SIZE",
+    help="Memory all tensorswap connections together may hold in received blocks not yet stored "
+    "(compressed blocks count at their decompressed size, before decompressing). A client "
+    "whose next block does not fit waits (the server stops reading it); a block larger than "
+    "the whole budget is refused (error over_budget). Bytes, or with a unit: 512MiB, 2GiB.",
+)
 def recv(
     listen: str,
     out: str,
@@ -113,6 +137,7 @@ def recv(
     tls_key: str | None,
     count: int,
     timeout: float,
+    max_inflight_bytes: int,
 ) -> None:
     """Receive tensors into the directory store OUT; print each root CID as it lands.
 
@@ -133,6 +158,6 @@ def recv(
             asyncio.run(_serve_ipfrs(host, port, landing, ssl, timeout))
         else:
             timeouts = Timeouts(read=timeout)
-            asyncio.run(_serve_blocks(host, port, landing, key, ssl, timeouts))
+            asyncio.run(_serve_blocks(host, port, landing, key, ssl, timeouts, max_inflight_bytes))
     except KeyboardInterrupt:
         click.echo(f"stopped after {landing.landed} tensor(s)", err=True)

@@ -14,6 +14,7 @@ import threading
 import click
 
 from tensorswap.cli._util import (
+    BYTES,
     SECONDS,
     FiniteFloatRange,
     parse_host_port,
@@ -23,6 +24,7 @@ from tensorswap.cli._util import (
 from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
 from tensorswap.rounds.server import RoundServer
 from tensorswap.transport import DEFAULT_MAX_CONNECTIONS
+from tensorswap.wire._budget import DEFAULT_MAX_INFLIGHT_BYTES
 from tensorswap.wire.connection import Timeouts
 
 __all__ = ["release_large_frees", "resolve_key", "serve"]
@@ -72,6 +74,7 @@ async def _run(
     max_wait: float = 300.0,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     reset: bool = False,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -94,6 +97,7 @@ async def _run(
             timeouts=timeouts,
             max_wait=max_wait,
             max_connections=max_connections,
+            max_inflight_bytes=max_inflight_bytes,
         )
         async with await server.start(host, port, ssl=ssl):
             active = coordinator.tracker.active_count()
@@ -176,6 +180,17 @@ async def _run(
     "missing or empty one while DATA/blocks holds blocks.",
 )
 @click.option(
+    "--max-inflight-bytes",
+    type=BYTES,
+    default="1GiB",
+    show_default=True,
+    metavar="SIZE",
+    help="Memory all connections together may hold in received blocks not yet stored "
+    "(compressed blocks count at their decompressed size, before decompressing). A client "
+    "whose next block does not fit waits (the server stops reading it); a block larger than "
+    "the whole budget is refused (error over_budget). Bytes, or with a unit: 512MiB, 2GiB.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -195,6 +210,7 @@ def serve(
     max_wait: float,
     max_connections: int,
     reset: bool,
+    max_inflight_bytes: int,
     log_level: str,
 ) -> None:
     """Run a coordinator: rounds (start, submit, status, wait) and blocks on one port.
@@ -230,6 +246,7 @@ def serve(
             max_wait,
             max_connections,
             reset,
+            max_inflight_bytes,
         )
     )
 

@@ -45,6 +45,7 @@ from tensorswap.wire import (
     Transport,
     WireLimits,
 )
+from tensorswap.wire.server import DEFAULT_MAX_INFLIGHT_BYTES
 from tensorswap.wire.tcp import DEFAULT_MAX_CONNECTIONS
 
 __all__ = ["RoundServer", "TrafficStats"]
@@ -94,6 +95,7 @@ class RoundServer:
         store_depth: int = 2,
         max_wait: float = 300.0,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     ) -> None:
         if not (isinstance(max_wait, int | float) and math.isfinite(max_wait) and max_wait > 0):
             raise ValueError(f"max_wait must be a finite number of seconds > 0, got {max_wait!r}")
@@ -106,6 +108,7 @@ class RoundServer:
             store_depth=store_depth,
             handlers={APP: self._on_request},
             max_connections=max_connections,
+            max_inflight_bytes=max_inflight_bytes,
         )
         """The block service every connection is served by (rounds requests included)."""
         self.coordinator = coordinator
@@ -307,6 +310,14 @@ class RoundServer:
             open_connections=traffic.open_connections,
             blocks_stored=self.stats.blocks_stored,
             blocks_served=self.stats.blocks_served,
+        )
+        wire = self.stats
+        stats.update(  # the wire's in-flight budget, over all connections
+            inflight_bytes=wire.inflight_bytes,
+            inflight_peak_bytes=wire.inflight_peak_bytes,
+            inflight_limit_bytes=wire.inflight_limit_bytes,
+            inflight_waits=wire.inflight_waits,
+            inflight_refused=wire.inflight_refused,
         )
         return stats
 

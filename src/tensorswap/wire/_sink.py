@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tensorswap.cid import Cid
 from tensorswap.errors import HashMismatch
 from tensorswap.store.base import BlockStore
+from tensorswap.wire._budget import Reservation
 from tensorswap.wire.connection import BlockFrame
 from tensorswap.wire.errors import BlockHashMismatch
 
@@ -24,7 +25,10 @@ class BlockSink:
     manifest sent after its chunks is never visible before them; at most ``depth`` blocks
     wait in memory. ``drain`` waits for everything submitted and raises the first failure.
     ``close`` waits for blocks already submitted, even on error or cancel, so that what
-    arrived whole is kept (resume relies on it).
+    arrived whole is kept (resume relies on it). ``failed`` is set as soon as a block fails
+    its checks, for a caller that must not wait for its next ``submit`` to find out. A
+    block's ``Reservation``, if it came with one, is released once the block is stored or
+    has failed (or when its submit is cancelled), never before.
     """
 
     def __init__(self, store: BlockStore, depth: int = 4) -> None:
@@ -32,6 +36,8 @@ class BlockSink:
         self.depth = depth
         self.blocks = 0
         self.nbytes = 0
+        self.failed = asyncio.Event()
+        """Set once a submitted block failed to be checked or stored (``drain`` raises it)."""
         self._pending: deque[tuple[Cid, asyncio.Future[int]]] = deque()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-sink")
 
@@ -43,16 +49,30 @@ class BlockSink:
             raise BlockHashMismatch(block.cid, exc.actual) from exc
         return block.data.nbytes
 
-    async def submit(self, block: BlockFrame) -> None:
+    async def submit(self, block: BlockFrame, reservation: Reservation | None = None) -> None:
         """Queue ``block`` to be checked and stored; waits while ``depth`` blocks are queued.
 
         A block whose frame CRC32C is still due (``block.frame``) is checked here too: a
-        mismatch raises ChecksumMismatch and stores nothing of it.
+        mismatch raises ChecksumMismatch and stores nothing of it. ``reservation`` (the
+        budget bytes ``block`` holds) is the sink's to release from the call on.
         """
-        while len(self._pending) >= self.depth:
-            await self._settle_oldest()
-        loop = asyncio.get_running_loop()
-        self._pending.append((block.cid, loop.run_in_executor(self._pool, self._put, block)))
+        try:
+            while len(self._pending) >= self.depth:
+                await self._settle_oldest()
+            loop = asyncio.get_running_loop()
+            future = loop.run_in_executor(self._pool, self._put, block)
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
+        future.add_done_callback(self._settled)
+        if reservation is not None:
+            future.add_done_callback(lambda _: reservation.release())
+        self._pending.append((block.cid, future))
+
+    def _settled(self, future: asyncio.Future[int]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self.failed.set()
 
     @property
     def queued(self) -> set[Cid]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
@@ -15,13 +15,14 @@ from tensorswap.wire.errors import (
     FrameTooLarge,
     PeerTimeout,
     ProtocolViolation,
-    RemoteError,
     StreamEnded,
     UnexpectedEof,
+    remote_error,
 )
 from tensorswap.wire.frames import (
     BLOCK_PREFIX_MAX,
     HEADER_SIZE,
+    BlockPrefix,
     Compression,
     FrameHeader,
     FrameKind,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = [
+    "Admit",
     "BlockFrame",
     "Frame",
     "FrameConnection",
@@ -49,6 +51,11 @@ __all__ = [
 ]
 
 M = TypeVar("M", bound=Message)
+
+Admit = Callable[["FrameHeader", "BlockPrefix | None"], Awaitable[None]]
+"""``await admit(header, prefix)`` before a frame's payload is allocated (see receive_frame)."""
+
+_RAW_LEN_BYTES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +292,7 @@ class FrameConnection:
         defer_block_crc: bool = False,
         max_payload: int | None = None,
         whole_frame: bool = False,
+        admit: Admit | None = None,
     ) -> Frame:
         """The next frame, CRC-checked.
 
@@ -296,7 +304,10 @@ class FrameConnection:
         (clean EOF before a header), UnexpectedEof (EOF inside a frame), PeerTimeout,
         ProtocolViolation/FrameTooLarge (bad header; nothing allocated) or ChecksumMismatch.
         With ``defer_block_crc``, a BLOCK frame is returned unchecked (``checked=False``) for
-        the caller to check off the event loop.
+        the caller to check off the event loop. ``admit(header, prefix)``, if given, is
+        awaited once the header (and of a BLOCK frame its prefix: CID and raw_len, or None if
+        malformed) is read and before the payload is allocated or read further; the payload
+        then has ``Timeouts.read`` from its return (the server waits there for memory).
         """
         loop = asyncio.get_running_loop()
         seconds = self._seconds(timeout)
@@ -318,24 +329,67 @@ class FrameConnection:
         header = FrameHeader.unpack(
             self._header, max_payload=message_limit, max_block_payload=block_limit
         )
-        # Bounded by unpack above. Uninitialised (it is filled completely before any use)
-        # and recycled: fresh pages cost more than the bytes received into them.
-        payload = receive_buffers().take(header.payload_len)
         what = f"{header.kind.name} payload ({header.payload_len} bytes)"
         if not whole_frame:
             seconds = self.timeouts.read
             deadline = None if seconds is None else loop.time() + seconds
+        head = b""
+        if admit is not None:
+            prefix = None
+            if header.kind is FrameKind.BLOCK:
+                head = await self._receive_block_prefix(header, what, seconds, deadline)
+                prefix = self._block_prefix(head)
+            await admit(header, prefix)
+            if not whole_frame:
+                deadline = None if seconds is None else loop.time() + seconds
+        # Bounded by unpack above. Uninitialised (it is filled completely before any use)
+        # and recycled: fresh pages cost more than the bytes received into them.
+        payload = receive_buffers().take(header.payload_len)
+        payload[: len(head)] = head
         try:
             async with asyncio.timeout_at(deadline):
-                await self.transport.receive_exactly(payload, what)
+                await self.transport.receive_exactly(payload[len(head) :], what)
         except TimeoutError as exc:
             if whole_frame:
                 what = f"a whole {header.kind.name} frame ({header.payload_len} bytes)"
             raise PeerTimeout(what, seconds or 0.0, self.peer) from exc
+        except UnexpectedEof as exc:
+            if not head:
+                raise
+            raise UnexpectedEof(what, len(head) + exc.received, header.payload_len) from None
         if defer_block_crc and header.kind is FrameKind.BLOCK:
             return Frame(header, payload, checked=False)
         _check_crc(header, payload)
         return Frame(header, payload)
+
+    async def _receive_block_prefix(
+        self, header: FrameHeader, what: str, seconds: float | None, deadline: float | None
+    ) -> bytes:
+        """The first bytes of a BLOCK payload, up to the end of its prefix (CID, raw_len)."""
+        head = bytearray(min(header.payload_len, 1))
+        try:
+            async with asyncio.timeout_at(deadline):
+                got = await self.transport.receive_into(head)
+                if got < len(head):
+                    raise UnexpectedEof(what, got, header.payload_len)
+                if head:
+                    end = min(header.payload_len, 1 + head[0] + _RAW_LEN_BYTES)
+                    rest = bytearray(end - 1)
+                    got = await self.transport.receive_into(rest)
+                    if got < len(rest):
+                        raise UnexpectedEof(what, 1 + got, header.payload_len)
+                    head += rest
+        except TimeoutError as exc:
+            raise PeerTimeout(what, seconds or 0.0, self.peer) from exc
+        return bytes(head)
+
+    def _block_prefix(self, head: bytes) -> BlockPrefix | None:
+        """``head`` parsed, or None if malformed (the whole frame is read and CRC-checked
+        before that is reported, as for any block: see ``parse_block``)."""
+        try:
+            return parse_block_prefix(memoryview(head), max_raw_len=self.limits.max_block_bytes)
+        except ProtocolViolation:
+            return None
 
     async def receive_message(
         self,
@@ -367,7 +421,7 @@ class FrameConnection:
             raise ProtocolViolation(f"unexpected BLOCK frame, expected {_names(expected)}")
         message = decode_message(frame.header.kind, frame.payload)
         if isinstance(message, Error) and Error not in expected:
-            raise RemoteError(message.code, message.message, self.peer)
+            raise remote_error(message.code, message.message, self.peer)
         if not isinstance(message, expected):
             raise ProtocolViolation(
                 f"unexpected {type(message).__name__} message, expected {_names(expected)}"

@@ -12,6 +12,7 @@
     │   └── TransportClosed    (also RuntimeError) local use of a closed transport
     ├── ProtocolViolation      the peer sent bytes or messages the protocol forbids
     │   ├── FrameTooLarge      a length or count above the configured limit (refused unread)
+    │   │   └── OverBudget     a frame needing more memory than the server's in-flight budget
     │   ├── TotalChunksMismatch / DuplicateChunk / ChunkIndexOutOfRange   (ipfrs streams)
     │   └── InvalidChunkPayload  a chunk payload that is not an ipfrs gradient file
     ├── ChecksumMismatch       CRC-32 (ipfrs) or CRC32C (tensorswap) of a payload differs
@@ -19,6 +20,7 @@
     ├── BlockHashMismatch      a received block does not hash to the CID it came with
     ├── AuthenticationFailed   wrong, missing or unexpected key in the handshake
     └── RemoteError            the peer answered with an Error message (code, message)
+        └── RemoteOverBudget   ... with code "over_budget": a block too large for its budget
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ __all__ = [
     "FrameTooLarge",
     "IncompleteStream",
     "InvalidChunkPayload",
+    "OverBudget",
     "PeerTimeout",
     "ProtocolViolation",
     "RemoteError",
+    "RemoteOverBudget",
     "ServerBusy",
     "StreamEnded",
     "TotalChunksMismatch",
@@ -52,6 +56,7 @@ __all__ = [
     "TransportError",
     "UnexpectedEof",
     "WireError",
+    "remote_error",
 ]
 
 
@@ -83,6 +88,22 @@ class FrameTooLarge(ProtocolViolation):
         self.length = length
         self.limit = limit
         ProtocolViolation.__init__(self, f"{what} {length} exceeds the limit {limit}")
+
+
+class OverBudget(FrameTooLarge):
+    """A frame would need more bytes in memory at once than the whole in-flight budget.
+
+    Raised before anything of it is allocated: it could never be received, however long it
+    waited for other connections to release their share.
+    """
+
+    def __init__(self, what: str, length: int, limit: int) -> None:
+        self.what = what
+        self.length = length
+        self.limit = limit
+        ProtocolViolation.__init__(
+            self, f"{what} needs {length} bytes in memory, above the in-flight budget {limit}"
+        )
 
 
 class TotalChunksMismatch(ProtocolViolation):
@@ -192,3 +213,19 @@ class RemoteError(WireError):
         self.peer = peer
         who = f" {peer}" if peer else ""
         super().__init__(f"peer{who} reported {code}: {message}")
+
+
+class RemoteOverBudget(RemoteError):
+    """The server refused a block it could never hold in memory (code ``over_budget``).
+
+    Retrying does not help: send smaller blocks (``chunk_bytes``) or raise the server's
+    ``max_inflight_bytes``.
+    """
+
+
+_REMOTE_CODES: dict[str, type[RemoteError]] = {"over_budget": RemoteOverBudget}
+
+
+def remote_error(code: str, message: str, peer: str = "") -> RemoteError:
+    """The RemoteError for an Error message: its precise subclass where its code has one."""
+    return _REMOTE_CODES.get(code, RemoteError)(code, message, peer)

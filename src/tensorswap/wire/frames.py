@@ -8,6 +8,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Literal, Self
 
 import google_crc32c
+import numpy as np
 import pyarrow as pa
 
 from tensorswap.cid import Cid
@@ -93,6 +94,8 @@ _CODECS: dict[Compression, str] = {Compression.ZSTD: "zstd", Compression.LZ4: "l
 
 CompressionChoice = Compression | Literal["auto"]
 """Per-block compression: a fixed codec, or "auto" (zstd where a sample shrinks by 15%+)."""
+_POOL = pa.system_memory_pool()
+"""Decompressed blocks come from malloc: freed large buffers go back to the OS at once."""
 _AUTO_SAMPLE = 64 * 1024
 _AUTO_RATIO = 0.85
 
@@ -262,7 +265,10 @@ def compress(data: Buffer, compression: Compression) -> Buffer:
 def decompress(data: Buffer, compression: Compression, raw_len: int) -> Buffer:
     """Inverse of ``compress``: exactly ``raw_len`` bytes or ProtocolViolation.
 
-    ``raw_len`` must already be bounded by the caller; it is the only allocation made.
+    ``raw_len`` must already be bounded by the caller; it is the only allocation made, and
+    it is made outside pyarrow's default pool (mimalloc or jemalloc, which keep freed pages):
+    from the C allocator, which returns a large buffer to the OS as soon as it is freed, so
+    a burst of large (hostile) blocks does not leave the process at its peak.
     """
     if compression is Compression.NONE:
         if memoryview(data).nbytes != raw_len:
@@ -274,20 +280,35 @@ def decompress(data: Buffer, compression: Compression, raw_len: int) -> Buffer:
         if compression is Compression.LZ4:
             # pyarrow's LZ4 Codec.decompress returns the size asked for, its tail left
             # uninitialised when the data is shorter: read one byte more than raw_len from a
-            # stream instead, so that both a shorter and a longer content show in the size.
-            with pa.CompressedInputStream(pa.BufferReader(pa.py_buffer(data)), "lz4") as stream:
-                out = stream.read_buffer(raw_len + 1)
+            # stream instead (into memory of our own), so that both a shorter and a longer
+            # content show in the size.
+            into = memoryview(np.empty(raw_len + 1, np.uint8))  # type: ignore[arg-type]
+            size = _read_lz4(data, into)
+            out: Buffer = into[:raw_len]
         else:  # zstd checks the size itself (a mismatch fails to decompress)
             out = pa.Codec(_CODECS[compression]).decompress(
-                data, decompressed_size=raw_len, asbytes=False
+                data, decompressed_size=raw_len, asbytes=False, memory_pool=_POOL
             )
+            size = memoryview(out).nbytes
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise ProtocolViolation(f"{compression.name} block does not decompress: {exc}") from exc
-    if out.size != raw_len:
+    if size != raw_len:
         raise ProtocolViolation(
-            f"{compression.name} block decompressed to {out.size} bytes, raw_len {raw_len}"
+            f"{compression.name} block decompressed to {size} bytes, raw_len {raw_len}"
         )
     return out
+
+
+def _read_lz4(data: Buffer, into: memoryview) -> int:
+    """Decompress the LZ4 frame ``data`` into ``into``, up to its size; the bytes written."""
+    with pa.CompressedInputStream(pa.BufferReader(pa.py_buffer(data)), "lz4") as stream:
+        done = 0
+        while done < into.nbytes:
+            got = stream.readinto(into[done:])
+            if not got:
+                break
+            done += got
+    return done
 
 
 def choose_compression(data: memoryview, choice: CompressionChoice) -> Compression:

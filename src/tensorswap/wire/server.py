@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import ssl as ssl_module
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,10 +16,14 @@ from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, StoreError, TensorSwapError
 from tensorswap.store.base import BlockStore
 from tensorswap.store.manifest import manifest_closure
+from tensorswap.wire._budget import DEFAULT_MAX_INFLIGHT_BYTES, ByteBudget, Reservation
+from tensorswap.wire._buffers import HeapTrimmer
 from tensorswap.wire._pipeline import prefetched
 from tensorswap.wire._sink import BlockSink
 from tensorswap.wire.auth import busy_refusal, server_handshake
 from tensorswap.wire.connection import (
+    BlockFrame,
+    Frame,
     FrameConnection,
     PreparedBlock,
     Timeouts,
@@ -31,17 +36,19 @@ from tensorswap.wire.errors import (
     ChecksumMismatch,
     ConnectionFailed,
     FrameTooLarge,
+    OverBudget,
     PeerTimeout,
     ProtocolViolation,
     StreamEnded,
     TransportClosed,
 )
-from tensorswap.wire.frames import Compression, FrameKind
+from tensorswap.wire.frames import BlockPrefix, Compression, FrameHeader, FrameKind
 from tensorswap.wire.messages import (
     Commit,
     Committed,
     Get,
     Got,
+    Message,
     Offer,
     Reply,
     Request,
@@ -52,7 +59,14 @@ from tensorswap.wire.messages import (
 from tensorswap.wire.tcp import DEFAULT_MAX_CONNECTIONS, TcpListener, serve_tcp
 from tensorswap.wire.transport import Transport
 
-__all__ = ["AppRequest", "BlockServer", "RequestHandler", "ServerStats", "error_code"]
+__all__ = [
+    "DEFAULT_MAX_INFLIGHT_BYTES",
+    "AppRequest",
+    "BlockServer",
+    "RequestHandler",
+    "ServerStats",
+    "error_code",
+]
 
 logger = logging.getLogger("tensorswap.wire")
 
@@ -73,6 +87,15 @@ class ServerStats:
     requests: int = 0
     ended_bytes_in: int = 0
     ended_bytes_out: int = 0
+    inflight_bytes: int = 0
+    """Bytes received, decompressed or decoded and not yet stored, now (all connections)."""
+    inflight_peak_bytes: int = 0
+    """The most ever in flight at once; never above ``inflight_limit_bytes``."""
+    inflight_limit_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
+    inflight_waits: int = 0
+    """Frames a connection had to wait for (it stopped reading) until others released bytes."""
+    inflight_refused: int = 0
+    """Frames refused outright (``over_budget``): more than the whole limit at once."""
 
     def __post_init__(self) -> None:
         self._open: set[Transport] = set()
@@ -136,6 +159,7 @@ _CODES: Sequence[tuple[type[BaseException], str]] = (
     (AuthenticationFailed, "auth_failed"),
     (BlockHashMismatch, "block_hash_mismatch"),
     (ChecksumMismatch, "checksum_mismatch"),
+    (OverBudget, "over_budget"),
     (FrameTooLarge, "frame_too_large"),
     (ProtocolViolation, "protocol_violation"),
     (PeerTimeout, "timeout"),
@@ -163,7 +187,17 @@ class BlockServer:
       answered one at a time, in order.
 
     A failure is answered with an Error frame (when the connection still works), counted,
-    kept in ``errors`` (the last 100) and logged; the connection is then closed.
+    kept in ``errors`` (the last 100) and logged; the connection is then closed. A block
+    that fails its hash or CRC check is answered so at once, while the client may still be
+    sending or waiting, not at its next request.
+
+    Memory: all connections share one budget of ``max_inflight_bytes`` for the frames they
+    hold between receiving and storing (``ByteBudget``). Each frame's share is reserved
+    before its payload is read: its payload, plus for a compressed block the ``raw_len`` it
+    claims to decompress to. A connection whose next frame does not fit stops reading until
+    others' blocks are stored (TCP backpressure reaches its client); a frame that could
+    never fit (more than the whole budget) is refused with ``over_budget`` and the
+    connection closed. ``stats`` shows the counters.
     """
 
     def __init__(
@@ -179,9 +213,12 @@ class BlockServer:
         store_depth: int = 4,
         handlers: Mapping[str, RequestHandler] | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        if max_inflight_bytes < 1:
+            raise ValueError(f"max_inflight_bytes must be at least 1, got {max_inflight_bytes}")
         self.store = store
         self.key = key
         self.limits = limits or WireLimits()
@@ -194,9 +231,23 @@ class BlockServer:
         """Application request handlers by app name (see ``AppRequest``)."""
         self.max_connections = max_connections
         """Clients served at once once started (``start``); see ``start`` for one more."""
-        self.stats = ServerStats()
+        self.budget = ByteBudget(max_inflight_bytes)
+        """Bytes in flight over all connections (see the class docstring)."""
+        self.budget.on_idle = HeapTrimmer(_busy(self.budget))
+        self._counters = ServerStats(inflight_limit_bytes=max_inflight_bytes)
         self.errors: deque[BaseException] = deque(maxlen=100)
         self.listener: TcpListener | None = None
+
+    @property
+    def stats(self) -> ServerStats:
+        """The server's counters, the budget's as of now."""
+        stats, budget = self._counters, self.budget
+        stats.inflight_bytes = budget.in_flight
+        stats.inflight_peak_bytes = budget.peak
+        stats.inflight_limit_bytes = budget.limit
+        stats.inflight_waits = budget.waits
+        stats.inflight_refused = budget.refused
+        return stats
 
     # ── lifecycle ────────────────────────────────────────────────────────────
     async def start(
@@ -253,7 +304,7 @@ class BlockServer:
         sink = BlockSink(self.store, self.store_depth)
         try:
             await server_handshake(conn, self.key, name=self.name)
-            await self._serve(conn, sink)
+            await self._serve_watched(conn, sink)
         except (TensorSwapError, OSError) as exc:
             self._failed(exc, transport)
             if isinstance(exc, TensorSwapError) and not isinstance(exc, _NOT_REPORTED):
@@ -271,11 +322,11 @@ class BlockServer:
         self, exc: BaseException, transport: Transport, *, unexpected: bool = False
     ) -> None:
         self.stats.failed_connections += 1
-        self.errors.append(exc)
         if unexpected:
             logger.error("connection from %s failed: %r", transport.peer, exc, exc_info=exc)
         else:
             logger.warning("connection from %s failed: %s", transport.peer, exc)
+        self.errors.append(_without_frames(exc))
 
     @staticmethod
     async def _report(conn: FrameConnection, code: str, message: str) -> None:
@@ -284,20 +335,63 @@ class BlockServer:
             async with asyncio.timeout(1.0):
                 await conn.send_error(code, message)
 
+    async def _serve_watched(self, conn: FrameConnection, sink: BlockSink) -> None:
+        """``_serve``, interrupted as soon as a received block fails its checks (the failure
+        is raised then, not when the connection next waits on the sink)."""
+        serving = asyncio.ensure_future(self._serve(conn, sink))
+        failed = asyncio.ensure_future(sink.failed.wait())
+        try:
+            await asyncio.wait([serving, failed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+            if not serving.done():
+                serving.cancel()
+                await asyncio.wait([serving])
+        if not serving.cancelled():
+            serving.result()  # its own failure, if it ended first
+        if sink.failed.is_set():
+            await sink.drain()  # raises the block's failure
+
+    async def _receive(
+        self, conn: FrameConnection, sink: BlockSink, in_transfer: bool
+    ) -> tuple[Message, int] | None:
+        """The next control message (and its stream id); a block is handed to ``sink``
+        instead (None). Every frame holds its share of ``self.budget`` from before its
+        payload is allocated until it is decoded, or, for a block, until it is stored."""
+        reservation: Reservation | None = None
+
+        async def admit(header: FrameHeader, prefix: BlockPrefix | None) -> None:
+            nonlocal reservation
+            need, what = _needed(header, prefix)
+            reservation = await self.budget.reserve(need, what)
+
+        try:
+            frame = await conn.receive_frame(
+                timeout="read" if in_transfer else "idle", defer_block_crc=True, admit=admit
+            )
+            if frame.header.kind is not FrameKind.BLOCK:
+                return conn.expect(frame, Offer, Commit, Get, Request), frame.header.stream_id
+            block = await _parse_block(conn, frame)
+            if reservation is not None and block.compression is not Compression.NONE:
+                reservation.release(frame.header.payload_len)  # only the decompressed bytes
+            del frame  # the compressed payload is not held while the sink is busy
+            held, reservation = reservation, None
+            await sink.submit(block, held)
+            return None
+        finally:
+            if reservation is not None:
+                reservation.release()
+
     async def _serve(self, conn: FrameConnection, sink: BlockSink) -> None:
         in_transfer = False
         while True:
             try:
-                frame = await conn.receive_frame(
-                    timeout="read" if in_transfer else "idle", defer_block_crc=True
-                )
+                received = await self._receive(conn, sink, in_transfer)
             except StreamEnded:
                 return
-            stream_id = frame.header.stream_id
-            if frame.header.kind is FrameKind.BLOCK:
-                await sink.submit(conn.parse_block(frame))
+            if received is None:  # a block, now with the sink
                 continue
-            message = conn.expect(frame, Offer, Commit, Get, Request)
+            message, stream_id = received
             if isinstance(message, Offer):
                 offered = parse_cids(message.cids, "Offer")
                 lacking = await asyncio.to_thread(_missing_and_touch, self.store, offered)
@@ -370,6 +464,60 @@ class BlockServer:
                     self.stats.blocks_served += 1
                 index += 1
         await conn.send_message(Got(missing=wire_cids(missing)), stream_id)
+
+
+def _busy(budget: ByteBudget) -> Callable[[], bool]:
+    """Whether ``budget`` has bytes in flight, without keeping it alive (the budget holds the
+    trimmer that asks: a strong reference would make a cycle, and a server dropped with its
+    store would wait for the garbage collector to free them)."""
+    ref = weakref.ref(budget)
+
+    def busy() -> bool:
+        alive = ref()
+        return alive is not None and alive.in_flight > 0
+
+    return busy
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """``exc`` (and the exceptions chained to it) without tracebacks, to be kept: a traceback
+    holds its frames' variables, such as the block a failed check was given, and ``errors``
+    would keep up to 100 of those (as many blocks of up to 256 MiB) alive."""
+    todo: list[BaseException | None] = [exc]
+    seen: set[int] = set()
+    while todo:
+        item = todo.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        item.__traceback__ = None
+        todo += [item.__cause__, item.__context__]
+    return exc
+
+
+def _needed(header: FrameHeader, prefix: BlockPrefix | None) -> tuple[int, str]:
+    """The budget bytes a frame holds at its peak, and what they are, for OverBudget."""
+    if prefix is None or header.compression is Compression.NONE:
+        return header.payload_len, f"a {header.kind.name} frame ({header.payload_len} bytes)"
+    need = header.payload_len + prefix.raw_len
+    what = f"a {header.compression.name} BLOCK ({header.payload_len} bytes, raw_len "
+    return need, what + f"{prefix.raw_len})"
+
+
+async def _parse_block(conn: FrameConnection, frame: Frame) -> BlockFrame:
+    """``conn.parse_block(frame)``, a compressed one in a worker thread (decompression is
+    CPU work). A cancel waits for the thread: its memory is still counted until then."""
+    if frame.header.compression is Compression.NONE:
+        return conn.parse_block(frame)
+    loop = asyncio.get_running_loop()
+    parsing = loop.run_in_executor(None, conn.parse_block, frame)
+    try:
+        return await asyncio.shield(parsing)
+    except asyncio.CancelledError:
+        await asyncio.wait([parsing])
+        if not parsing.cancelled():
+            parsing.exception()  # retrieved: superseded by the cancel
+        raise
 
 
 def _missing_and_touch(store: BlockStore, offered: list[Cid]) -> list[Cid]:
