@@ -83,11 +83,16 @@ async def test_traffic_is_the_wire_count_of_open_and_closed_connections() -> Non
                 report = await second.server_status()
                 assert int(report.stats["bytes_in"]) >= sent
                 assert int(report.stats["connections"]) == 2
-                assert list(report.stats)[-6:] == [
+                assert list(report.stats)[-11:] == [
                     "bytes_in",
                     "bytes_out",
                     "connections",
                     "open_connections",
                     "blocks_stored",
                     "blocks_served",
+                    "inflight_bytes",
+                    "inflight_peak_bytes",
+                    "inflight_limit_bytes",
+                    "inflight_waits",
+                    "inflight_refused",
                 ]
