@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -40,6 +40,7 @@ from tensorswap.rounds.state import (
     RoundStatus,
     RoundTracker,
 )
+from tensorswap.rounds.stats import CoordinatorStats
 from tensorswap.rounds.updates import aggregator_spec, inspect_update, parse_update_cid
 from tensorswap.store import BlockStore, DirectoryStore
 
@@ -49,35 +50,6 @@ log = logging.getLogger(__name__)
 
 STORE_DIRNAME = "blocks"
 """``Coordinator.open(dir)`` keeps its directory store in ``<dir>/blocks``."""
-
-
-@dataclass(frozen=True, slots=True)
-class CoordinatorStats:
-    """Counters since this coordinator was built (they are not persisted).
-
-    ``contribution_bytes`` sums the accepted updates' block sizes (manifests and chunks),
-    whether or not their blocks crossed a wire (the server counts wire bytes).
-    """
-
-    contributions: int = 0
-    rejected: int = 0
-    contribution_bytes: int = 0
-    contributions_dropped: int = 0
-    rounds_started: int = 0
-    rounds_completed: int = 0
-    rounds_failed: int = 0
-    aggregation_seconds: float = 0.0
-    last_aggregation_seconds: float = 0.0
-    aggregation_retries: int = 0
-    active_rounds: int = 0
-    gc_runs: int = 0
-    gc_rounds_removed: int = 0
-    gc_blocks_removed: int = 0
-    gc_bytes_removed: int = 0
-    gc_failures: int = 0
-
-    def to_dict(self) -> dict[str, float | int]:
-        return asdict(self)
 
 
 class Coordinator:
