@@ -102,13 +102,17 @@ class StreamingAccumulator:
         return tuple(self._dropped)
 
     @quiet
-    def add(self, values: object, num_samples: int = 0) -> bool:
+    def add(self, values: object, num_samples: int = 0, *, scale: float = 1.0) -> bool:
         """Fold one contribution in; True if folded, False if dropped by the DROP policy.
 
+        ``scale`` (in (0, 1]) multiplies its values before they are folded (after any
+        clipping), without changing its weight: an asynchronous run's staleness factor.
         The contribution's index (in `used`, `dropped` and errors) is the number of earlier
         adds that returned. Raises AggregationError subclasses for bad input, leaving the
         accumulator unchanged.
         """
+        if not (isinstance(scale, int | float) and 0 < scale <= 1):
+            raise InvalidAggregatorOption("scale", scale, "must be a number in (0, 1]")
         index = self._seen
         n = check_num_samples(num_samples, index)
         keys, arrays = tensors_of(values, index)
@@ -123,13 +127,13 @@ class StreamingAccumulator:
         arrays = ordered(layout, keys, arrays, index)
         check_against(layout, dtypes, arrays, index)
         rows = [flat_view(a) for a in arrays]
-        scale = self._screen(rows, index)
+        scale_clip = self._screen(rows, index)
         if self.layout is None:
             self.layout, self._dtypes = layout, dtypes
         self._seen += 1
-        if scale is None:
+        if scale_clip is None:
             return False
-        self._fold(rows, n, scale)
+        self._fold(rows, n, scale_clip * scale)
         self._used.append(index)
         self._total += n
         return True

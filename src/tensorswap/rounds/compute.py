@@ -86,7 +86,7 @@ def compute_aggregate(
                 except UNREADABLE as exc:
                     lose(c, exc)
                     continue
-                work.fold(loaded, cut, n, facts)
+                work.fold(loaded, cut, n, facts, c.scale)
                 work.folded.add(c.peer)
             kept = [c for c in live if c.peer not in lost]
             _check_quorum(info, len(kept), lost)
@@ -98,7 +98,10 @@ def compute_aggregate(
             except UNREADABLE as exc:
                 lose(c, exc)
                 continue
-            inputs.append(AggregateInput(dict(update.tensors), c.num_samples))
+            tensors = dict(update.tensors)
+            if c.scale != 1.0:  # an asynchronous run's staleness factor
+                tensors = {k: v * v.dtype.type(c.scale) for k, v in tensors.items()}
+            inputs.append(AggregateInput(tensors, c.num_samples))
         _check_quorum(info, len(inputs), lost)
         result = aggregate(inputs, spec)
         del inputs

@@ -183,18 +183,27 @@ class Coordinator:
             self._poke()
         return started
 
-    def submit(self, round_id: RoundId, peer: str, update_cid: Cid | str) -> RoundStatus:
+    def submit(
+        self, round_id: RoundId, peer: str, update_cid: Cid | str, *, scale: float = 1.0
+    ) -> RoundStatus:
         """Accept ``peer``'s model update (already in the store) for the round; the new status.
+
+        ``scale`` (in (0, 1]) multiplies the update's values in the aggregate (an
+        asynchronous run's staleness factor; journaled with the contribution).
 
         Aggregation starts by itself once the round is full. Raises RoundNotFound,
         RoundAlreadyTerminal, RoundClosed, DuplicateContribution, UnknownUpdate (also when a
         block of it fails its hash check now: push it again), UpdateMismatch or
         InvalidUpdate; a refused contribution leaves no trace.
         """
+        if isinstance(scale, bool) or not (isinstance(scale, int | float) and 0 < scale <= 1):
+            raise ValueError(f"scale must be a number in (0, 1], got {scale!r}")
         with self._gc_lock.shared():  # no collection between the store check and the record
-            return self._submit(round_id, peer, update_cid)
+            return self._submit(round_id, peer, update_cid, float(scale))
 
-    def _submit(self, round_id: RoundId, peer: str, update_cid: Cid | str) -> RoundStatus:
+    def _submit(
+        self, round_id: RoundId, peer: str, update_cid: Cid | str, scale: float
+    ) -> RoundStatus:
         key = round_id.as_key()
         try:
             info = self.tracker.check_submit(round_id, peer)
@@ -205,7 +214,7 @@ class Coordinator:
             work = self._work_for(round_id)
             with work.lock:
                 self.tracker.check_submit(round_id, peer)
-                folded = screen(self.store, work, spec, facts, key, peer)
+                folded = screen(self.store, work, spec, facts, key, peer, scale)
                 contribution = Contribution(
                     round_id,
                     peer,
@@ -213,6 +222,7 @@ class Coordinator:
                     facts.num_samples,
                     facts.nbytes,
                     self.clock.now(),
+                    scale,
                 )
                 try:
                     status = self.tracker.submit(contribution, layout=facts.layout)

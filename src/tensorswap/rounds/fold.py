@@ -172,10 +172,11 @@ class RoundWork:
         bounds: Bounds,
         num_samples: int,
         facts: UpdateFacts,
+        scale: float = 1.0,
     ) -> None:
-        """Add one contribution's pieces (``load_pieces``) to the sums."""
+        """Add one contribution's pieces (``load_pieces``) to the sums, times ``scale``."""
         assert self.acc is not None
-        self.acc.add(pieces, num_samples)
+        self.acc.add(pieces, num_samples, scale=scale)
         self.bounds = bounds
         sources = chunk_sources(facts, bounds)
         self.same = sources if self.same is None else same_chunks(self.same, sources)

@@ -250,10 +250,15 @@ class Contribution:
     num_samples: int = 0
     nbytes: int = 0
     submitted_at: float = 0.0
+    scale: float = 1.0
+    """The factor its values enter the aggregate with (1; an asynchronous run's staleness
+    weight): FedAvg folds ``num_samples`` x ``scale`` x values, divided by the samples."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer, str) or not self.peer:
             raise ValueError(f"peer must be a non-empty str, got {self.peer!r}")
+        if not (isinstance(self.scale, int | float) and 0 < self.scale <= 1):
+            raise ValueError(f"scale must be a number in (0, 1], got {self.scale!r}")
         for what in ("num_samples", "nbytes"):
             value = getattr(self, what)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -133,6 +133,11 @@ class RoundDatabase:
                     f"this tensorswap reads {SCHEMA_VERSION}"
                 )
             self._conn.executescript(_SCHEMA)
+            columns = {row[1] for row in self._conn.execute("PRAGMA table_info(contributions)")}
+            if "scale" not in columns:  # journals written before contributions had a scale
+                self._conn.execute(
+                    "ALTER TABLE contributions ADD COLUMN scale REAL NOT NULL DEFAULT 1.0"
+                )
             self._conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
             self._conn.close()
@@ -210,7 +215,7 @@ class RoundDatabase:
         with self._transaction() as db:
             db.execute(
                 "INSERT INTO contributions (round, initiator, peer, seq, update_cid,"
-                " num_samples, nbytes, submitted_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                " num_samples, nbytes, submitted_at, scale) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     *key,
                     contribution.peer,
@@ -219,6 +224,7 @@ class RoundDatabase:
                     contribution.num_samples,
                     contribution.nbytes,
                     contribution.submitted_at,
+                    contribution.scale,
                 ),
             )
             self._update_status(db, rid, status)
@@ -255,8 +261,8 @@ class RoundDatabase:
                     " FROM rounds ORDER BY round, initiator"
                 ).fetchall()
                 contributions = self._conn.execute(
-                    "SELECT round, initiator, peer, update_cid, num_samples, nbytes, submitted_at"
-                    " FROM contributions ORDER BY round, initiator, seq"
+                    "SELECT round, initiator, peer, update_cid, num_samples, nbytes,"
+                    " submitted_at, scale FROM contributions ORDER BY round, initiator, seq"
                 ).fetchall()
                 dropped_rows = self._conn.execute(
                     "SELECT round, initiator, peer, reason FROM dropped"
@@ -265,10 +271,10 @@ class RoundDatabase:
             except sqlite3.Error as exc:
                 raise RoundsError(f"cannot read round database {self.path}: {exc}") from exc
         by_round: dict[RoundId, list[Contribution]] = {}
-        for number, initiator, peer, cid, samples, nbytes, at in contributions:
+        for number, initiator, peer, cid, samples, nbytes, at, scale in contributions:
             try:
                 rid = RoundId(number, initiator)
-                contribution = Contribution(rid, peer, cid, samples, nbytes, at)
+                contribution = Contribution(rid, peer, cid, samples, nbytes, at, scale)
             except (TypeError, ValueError) as exc:
                 raise JournalDamaged(
                     self.path, f"a contribution to round {number}-{initiator} does not parse: {exc}"

@@ -28,9 +28,10 @@ def screen(
     facts: UpdateFacts,
     key: str,
     peer: str,
+    scale: float = 1.0,
 ) -> bool:
-    """Fold the update into the round's sums (streaming kinds) or check its values; True if
-    folded. The caller holds ``work.lock``.
+    """Fold the update into the round's sums (streaming kinds, times ``scale``) or check its
+    values; True if folded. The caller holds ``work.lock``.
 
     Every chunk is re-hashed as it is read. A chunk that fails its hash check (quarantined by a
     directory store) or vanished refuses the submit with UnknownUpdate: nothing is recorded,
@@ -42,7 +43,7 @@ def screen(
                 work.reset(spec)
             pieces, bounds, n = load_pieces(store, facts, work.bounds)
             try:
-                work.fold(pieces, bounds, n, facts)
+                work.fold(pieces, bounds, n, facts, scale)
             except NonFiniteValues as exc:
                 raise InvalidUpdate(key, peer, f"{exc.count} non-finite values") from exc
             except AggregationError as exc:
