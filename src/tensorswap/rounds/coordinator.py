@@ -299,6 +299,10 @@ class Coordinator:
         """Forget terminal rounds numbered below ``round`` (their blocks stay in the store)."""
         return self.tracker.gc_before_round(round)
 
+    def add_root_source(self, source: Callable[[], list[Cid]]) -> None:
+        """Keep the blocks ``source()`` names (and all they link) through collections."""
+        self._retention.add_root_source(source)
+
     def subscribe(self, listener: Callable[[RoundId, RoundStatus], None]) -> None:
         """Call ``listener(round_id, status)`` on every status change (from any thread)."""
         self.tracker.subscribe(listener)

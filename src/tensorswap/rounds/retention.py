@@ -68,6 +68,12 @@ class RetentionWorker:
         self._future: Future[None] | None = None
         self._closed = False
         self._ended: dict[RoundId, float] = {}  # clock.now() when a round turned terminal
+        self._root_sources: list[Callable[[], list[Cid]]] = []
+
+    def add_root_source(self, source: Callable[[], list[Cid]]) -> None:
+        """Blocks ``source()`` names (and everything they link) are never collected."""
+        with self._lock:
+            self._root_sources.append(source)
 
     def mark_ended(self, round_id: RoundId) -> None:
         with self._lock:
@@ -107,6 +113,10 @@ class RetentionWorker:
                 roots.extend(Cid.parse(c.update_cid) for c in tracker.contributions(info.round_id))
                 if isinstance(info.status, Complete):
                     roots.append(Cid.parse(info.status.cid))
+            with self._lock:
+                sources = list(self._root_sources)
+            for source in sources:  # e.g. the runs' global models and optimizer states
+                roots.extend(source())
             blocks = collect_garbage(self._store, roots, dry_run=dry_run, min_age=grace)
         if not dry_run:
             self._count(

@@ -1,0 +1,38 @@
+"""Runs: federations over the coordinator (a global model across rounds, client registry and
+sampling, server optimizers, asynchronous buffered aggregation)."""
+
+from tensorswap.runs.errors import (
+    InvalidRunSpec,
+    NotRegistered,
+    NotSelected,
+    RunExists,
+    RunNotFound,
+    RunsError,
+    StaleContribution,
+)
+from tensorswap.runs.journal import RunDatabase
+from tensorswap.runs.manager import RunManager, Task
+from tensorswap.runs.model import ClientInfo, RunInfo, RunMode, RunSpec, Staleness, VersionRecord
+from tensorswap.runs.registry import ClientRegistry
+from tensorswap.runs.sampling import sample_peers
+
+__all__ = [
+    "ClientInfo",
+    "ClientRegistry",
+    "InvalidRunSpec",
+    "NotRegistered",
+    "NotSelected",
+    "RunDatabase",
+    "RunExists",
+    "RunInfo",
+    "RunManager",
+    "RunMode",
+    "RunNotFound",
+    "RunSpec",
+    "RunsError",
+    "StaleContribution",
+    "Staleness",
+    "Task",
+    "VersionRecord",
+    "sample_peers",
+]

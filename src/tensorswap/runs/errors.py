@@ -1,0 +1,92 @@
+"""The runs layer's errors, under ``RunsError`` (a branch of ``RoundsError``).
+
+::
+
+    RunsError
+    ├── InvalidRunSpec      (also ValueError) a run configuration that cannot work
+    ├── RunNotFound         (also KeyError) no run with that name
+    ├── RunExists           a run with that name exists already (with another spec)
+    ├── NotRegistered       (also LookupError) a peer that never registered asks for work
+    ├── NotSelected         a peer not sampled for this round of the run submits to it
+    └── StaleContribution   an asynchronous contribution trained on too old a version
+"""
+
+from __future__ import annotations
+
+from tensorswap.errors import RoundsError
+
+__all__ = [
+    "InvalidRunSpec",
+    "NotRegistered",
+    "NotSelected",
+    "RunExists",
+    "RunNotFound",
+    "RunsError",
+    "StaleContribution",
+]
+
+
+class RunsError(RoundsError):
+    """A federated run (a global model across rounds) could not do what was asked."""
+
+
+class InvalidRunSpec(RunsError, ValueError):
+    """A run configuration that cannot work (no clients, a fraction outside (0, 1], ...)."""
+
+
+class RunNotFound(RunsError, KeyError):
+    """No run with this name exists."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"run not found: {name!r}")
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message
+        return str(self.args[0])
+
+
+class RunExists(RunsError):
+    """A run with this name exists already, with another spec or initial model."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        self.name = name
+        self.detail = detail
+        super().__init__(f"run {name!r} exists already: {detail}")
+
+
+class NotRegistered(RunsError, LookupError):
+    """A peer asked a run for work without registering first."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+        super().__init__(f"peer {peer!r} is not registered (register before asking for tasks)")
+
+
+class NotSelected(RunsError):
+    """A peer submitted to a round of a run it was not sampled for."""
+
+    def __init__(self, run: str, round: int, peer: str, selected: int) -> None:
+        self.run = run
+        self.round = round
+        self.peer = peer
+        self.selected = selected
+        super().__init__(
+            f"peer {peer!r} was not selected for round {round} of run {run!r} "
+            f"({selected} peer(s) were); wait for a task that names you"
+        )
+
+
+class StaleContribution(RunsError):
+    """An asynchronous contribution trained on a global version older than allowed."""
+
+    def __init__(self, run: str, peer: str, trained_on: int, current: int, limit: int) -> None:
+        self.run = run
+        self.peer = peer
+        self.trained_on = trained_on
+        self.current = current
+        self.limit = limit
+        super().__init__(
+            f"contribution from peer {peer!r} to run {run!r} trained on version {trained_on}, "
+            f"the global model is at version {current}: staleness {current - trained_on} "
+            f"exceeds max_staleness {limit}; fetch the current model and train again"
+        )

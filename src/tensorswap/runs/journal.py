@@ -1,0 +1,247 @@
+"""RunDatabase: runs, their versions, sampled peers and registered clients, in SQLite (WAL).
+
+It lives in the coordinator's ``rounds.sqlite3`` beside the rounds tables (its own
+connection), so one file holds every decision a federation made: which contributions a
+round accepted (rounds), which global model and optimizer state each version is and who
+was sampled for each round (here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from tensorswap.runs.errors import RunsError
+from tensorswap.runs.model import ClientInfo, Param, RunInfo, RunSpec, VersionRecord
+
+__all__ = ["RunDatabase"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    name        TEXT    PRIMARY KEY,
+    spec        TEXT    NOT NULL,
+    version     INTEGER NOT NULL,
+    global_cid  TEXT    NOT NULL,
+    state_cid   TEXT,
+    round       INTEGER NOT NULL,
+    finished    INTEGER NOT NULL,
+    created_at  REAL    NOT NULL
+);
+CREATE TABLE IF NOT EXISTS run_versions (
+    run          TEXT    NOT NULL,
+    version      INTEGER NOT NULL,
+    global_cid   TEXT    NOT NULL,
+    state_cid    TEXT,
+    round        INTEGER NOT NULL,
+    participants TEXT    NOT NULL,
+    staleness    TEXT    NOT NULL,
+    at           REAL    NOT NULL,
+    PRIMARY KEY (run, version),
+    FOREIGN KEY (run) REFERENCES runs (name) ON DELETE CASCADE
+);
+CREATE TABLE IF NOT EXISTS run_selections (
+    run    TEXT    NOT NULL,
+    round  INTEGER NOT NULL,
+    peers  TEXT    NOT NULL,
+    PRIMARY KEY (run, round),
+    FOREIGN KEY (run) REFERENCES runs (name) ON DELETE CASCADE
+);
+CREATE TABLE IF NOT EXISTS run_trained_on (
+    run        TEXT    NOT NULL,
+    round      INTEGER NOT NULL,
+    peer       TEXT    NOT NULL,
+    version    INTEGER NOT NULL,
+    PRIMARY KEY (run, round, peer),
+    FOREIGN KEY (run) REFERENCES runs (name) ON DELETE CASCADE
+);
+CREATE TABLE IF NOT EXISTS clients (
+    name          TEXT PRIMARY KEY,
+    facts         TEXT NOT NULL,
+    registered_at REAL NOT NULL
+);
+"""
+
+
+class RunDatabase:
+    """The runs journal; every write commits before it returns (see ``RoundDatabase``)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, durable: bool = True) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        try:
+            self._conn = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=30.0
+            )
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+            self._conn.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise RunsError(f"cannot open the runs journal in {self.path}: {exc}") from exc
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._conn
+                except BaseException:
+                    self._conn.execute("ROLLBACK")
+                    raise
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                raise RunsError(f"runs journal {self.path}: {exc}") from exc
+
+    def _query(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        with self._lock:
+            try:
+                return self._conn.execute(sql, args).fetchall()
+            except sqlite3.Error as exc:
+                raise RunsError(f"cannot read the runs journal {self.path}: {exc}") from exc
+
+    # ── runs ─────────────────────────────────────────────────────────────────
+    def insert_run(self, info: RunInfo) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO runs (name, spec, version, global_cid, state_cid, round, finished,"
+                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    info.name,
+                    info.spec.to_json(),
+                    info.version,
+                    info.global_cid,
+                    info.state_cid,
+                    info.round,
+                    int(info.finished),
+                    info.created_at,
+                ),
+            )
+            db.execute(
+                "INSERT INTO run_versions VALUES (?, ?, ?, ?, ?, '[]', '[]', ?)",
+                (info.name, 0, info.global_cid, info.state_cid, 0, info.created_at),
+            )
+
+    def start_round(self, run: str, round: int, peers: tuple[str, ...]) -> None:
+        """Record that ``round`` of ``run`` started with ``peers`` sampled."""
+        with self._transaction() as db:
+            db.execute("UPDATE runs SET round = ? WHERE name = ?", (round, run))
+            db.execute(
+                "INSERT OR REPLACE INTO run_selections VALUES (?, ?, ?)",
+                (run, round, json.dumps(list(peers))),
+            )
+
+    def add_version(self, run: str, record: VersionRecord, finished: bool) -> None:
+        """Record a new global version and make it the run's current one, in one step."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO run_versions VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    run,
+                    record.version,
+                    record.global_cid,
+                    record.state_cid,
+                    record.round,
+                    json.dumps(list(record.participants)),
+                    json.dumps(list(record.staleness)),
+                    record.at,
+                ),
+            )
+            db.execute(
+                "UPDATE runs SET version = ?, global_cid = ?, state_cid = ?, finished = ?"
+                " WHERE name = ?",
+                (record.version, record.global_cid, record.state_cid, int(finished), run),
+            )
+
+    def load_runs(self) -> list[RunInfo]:
+        rows = self._query(
+            "SELECT name, spec, version, global_cid, state_cid, round, finished, created_at"
+            " FROM runs ORDER BY created_at, name"
+        )
+        selections = {
+            (run, rnd): tuple(json.loads(str(peers)))
+            for run, rnd, peers in self._query("SELECT run, round, peers FROM run_selections")
+        }
+        out = []
+        for name, spec, version, global_cid, state_cid, rnd, finished, created in rows:
+            out.append(
+                RunInfo(
+                    str(name),
+                    RunSpec.from_json(str(spec)),
+                    int(version),  # type: ignore[call-overload]
+                    str(global_cid),
+                    None if state_cid is None else str(state_cid),
+                    int(rnd),  # type: ignore[call-overload]
+                    selections.get((name, rnd), ()),
+                    bool(finished),
+                    float(created),  # type: ignore[arg-type]
+                )
+            )
+        return out
+
+    def versions(self, run: str) -> list[VersionRecord]:
+        rows = self._query(
+            "SELECT version, global_cid, state_cid, round, participants, staleness, at"
+            " FROM run_versions WHERE run = ? ORDER BY version",
+            (run,),
+        )
+        return [
+            VersionRecord(
+                int(v),  # type: ignore[call-overload]
+                str(g),
+                None if s is None else str(s),
+                int(r),  # type: ignore[call-overload]
+                tuple(json.loads(str(p))),
+                tuple(json.loads(str(st))),
+                float(at),  # type: ignore[arg-type]
+            )
+            for v, g, s, r, p, st, at in rows
+        ]
+
+    def selection(self, run: str, round: int) -> tuple[str, ...] | None:
+        rows = self._query(
+            "SELECT peers FROM run_selections WHERE run = ? AND round = ?", (run, round)
+        )
+        return tuple(json.loads(str(rows[0][0]))) if rows else None
+
+    def note_trained_on(self, run: str, round: int, peer: str, version: int) -> None:
+        """Record the version an asynchronous contribution trained on (before it is
+        submitted; a refused submit leaves a row nothing reads)."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO run_trained_on VALUES (?, ?, ?, ?)",
+                (run, round, peer, version),
+            )
+
+    def trained_on(self, run: str, round: int) -> dict[str, int]:
+        rows = self._query(
+            "SELECT peer, version FROM run_trained_on WHERE run = ? AND round = ?", (run, round)
+        )
+        return {str(p): int(v) for p, v in rows}  # type: ignore[call-overload]
+
+    # ── clients ──────────────────────────────────────────────────────────────
+    def register(self, name: str, facts: Mapping[str, Param], at: float) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO clients VALUES (?, ?, ?) ON CONFLICT (name) DO UPDATE SET"
+                " facts = excluded.facts",
+                (name, json.dumps(dict(facts), sort_keys=True), at),
+            )
+
+    def load_clients(self, now: float) -> list[ClientInfo]:
+        """Registered clients; each counts as seen ``now`` (a restart gives every client
+        one inactivity period to show up again)."""
+        rows = self._query("SELECT name, facts, registered_at FROM clients ORDER BY name")
+        return [
+            ClientInfo(str(n), json.loads(str(f)), float(r), now)  # type: ignore[arg-type]
+            for n, f, r in rows
+        ]
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()

@@ -1,0 +1,348 @@
+"""RunManager: federated runs over a coordinator: sampling, rounds, the server optimizer."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from tensorswap.cid import Cid
+from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec, RoundStatus
+from tensorswap.rounds.updates import inspect_update
+from tensorswap.runs.errors import InvalidRunSpec, NotSelected, RunExists, RunNotFound
+from tensorswap.runs.journal import RunDatabase
+from tensorswap.runs.model import MAX_RUN_NAME, RunInfo, RunMode, RunSpec, VersionRecord
+from tensorswap.runs.registry import ClientRegistry
+from tensorswap.runs.sampling import sample_peers
+from tensorswap.runs.step import apply_step, check_staleness
+
+__all__ = ["RunManager", "Task"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """What a peer is asked to do: train from ``global_cid`` (version ``version``) and submit
+    to ``round_id``; in an asynchronous run, submit the delta tagged with ``version``."""
+
+    run: str
+    round_id: RoundId
+    version: int
+    global_cid: str
+    mode: RunMode
+
+
+class RunManager:
+    """Runs federations on ``coordinator``: each run owns the rounds ``RoundId(n, run)``.
+
+    Guarantees:
+
+    - Every decision is journaled before it takes effect: the sample of each round, each
+      new version's global model and optimizer state (as content-addressed updates in the
+      coordinator's store). After a restart (kill -9 in any phase) the manager recomputes
+      what it was doing from those CIDs: a round that completed without its version is
+      stepped again from the same global model, state and aggregate, so the result is
+      bit-identical.
+    - A sync round samples ``spec.sample_size(active)`` registered, active peers from
+      ``(seed, round)``; a peer not sampled is refused with NotSelected. It starts once
+      ``min_clients`` peers are active. A failed round is followed by a new round from the
+      same version.
+    - An async run (FedBuff) accepts deltas from any active registered peer, each scaled by
+      ``spec.scale_for(staleness)``; every ``buffer`` contributions are stepped into a new
+      version. A delta staler than ``max_staleness`` is refused (StaleContribution).
+    - Listeners (``subscribe``) hear of every change (a round started, a version made), so
+      peers long-polling for a task wake at once. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        journal: RunDatabase,
+        registry: ClientRegistry,
+    ) -> None:
+        self.coordinator = coordinator
+        self.journal = journal
+        self.registry = registry
+        self.store = coordinator.store
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._runs: dict[str, RunInfo] = {r.name: r for r in journal.load_runs()}
+        self._listeners: list[Callable[[str], None]] = []
+        self._closed = False
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-runs")
+        coordinator.subscribe(self._on_round)
+        coordinator.add_root_source(self.roots)
+        registry.subscribe(self._on_registration)
+        for name in list(self._runs):
+            self._queue(name)  # resume whatever each run was doing
+
+    # ── runs ─────────────────────────────────────────────────────────────────
+    def create_run(self, name: str, spec: RunSpec, initial: Cid | str) -> RunInfo:
+        """Start run ``name`` from the model update ``initial`` (in the store) at version 0.
+
+        Idempotent: the same name, spec and initial model return the run as it is;
+        RunExists for the same name with another spec or model.
+        """
+        _check_name(name)
+        cid = initial if isinstance(initial, Cid) else Cid.parse(initial)
+        facts = inspect_update(self.store, cid, name, "run", verify=True)
+        with self._lock:
+            known = self._runs.get(name)
+            if known is not None:
+                if known.spec != spec or (known.created_at and self._initial(name) != str(cid)):
+                    raise RunExists(name, "another spec or initial model")
+                return known
+            info = RunInfo(name, spec, 0, str(cid), None, 0, (), False, time.time())
+            self.journal.insert_run(info)
+            self._runs[name] = info
+        log.info("run %s created: %s, %d layers, %s", name, spec.mode, len(facts.layout), cid)
+        self._queue(name)
+        return info
+
+    def run(self, name: str) -> RunInfo:
+        with self._lock:
+            info = self._runs.get(name)
+        if info is None:
+            raise RunNotFound(name)
+        return info
+
+    def runs(self) -> list[RunInfo]:
+        with self._lock:
+            return list(self._runs.values())
+
+    def versions(self, name: str) -> list[VersionRecord]:
+        self.run(name)
+        return self.journal.versions(name)
+
+    def owns(self, round_id: RoundId) -> bool:
+        """Whether ``round_id`` is a round of a run (started by the run, not by peers)."""
+        with self._lock:
+            return round_id.initiator in self._runs
+
+    def roots(self) -> list[Cid]:
+        """The blocks every run still needs (its global model and optimizer state): roots for
+        the coordinator's retention."""
+        with self._lock:
+            runs = list(self._runs.values())
+        cids = [Cid.parse(r.global_cid) for r in runs]
+        cids += [Cid.parse(r.state_cid) for r in runs if r.state_cid is not None]
+        return cids
+
+    def subscribe(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(run_name)`` after every change of that run (from any thread)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    # ── peers ────────────────────────────────────────────────────────────────
+    def task(self, name: str, peer: str) -> Task | None:
+        """The peer's task in the run now, or None (not sampled, already submitted, the run
+        waits for peers or is finished). Counts as a heartbeat (NotRegistered if unknown)."""
+        self.registry.seen(peer)
+        info = self.run(name)
+        if info.finished or info.round == 0:
+            return None
+        rid = RoundId(info.round, name)
+        round_info = self.coordinator.info(rid)
+        if round_info is None or round_info.status.is_terminal:
+            return None
+        if peer in round_info.peers or round_info.status.name == "Aggregating":
+            return None
+        if info.spec.mode is RunMode.SYNC and peer not in info.selected:
+            return None
+        return Task(name, rid, info.version, info.global_cid, info.spec.mode)
+
+    def submit(
+        self, round_id: RoundId, peer: str, update: Cid | str, *, trained_on: int | None = None
+    ) -> RoundStatus:
+        """Submit a peer's update to a round of a run: checked against the sample (sync) or
+        its staleness (async: ``trained_on`` is the version it trained from), then handed
+        to the coordinator. Raises NotSelected, StaleContribution, or what the coordinator
+        refuses."""
+        self.registry.seen(peer)
+        info = self.run(round_id.initiator)
+        scale = 1.0
+        if info.spec.mode is RunMode.SYNC:
+            if round_id.round != info.round or peer not in info.selected:
+                raise NotSelected(info.name, round_id.round, peer, len(info.selected))
+        else:
+            scale = check_staleness(info, peer, trained_on)
+            if round_id.round != info.round:
+                raise NotSelected(info.name, round_id.round, peer, 0)
+            assert trained_on is not None  # check_staleness refuses None
+            self.journal.note_trained_on(info.name, round_id.round, peer, trained_on)
+        return self.coordinator.submit(round_id, peer, update, scale=scale)
+
+    # ── transitions (on the manager's thread) ────────────────────────────────
+    def _on_round(self, round_id: RoundId, status: RoundStatus) -> None:
+        if status.is_terminal and self.owns(round_id):
+            self._queue(round_id.initiator)
+
+    def _on_registration(self) -> None:
+        with self._lock:
+            waiting = [r.name for r in self._runs.values() if not r.finished and _waiting(r)]
+        for name in waiting:
+            self._queue(name)
+
+    def _queue(self, name: str) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._pool.submit(self._advance_logged, name)
+
+    def _advance_logged(self, name: str) -> None:
+        try:
+            self._advance(name)
+        except Exception:
+            log.exception("run %s: could not advance", name)
+
+    def _advance(self, name: str) -> None:
+        """Bring the run forward: step a completed round into a version, start the next."""
+        info = self.run(name)
+        if info.finished:
+            return
+        if info.round > 0:
+            rid = RoundId(info.round, name)
+            current = self.coordinator.info(rid)
+            if current is None:  # journaled as started, not yet in the coordinator: start it
+                self._start_coordinator_round(info)
+                return
+            status = current.status
+            if not status.is_terminal:
+                return  # collecting or aggregating: the coordinator goes on by itself
+            if isinstance(status, Complete) and info.version < self._version_of_round(info):
+                info = self._step(info, status)
+            elif isinstance(status, Failed):
+                log.warning("run %s: round %d failed (%s)", name, info.round, status.reason)
+        if info.spec.rounds is not None and info.version >= info.spec.rounds:
+            return
+        self._start_next(info)
+
+    def _version_of_round(self, info: RunInfo) -> int:
+        """The version a Complete round ``info.round`` makes: one more than the current,
+        unless a version was already recorded for that round."""
+        versions = self.journal.versions(info.name)
+        if versions and versions[-1].round == info.round:
+            return versions[-1].version
+        return info.version + 1
+
+    def _step(self, info: RunInfo, status: Complete) -> RunInfo:
+        rid = RoundId(info.round, info.name)
+        round_info = self.coordinator.info(rid)
+        left_out = round_info.dropped_peers if round_info is not None else frozenset()
+        contributions = [c for c in self.coordinator.contributions(rid) if c.peer not in left_out]
+        trained_on = self.journal.trained_on(info.name, info.round)
+        record = apply_step(self.store, info, Cid.parse(status.cid), contributions, trained_on)
+        finished = info.spec.rounds is not None and record.version >= info.spec.rounds
+        self.journal.add_version(info.name, record, finished)
+        new = replace(
+            info,
+            version=record.version,
+            global_cid=record.global_cid,
+            state_cid=record.state_cid,
+            finished=finished,
+        )
+        with self._lock:
+            self._runs[info.name] = new
+        log.info("run %s: version %d = %s", info.name, record.version, record.global_cid)
+        self._notify(info.name)
+        return new
+
+    def _start_next(self, info: RunInfo) -> None:
+        spec = info.spec
+        if spec.mode is RunMode.SYNC:
+            active = self.registry.active()
+            if len(active) < spec.min_clients:
+                log.info(
+                    "run %s: %d of %d peers active; round %d waits",
+                    info.name,
+                    len(active),
+                    spec.min_clients,
+                    info.round + 1,
+                )
+                with self._lock:
+                    self._runs[info.name] = replace(info, selected=())
+                return
+            selected = sample_peers(
+                active, spec.sample_size(len(active)), spec.seed, info.round + 1
+            )
+        else:
+            selected = ()
+        self.journal.start_round(info.name, info.round + 1, selected)
+        info = replace(info, round=info.round + 1, selected=selected)
+        with self._lock:
+            self._runs[info.name] = info
+        self._start_coordinator_round(info)
+
+    def _start_coordinator_round(self, info: RunInfo) -> None:
+        spec = info.spec
+        facts = inspect_update(
+            self.store, Cid.parse(info.global_cid), info.name, "run", verify=True
+        )
+        expected = len(info.selected) if spec.mode is RunMode.SYNC else spec.buffer
+        round_spec = RoundSpec(
+            expected,
+            quorum=spec.quorum_of(expected) if spec.mode is RunMode.SYNC else expected,
+            timeout_s=spec.round_timeout_s if spec.mode is RunMode.SYNC else None,
+            strategy=spec.strategy,
+            params=spec.params,
+            layout=facts.layout,
+        )
+        self.coordinator.start_round(RoundId(info.round, info.name), round_spec)
+        log.info("run %s: round %d started, %s", info.name, info.round, info.selected or "open")
+        self._notify(info.name)
+
+    def _initial(self, name: str) -> str:
+        versions = self.journal.versions(name)
+        return versions[0].global_cid if versions else ""
+
+    def wait_version(self, name: str, version: int, timeout: float | None = None) -> RunInfo:
+        """Block until run ``name`` reaches ``version`` (or finishes); TimeoutError after
+        ``timeout`` seconds."""
+        with self._changed:
+            if not self._changed.wait_for(
+                lambda: self.run(name).version >= version or self.run(name).finished, timeout
+            ):
+                raise TimeoutError(f"run {name!r} did not reach version {version} in {timeout} s")
+            return self.run(name)
+
+    def _notify(self, name: str) -> None:
+        with self._changed:
+            self._changed.notify_all()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(name)
+            except Exception:
+                log.exception("run listener %r failed on %s", listener, name)
+
+    # ── lifecycle ────────────────────────────────────────────────────────────
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until the transitions queued so far have run (for tests and shutdown)."""
+        self._pool.submit(lambda: None).result(timeout)
+
+    def close(self) -> None:
+        """Finish the transition in progress; queue no more. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _waiting(info: RunInfo) -> bool:
+    """A sync run whose next round waits for peers (no round in flight)."""
+    return info.spec.mode is RunMode.SYNC and not info.selected
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name or len(name.encode()) > MAX_RUN_NAME:
+        raise InvalidRunSpec(f"a run name is 1..{MAX_RUN_NAME} bytes, got {name!r:.80}")
+    try:
+        RoundId(1, name)
+    except ValueError as exc:
+        raise InvalidRunSpec(f"run name {name!r}: {exc}") from None

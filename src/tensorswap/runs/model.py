@@ -1,0 +1,199 @@
+"""The run domain: a federation's spec (policies, optimizer, sampling) and its snapshots."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+
+from tensorswap.runs.errors import InvalidRunSpec
+
+__all__ = [
+    "MAX_RUN_NAME",
+    "ClientInfo",
+    "RunInfo",
+    "RunMode",
+    "RunSpec",
+    "Staleness",
+    "VersionRecord",
+]
+
+MAX_RUN_NAME = 128
+"""The longest run name (UTF-8 bytes); a run's rounds are ``RoundId(n, name)``."""
+
+
+class RunMode(StrEnum):
+    """``sync``: rounds with a barrier (sampled peers, a deadline, a quorum). ``async``:
+    FedBuff, no barrier: every ``buffer`` contributions make a new version."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+class Staleness(StrEnum):
+    """How an asynchronous contribution's delta is scaled by its staleness ``s`` (versions
+    behind): ``constant`` 1, ``sqrt`` ``1 / sqrt(1 + s)`` (FedBuff's default), ``poly``
+    ``(1 + s) ** -a`` with ``a`` = ``staleness_exponent``."""
+
+    CONSTANT = "constant"
+    SQRT = "sqrt"
+    POLY = "poly"
+
+
+Param = float | int | str
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """How a run goes: who trains each round, how rounds end, how the global model moves.
+
+    Sampling (sync): ``per_round`` peers, or ``fraction`` of the active ones (at least
+    ``min_clients``, at most all); a round starts only once ``min_clients`` are active.
+    ``quorum`` is the fraction of the sampled peers a round needs when its deadline passes.
+    ``round_timeout_s`` is each round's deadline (None: none). ``strategy`` / ``params``
+    aggregate the contributions (see ``RoundSpec``); ``optimizer`` / ``optimizer_params``
+    turn the aggregate into the next global model (``tensorswap.aggregate.server_optimizer``).
+    ``rounds`` stops the run after that many versions (None: never). Asynchronous runs use
+    ``buffer``, ``max_staleness`` and ``staleness`` / ``staleness_exponent``.
+    """
+
+    mode: RunMode = RunMode.SYNC
+    per_round: int | None = None
+    fraction: float | None = None
+    min_clients: int = 1
+    quorum: float = 1.0
+    round_timeout_s: float | None = None
+    strategy: str = "fedavg"
+    params: Mapping[str, Param] = field(default_factory=dict)
+    optimizer: str = "fedavg"
+    optimizer_params: Mapping[str, float] = field(default_factory=dict)
+    seed: int = 0
+    rounds: int | None = None
+    buffer: int = 4
+    max_staleness: int = 8
+    staleness: Staleness = Staleness.SQRT
+    staleness_exponent: float = 0.5
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mode", RunMode(self.mode))
+            object.__setattr__(self, "staleness", Staleness(self.staleness))
+        except ValueError as exc:
+            raise InvalidRunSpec(str(exc)) from None
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        object.__setattr__(self, "optimizer_params", MappingProxyType(dict(self.optimizer_params)))
+        if self.per_round is not None and self.fraction is not None:
+            raise InvalidRunSpec("give per_round or fraction, not both")
+        _positive_int("min_clients", self.min_clients)
+        _positive_int("buffer", self.buffer)
+        if self.per_round is not None:
+            _positive_int("per_round", self.per_round)
+            if self.per_round < self.min_clients:
+                raise InvalidRunSpec(
+                    f"per_round ({self.per_round}) is below min_clients ({self.min_clients})"
+                )
+        if self.fraction is not None and not (0 < self.fraction <= 1):
+            raise InvalidRunSpec(f"fraction must be in (0, 1], got {self.fraction!r}")
+        if not (0 < self.quorum <= 1):
+            raise InvalidRunSpec(f"quorum must be a fraction in (0, 1], got {self.quorum!r}")
+        if self.round_timeout_s is not None and not (
+            math.isfinite(self.round_timeout_s) and self.round_timeout_s > 0
+        ):
+            raise InvalidRunSpec(f"round_timeout_s must be > 0, got {self.round_timeout_s!r}")
+        if self.rounds is not None:
+            _positive_int("rounds", self.rounds)
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):
+            raise InvalidRunSpec(f"max_staleness must be an int, got {self.max_staleness!r}")
+        if self.max_staleness < 0:
+            raise InvalidRunSpec(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if not (math.isfinite(self.staleness_exponent) and self.staleness_exponent >= 0):
+            raise InvalidRunSpec(f"staleness_exponent must be >= 0, got {self.staleness_exponent}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise InvalidRunSpec(f"seed must be an int >= 0, got {self.seed!r}")
+
+    def sample_size(self, active: int) -> int:
+        """How many peers a round samples when ``active`` peers are active (sync runs)."""
+        if self.per_round is not None:
+            want = self.per_round
+        elif self.fraction is not None:
+            want = math.ceil(self.fraction * active)
+        else:
+            want = active
+        return min(active, max(want, self.min_clients))
+
+    def quorum_of(self, sampled: int) -> int:
+        """Contributions a round of ``sampled`` peers needs at its deadline."""
+        return max(1, min(sampled, math.ceil(self.quorum * sampled - 1e-9)))
+
+    def scale_for(self, staleness: int) -> float:
+        """The factor an asynchronous delta ``staleness`` versions behind is scaled by."""
+        if self.staleness is Staleness.CONSTANT:
+            return 1.0
+        if self.staleness is Staleness.SQRT:
+            return 1.0 / math.sqrt(1.0 + staleness)
+        return float((1.0 + staleness) ** -self.staleness_exponent)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["params"], data["optimizer_params"] = dict(self.params), dict(self.optimizer_params)
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise InvalidRunSpec(f"a run spec is a JSON object, got {type(data).__name__}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise InvalidRunSpec(f"run spec: {exc}") from None
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRunSpec(f"{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class VersionRecord:
+    """One step of the global model: version ``version`` is ``global_cid`` (with the
+    optimizer's state ``state_cid``), made from round ``round``'s aggregate of
+    ``participants``; ``staleness`` per participant in asynchronous runs."""
+
+    version: int
+    global_cid: str
+    state_cid: str | None
+    round: int
+    participants: tuple[str, ...] = ()
+    staleness: tuple[int, ...] = ()
+    at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """A snapshot of a run: its spec, the current version, the round in flight."""
+
+    name: str
+    spec: RunSpec
+    version: int
+    global_cid: str
+    state_cid: str | None
+    round: int
+    """The newest round started (0: none yet)."""
+    selected: tuple[str, ...]
+    """The peers sampled for that round (sync runs)."""
+    finished: bool
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ClientInfo:
+    """A registered peer: its facts (``num_samples``, tags, ...) and when it was last seen."""
+
+    name: str
+    facts: Mapping[str, Param]
+    registered_at: float
+    last_seen: float

@@ -1,0 +1,83 @@
+"""A run's step: the round's aggregate and the server optimizer make the next global version."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from tensorswap.aggregate import server_optimizer
+from tensorswap.cid import Cid
+from tensorswap.rounds.state import Contribution
+from tensorswap.runs.errors import StaleContribution
+from tensorswap.runs.model import RunInfo, RunMode, VersionRecord
+from tensorswap.store import BlockStore, ModelUpdate, get_update, put_update
+
+__all__ = ["apply_step", "check_staleness"]
+
+
+def check_staleness(info: RunInfo, peer: str, trained_on: int | None) -> float:
+    """The scale of an asynchronous contribution trained on version ``trained_on``:
+    ``spec.scale_for(current - trained_on)``. StaleContribution past ``max_staleness`` (or
+    from a version that does not exist yet); ValueError without ``trained_on``."""
+    if trained_on is None:
+        raise ValueError(f"run {info.name!r} is asynchronous: submit with trained_on=<version>")
+    staleness = info.version - trained_on
+    if staleness < 0 or staleness > info.spec.max_staleness:
+        raise StaleContribution(info.name, peer, trained_on, info.version, info.spec.max_staleness)
+    return info.spec.scale_for(staleness)
+
+
+def apply_step(
+    store: BlockStore,
+    info: RunInfo,
+    aggregate_cid: Cid,
+    contributions: Sequence[Contribution],
+    trained_on: dict[str, int] | None = None,
+) -> VersionRecord:
+    """Version ``info.version + 1``: the server optimizer (with the state journaled for the
+    current version) stepped from the current global model and the round's aggregate; both
+    the new model and the new state are stored as model updates. A function of those CIDs
+    alone, so a step repeated after a restart gives the very same CIDs.
+
+    In an asynchronous run the aggregate is the mean delta (peers submit their update minus
+    the global model they trained from): the optimizer sees ``current + delta`` as Flower's
+    aggregated model.
+    """
+    spec = info.spec
+    version = info.version + 1
+    current = {k: np.asarray(v) for k, v in _load(store, info.global_cid).items()}
+    aggregate = _load(store, str(aggregate_cid))
+    if spec.mode is RunMode.ASYNC:
+        aggregate = {
+            k: current[k] + np.asarray(v, dtype=current[k].dtype) for k, v in aggregate.items()
+        }
+    optimizer = server_optimizer(spec.optimizer, **dict(spec.optimizer_params))
+    if info.state_cid is not None:
+        optimizer.load_state(_load(store, info.state_cid))
+    stepped = optimizer.step(current, aggregate, version)
+    new = {k: stepped[k].astype(current[k].dtype, copy=False) for k in current}
+    meta = {"run": info.name, "version": str(version), "optimizer": spec.optimizer}
+    name = f"{info.name}@{version}"
+    global_cid = put_update(store, ModelUpdate(new, 0, meta, name=name))
+    state = optimizer.state
+    state_cid = (
+        put_update(store, ModelUpdate(state, 0, meta, name=f"{name}/state")) if state else None
+    )
+    peers = tuple(c.peer for c in contributions)
+    seen = trained_on or {}
+    staleness = tuple(info.version - seen[p] for p in peers if p in seen)
+    return VersionRecord(
+        version,
+        str(global_cid),
+        None if state_cid is None else str(state_cid),
+        info.round,
+        peers,
+        staleness if len(staleness) == len(peers) else (),
+        time.time(),
+    )
+
+
+def _load(store: BlockStore, cid: str) -> dict[str, np.ndarray]:
+    return dict(get_update(store, Cid.parse(cid), verify=True).tensors)
