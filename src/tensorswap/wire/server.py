@@ -8,49 +8,32 @@ import logging
 import ssl as ssl_module
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Self
 
 from tensorswap.cid import Cid
-from tensorswap.errors import BlockNotFound, StoreError, TensorSwapError
+from tensorswap.errors import StoreError, TensorSwapError
 from tensorswap.store.base import BlockStore
-from tensorswap.store.manifest import manifest_closure
 from tensorswap.wire._budget import DEFAULT_MAX_INFLIGHT_BYTES, ByteBudget, Reservation
 from tensorswap.wire._buffers import HeapTrimmer
-from tensorswap.wire._pipeline import prefetched
+from tensorswap.wire._server_handlers import AppRequest, RequestHandler, ServerHandlers
+from tensorswap.wire._server_stats import (
+    _NOT_REPORTED,
+    ServerStats,
+    _without_frames,
+    error_code,
+)
 from tensorswap.wire._sink import BlockSink
 from tensorswap.wire.auth import busy_refusal, server_handshake
-from tensorswap.wire.connection import (
-    BlockFrame,
-    Frame,
-    FrameConnection,
-    PreparedBlock,
-    Timeouts,
-    WireLimits,
-    prepare_block,
-)
-from tensorswap.wire.errors import (
-    AuthenticationFailed,
-    BlockHashMismatch,
-    ChecksumMismatch,
-    ConnectionFailed,
-    FrameTooLarge,
-    OverBudget,
-    PeerTimeout,
-    ProtocolViolation,
-    StreamEnded,
-    TransportClosed,
-)
+from tensorswap.wire.connection import BlockFrame, Frame, FrameConnection, Timeouts, WireLimits
+from tensorswap.wire.errors import StreamEnded
 from tensorswap.wire.frames import BlockPrefix, Compression, FrameHeader, FrameKind
 from tensorswap.wire.messages import (
     Commit,
     Committed,
     Get,
-    Got,
     Message,
     Offer,
-    Reply,
     Request,
     Want,
     parse_cids,
@@ -71,104 +54,7 @@ __all__ = [
 logger = logging.getLogger("tensorswap.wire")
 
 
-@dataclass
-class ServerStats:
-    """Counters over the server's lifetime (mutated by the event loop only).
-
-    ``bytes_in`` / ``bytes_out``: wire bytes over every connection so far, open ones included.
-    """
-
-    connections: int = 0
-    blocks_stored: int = 0
-    bytes_stored: int = 0
-    roots_committed: int = 0
-    blocks_served: int = 0
-    failed_connections: int = 0
-    requests: int = 0
-    ended_bytes_in: int = 0
-    ended_bytes_out: int = 0
-    inflight_bytes: int = 0
-    """Bytes received, decompressed or decoded and not yet stored, now (all connections)."""
-    inflight_peak_bytes: int = 0
-    """The most ever in flight at once; never above ``inflight_limit_bytes``."""
-    inflight_limit_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
-    inflight_waits: int = 0
-    """Frames a connection had to wait for (it stopped reading) until others released bytes."""
-    inflight_refused: int = 0
-    """Frames refused outright (``over_budget``): more than the whole limit at once."""
-
-    def __post_init__(self) -> None:
-        self._open: set[Transport] = set()
-
-    def opened(self, transport: Transport) -> None:
-        """Count a connection that is now being served."""
-        self.connections += 1
-        self._open.add(transport)
-
-    def ended(self, transport: Transport) -> None:
-        """Count a served connection's end; its bytes move to ``ended_bytes_*``."""
-        self._open.discard(transport)
-        self.ended_bytes_in += transport.bytes_received
-        self.ended_bytes_out += transport.bytes_sent
-
-    @property
-    def open_connections(self) -> int:
-        return len(self._open)
-
-    @property
-    def bytes_in(self) -> int:
-        return self.ended_bytes_in + sum(t.bytes_received for t in self._open)
-
-    @property
-    def bytes_out(self) -> int:
-        return self.ended_bytes_out + sum(t.bytes_sent for t in self._open)
-
-
-@dataclass(frozen=True, slots=True)
-class AppRequest:
-    """An application request (a REQUEST frame) as its handler receives it."""
-
-    app: str
-    """The application name the client addressed (the key in ``BlockServer.handlers``)."""
-    body: bytes
-    """The request body, opaque to the wire layer (untrusted: the handler validates it)."""
-    peer: str
-    """The client's address, for logs and errors."""
-    stream_id: int
-
-
-RequestHandler = Callable[[AppRequest], Awaitable[bytes]]
-"""``async handler(request) -> reply body``. A TensorSwapError it raises fails the connection
-(ERROR frame, then closed); answer refusals the client should survive inside the reply body."""
-
-
-_NOT_REPORTED = (AuthenticationFailed, StreamEnded, ConnectionFailed, TransportClosed)
-"""Failures not answered with an ERROR frame: the handshake already told the client, or the
-connection no longer works."""
-
-
-def error_code(exc: BaseException) -> str:
-    """The Error-message code a failure is reported to the peer with."""
-    for kind, code in _CODES:
-        if isinstance(exc, kind):
-            return code
-    return "internal"
-
-
-_CODES: Sequence[tuple[type[BaseException], str]] = (
-    (AuthenticationFailed, "auth_failed"),
-    (BlockHashMismatch, "block_hash_mismatch"),
-    (ChecksumMismatch, "checksum_mismatch"),
-    (OverBudget, "over_budget"),
-    (FrameTooLarge, "frame_too_large"),
-    (ProtocolViolation, "protocol_violation"),
-    (PeerTimeout, "timeout"),
-    (StoreError, "store_error"),
-    (TensorSwapError, "error"),
-)
-
-
-class BlockServer:
+class BlockServer(ServerHandlers):
     """Serves ``store`` to clients: they learn what it lacks, send blocks, commit roots, fetch.
 
     Per connection, after the handshake (``key`` set: mutual HMAC proof, else refused and
@@ -420,51 +306,6 @@ class BlockServer:
                 await conn.send_message(reply, stream_id)
                 in_transfer = False
 
-    async def _answer_request(self, message: Request, peer: str, stream_id: int) -> Reply:
-        self.stats.requests += 1
-        handler = self.handlers.get(message.app)
-        if handler is None:
-            return Reply(app=message.app, body=b"", handled=False)
-        body = await handler(AppRequest(message.app, message.body, peer, stream_id))
-        return Reply(app=message.app, body=bytes(body))
-
-    def _check_roots(self, roots: list[Cid]) -> None:
-        """Check that each root's closure is held: one walk over all of them, so a block
-        (and a manifest's decoding) shared by several roots is visited once."""
-        seen: set[Cid] = set()
-        for root in roots:
-            try:  # the part of root's closure not checked for an earlier root
-                added = manifest_closure(self.store, root, seen=seen)
-            except BlockNotFound as exc:
-                msg = f"committed root {root} lacks block {exc.cid}"
-                raise ProtocolViolation(msg) from exc
-            lacking = self.store.missing(added)
-            if lacking:
-                raise ProtocolViolation(
-                    f"committed root {root} lacks {len(lacking)} blocks, first {lacking[0]}"
-                )
-
-    async def _answer_get(self, conn: FrameConnection, cids: list[Cid], stream_id: int) -> None:
-        missing: list[Cid] = []
-
-        def load(cid: Cid) -> PreparedBlock | None:
-            try:
-                data = self.store.get(cid)
-            except BlockNotFound:
-                return None
-            return prepare_block(cid, data, self.compression, stream_id)
-
-        async with contextlib.aclosing(prefetched(cids, load, 2)) as blocks:
-            index = 0
-            async for block in blocks:
-                if block is None:
-                    missing.append(cids[index])
-                else:
-                    await conn.send_prepared(block)
-                    self.stats.blocks_served += 1
-                index += 1
-        await conn.send_message(Got(missing=wire_cids(missing)), stream_id)
-
 
 def _busy(budget: ByteBudget) -> Callable[[], bool]:
     """Whether ``budget`` has bytes in flight, without keeping it alive (the budget holds the
@@ -477,22 +318,6 @@ def _busy(budget: ByteBudget) -> Callable[[], bool]:
         return alive is not None and alive.in_flight > 0
 
     return busy
-
-
-def _without_frames(exc: BaseException) -> BaseException:
-    """``exc`` (and the exceptions chained to it) without tracebacks, to be kept: a traceback
-    holds its frames' variables, such as the block a failed check was given, and ``errors``
-    would keep up to 100 of those (as many blocks of up to 256 MiB) alive."""
-    todo: list[BaseException | None] = [exc]
-    seen: set[int] = set()
-    while todo:
-        item = todo.pop()
-        if item is None or id(item) in seen:
-            continue
-        seen.add(id(item))
-        item.__traceback__ = None
-        todo += [item.__cause__, item.__context__]
-    return exc
 
 
 def _needed(header: FrameHeader, prefix: BlockPrefix | None) -> tuple[int, str]:

@@ -1,0 +1,99 @@
+"""BlockServer's answers to Commit (the roots' closure check), Get and application Requests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tensorswap.cid import Cid
+from tensorswap.errors import BlockNotFound
+from tensorswap.store.base import BlockStore
+from tensorswap.store.manifest import manifest_closure
+from tensorswap.wire._pipeline import prefetched
+from tensorswap.wire.connection import FrameConnection, PreparedBlock, prepare_block
+from tensorswap.wire.errors import ProtocolViolation
+from tensorswap.wire.frames import Compression
+from tensorswap.wire.messages import Got, Reply, Request, wire_cids
+
+if TYPE_CHECKING:
+    from tensorswap.wire._server_stats import ServerStats
+
+__all__ = ["AppRequest", "RequestHandler", "ServerHandlers"]
+
+
+@dataclass(frozen=True, slots=True)
+class AppRequest:
+    """An application request (a REQUEST frame) as its handler receives it."""
+
+    app: str
+    """The application name the client addressed (the key in ``BlockServer.handlers``)."""
+    body: bytes
+    """The request body, opaque to the wire layer (untrusted: the handler validates it)."""
+    peer: str
+    """The client's address, for logs and errors."""
+    stream_id: int
+
+
+RequestHandler = Callable[[AppRequest], Awaitable[bytes]]
+"""``async handler(request) -> reply body``. A TensorSwapError it raises fails the connection
+(ERROR frame, then closed); answer refusals the client should survive inside the reply body."""
+
+
+class ServerHandlers:
+    """The answers of BlockServer (which sets the state below) to Commit, Get and Request."""
+
+    store: BlockStore
+    compression: Compression
+    handlers: dict[str, RequestHandler]
+
+    if TYPE_CHECKING:  # BlockServer's property, declared here for the type checker
+
+        @property
+        def stats(self) -> ServerStats: ...
+
+    async def _answer_request(self, message: Request, peer: str, stream_id: int) -> Reply:
+        self.stats.requests += 1
+        handler = self.handlers.get(message.app)
+        if handler is None:
+            return Reply(app=message.app, body=b"", handled=False)
+        body = await handler(AppRequest(message.app, message.body, peer, stream_id))
+        return Reply(app=message.app, body=bytes(body))
+
+    def _check_roots(self, roots: list[Cid]) -> None:
+        """Check that each root's closure is held: one walk over all of them, so a block
+        (and a manifest's decoding) shared by several roots is visited once."""
+        seen: set[Cid] = set()
+        for root in roots:
+            try:  # the part of root's closure not checked for an earlier root
+                added = manifest_closure(self.store, root, seen=seen)
+            except BlockNotFound as exc:
+                msg = f"committed root {root} lacks block {exc.cid}"
+                raise ProtocolViolation(msg) from exc
+            lacking = self.store.missing(added)
+            if lacking:
+                raise ProtocolViolation(
+                    f"committed root {root} lacks {len(lacking)} blocks, first {lacking[0]}"
+                )
+
+    async def _answer_get(self, conn: FrameConnection, cids: list[Cid], stream_id: int) -> None:
+        missing: list[Cid] = []
+
+        def load(cid: Cid) -> PreparedBlock | None:
+            try:
+                data = self.store.get(cid)
+            except BlockNotFound:
+                return None
+            return prepare_block(cid, data, self.compression, stream_id)
+
+        async with contextlib.aclosing(prefetched(cids, load, 2)) as blocks:
+            index = 0
+            async for block in blocks:
+                if block is None:
+                    missing.append(cids[index])
+                else:
+                    await conn.send_prepared(block)
+                    self.stats.blocks_served += 1
+                index += 1
+        await conn.send_message(Got(missing=wire_cids(missing)), stream_id)
