@@ -23,6 +23,9 @@ from tensorswap.cli._util import (
 )
 from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
 from tensorswap.rounds.server import RoundServer
+from tensorswap.runs.manager import RunManager
+from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER
+from tensorswap.runs.service import RunService
 from tensorswap.transport import DEFAULT_MAX_CONNECTIONS
 from tensorswap.wire._budget import DEFAULT_MAX_INFLIGHT_BYTES
 from tensorswap.wire.connection import Timeouts
@@ -75,6 +78,7 @@ async def _run(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     reset: bool = False,
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    inactive_after: float = DEFAULT_INACTIVE_AFTER,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -90,7 +94,11 @@ async def _run(
         keep_rounds=keep_rounds,
         gc_grace=gc_grace,
     )
+    runs: RunManager | None = None
     try:
+        runs = await asyncio.to_thread(
+            RunManager.open, coordinator, durable=durable, inactive_after=inactive_after
+        )
         server = RoundServer(
             coordinator,
             key=key,
@@ -99,10 +107,14 @@ async def _run(
             max_connections=max_connections,
             max_inflight_bytes=max_inflight_bytes,
         )
+        RunService(runs, server)
         async with await server.start(host, port, ssl=ssl):
             active = coordinator.tracker.active_count()
             click.echo(f"listening on {host}:{server.port}", err=True)
-            click.echo(f"data in {data}; {active} active round(s) restored", err=True)
+            click.echo(
+                f"data in {data}; {active} active round(s) and {len(runs.runs())} run(s) restored",
+                err=True,
+            )
             if keep_rounds is not None:
                 click.echo(
                     f"keeping the newest {keep_rounds} round number(s); older rounds and "
@@ -111,6 +123,8 @@ async def _run(
                 )
             await stop.wait()
     finally:
+        if runs is not None:
+            await asyncio.to_thread(runs.close)
         await asyncio.to_thread(coordinator.close)
 
 
@@ -191,6 +205,15 @@ async def _run(
     "the whole budget is refused (error over_budget). Bytes, or with a unit: 512MiB, 2GiB.",
 )
 @click.option(
+    "--inactive-after",
+    type=SECONDS,
+    default=DEFAULT_INACTIVE_AFTER,
+    show_default=True,
+    metavar="S",
+    help="Seconds without a heartbeat (or any request) after which a peer registered for "
+    "runs counts as inactive and is no longer sampled.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -211,9 +234,11 @@ def serve(
     max_connections: int,
     reset: bool,
     max_inflight_bytes: int,
+    inactive_after: float,
     log_level: str,
 ) -> None:
-    """Run a coordinator: rounds (start, submit, status, wait) and blocks on one port.
+    """Run a coordinator: rounds (start, submit, status, wait), federated runs (register,
+    tasks, a global model across rounds) and blocks on one port.
 
     Round state lives in SQLite (WAL) under DATA and blocks in a directory store under
     DATA/blocks: stop or kill the server at any point, start it again on the same DATA, and
@@ -247,6 +272,7 @@ def serve(
             max_connections,
             reset,
             max_inflight_bytes,
+            inactive_after,
         )
     )
 

@@ -122,6 +122,9 @@ class Coordinator:
             grace=gc_grace,
         )
         self._retries = RetrySchedule(retry)
+        self.admission: Callable[[RoundId, str, float], None] | None = None
+        """Called as ``admission(round_id, peer, scale)`` before a submit is screened; what
+        it raises refuses the submit (a run checks that the peer was sampled)."""
         self._work: dict[RoundId, RoundWork] = {}
         self._closed = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-aggregate")
@@ -206,6 +209,8 @@ class Coordinator:
     ) -> RoundStatus:
         key = round_id.as_key()
         try:
+            if self.admission is not None:
+                self.admission(round_id, peer, scale)
             info = self.tracker.check_submit(round_id, peer)
             cid = parse_update_cid(update_cid, key, peer)
             facts = inspect_update(self.store, cid, key, peer, verify=self._verify)

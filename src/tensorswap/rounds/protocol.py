@@ -11,6 +11,7 @@ replies ``handled=False``. Layout in ``docs/rounds.md``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import get_args
 
 import msgspec
@@ -238,7 +239,7 @@ def peer_of(call: RoundCall | SubmitRequest) -> str:
 
 
 # ── errors across the wire ───────────────────────────────────────────────────
-_REMOTE_TYPES: dict[str, type[TensorSwapError]] = {
+REMOTE_TYPES: dict[str, type[TensorSwapError]] = {
     name: cls
     for name in rounds_errors.__all__
     if isinstance(cls := getattr(rounds_errors, name), type) and issubclass(cls, RoundsError)
@@ -255,15 +256,18 @@ def error_info(exc: TensorSwapError) -> ErrorInfo:
     return ErrorInfo(type(exc).__name__, str(exc), facts)
 
 
-def raise_remote(info: ErrorInfo, peer: str) -> None:
+def raise_remote(
+    info: ErrorInfo, peer: str, types: Mapping[str, type[TensorSwapError]] | None = None
+) -> None:
     """Raise the error the server reported: the same RoundsError leaf, with its facts.
 
     Codes that are not rounds errors become the wire's RemoteError(code, message).
     Only the known leaves are ever built; nothing is looked up by an arbitrary name. Only
     plain facts become attributes: a name starting with ``_`` or one the class already has
     (``args``, ``with_traceback``, ...) is skipped, so a server cannot break the exception.
+    ``types`` replaces the known leaves (a service with leaves of its own passes them).
     """
-    cls = _REMOTE_TYPES.get(info.code)
+    cls = (REMOTE_TYPES if types is None else types).get(info.code)
     if cls is None:
         raise RemoteError(info.code, info.message, peer)
     exc = cls.__new__(cls)

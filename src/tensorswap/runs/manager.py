@@ -13,10 +13,10 @@ from tensorswap.cid import Cid
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec, RoundStatus
 from tensorswap.rounds.updates import inspect_update
-from tensorswap.runs.errors import InvalidRunSpec, NotSelected, RunExists, RunNotFound
+from tensorswap.runs.errors import InvalidRunSpec, NotSelected, RunExists, RunNotFound, RunsError
 from tensorswap.runs.journal import RunDatabase
 from tensorswap.runs.model import MAX_RUN_NAME, RunInfo, RunMode, RunSpec, VersionRecord
-from tensorswap.runs.registry import ClientRegistry
+from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER, ClientRegistry
 from tensorswap.runs.sampling import sample_peers
 from tensorswap.runs.step import apply_step, check_staleness
 
@@ -74,12 +74,37 @@ class RunManager:
         self._runs: dict[str, RunInfo] = {r.name: r for r in journal.load_runs()}
         self._listeners: list[Callable[[str], None]] = []
         self._closed = False
+        self._owns_journal = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-runs")
+        self._local = threading.local()
+        coordinator.admission = self._admit
         coordinator.subscribe(self._on_round)
         coordinator.add_root_source(self.roots)
         registry.subscribe(self._on_registration)
         for name in list(self._runs):
             self._queue(name)  # resume whatever each run was doing
+
+    @classmethod
+    def open(
+        cls,
+        coordinator: Coordinator,
+        *,
+        inactive_after: float = DEFAULT_INACTIVE_AFTER,
+        durable: bool = True,
+    ) -> RunManager:
+        """A manager journaling into the coordinator's own database file (``rounds.sqlite3``),
+        closed by ``close``. The coordinator must have a journal (``Coordinator.open``)."""
+        if coordinator.journal is None:
+            raise ValueError("runs need a journaled coordinator (Coordinator.open(dir))")
+        journal = RunDatabase(coordinator.journal.path, durable=durable)
+        try:
+            registry = ClientRegistry(journal, coordinator.clock, inactive_after=inactive_after)
+            manager = cls(coordinator, journal, registry)
+        except BaseException:
+            journal.close()
+            raise
+        manager._owns_journal = True
+        return manager
 
     # ── runs ─────────────────────────────────────────────────────────────────
     def create_run(self, name: str, spec: RunSpec, initial: Cid | str) -> RunInfo:
@@ -162,20 +187,37 @@ class RunManager:
         """Submit a peer's update to a round of a run: checked against the sample (sync) or
         its staleness (async: ``trained_on`` is the version it trained from), then handed
         to the coordinator. Raises NotSelected, StaleContribution, or what the coordinator
-        refuses."""
+        refuses. (A sync run's peers may also submit through the coordinator itself, e.g.
+        ``RoundClient.submit``: the same check runs there.)"""
         self.registry.seen(peer)
         info = self.run(round_id.initiator)
         scale = 1.0
-        if info.spec.mode is RunMode.SYNC:
-            if round_id.round != info.round or peer not in info.selected:
-                raise NotSelected(info.name, round_id.round, peer, len(info.selected))
-        else:
+        if info.spec.mode is RunMode.ASYNC:
             scale = check_staleness(info, peer, trained_on)
             if round_id.round != info.round:
                 raise NotSelected(info.name, round_id.round, peer, 0)
             assert trained_on is not None  # check_staleness refuses None
             self.journal.note_trained_on(info.name, round_id.round, peer, trained_on)
-        return self.coordinator.submit(round_id, peer, update, scale=scale)
+        self._local.via_manager = True
+        try:
+            return self.coordinator.submit(round_id, peer, update, scale=scale)
+        finally:
+            self._local.via_manager = False
+
+    def _admit(self, round_id: RoundId, peer: str, scale: float) -> None:
+        """The coordinator's admission check for the rounds of runs."""
+        with self._lock:
+            info = self._runs.get(round_id.initiator)
+        if info is None:
+            return
+        if info.spec.mode is RunMode.SYNC:
+            if round_id.round != info.round or peer not in info.selected:
+                raise NotSelected(info.name, round_id.round, peer, len(info.selected))
+        elif not getattr(self._local, "via_manager", False):
+            raise RunsError(
+                f"run {info.name!r} is asynchronous: contribute with the version trained on "
+                f"(RunClient.contribute, RunManager.submit(..., trained_on=))"
+            )
 
     # ── transitions (on the manager's thread) ────────────────────────────────
     def _on_round(self, round_id: RoundId, status: RoundStatus) -> None:
@@ -332,6 +374,8 @@ class RunManager:
                 return
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._owns_journal:
+            self.journal.close()
 
 
 def _waiting(info: RunInfo) -> bool:

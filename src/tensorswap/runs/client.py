@@ -1,0 +1,187 @@
+"""RunClient: a peer's side of a run (register, wait for a task, fetch the model, submit)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any, Literal, Self
+
+import numpy as np
+
+from tensorswap.cid import Cid
+from tensorswap.rounds import errors as rounds_errors
+from tensorswap.rounds.client import RoundClient, SubmitResult
+from tensorswap.rounds.protocol import REMOTE_TYPES, raise_remote
+from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.runs import errors as runs_errors
+from tensorswap.runs.manager import Task
+from tensorswap.runs.messages import (
+    APP,
+    ContributeRequest,
+    CreateRunRequest,
+    HeartbeatRequest,
+    RegisterRequest,
+    RunAnswer,
+    RunRequest,
+    RunRow,
+    RunsRequest,
+    TaskRequest,
+    decode_answer,
+    encode,
+)
+from tensorswap.runs.model import RunMode, RunSpec
+from tensorswap.store import ModelUpdate, put_update
+from tensorswap.wire import ProtocolViolation, RemoteError
+
+__all__ = ["RunClient"]
+
+_TYPES = {
+    **REMOTE_TYPES,
+    **{
+        name: cls
+        for name in runs_errors.__all__
+        if isinstance(cls := getattr(runs_errors, name), type)
+        and issubclass(cls, rounds_errors.RoundsError)
+    },
+}
+
+
+class RunClient:
+    """A peer in runs on the coordinator ``rounds`` is connected to (a RoundClient: same
+    connection, same store). Every call is one request the peer makes: peers only dial out.
+
+    A peer's loop::
+
+        async with await RunClient.connect(host, port, peer="site-3", key=key) as client:
+            await client.register({"num_samples": 1200})
+            while (task := await client.next_task("mnist")) is not None:
+                model = await client.fetch_model(task)
+                await client.submit(task, train(model), num_samples=1200)
+    """
+
+    def __init__(self, rounds: RoundClient) -> None:
+        self.rounds = rounds
+
+    @classmethod
+    async def connect(cls, host: str, port: int, **kwargs: Any) -> Self:
+        """Connect as ``RoundClient.connect`` does (``peer=`` is required)."""
+        return cls(await RoundClient.connect(host, port, **kwargs))
+
+    @property
+    def peer(self) -> str:
+        return self.rounds.peer
+
+    async def aclose(self) -> None:
+        await self.rounds.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # ── registry ─────────────────────────────────────────────────────────────
+    async def register(self, facts: Mapping[str, int | float | str] | None = None) -> int:
+        """Register this peer (again: its facts are replaced); how many peers are active."""
+        answer = await self._call(RegisterRequest(peer=self.peer, facts=dict(facts or {})))
+        return answer.active or 0
+
+    async def heartbeat(self) -> None:
+        await self._call(HeartbeatRequest(peer=self.peer))
+
+    # ── runs ─────────────────────────────────────────────────────────────────
+    async def create_run(
+        self, name: str, spec: RunSpec, initial: ModelUpdate | Mapping[str, Any] | Cid
+    ) -> RunRow:
+        """Push the initial global model and create run ``name`` (idempotent)."""
+        cid = await self._push(initial)
+        call = CreateRunRequest(
+            peer=self.peer, run=name, spec=spec.to_json(), initial=cid.to_bytes()
+        )
+        answer = await self._call(call)
+        return _one(answer)
+
+    async def runs(self) -> list[RunRow]:
+        return list((await self._call(RunsRequest(peer=self.peer))).runs or [])
+
+    async def run(self, name: str) -> RunRow:
+        return _one(await self._call(RunsRequest(peer=self.peer, run=name)))
+
+    async def next_task(self, run: str, timeout: float | None = None) -> Task | None:
+        """Wait for this peer's next task in ``run``: None when the run is finished or
+        ``timeout`` seconds pass (None: wait as long as it takes, asking again each time the
+        coordinator's own wait limit ends a request)."""
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        while True:
+            left = (
+                None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+            )
+            answer = await self._call(TaskRequest(peer=self.peer, run=run, timeout=left), long=True)
+            if answer.task is not None:
+                t = answer.task
+                return Task(
+                    t.run, RoundId(t.round, t.run), t.version, t.global_cid, RunMode(t.mode)
+                )
+            if left is not None and left <= 0:
+                return None
+            if (await self.run(run)).finished:
+                return None
+
+    async def fetch_model(self, task: Task) -> dict[str, np.ndarray]:
+        """The global model the task trains from (only blocks this peer lacks are pulled)."""
+        update = await self.rounds.fetch(Cid.parse(task.global_cid))
+        return dict(update.tensors)
+
+    async def submit(
+        self, task: Task, update: ModelUpdate | Mapping[str, Any], num_samples: int = 0
+    ) -> RoundStatus:
+        """Submit this peer's result for ``task``: its new model (sync runs), or its delta
+        from the task's model (async runs, tagged with the task's version)."""
+        if task.mode is RunMode.SYNC:
+            result: SubmitResult = await self.rounds.submit(task.round_id, update, num_samples)
+            return result.status
+        cid = await self._push(update, num_samples)
+        call = ContributeRequest(
+            peer=self.peer,
+            run=task.run,
+            round=task.round_id.round,
+            update=cid.to_bytes(),
+            trained_on=task.version,
+        )
+        answer = await self._call(call)
+        if answer.status is None:
+            raise ProtocolViolation("the coordinator's answer lacks a status")
+        return answer.status.to_status()
+
+    # ── internals ────────────────────────────────────────────────────────────
+    async def _push(self, update: ModelUpdate | Mapping[str, Any] | Cid, samples: int = 0) -> Cid:
+        rc = self.rounds
+        if isinstance(update, Cid):
+            cid = update
+        else:
+            if not isinstance(update, ModelUpdate):
+                update = ModelUpdate(dict(update), samples)
+            cid = await asyncio.to_thread(put_update, rc.store, update)
+        await rc.blocks.push(rc.store, cid)
+        return cid
+
+    async def _call(self, call: RunRequest, *, long: bool = False) -> RunAnswer:
+        rc = self.rounds
+        timeout: Literal["read"] | None = None if long else "read"
+        try:
+            async with rc._lock:
+                body = await rc.blocks.request(APP, encode(call), timeout=timeout)
+        except RemoteError as exc:
+            if exc.code == "unsupported":
+                raise ProtocolViolation(f"{rc.blocks.conn.peer} runs no federations") from exc
+            raise
+        answer = decode_answer(body)
+        if answer.error is not None:
+            raise_remote(answer.error, rc.blocks.conn.peer, _TYPES)
+        return answer
+
+
+def _one(answer: RunAnswer) -> RunRow:
+    if not answer.runs:
+        raise ProtocolViolation("the coordinator's answer lacks the run")
+    return answer.runs[0]

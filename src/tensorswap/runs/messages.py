@@ -1,0 +1,195 @@
+"""The runs application on the wire: tagged requests (``op``) and one answer struct.
+
+Runs requests are the bodies of REQUEST frames for the app ``"runs"`` on the coordinator's
+port (beside ``"rounds"``), msgpack maps tagged by ``op``; each checks what it holds when
+decoded (names within MAX_NAME_BYTES, CIDs, finite timeouts, a spec of at most
+MAX_SPEC_BYTES), so a decoded request is a valid one. Answers leave out what they do not
+carry. Layout in ``docs/runs.md``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from tensorswap.cid import Cid
+from tensorswap.errors import InvalidCid
+from tensorswap.rounds.messages import MAX_NAME_BYTES, ErrorInfo, Param, StatusWire, utf8_len
+
+__all__ = [
+    "APP",
+    "MAX_SPEC_BYTES",
+    "ContributeRequest",
+    "CreateRunRequest",
+    "HeartbeatRequest",
+    "RegisterRequest",
+    "RunAnswer",
+    "RunRequest",
+    "RunRow",
+    "RunsRequest",
+    "TaskRequest",
+    "TaskWire",
+]
+
+APP = "runs"
+"""The application name runs requests are addressed to."""
+
+MAX_SPEC_BYTES = 16 * 1024
+"""The longest run spec (JSON) a create request may carry."""
+
+
+def _name(what: str, value: str, *, empty: bool = False) -> None:
+    size = utf8_len(value)
+    if size > MAX_NAME_BYTES or (size == 0 and not empty):
+        raise ValueError(f"{what} is {size} bytes long; 1 to {MAX_NAME_BYTES} allowed")
+
+
+def _cid(what: str, value: bytes) -> None:
+    try:
+        Cid.parse(value)
+    except InvalidCid as exc:
+        raise ValueError(f"{what} is not a CID: {exc.reason}") from None
+
+
+class _RunRequest(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False, tag_field="op"
+):
+    peer: str = ""
+
+
+class RegisterRequest(_RunRequest, frozen=True, tag="register"):
+    """Register ``peer`` with a few facts (``num_samples``, tags; see ``check_facts``)."""
+
+    facts: dict[str, Param] = {}
+
+    def __post_init__(self) -> None:
+        _name("a peer name", self.peer)
+
+
+class HeartbeatRequest(_RunRequest, frozen=True, tag="heartbeat"):
+    """``peer`` is alive (any request from it counts too)."""
+
+    def __post_init__(self) -> None:
+        _name("a peer name", self.peer)
+
+
+class CreateRunRequest(_RunRequest, frozen=True, tag="create"):
+    """Create run ``run`` from the model update ``initial`` (pushed before) with ``spec``
+    (a RunSpec as JSON)."""
+
+    run: str
+    spec: str
+    initial: bytes
+
+    def __post_init__(self) -> None:
+        _name("a run name", self.run)
+        if len(self.spec) > MAX_SPEC_BYTES:
+            raise ValueError(f"a run spec is at most {MAX_SPEC_BYTES} bytes")
+        _cid("the initial model", self.initial)
+
+
+class RunsRequest(_RunRequest, frozen=True, tag="runs"):
+    """Every run (``run`` empty) or one, with the registry's counts."""
+
+    run: str = ""
+
+    def __post_init__(self) -> None:
+        _name("a run name", self.run, empty=True)
+
+
+class TaskRequest(_RunRequest, frozen=True, tag="task"):
+    """``peer``'s next task in ``run``: answered at once when there is one, else when one
+    appears or after ``timeout`` (the server's ``max_wait`` at most) with none."""
+
+    run: str
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        _name("a peer name", self.peer)
+        _name("a run name", self.run)
+        if self.timeout is not None and not (math.isfinite(self.timeout) and self.timeout >= 0):
+            raise ValueError(f"a task timeout must be finite and >= 0, got {self.timeout!r}")
+
+
+class ContributeRequest(_RunRequest, frozen=True, tag="contribute"):
+    """Submit ``update`` (pushed before) to round ``round`` of ``run``; ``trained_on`` is the
+    version it trained from (asynchronous runs: the update is a delta)."""
+
+    run: str
+    round: int
+    update: bytes
+    trained_on: int | None = None
+
+    def __post_init__(self) -> None:
+        _name("a peer name", self.peer)
+        _name("a run name", self.run)
+        _cid("the update", self.update)
+        if self.round < 1 or (self.trained_on is not None and self.trained_on < 0):
+            raise ValueError("round must be >= 1 and trained_on >= 0")
+
+
+RunRequest = (
+    RegisterRequest
+    | HeartbeatRequest
+    | CreateRunRequest
+    | RunsRequest
+    | TaskRequest
+    | ContributeRequest
+)
+
+
+class RunRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """One run as ``runs`` reports it."""
+
+    name: str
+    mode: str
+    version: int
+    global_cid: str
+    state_cid: str | None
+    round: int
+    selected: list[str]
+    finished: bool
+    optimizer: str
+    strategy: str
+    participants: list[str]
+    created_at: float
+
+
+class TaskWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """A peer's task: train from ``global_cid`` (version ``version``), submit to ``round``."""
+
+    run: str
+    round: int
+    version: int
+    global_cid: str
+    mode: str
+
+
+class RunAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
+    """The answer to a runs request (``error`` set when refused)."""
+
+    error: ErrorInfo | None = None
+    runs: list[RunRow] | None = None
+    task: TaskWire | None = None
+    status: StatusWire | None = None
+    clients: int | None = None
+    active: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(RunRequest)
+_answer_decoder = msgspec.msgpack.Decoder(RunAnswer)
+
+
+def encode(message: RunRequest | RunAnswer) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(body: bytes) -> RunRequest:
+    """A checked runs request; msgspec.ValidationError / DecodeError otherwise."""
+    return _request_decoder.decode(body)
+
+
+def decode_answer(body: bytes) -> RunAnswer:
+    return _answer_decoder.decode(body)

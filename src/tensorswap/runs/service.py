@@ -1,0 +1,161 @@
+"""RunService: the runs application on a RoundServer's port (register, tasks, runs, submit)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+
+from tensorswap.cid import Cid
+from tensorswap.errors import TensorSwapError
+from tensorswap.rounds.messages import status_to_wire
+from tensorswap.rounds.protocol import error_info
+from tensorswap.rounds.server import RoundServer
+from tensorswap.rounds.state import RoundId
+from tensorswap.runs.manager import RunManager, Task
+from tensorswap.runs.messages import (
+    APP,
+    ContributeRequest,
+    CreateRunRequest,
+    HeartbeatRequest,
+    RegisterRequest,
+    RunAnswer,
+    RunRequest,
+    RunRow,
+    RunsRequest,
+    TaskRequest,
+    TaskWire,
+    decode_request,
+    encode,
+)
+from tensorswap.runs.model import RunInfo, RunSpec
+from tensorswap.wire import AppRequest, ProtocolViolation
+
+__all__ = ["RunService", "row_of", "task_wire"]
+
+log = logging.getLogger(__name__)
+
+
+def row_of(manager: RunManager, info: RunInfo) -> RunRow:
+    versions = manager.journal.versions(info.name)
+    last = versions[-1] if versions else None
+    return RunRow(
+        name=info.name,
+        mode=info.spec.mode.value,
+        version=info.version,
+        global_cid=info.global_cid,
+        state_cid=info.state_cid,
+        round=info.round,
+        selected=list(info.selected),
+        finished=info.finished,
+        optimizer=info.spec.optimizer,
+        strategy=info.spec.strategy,
+        participants=list(last.participants) if last is not None else [],
+        created_at=info.created_at,
+    )
+
+
+def task_wire(task: Task) -> TaskWire:
+    return TaskWire(task.run, task.round_id.round, task.version, task.global_cid, task.mode.value)
+
+
+class RunService:
+    """Serves ``manager``'s runs on ``server``'s port (app ``"runs"``).
+
+    A ``task`` request that finds no task waits without a thread until the run changes (a
+    round starts, a version is made) or its timeout (at most the server's ``max_wait``),
+    so peers long-poll: they only ever dial the coordinator. A refused request (a
+    RoundsError, e.g. NotSelected) is answered in the reply and the connection stays usable.
+    """
+
+    def __init__(self, manager: RunManager, server: RoundServer) -> None:
+        self.manager = manager
+        self.server = server
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        server.blocks.handlers[APP] = self._on_request
+        manager.subscribe(self._on_change)
+
+    async def _on_request(self, request: AppRequest) -> bytes:
+        self._loop = asyncio.get_running_loop()
+        try:
+            call = decode_request(request.body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolViolation(f"bad runs request: {exc}") from exc
+        except RecursionError:
+            raise ProtocolViolation("bad runs request: nested too deeply") from None
+        try:
+            return encode(await self._answer(call))
+        except TensorSwapError as exc:
+            if isinstance(exc, ProtocolViolation):
+                raise
+            return encode(RunAnswer(error=error_info(exc)))
+
+    async def _answer(self, call: RunRequest) -> RunAnswer:
+        manager, registry = self.manager, self.manager.registry
+        match call:
+            case RegisterRequest():
+                await asyncio.to_thread(registry.register, call.peer, call.facts)
+                return RunAnswer(clients=len(registry), active=len(registry.active()))
+            case HeartbeatRequest():
+                registry.seen(call.peer)
+                return RunAnswer(active=len(registry.active()))
+            case CreateRunRequest():
+                spec = RunSpec.from_json(call.spec)
+                info = await asyncio.to_thread(
+                    manager.create_run, call.run, spec, Cid.parse(call.initial)
+                )
+                return RunAnswer(runs=[row_of(manager, info)])
+            case RunsRequest():
+                infos = [manager.run(call.run)] if call.run else manager.runs()
+                rows = [row_of(manager, info) for info in infos]
+                return RunAnswer(runs=rows, clients=len(registry), active=len(registry.active()))
+            case TaskRequest():
+                task = await self._task(call)
+                return RunAnswer(task=None if task is None else task_wire(task))
+            case ContributeRequest():
+                rid = RoundId(call.round, call.run)
+                status = await asyncio.to_thread(
+                    manager.submit,
+                    rid,
+                    call.peer,
+                    Cid.parse(call.update),
+                    trained_on=call.trained_on,
+                )
+                return RunAnswer(status=status_to_wire(status))
+        raise ProtocolViolation(f"unknown runs request {type(call).__name__}")
+
+    async def _task(self, call: TaskRequest) -> Task | None:
+        limit = (
+            self.server.max_wait
+            if call.timeout is None
+            else min(call.timeout, self.server.max_wait)
+        )
+        event = asyncio.Event()
+        self._waiters.setdefault(call.run, set()).add(event)
+        try:
+            async with asyncio.timeout(limit):
+                while True:
+                    event.clear()
+                    task = self.manager.task(call.run, call.peer)
+                    if task is not None or self.manager.run(call.run).finished:
+                        return task
+                    await event.wait()
+        except TimeoutError:
+            return None
+        finally:
+            waiting = self._waiters.get(call.run)
+            if waiting is not None:
+                waiting.discard(event)
+                if not waiting:
+                    del self._waiters[call.run]
+
+    def _on_change(self, run: str) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake, run)
+
+    def _wake(self, run: str) -> None:
+        for event in self._waiters.get(run, ()):
+            event.set()

@@ -1,0 +1,107 @@
+"""Runs over the wire: peers register, long-poll for tasks, fetch the global model, submit;
+refusals arrive typed; the coordinator's status lists the runs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tensorswap.cid import Cid
+from tensorswap.rounds import Coordinator, FakeClock
+from tensorswap.rounds.server import RoundServer
+from tensorswap.runs import NotSelected, RunManager, RunMode, RunSpec, StaleContribution
+from tensorswap.runs.client import RunClient
+from tensorswap.runs.service import RunService
+from tensorswap.store import ModelUpdate
+
+KEY = b"runs-service-key"
+
+
+def _model(value: float) -> dict[str, np.ndarray]:
+    return {"w": np.full((16, 4), value, np.float32), "b": np.full(4, value, np.float32)}
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[tuple[RoundServer, RunManager]]:
+    coord = Coordinator.open(tmp_path, clock=FakeClock(), run_timer=False, durable=False)
+    runs = RunManager.open(coord, durable=False)
+    server = RoundServer(coord, key=KEY, max_wait=30)
+    RunService(runs, server)
+    try:
+        await server.start("127.0.0.1", 0)
+        yield server, runs
+    finally:
+        await server.aclose()
+        runs.close()
+        coord.close()
+
+
+async def _client(server: RoundServer, peer: str) -> RunClient:
+    return await RunClient.connect("127.0.0.1", server.port, peer=peer, key=KEY)
+
+
+async def test_peers_long_poll_train_and_submit_over_the_wire(
+    served: tuple[RoundServer, RunManager],
+) -> None:
+    server, _ = served
+    peers = [await _client(server, f"p{i}") for i in range(3)]
+    try:
+        for peer in peers:
+            await peer.register({"num_samples": 100})
+        spec = RunSpec(per_round=2, rounds=2, seed=5)
+        row = await peers[0].create_run("fl", spec, ModelUpdate(_model(0.0)))
+        assert row.version == 0 and row.mode == "sync"
+
+        async def loop(client: RunClient) -> int:
+            done = 0
+            while (task := await client.next_task("fl", timeout=20)) is not None:
+                model = await client.fetch_model(task)
+                trained = {k: v + 1 for k, v in model.items()}
+                await client.submit(task, trained, num_samples=100)
+                done += 1
+            return done
+
+        counts = await asyncio.gather(*(loop(p) for p in peers))
+        assert sum(counts) == 4  # 2 rounds x 2 sampled peers
+        final = await peers[0].run("fl")
+        assert final.finished and final.version == 2
+        model = (await peers[0].rounds.fetch(Cid.parse(final.global_cid))).tensors
+        np.testing.assert_array_equal(model["w"], np.full((16, 4), 2.0, np.float32))
+        listed = await peers[1].runs()
+        assert [r.name for r in listed] == ["fl"] and len(listed[0].participants) == 2
+    finally:
+        for peer in peers:
+            await peer.aclose()
+
+
+async def test_refusals_arrive_typed(served: tuple[RoundServer, RunManager]) -> None:
+    server, runs = served
+    a, b = await _client(server, "a"), await _client(server, "b")
+    try:
+        await a.register()
+        await b.register()
+        await a.create_run("one", RunSpec(per_round=1, seed=1), ModelUpdate(_model(0.0)))
+        runs.drain()
+        chosen = runs.run("one").selected[0]
+        other = b if chosen == "a" else a
+        task = runs.task("one", chosen)
+        assert task is not None
+        with pytest.raises(NotSelected, match=other.peer):
+            await other.rounds.submit(task.round_id, _model(1.0), 1)  # the plain rounds path
+        assert await other.next_task("one", timeout=0) is None
+        await a.create_run(
+            "buf", RunSpec(mode=RunMode.ASYNC, buffer=2, max_staleness=0), ModelUpdate(_model(0))
+        )
+        runs.drain()
+        task = await a.next_task("buf", timeout=5)
+        assert task is not None and task.mode is RunMode.ASYNC
+        stale = type(task)(task.run, task.round_id, -1, task.global_cid, task.mode)
+        with pytest.raises(StaleContribution):
+            await a.submit(stale, _model(0.5), 1)  # trained on a version that is not current
+    finally:
+        await a.aclose()
+        await b.aclose()
