@@ -16,7 +16,7 @@ from tensorswap.rounds.server import RoundServer
 from tensorswap.runs import NotSelected, RunManager, RunMode, RunSpec, StaleContribution
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.service import RunService
-from tensorswap.store import ModelUpdate
+from tensorswap.store import ModelUpdate, put_update
 
 KEY = b"runs-service-key"
 
@@ -98,10 +98,16 @@ async def test_refusals_arrive_typed(served: tuple[RoundServer, RunManager]) -> 
         )
         runs.drain()
         task = await a.next_task("buf", timeout=5)
-        assert task is not None and task.mode is RunMode.ASYNC
-        stale = type(task)(task.run, task.round_id, -1, task.global_cid, task.mode)
-        with pytest.raises(StaleContribution):
-            await a.submit(stale, _model(0.5), 1)  # trained on a version that is not current
+        assert task is not None and task.mode is RunMode.ASYNC and task.version == 0
+        delta = await asyncio.to_thread(
+            put_update, runs.store, ModelUpdate({k: v + 1 for k, v in _model(0).items()}, 1)
+        )
+        for fast in ("x", "y"):  # two faster peers make version 1 meanwhile
+            runs.registry.register(fast)
+            runs.submit(task.round_id, fast, delta, trained_on=0)
+        runs.wait_version("buf", 1, timeout=30)
+        with pytest.raises(StaleContribution, match="version 0"):
+            await a.submit(task, _model(0.5), 1)  # trained on version 0, now one behind
     finally:
         await a.aclose()
         await b.aclose()

@@ -90,7 +90,9 @@ def compute_aggregate(
                 work.folded.add(c.peer)
             kept = [c for c in live if c.peer not in lost]
             _check_quorum(info, len(kept), lost)
-            return _store_streaming(store, info, kept[0], work, spec.max_norm is None)
+            # shared chunks are exact only when no contribution is clipped or scaled
+            exact = spec.max_norm is None and all(c.scale == 1.0 for c in kept)
+            return _store_streaming(store, info, kept[0], work, exact)
         inputs = []
         for c in live:
             try:

@@ -239,7 +239,7 @@ def peer_of(call: RoundCall | SubmitRequest) -> str:
 
 
 # ── errors across the wire ───────────────────────────────────────────────────
-REMOTE_TYPES: dict[str, type[TensorSwapError]] = {
+REMOTE_TYPES: dict[str, type[TensorSwapError]] = {  # layers above add their leaves
     name: cls
     for name in rounds_errors.__all__
     if isinstance(cls := getattr(rounds_errors, name), type) and issubclass(cls, RoundsError)

@@ -9,11 +9,9 @@ from typing import Any, Literal, Self
 import numpy as np
 
 from tensorswap.cid import Cid
-from tensorswap.rounds import errors as rounds_errors
 from tensorswap.rounds.client import RoundClient, SubmitResult
-from tensorswap.rounds.protocol import REMOTE_TYPES, raise_remote
+from tensorswap.rounds.protocol import raise_remote
 from tensorswap.rounds.state import RoundId, RoundStatus
-from tensorswap.runs import errors as runs_errors
 from tensorswap.runs.manager import Task
 from tensorswap.runs.messages import (
     APP,
@@ -34,16 +32,6 @@ from tensorswap.store import ModelUpdate, put_update
 from tensorswap.wire import ProtocolViolation, RemoteError
 
 __all__ = ["RunClient"]
-
-_TYPES = {
-    **REMOTE_TYPES,
-    **{
-        name: cls
-        for name in runs_errors.__all__
-        if isinstance(cls := getattr(runs_errors, name), type)
-        and issubclass(cls, rounds_errors.RoundsError)
-    },
-}
 
 
 class RunClient:
@@ -177,7 +165,7 @@ class RunClient:
             raise
         answer = decode_answer(body)
         if answer.error is not None:
-            raise_remote(answer.error, rc.blocks.conn.peer, _TYPES)
+            raise_remote(answer.error, rc.blocks.conn.peer)
         return answer
 
 

@@ -90,3 +90,15 @@ class StaleContribution(RunsError):
             f"the global model is at version {current}: staleness {current - trained_on} "
             f"exceeds max_staleness {limit}; fetch the current model and train again"
         )
+
+
+def _register_remote() -> None:
+    """Let every rounds client raise these leaves when a coordinator reports them (runs'
+    refusals also come back on the plain rounds path, e.g. NotSelected for a submit)."""
+    from tensorswap.rounds.protocol import REMOTE_TYPES
+
+    for name in __all__:
+        REMOTE_TYPES.setdefault(name, globals()[name])
+
+
+_register_remote()

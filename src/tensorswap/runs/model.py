@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from types import MappingProxyType
 
@@ -137,8 +137,9 @@ class RunSpec:
         return float((1.0 + staleness) ** -self.staleness_exponent)
 
     def to_json(self) -> str:
-        data = asdict(self)
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["params"], data["optimizer_params"] = dict(self.params), dict(self.optimizer_params)
+        data["mode"], data["staleness"] = self.mode.value, self.staleness.value
         return json.dumps(data, sort_keys=True)
 
     @classmethod
