@@ -1,13 +1,40 @@
-"""Suite-wide settings: hypothesis runs derandomized, so every run checks the same examples."""
+"""Suite-wide settings and shared fixtures.
+
+Hypothesis runs derandomized, so every run checks the same examples. The network fixtures
+(test certificates, loopback pairs) are built on the plain helpers in net_helpers.py.
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
+import pytest
 from hypothesis import settings
+
+from net_helpers import CertFiles, Pair, make_cert, tcp_pair
 
 # Deterministic tests (a CI run must not find a new example a developer's run never saw);
 # explore with HYPOTHESIS_PROFILE=explore.
 settings.register_profile("deterministic", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+
+@pytest.fixture(scope="session")
+def cert_files() -> Iterator[CertFiles]:
+    """(cert.pem, key.pem): one self-signed certificate for 127.0.0.1/localhost per session.
+
+    Made once, in a private temporary directory removed at the end of the session.
+    """
+    with tempfile.TemporaryDirectory(prefix="tensorswap-tls-") as directory:
+        yield make_cert(Path(directory))
+
+
+@pytest.fixture
+async def loopback_pair() -> AsyncIterator[Pair]:
+    """A real loopback TCP connection: (client end, server end), closed after the test."""
+    async with tcp_pair() as ends:
+        yield ends

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from net_helpers import running
 from tensorswap.rounds.blocking import BlockingRoundClient
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.coordinator import Coordinator
@@ -75,21 +76,14 @@ class WatchedServer(RoundServer):
 
 @pytest.fixture
 async def coordinator(tmp_path: Path) -> AsyncIterator[Coordinator]:
-    coord = Coordinator.open(tmp_path, run_timer=False, durable=False)
-    try:
+    with Coordinator.open(tmp_path, run_timer=False, durable=False) as coord:
         yield coord
-    finally:
-        coord.close()
 
 
 @pytest.fixture
 async def server(coordinator: Coordinator) -> AsyncIterator[WatchedServer]:
-    srv = WatchedServer(coordinator, max_wait=0.05)
-    try:
-        await srv.start("127.0.0.1", 0)
+    async with running(WatchedServer(coordinator, max_wait=0.05)) as srv:
         yield srv
-    finally:
-        await srv.aclose()
 
 
 async def raw(server: RoundServer, call: RoundCall | bytes) -> bytes:

@@ -8,13 +8,13 @@ import random
 import struct
 import tracemalloc
 import zlib
-from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from net_helpers import Pair
 from tensorswap.codec.ipfrs import encode_ipfrs_gradient
 from tensorswap.errors import WireError
 from tensorswap.wire.errors import (
@@ -38,7 +38,6 @@ from tensorswap.wire.ipfrs import (
     IpfrsLimits,
     chunk_count,
 )
-from tensorswap.wire.tcp import connect_tcp, serve_tcp
 from tensorswap.wire.transport import Transport, memory_pair
 
 
@@ -202,27 +201,8 @@ async def test_stream_bytes_are_exactly_the_seeds() -> None:
     assert bytes(wire[:got]) == expected_wire_bytes(values, 300)
 
 
-@pytest.fixture
-async def tcp_pair() -> AsyncIterator[tuple[Transport, Transport]]:
-    accepted: asyncio.Queue[Transport] = asyncio.Queue(1)
-    done = asyncio.Event()
-
-    async def handler(transport: Transport) -> None:
-        await accepted.put(transport)
-        await done.wait()
-
-    async with await serve_tcp(handler) as listener:
-        client = await connect_tcp("127.0.0.1", listener.port)
-        server = await accepted.get()
-        try:
-            yield client, server
-        finally:
-            await client.aclose()
-            done.set()
-
-
-async def test_round_trip_over_tcp(tcp_pair: tuple[Transport, Transport]) -> None:
-    client, server = tcp_pair
+async def test_round_trip_over_tcp(loopback_pair: Pair) -> None:
+    client, server = loopback_pair
     values = gradient(1_000_000, 4)
     session = GradientStreamSession("s")
     async with asyncio.TaskGroup() as tg:
@@ -254,8 +234,8 @@ async def test_round_trip_over_asyncio_streams() -> None:
         await writer.wait_closed()
 
 
-async def test_out_of_order_frames_over_tcp(tcp_pair: tuple[Transport, Transport]) -> None:
-    client, server = tcp_pair
+async def test_out_of_order_frames_over_tcp(loopback_pair: Pair) -> None:
+    client, server = loopback_pair
     values = gradient(2000, 6)
     chunks = GradientStreamSession("s", 256).encode_gradient(values)
     for chunk in reversed(chunks):
