@@ -1,7 +1,7 @@
 """Suite-wide settings and shared fixtures.
 
 Hypothesis runs derandomized, so every run checks the same examples. The network fixtures
-(test certificates, loopback pairs) are built on the plain helpers in net_helpers.py.
+(test certificates, loopback pairs) are built on the plain helpers in the helpers package.
 """
 
 from __future__ import annotations
@@ -14,13 +14,22 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from net_helpers import CertFiles, Pair, make_cert, tcp_pair
+from helpers.net import CertFiles, Pair, make_cert, tcp_pair
+from helpers.store import STORE_KINDS, make_store
+from tensorswap.store import BlockStore
 
 # Deterministic tests (a CI run must not find a new example a developer's run never saw);
 # explore with HYPOTHESIS_PROFILE=explore.
 settings.register_profile("deterministic", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore]:
+    """Each BlockStore implementation, empty, closed after the test (a test file may override)."""
+    with make_store(request.param, tmp_path / "store") as made:
+        yield made
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from helpers.aggregate import f32
 from tensorswap.aggregate import (
     AggregateOverflow,
     Contribution,
@@ -26,10 +27,6 @@ from tensorswap.errors import (
     EmptyInput,
     NonFiniteValues,
 )
-
-
-def f32(*values: float) -> np.ndarray:
-    return np.array(values, dtype=np.float32)
 
 
 # ── ported from seed 000 ─────────────────────────────────────────────────────

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from helpers.aggregate import f32
 from tensorswap.aggregate import (
     AggregateOverflow,
     AggregatorKind,
@@ -21,11 +22,6 @@ from tensorswap.aggregate import (
 )
 from tensorswap.aggregate import streaming as streaming_module
 from tensorswap.errors import AggregateShapeMismatch, DtypeMismatch, EmptyInput, NonFiniteValues
-
-
-def f32(*values: float) -> np.ndarray:
-    return np.array(values, dtype=np.float32)
-
 
 _batches = st.integers(1, 6).flatmap(
     lambda k: st.tuples(

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from net_helpers import make_cert
+from helpers.net import make_cert
 from tensorswap.cli import main
 from tensorswap.codec import TensorBlock, encode_block
 from tensorswap.codec.garw import GarwBlock

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from net_helpers import until
+from helpers.net import until
 from tensorswap.delta import (
     DeltaConfigError,
     DweConfig,

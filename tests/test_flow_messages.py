@@ -8,7 +8,6 @@ import json
 import math
 import re
 import struct
-import tracemalloc
 from decimal import Decimal
 
 import msgspec
@@ -17,6 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers.memory import traced
 from tensorswap.errors import TensorSwapError
 from tensorswap.flow import (
     BatchMetadata,
@@ -443,14 +443,10 @@ def test_a_broken_message_is_refused_without_building_its_json(filler: bytes) ->
         + items
         + b']}},"wire_version":1}'
     )
-    tracemalloc.start()
-    try:
-        with pytest.raises(MalformedMessage, match=r"Spikes: .* at `\$\.spikes\[0\]"):
-            decode(frame)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < len(frame) // 4
+    where = r"Spikes: .* at `\$\.spikes\[0\]"
+    with traced() as memory, pytest.raises(MalformedMessage, match=where):
+        decode(frame)
+    assert memory.peak < len(frame) // 4
 
 
 def test_big_values_in_error_messages_are_clipped_not_decoded() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-import tracemalloc
 
 import numpy as np
 import pytest
 
+from helpers.memory import traced
 from tensorswap.delta import DweConfig, DweListener, reassemble, split_fragment
 from tensorswap.delta.apply import StateMismatch, apply_fragment
 from tensorswap.delta.bincode import (
@@ -43,18 +43,14 @@ from tensorswap.flow.errors import MalformedMessage, WireVersionError
 
 
 def _peak_of(call: object, *args: object) -> tuple[BaseException | None, int]:
-    tracemalloc.start()
-    try:
+    with traced() as memory:
         try:
             call(*args)  # type: ignore[operator]
         except Exception as exc:
             error: BaseException | None = exc
         else:
             error = None
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return error, peak
+    return error, memory.peak
 
 
 # ── flow: a well-formed frame with far more JSON values than any valid message ───────────────
@@ -251,14 +247,12 @@ def test_the_tracker_keeps_a_digest_of_long_session_ids() -> None:
     # used to keep its 8 MiB alive (512 GiB at the cap), long after the frame was gone.
     tracker = SequenceTracker(max_sessions=4)
     long_id = "s" * (1 << 20)
-    tracemalloc.start()
-    try:
+    with traced() as memory:
         for i in range(4):
             tracker.commit(long_id + str(i), 5)
-        held, _ = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert held < 1 << 16  # the digests, not the 4 MiB of ids built in the loop and dropped
+    assert (
+        memory.current < 1 << 16
+    )  # the digests, not the 4 MiB of ids built in the loop and dropped
     assert tracker.last(long_id + "0") == 5
     assert tracker.last(long_id + "9") is None
     with pytest.raises(SequenceRejected):

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from net_helpers import running
+from helpers.net import running
 from tensorswap.rounds.blocking import BlockingRoundClient
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.coordinator import Coordinator

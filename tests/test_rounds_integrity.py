@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from net_helpers import running
+from helpers.net import running
 from tensorswap.cid import Cid
 from tensorswap.rounds import Coordinator, FakeClock, RoundDatabase
 from tensorswap.rounds.errors import UnknownUpdate

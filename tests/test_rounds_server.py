@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from net_helpers import running
+from helpers.net import running
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.deadline import FakeClock

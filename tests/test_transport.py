@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from net_helpers import CertFiles, Pair, make_cert, receive_all, transport_pair
+from helpers.net import CertFiles, Pair, make_cert, receive_all, transport_pair
 from tensorswap.transport import (
     DIRECT_RECEIVE_BYTES,
     DIRECT_SEND_BYTES,

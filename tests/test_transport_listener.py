@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import tensorswap.transport as transport_pkg
-from net_helpers import ManualClock, until
+from helpers.net import ManualClock, until
 from tensorswap import errors as root_errors
 from tensorswap.transport import (
     ConnectionFailed,

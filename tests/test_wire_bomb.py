@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from net_helpers import read_error, until
+from helpers.net import read_error, until
 from tensorswap.cid import Cid
 from tensorswap.store import MemoryStore
 from tensorswap.wire import BlockClient, BlockServer, memory_pair

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from net_helpers import CertFiles, ManualClock, running
+from helpers.net import CertFiles, ManualClock, running
 from tensorswap.cid import Cid
 from tensorswap.codec import TensorBlock
 from tensorswap.store import MemoryStore, get_tensor

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from net_helpers import CertFiles, Pair, transport_pair
-from store_helpers import make_older
+from helpers.net import CertFiles, Pair, transport_pair
+from helpers.store import make_older
 from tensorswap.cid import Cid
 from tensorswap.codec import TensorBlock
 from tensorswap.store import (

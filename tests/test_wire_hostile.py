@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from net_helpers import read_error
+from helpers.net import read_error
 from tensorswap.cid import Cid
 from tensorswap.codec import TensorBlock
 from tensorswap.errors import TensorSwapError

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import random
 import struct
-import tracemalloc
 import zlib
 
 import numpy as np
@@ -14,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from net_helpers import Pair
+from helpers.memory import traced
+from helpers.net import Pair
 from tensorswap.codec.ipfrs import encode_ipfrs_gradient
 from tensorswap.errors import WireError
 from tensorswap.wire.errors import (
@@ -401,13 +401,9 @@ def test_fuzzed_streams_raise_only_typed_errors_and_allocate_little(frames: list
         with contextlib.suppress(WireError):
             await GradientStreamSession(limits=limits).receive_from(stream)
 
-    tracemalloc.start()
-    try:
+    with traced() as memory:
         asyncio.run(run())
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 2 * 1024 * 1024  # headers claim up to 4 GiB; nothing of that is allocated
+    assert memory.peak < 2 * 1024 * 1024  # headers claim up to 4 GiB; nothing of that is allocated
 
 
 # ── memory reserved in advance ───────────────────────────────────────────────
@@ -415,14 +411,9 @@ async def test_one_header_does_not_reserve_the_gradient_it_announces() -> None:
     # a first frame announcing 32,768 full chunks (8 GiB of values), then 100 bytes and EOF
     chunk_file = len(encode_ipfrs_gradient(np.zeros(DEFAULT_CHUNK_SIZE, np.float32)))
     stream = await _feed(struct.pack("<IIII", 0, 32_768, chunk_file, 0) + b"\0" * 100)
-    tracemalloc.start()
-    try:
-        with pytest.raises(UnexpectedEof):
-            await GradientStreamSession().receive_from(stream)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 64 * 1024 * 1024  # not 8 GiB: at most a chunk is allocated per frame
+    with traced() as memory, pytest.raises(UnexpectedEof):
+        await GradientStreamSession().receive_from(stream)
+    assert memory.peak < 64 * 1024 * 1024  # not 8 GiB: at most a chunk is allocated per frame
 
 
 async def test_a_gradient_above_the_in_place_limit_is_received_chunk_by_chunk() -> None:
