@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from helpers.net import CertFiles, Pair, make_cert, tcp_pair
+from helpers.net import CertFiles, IpcEndpoints, Pair, make_cert, tcp_pair
 from helpers.store import STORE_KINDS, make_store
 from tensorswap.store import BlockStore
 
@@ -47,3 +47,10 @@ async def loopback_pair() -> AsyncIterator[Pair]:
     """A real loopback TCP connection: (client end, server end), closed after the test."""
     async with tcp_pair() as ends:
         yield ends
+
+
+@pytest.fixture
+def ipc_endpoint() -> Iterator[IpcEndpoints]:
+    """ipc:// endpoints in a short private directory, removed after the test."""
+    with tempfile.TemporaryDirectory(prefix="tsflow-") as directory:
+        yield IpcEndpoints(directory)

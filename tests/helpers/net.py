@@ -1,4 +1,4 @@
-"""Helpers shared by the network tests: loopback pairs, test certificates, servers, clocks.
+"""Helpers shared by the network tests: loopback pairs, certificates, servers, ipc paths, clocks.
 
 Plain functions and context managers; the pytest fixtures built on them live in conftest.py.
 Everything binds 127.0.0.1 port 0 and closes what it opened, also when the test fails.
@@ -123,6 +123,23 @@ async def running(server: S, **start: Any) -> AsyncIterator[S]:
         yield server
     finally:
         await server.aclose()
+
+
+class IpcEndpoints:
+    """ipc:// endpoints in one short private directory (socket paths have a length limit).
+
+    ``endpoints("name")`` is that name's endpoint; ``endpoints()`` a fresh one each call.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._count = 0
+
+    def __call__(self, name: str | None = None) -> str:
+        if name is None:
+            name = str(self._count)
+            self._count += 1
+        return f"ipc://{self.directory}/{name}.ipc"
 
 
 class ManualClock:
