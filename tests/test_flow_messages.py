@@ -436,7 +436,7 @@ def test_a_broken_message_is_refused_without_building_its_json(filler: bytes) ->
     # tree first (about 20x its size: 1.5 GB for a 64 MiB frame); now the careful path only
     # checks its syntax and decodes each body into its typed classes. (150,000 items stay
     # under the JSON value budget; a frame beyond it is refused before the typed decode, see
-    # test_hostile_delta_flow.py.)
+    # test_flow_oversized_frames.py.)
     items = b",".join([filler] * 150_000)
     frame = (
         b'{"payload":{"Spikes":{"batch_id":1,"session_id":null,"timestamp":1,"spikes":['

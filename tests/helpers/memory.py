@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -26,3 +26,15 @@ def traced() -> Iterator[Traced]:
     finally:
         result.current, result.peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
+
+
+def peak_of(call: Callable[..., object], *args: object) -> tuple[BaseException | None, int]:
+    """Run ``call(*args)``: the exception it raised (or None) and the peak bytes it allocated."""
+    with traced() as memory:
+        try:
+            call(*args)
+        except Exception as exc:
+            error: BaseException | None = exc
+        else:
+            error = None
+    return error, memory.peak
