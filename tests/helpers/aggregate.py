@@ -12,12 +12,25 @@ def f32(*values: float) -> np.ndarray:
     return np.array(values, dtype=np.float32)
 
 
+def _rows_of(k: int, min_cols: int, max_cols: int, bound: float) -> st.SearchStrategy[np.ndarray]:
+    return hnp.arrays(
+        np.float32,
+        st.tuples(st.just(k), st.integers(min_cols, max_cols)),
+        elements=st.floats(-bound, bound, width=32),
+    )
+
+
 def float32_matrices(max_rows: int, max_cols: int, bound: float) -> st.SearchStrategy[np.ndarray]:
     """float32 matrices of 1..max_rows rows and 1..max_cols columns, values within ±bound."""
+    return st.integers(1, max_rows).flatmap(lambda k: _rows_of(k, 1, max_cols, bound))
+
+
+def weighted_float32_matrices(
+    max_rows: int, max_cols: int, bound: float, samples: st.SearchStrategy[int]
+) -> st.SearchStrategy[tuple[np.ndarray, list[int]]]:
+    """(matrix, sample counts): 1..max_rows rows of 0..max_cols values, a count drawn per row."""
     return st.integers(1, max_rows).flatmap(
-        lambda k: hnp.arrays(
-            np.float32,
-            st.tuples(st.just(k), st.integers(1, max_cols)),
-            elements=st.floats(-bound, bound, width=32),
+        lambda k: st.tuples(
+            _rows_of(k, 0, max_cols, bound), st.lists(samples, min_size=k, max_size=k)
         )
     )
