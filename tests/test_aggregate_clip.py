@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
+from helpers.aggregate import f32, float32_matrices
 from tensorswap.aggregate import (
     Contribution,
     InvalidAggregatorOption,
@@ -20,18 +20,7 @@ from tensorswap.aggregate import (
 )
 from tensorswap.errors import NonFiniteValues
 
-
-def f32(*values: float) -> np.ndarray:
-    return np.array(values, dtype=np.float32)
-
-
-_matrices = st.integers(1, 6).flatmap(
-    lambda k: hnp.arrays(
-        np.float32,
-        st.tuples(st.just(k), st.integers(1, 16)),
-        elements=st.floats(-1e4, 1e4, width=32),
-    )
-)
+_matrices = float32_matrices(6, 16, 1e4)
 
 
 def test_norm_covers_every_tensor_of_an_update() -> None:

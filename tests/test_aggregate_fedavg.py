@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
+from helpers.aggregate import f32, weighted_float32_matrices
 from tensorswap.aggregate import (
     AggregateOverflow,
     Contribution,
@@ -26,10 +26,6 @@ from tensorswap.errors import (
     EmptyInput,
     NonFiniteValues,
 )
-
-
-def f32(*values: float) -> np.ndarray:
-    return np.array(values, dtype=np.float32)
 
 
 # ── ported from seed 000 ─────────────────────────────────────────────────────
@@ -275,16 +271,7 @@ def test_overflow_disappears_in_float64() -> None:
 
 
 # ── against a float64 reference ──────────────────────────────────────────────
-_rows = st.integers(1, 6).flatmap(
-    lambda k: st.tuples(
-        hnp.arrays(
-            np.float32,
-            st.tuples(st.just(k), st.integers(0, 20)),
-            elements=st.floats(-1e3, 1e3, width=32),
-        ),
-        st.lists(st.integers(0, 10_000), min_size=k, max_size=k),
-    )
-)
+_rows = weighted_float32_matrices(6, 20, 1e3, st.integers(0, 10_000))
 
 
 @settings(max_examples=60, deadline=None)

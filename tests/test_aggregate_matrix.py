@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers.aggregate import f32
 from tensorswap.aggregate import (
     Contribution,
     ContributionMatrix,
@@ -19,10 +20,6 @@ from tensorswap.aggregate import (
     median,
 )
 from tensorswap.errors import AggregateShapeMismatch, DtypeMismatch, EmptyInput, NonFiniteValues
-
-
-def f32(*values: float) -> np.ndarray:
-    return np.array(values, dtype=np.float32)
 
 
 def test_seed_weighted_example_through_the_matrix() -> None:

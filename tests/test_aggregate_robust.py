@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
+from helpers.aggregate import float32_matrices
 from tensorswap.aggregate import (
     AggregateOverflow,
     Contribution,
@@ -32,13 +32,7 @@ def f32(rows: list[list[float]]) -> np.ndarray:
     return np.array(rows, dtype=np.float32)
 
 
-_matrices = st.integers(1, 7).flatmap(
-    lambda k: hnp.arrays(
-        np.float32,
-        st.tuples(st.just(k), st.integers(1, 12)),
-        elements=st.floats(-1e3, 1e3, width=32),
-    )
-)
+_matrices = float32_matrices(7, 12, 1e3)
 
 
 # ── median ───────────────────────────────────────────────────────────────────

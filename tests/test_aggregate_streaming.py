@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
+from helpers.aggregate import f32, weighted_float32_matrices
 from tensorswap.aggregate import (
     AggregateOverflow,
     AggregatorKind,
@@ -22,21 +22,7 @@ from tensorswap.aggregate import (
 from tensorswap.aggregate import streaming as streaming_module
 from tensorswap.errors import AggregateShapeMismatch, DtypeMismatch, EmptyInput, NonFiniteValues
 
-
-def f32(*values: float) -> np.ndarray:
-    return np.array(values, dtype=np.float32)
-
-
-_batches = st.integers(1, 6).flatmap(
-    lambda k: st.tuples(
-        hnp.arrays(
-            np.float32,
-            st.tuples(st.just(k), st.integers(0, 16)),
-            elements=st.floats(-1e3, 1e3, width=32),
-        ),
-        st.lists(st.sampled_from([0, 0, 1, 7, 300]), min_size=k, max_size=k),
-    )
-)
+_batches = weighted_float32_matrices(6, 16, 1e3, st.sampled_from([0, 0, 1, 7, 300]))
 
 
 @settings(max_examples=60, deadline=None)

@@ -8,8 +8,6 @@ command that reads the format runs in-process on the result.
 from __future__ import annotations
 
 import io
-import shutil
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from helpers.net import make_cert
 from tensorswap.cli import main
 from tensorswap.codec import TensorBlock, encode_block
 from tensorswap.codec.garw import GarwBlock
@@ -72,18 +71,7 @@ def _store_objects() -> dict[str, bytes]:
 
 
 def _pem(directory: Path) -> bytes:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not available to make a test certificate")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-            "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
-            "-days", "1", "-subj", "/CN=localhost",
-        ],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
+    cert, _ = make_cert(directory, san=False)
     return cert.read_bytes()
 
 

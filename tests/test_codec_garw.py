@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import struct
-import tracemalloc
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.memory import traced
 from tensorswap.codec import garw
 from tensorswap.codec.garw import (
     FNV64_OFFSET_BASIS,
@@ -152,14 +152,9 @@ def test_every_truncation_is_truncated_data() -> None:
 
 def test_huge_values_len_fails_before_allocating() -> None:
     raw = b"GARW" + struct.pack("<II", 0, 2**32 - 1) + bytes(16)
-    tracemalloc.start()
-    try:
-        with pytest.raises(TruncatedData) as info:
-            GarwBlock.from_bytes(raw)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 1 << 20
+    with traced() as memory, pytest.raises(TruncatedData) as info:
+        GarwBlock.from_bytes(raw)
+    assert memory.peak < 1 << 20
     assert info.value.needed == 4 * (2**32 - 1)
     assert info.value.available == 16
 

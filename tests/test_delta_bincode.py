@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import tracemalloc
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.memory import traced
 from tensorswap.delta import (
     DWE_SCHEMA,
     MAX_DWE_FRAGMENT_BYTES,
@@ -220,14 +220,9 @@ def test_huge_counts_refused_without_allocation(field: str) -> None:
         "values": head + one_layer + struct.pack("<Q", 0) + huge,
         "string": _string(DWE_SCHEMA) + huge,
     }[field] + bytes(64)
-    tracemalloc.start()
-    try:
-        with pytest.raises(TruncatedFragment):
-            decode_fragment(data)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 64 * 1024
+    with traced() as memory, pytest.raises(TruncatedFragment):
+        decode_fragment(data)
+    assert memory.peak < 64 * 1024
 
 
 finite = st.floats(width=32, allow_nan=False)

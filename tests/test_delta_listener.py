@@ -8,6 +8,7 @@ import struct
 import numpy as np
 import pytest
 
+from helpers.net import until
 from tensorswap.delta import (
     DeltaConfigError,
     DweConfig,
@@ -324,12 +325,6 @@ async def test_a_stalled_body_is_dropped_after_frame_timeout() -> None:
     assert verdicts[0].reason is RejectReason.TIMEOUT and "100 bytes" in verdicts[0].detail
 
 
-async def _wait_for(predicate) -> None:
-    async with asyncio.timeout(5):
-        while not predicate():
-            await asyncio.sleep(0.001)
-
-
 async def test_at_the_cap_the_longest_idle_connection_makes_room() -> None:
     h = Harness(config=DweConfig(max_connections=2))
     async with h.listener:
@@ -356,8 +351,9 @@ async def test_a_connection_in_the_middle_of_a_frame_is_not_evicted() -> None:
         _, busy = await _send_raw(h.listener.endpoint, frame[:10])
         tcp = h.listener.tcp_listener
         assert tcp is not None
-        await _wait_for(  # the prefix has been read: a frame is in progress
-            lambda: [(t.bytes_received, t.idle_since) for t in tcp.served()] == [(4, None)]
+        await until(  # the prefix has been read: a frame is in progress
+            lambda: [(t.bytes_received, t.idle_since) for t in tcp.served()] == [(4, None)],
+            step=0.001,
         )
         refused, refused_w = await _send_raw(h.listener.endpoint)
         assert await _closed_by_listener(refused)

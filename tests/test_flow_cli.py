@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from click.testing import CliRunner
 
+from helpers.net import IpcEndpoints
 from tensorswap.cli import cli, main
 from tensorswap.flow import (
     IpcMessage,
@@ -41,9 +41,8 @@ GOOD = [
 
 
 @pytest.fixture
-def endpoint() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="tsflow-") as directory:
-        yield f"ipc://{directory}/cli.ipc"
+def endpoint(ipc_endpoint: IpcEndpoints) -> str:
+    return ipc_endpoint("cli")
 
 
 def run(*args: str, stdin: str = "") -> tuple[int, str, str]:

@@ -3,7 +3,6 @@ through test doubles where the order of frames must be exact."""
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -12,6 +11,7 @@ from typing import Any, TypeVar
 import pytest
 import zmq
 
+from helpers.net import IpcEndpoints
 from tensorswap.flow import (
     CommunicationError,
     EmbeddingBatch,
@@ -67,23 +67,16 @@ EMBEDDINGS = EmbeddingBatch(session_id=None, batch_id=4, embedding=[0.25], seque
 
 
 # ── real sockets ────────────────────────────────────────────────────────────────────────────────
-@pytest.fixture
-def endpoints() -> Iterator[Callable[[], str]]:
-    with tempfile.TemporaryDirectory(prefix="tsflow-") as directory:
-        counter = iter(range(1_000_000))
-        yield lambda: f"ipc://{directory}/{next(counter)}.ipc"
-
-
 def cfg(endpoint: str) -> TransportConfig:
     return TransportConfig(endpoint, linger_ms=0)
 
 
 @pytest.fixture
 def opened(
-    endpoints: Callable[[], str],
+    ipc_endpoint: IpcEndpoints,
 ) -> Iterator[tuple[HybridFlowBackend, Publisher, str]]:
     """A backend, the peer publisher bound on its inbound endpoint, its outbound endpoint."""
-    outbound, inbound = endpoints(), endpoints()
+    outbound, inbound = ipc_endpoint(), ipc_endpoint()
     peer = Publisher.bind(cfg(inbound))
     try:
         backend = HybridFlowBackend.open(cfg(outbound), cfg(inbound))
@@ -140,8 +133,8 @@ def test_unexpected_inbound_variants_are_protocol_errors(
     assert (trace_info.value.found, trace_info.value.expected) == ("Ping", "EligibilityTraces")
 
 
-def test_open_reports_a_failed_inbound_connect(endpoints: Callable[[], str]) -> None:
-    outbound = endpoints()
+def test_open_reports_a_failed_inbound_connect(ipc_endpoint: IpcEndpoints) -> None:
+    outbound = ipc_endpoint()
     with pytest.raises(SetupError) as info:
         HybridFlowBackend.open(cfg(outbound), cfg("not-an-endpoint"))
     assert isinstance(info.value, InitializationError)
@@ -149,8 +142,8 @@ def test_open_reports_a_failed_inbound_connect(endpoints: Callable[[], str]) -> 
         pass
 
 
-def test_open_rejects_equal_endpoints(endpoints: Callable[[], str]) -> None:
-    shared = endpoints()
+def test_open_rejects_equal_endpoints(ipc_endpoint: IpcEndpoints) -> None:
+    shared = ipc_endpoint()
     with pytest.raises(InvalidConfig) as info:
         HybridFlowBackend.open(cfg(shared), shared)
     assert str(info.value) == "outbound and inbound endpoints must differ"
@@ -390,8 +383,8 @@ def test_close_closes_both_transports_and_empties_the_slots() -> None:
     assert backend.held_trace is None and backend.held_gradient is None
 
 
-def test_open_owns_and_ends_its_context(endpoints: Callable[[], str]) -> None:
-    backend = HybridFlowBackend.open(endpoints(), endpoints())
+def test_open_owns_and_ends_its_context(ipc_endpoint: IpcEndpoints) -> None:
+    backend = HybridFlowBackend.open(ipc_endpoint(), ipc_endpoint())
     context: Any = backend._context
     assert isinstance(context, zmq.Context) and not context.closed
     backend.close()

@@ -8,7 +8,6 @@ import json
 import math
 import re
 import struct
-import tracemalloc
 from decimal import Decimal
 
 import msgspec
@@ -17,6 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers.memory import traced
 from tensorswap.errors import TensorSwapError
 from tensorswap.flow import (
     BatchMetadata,
@@ -436,21 +436,17 @@ def test_a_broken_message_is_refused_without_building_its_json(filler: bytes) ->
     # tree first (about 20x its size: 1.5 GB for a 64 MiB frame); now the careful path only
     # checks its syntax and decodes each body into its typed classes. (150,000 items stay
     # under the JSON value budget; a frame beyond it is refused before the typed decode, see
-    # test_hostile_delta_flow.py.)
+    # test_flow_oversized_frames.py.)
     items = b",".join([filler] * 150_000)
     frame = (
         b'{"payload":{"Spikes":{"batch_id":1,"session_id":null,"timestamp":1,"spikes":['
         + items
         + b']}},"wire_version":1}'
     )
-    tracemalloc.start()
-    try:
-        with pytest.raises(MalformedMessage, match=r"Spikes: .* at `\$\.spikes\[0\]"):
-            decode(frame)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < len(frame) // 4
+    where = r"Spikes: .* at `\$\.spikes\[0\]"
+    with traced() as memory, pytest.raises(MalformedMessage, match=where):
+        decode(frame)
+    assert memory.peak < len(frame) // 4
 
 
 def test_big_values_in_error_messages_are_clipped_not_decoded() -> None:

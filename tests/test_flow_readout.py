@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -11,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from helpers.net import IpcEndpoints
 from tensorswap.flow import (
     CommunicationError,
     InitializationError,
@@ -122,13 +122,10 @@ def test_the_float_limit_comes_from_the_environment(
 
 
 def test_initialize_with_a_float_limit_of_thousands_of_digits_uses_the_default(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, ipc_endpoint: IpcEndpoints
 ) -> None:
     monkeypatch.setenv(ENV_MAX_READOUT_FLOATS, "9" * 5000)
-    with (
-        tempfile.TemporaryDirectory(prefix="tsro-") as directory,
-        ReadoutBackend(f"ipc://{directory}/env.ipc") as backend,
-    ):
+    with ReadoutBackend(ipc_endpoint("env")) as backend:
         backend.initialize()
         assert backend._max_floats == DEFAULT_MAX_READOUT_FLOATS
 
@@ -215,34 +212,34 @@ def test_a_read_stops_at_its_time_budget(monkeypatch: pytest.MonkeyPatch) -> Non
 
 # ── the backend over a real socket ──────────────────────────────────────────────────────────────
 @pytest.fixture
-def producer() -> Iterator[tuple[zmq.Socket[bytes], str]]:
-    with tempfile.TemporaryDirectory(prefix="tsflow-") as directory:
-        endpoint = f"ipc://{directory}/readout.ipc"
-        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        socket = context.socket(zmq.PUB)
-        socket.setsockopt(zmq.LINGER, 0)
+def producer(ipc_endpoint: IpcEndpoints) -> Iterator[tuple[zmq.Socket[bytes], str]]:
+    endpoint = ipc_endpoint("readout")
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    socket = context.socket(zmq.PUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
         socket.bind(endpoint)
-        try:
-            yield socket, endpoint
-        finally:
-            socket.close()
-            context.term()
+        yield socket, endpoint
+    finally:
+        socket.close()
+        context.term()
 
 
 @pytest.mark.parametrize(("given", "applied"), [(None, 64 * 1024 * 1024), (4104, 4104), (-1, -1)])
-def test_max_message_bytes_reaches_the_readout_socket(given: int | None, applied: int) -> None:
-    with tempfile.TemporaryDirectory(prefix="tsro-") as directory:
-        endpoint = f"ipc://{directory}/cap.ipc"
-        backend = (
-            ReadoutBackend(endpoint)
-            if given is None
-            else ReadoutBackend(endpoint, max_message_bytes=given)
-        )
-        assert backend.max_message_bytes == applied
-        with backend:
-            backend.initialize()
-            assert backend._socket is not None
-            assert backend._socket.getsockopt(zmq.MAXMSGSIZE) == applied
+def test_max_message_bytes_reaches_the_readout_socket(
+    given: int | None, applied: int, ipc_endpoint: IpcEndpoints
+) -> None:
+    endpoint = ipc_endpoint("cap")
+    backend = (
+        ReadoutBackend(endpoint)
+        if given is None
+        else ReadoutBackend(endpoint, max_message_bytes=given)
+    )
+    assert backend.max_message_bytes == applied
+    with backend:
+        backend.initialize()
+        assert backend._socket is not None
+        assert backend._socket.getsockopt(zmq.MAXMSGSIZE) == applied
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,6 +12,7 @@ from typing import ClassVar
 import pytest
 import zmq
 
+from helpers.net import IpcEndpoints
 from tensorswap.flow import (
     CommunicationError,
     EmbeddingBatch,
@@ -39,13 +39,6 @@ from tensorswap.flow import (
 Pair = tuple[Publisher, Subscriber]
 
 
-@pytest.fixture
-def ipc() -> Iterator[Callable[[str], str]]:
-    """ipc:// endpoints in a short private directory (socket paths have a length limit)."""
-    with tempfile.TemporaryDirectory(prefix="tsflow-") as directory:
-        yield lambda name: f"ipc://{directory}/{name}.ipc"
-
-
 def config(endpoint: str, **options: int) -> TransportConfig:
     return TransportConfig(endpoint, linger_ms=0, **options)
 
@@ -64,8 +57,8 @@ def synchronize(publisher: Publisher, subscriber: Subscriber, seconds: float = 5
 
 
 @pytest.fixture(params=["ipc", "tcp"])
-def pair(request: pytest.FixtureRequest, ipc: Callable[[str], str]) -> Iterator[Pair]:
-    endpoint = ipc("pair") if request.param == "ipc" else "tcp://127.0.0.1:*"
+def pair(request: pytest.FixtureRequest, ipc_endpoint: IpcEndpoints) -> Iterator[Pair]:
+    endpoint = ipc_endpoint("pair") if request.param == "ipc" else "tcp://127.0.0.1:*"
     publisher = Publisher.bind(config(endpoint))
     try:
         subscriber = Subscriber.connect(config(publisher.endpoint))
@@ -124,10 +117,10 @@ def test_boundary_configs_are_accepted() -> None:
     )
 
 
-def test_the_largest_configs_open(ipc: Callable[[str], str]) -> None:
+def test_the_largest_configs_open(ipc_endpoint: IpcEndpoints) -> None:
     top = 2**31 - 1
     options = TransportConfig(
-        ipc("top"),
+        ipc_endpoint("top"),
         send_hwm=top,
         receive_hwm=top,
         linger_ms=0,
@@ -158,11 +151,11 @@ class _RecordingContext(zmq.Context):  # type: ignore[type-arg]
 
 @pytest.mark.parametrize("kind", [Publisher.bind, Subscriber.connect])
 def test_a_failed_open_leaves_nothing_open_whatever_failed(
-    ipc: Callable[[str], str],
+    ipc_endpoint: IpcEndpoints,
     monkeypatch: pytest.MonkeyPatch,
     kind: Callable[[TransportConfig], object],
 ) -> None:
-    options = config(ipc("fail"))
+    options = config(ipc_endpoint("fail"))
     object.__setattr__(options, "receive_hwm", 2**40)  # past the check: setsockopt overflows
     monkeypatch.setattr(_RecordingContext, "contexts", [])
     monkeypatch.setattr(_RecordingContext, "sockets", [])
@@ -180,9 +173,9 @@ def test_a_failed_open_leaves_nothing_open_whatever_failed(
             leaked.term()
 
 
-def test_options_reach_the_sockets(ipc: Callable[[str], str]) -> None:
+def test_options_reach_the_sockets(ipc_endpoint: IpcEndpoints) -> None:
     options = TransportConfig(
-        ipc("opts"),
+        ipc_endpoint("opts"),
         send_hwm=7,
         receive_hwm=9,
         linger_ms=3,
@@ -346,8 +339,8 @@ def test_a_bad_frame_raises_and_is_consumed(pair: Pair, frame: bytes, error: typ
     assert subscriber.recv(timeout=5) == Ping()
 
 
-def test_an_oversized_message_drops_the_connection_unread(ipc: Callable[[str], str]) -> None:
-    endpoint = ipc("big")
+def test_an_oversized_message_drops_the_connection_unread(ipc_endpoint: IpcEndpoints) -> None:
+    endpoint = ipc_endpoint("big")
     with (
         Publisher.bind(config(endpoint)) as publisher,
         Subscriber.connect(config(endpoint, max_message_bytes=200)) as subscriber,
@@ -360,10 +353,10 @@ def test_an_oversized_message_drops_the_connection_unread(ipc: Callable[[str], s
         assert subscriber.recv(timeout=0.3) is None
 
 
-def test_a_shared_context_outlives_its_sockets(ipc: Callable[[str], str]) -> None:
+def test_a_shared_context_outlives_its_sockets(ipc_endpoint: IpcEndpoints) -> None:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        publisher = Publisher.bind(config(ipc("shared")), context=context)
+        publisher = Publisher.bind(config(ipc_endpoint("shared")), context=context)
         publisher.close()
         assert not context.closed
     finally:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers.net import running
 from tensorswap.cid import Cid
 from tensorswap.rounds import Coordinator, FakeClock, RoundDatabase
 from tensorswap.rounds.errors import UnknownUpdate
@@ -160,12 +161,11 @@ async def test_a_client_pushes_again_a_block_the_coordinator_quarantined(tmp_pat
     from tensorswap.rounds.state import Collecting
 
     key = b"integrity-key"
-    coord = Coordinator.open(tmp_path, clock=FakeClock(), run_timer=False, durable=False)
-    server = RoundServer(coord, key=key)
-    try:
-        await server.start("127.0.0.1", 0)
-        client = await RoundClient.connect("127.0.0.1", server.port, peer="a", key=key)
-        try:
+    with Coordinator.open(tmp_path, clock=FakeClock(), run_timer=False, durable=False) as coord:
+        async with (
+            running(RoundServer(coord, key=key)) as server,
+            await RoundClient.connect("127.0.0.1", server.port, peer="a", key=key) as client,
+        ):
             first, second = RoundId(1, "lead"), RoundId(2, "lead")
             for rid in (first, second):
                 await client.start_round(rid, RoundSpec(2))
@@ -179,8 +179,3 @@ async def test_a_client_pushes_again_a_block_the_coordinator_quarantined(tmp_pat
             assert again.cid == done.cid
             assert again.push.sent_blocks == 1  # the quarantined chunk, pushed again
             assert isinstance(again.status, Collecting)
-        finally:
-            await client.aclose()
-    finally:
-        await server.aclose()
-        coord.close()

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from store_helpers import make_older
+from helpers.store import STORE_KINDS, make_older, make_store
 from tensorswap.cid import Cid
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.deadline import FakeClock
@@ -39,9 +39,9 @@ def age_everything(coord: Coordinator) -> None:
     coord.clock.advance(10_000)
 
 
-@pytest.fixture(params=["memory", "directory"])
+@pytest.fixture(params=STORE_KINDS)
 def coord(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Coordinator]:
-    store = MemoryStore() if request.param == "memory" else DirectoryStore(tmp_path / "blocks")
+    store = make_store(request.param, tmp_path / "blocks")
     with Coordinator(store, clock=FakeClock(1000.0), run_timer=False) as c:
         yield c
 

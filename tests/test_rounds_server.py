@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers.net import running
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.deadline import FakeClock
@@ -42,14 +43,9 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 async def server(tmp_path: Path, clock: FakeClock) -> AsyncIterator[RoundServer]:
-    coord = Coordinator.open(tmp_path, clock=clock, run_timer=False, durable=False)
-    srv = RoundServer(coord, key=KEY)
-    try:
-        await srv.start("127.0.0.1", 0)
-        yield srv
-    finally:
-        await srv.aclose()
-        coord.close()
+    with Coordinator.open(tmp_path, clock=clock, run_timer=False, durable=False) as coord:
+        async with running(RoundServer(coord, key=KEY)) as srv:
+            yield srv
 
 
 async def connect(server: RoundServer, peer: str) -> RoundClient:

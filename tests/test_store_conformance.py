@@ -9,21 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from store_helpers import make_older
+from helpers.store import make_older, make_store
 from tensorswap.cid import Cid, HashFunction, Multicodec
 from tensorswap.errors import BlockNotFound, HashMismatch, StoreError
-from tensorswap.store import BlockStore, DirectoryStore, MemoryStore, StoreSize
+from tensorswap.store import BlockStore, StoreSize
 
 
 @pytest.fixture(params=["memory", "directory", "directory-fsync"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore]:
-    kind = request.param
-    made: BlockStore
-    if kind == "memory":
-        made = MemoryStore()
-    else:
-        made = DirectoryStore(tmp_path / "store", fsync=kind.endswith("fsync"))
-    with made:
+    """The shared ``store`` fixture's kinds, and a DirectoryStore that fsyncs."""
+    with make_store(request.param, tmp_path / "store") as made:
         yield made
 
 

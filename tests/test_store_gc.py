@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from store_helpers import make_older
+from helpers.store import make_older
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.codec import TensorBlock
 from tensorswap.errors import BlockNotFound
@@ -29,13 +28,6 @@ from tensorswap.store import (
 )
 
 CHUNK = 64
-
-
-@pytest.fixture(params=["memory", "directory"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore]:
-    made: BlockStore = MemoryStore() if request.param == "memory" else DirectoryStore(tmp_path)
-    with made:
-        yield made
 
 
 def _update(seed: int, shared: np.ndarray) -> ModelUpdate:

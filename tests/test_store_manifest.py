@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import ml_dtypes
 import msgspec
@@ -23,7 +21,6 @@ from tensorswap.store import (
     MANIFEST_MAGIC,
     BlockStore,
     ChunkRef,
-    DirectoryStore,
     MalformedManifest,
     MemoryStore,
     ModelUpdate,
@@ -42,13 +39,6 @@ from tensorswap.store import (
 )
 
 CHUNK = 64  # bytes per chunk in these tests: 16 float32 values
-
-
-@pytest.fixture(params=["memory", "directory"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlockStore]:
-    made: BlockStore = MemoryStore() if request.param == "memory" else DirectoryStore(tmp_path)
-    with made:
-        yield made
 
 
 def _values(dtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:

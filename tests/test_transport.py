@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
-import subprocess
 import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from helpers.net import CertFiles, Pair, make_cert, receive_all, transport_pair
 from tensorswap.transport import (
     DIRECT_RECEIVE_BYTES,
     DIRECT_SEND_BYTES,
@@ -32,70 +31,11 @@ from tensorswap.transport import (
 )
 from tensorswap.wire.auth import client_ssl_context, server_ssl_context
 
-Pair = tuple[Transport, Transport]
-
-
-def make_cert(directory: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1/localhost, made with the openssl CLI."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not available to make a test certificate")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-            "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
-            "-days", "1", "-subj", "/CN=localhost",
-            "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
-        ],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return cert, key
-
-
-@pytest.fixture(scope="module")
-def cert_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return make_cert(tmp_path_factory.mktemp("tls"))
-
-
-async def _tcp_pair(tls: tuple[Path, Path] | None) -> AsyncIterator[Pair]:
-    accepted: asyncio.Queue[Transport] = asyncio.Queue(1)
-    release = asyncio.Event()
-
-    async def handler(transport: Transport) -> None:
-        await accepted.put(transport)
-        await release.wait()
-
-    server_ctx = server_ssl_context(*tls) if tls else None
-    client_ctx = client_ssl_context(tls[0]) if tls else None
-    async with await serve_tcp(handler, ssl=server_ctx) as listener:
-        client = await connect_tcp("127.0.0.1", listener.port, ssl=client_ctx)
-        server = await accepted.get()
-        try:
-            yield client, server
-        finally:
-            await client.aclose()
-            release.set()
-
 
 @pytest.fixture(params=["memory", "tcp", "tls"])
-async def pair(
-    request: pytest.FixtureRequest, cert_files: tuple[Path, Path]
-) -> AsyncIterator[Pair]:
-    if request.param == "memory":
-        a, b = memory_pair(capacity=64 * 1024)
-        yield a, b
-        await a.aclose()
-        await b.aclose()
-        return
-    async for p in _tcp_pair(cert_files if request.param == "tls" else None):
-        yield p
-
-
-async def receive_all(transport: Transport, n: int) -> bytes:
-    buf = bytearray(n)
-    await transport.receive_exactly(buf)
-    return bytes(buf)
+async def pair(request: pytest.FixtureRequest, cert_files: CertFiles) -> AsyncIterator[Pair]:
+    async with transport_pair(request.param, capacity=64 * 1024, tls=cert_files) as ends:
+        yield ends
 
 
 async def test_parts_arrive_in_order_whole(pair: Pair) -> None:
@@ -240,7 +180,7 @@ async def test_tls_with_untrusted_certificate_fails(tmp_path: Path) -> None:
 
 
 async def test_connect_timeout_covers_a_stalled_tls_handshake(
-    cert_files: tuple[Path, Path],
+    cert_files: CertFiles,
 ) -> None:
     release = asyncio.Event()
 

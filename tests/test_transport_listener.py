@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import ast
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 import tensorswap.transport as transport_pkg
+from helpers.net import ManualClock, until
 from tensorswap import errors as root_errors
 from tensorswap.transport import (
     ConnectionFailed,
@@ -23,21 +24,6 @@ from tensorswap.transport import (
 from tensorswap.wire import errors as wire_errors
 from tensorswap.wire import tcp as wire_tcp
 from tensorswap.wire import transport as wire_transport
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-async def until(predicate: Callable[[], bool]) -> None:
-    """Let the loop run (no timed sleep) until ``predicate`` holds."""
-    async with asyncio.timeout(5):
-        while not predicate():
-            await asyncio.sleep(0)
 
 
 class Served:
@@ -68,15 +54,15 @@ async def eof_seen(client: Transport) -> bool:
 
 
 @pytest.fixture
-async def listening() -> AsyncIterator[tuple[TcpListener, Served, FakeClock]]:
+async def listening() -> AsyncIterator[tuple[TcpListener, Served, ManualClock]]:
     handler = Served()
-    clock = FakeClock()
+    clock = ManualClock(50.0)
     async with await serve_tcp(handler, max_connections=2, min_idle=5.0) as listener:
         listener.clock = clock
         yield listener, handler, clock
 
 
-async def idle_pair(listener: TcpListener, clock: FakeClock) -> list[Transport]:
+async def idle_pair(listener: TcpListener, clock: ManualClock) -> list[Transport]:
     clients = []
     for _ in range(2):
         clients.append(await connect_tcp("127.0.0.1", listener.port))

@@ -6,10 +6,12 @@ import asyncio
 import gc
 import logging
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
+from helpers.net import read_error, until
 from tensorswap.cid import Cid
 from tensorswap.store import MemoryStore
 from tensorswap.wire import BlockClient, BlockServer, memory_pair
@@ -24,7 +26,6 @@ from tensorswap.wire.errors import (
     StreamEnded,
 )
 from tensorswap.wire.frames import Compression, FrameHeader, FrameKind, crc32c, pack_block_prefix
-from tensorswap.wire.messages import Error
 from tensorswap.wire.tcp import connect_tcp
 
 MiB = 1 << 20
@@ -46,12 +47,6 @@ async def raw_connection(port: int) -> FrameConnection:
     return conn
 
 
-async def read_error(conn: FrameConnection) -> Error:
-    message = conn.expect(await conn.receive_frame(), Error)
-    assert isinstance(message, Error)
-    return message
-
-
 async def expect_closed(conn: FrameConnection) -> None:
     """The server closed the connection: the next read finds its end."""
     with pytest.raises((StreamEnded, ConnectionFailed)):
@@ -70,11 +65,9 @@ class GatedStore(MemoryStore):
         super().put_verified(cid, data, adopt=adopt)  # type: ignore[arg-type]
 
 
-async def until(condition: object, what: str) -> None:
-    """Wait (event-loop turns, 10 s at most) until ``condition()`` holds."""
-    async with asyncio.timeout(10):
-        while not condition():  # type: ignore[operator]
-            await asyncio.sleep(0.005)
+async def settled(condition: Callable[[], object], what: str) -> None:
+    """Wait until ``condition()`` holds (the store's worker threads make it true: polled)."""
+    await until(condition, what, seconds=10, step=0.005)
 
 
 # ── (b) many bomb connections at once ────────────────────────────────────────
@@ -97,7 +90,7 @@ async def test_concurrent_bombs_never_exceed_the_budget_and_real_blocks_still_la
         codes = await asyncio.gather(*(bomber() for _ in range(6)))
         assert codes == ["block_hash_mismatch"] * 6
         budget = server.budget
-        await until(lambda: budget.in_flight == 0, "the budget to empty")
+        await settled(lambda: budget.in_flight == 0, "the budget to empty")
         assert 0 < budget.peak <= limit
         assert budget.waiting == 0
 
@@ -139,7 +132,7 @@ async def test_a_connection_over_budget_waits_for_others_to_store_then_goes_on()
             budget = server.budget
             # two blocks (1 MiB + prefix each) are held by the closed gate; the other three
             # wait (and so does a Commit that came after them: it queues behind them)
-            await until(lambda: budget.waiting >= 3, "three blocks waiting")
+            await settled(lambda: budget.waiting >= 3, "three blocks waiting")
             assert budget.in_flight <= limit
             assert server.stats.inflight_waits >= 3
             store.gate.set()
@@ -162,9 +155,9 @@ async def test_connections_waiting_for_budget_release_everything_when_the_server
             data = np.full(MiB, i, dtype=np.uint8)
             await conn.send_prepared(prepare_block(Cid.of(data), data))
         budget = server.budget
-        await until(lambda: budget.waiting == 3, "three connections waiting")
+        await settled(lambda: budget.waiting == 3, "three connections waiting")
         closing = asyncio.ensure_future(server.aclose())
-        await until(lambda: budget.waiting == 0, "the waiters to be cancelled")
+        await settled(lambda: budget.waiting == 0, "the waiters to be cancelled")
         store.gate.set()  # the block being stored finishes (it arrived whole: it is kept)
         await closing
         assert budget.in_flight == 0

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from helpers.net import CertFiles, ManualClock, running
 from tensorswap.cid import Cid
 from tensorswap.codec import TensorBlock
 from tensorswap.store import MemoryStore, get_tensor
@@ -17,34 +17,17 @@ from tensorswap.wire.auth import client_ssl_context, server_ssl_context
 from tensorswap.wire.client import BlockClient
 from tensorswap.wire.errors import ConnectionFailed, StreamEnded, WireError
 from tensorswap.wire.server import BlockServer
-from test_transport import make_cert
 
 KEY = b"cap test key"
 ABSENT = Cid.of(b"a block nobody holds")
 
 
-class FakeClock:
-    """A clock the test moves by hand (the listener reads it to measure idleness)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @contextlib.asynccontextmanager
-async def capped_server(cap: int, clock: FakeClock) -> AsyncIterator[BlockServer]:
-    server = await BlockServer(MemoryStore(), key=KEY, max_connections=cap).start()
-    assert server.listener is not None
-    server.listener.clock = clock
-    try:
+async def capped_server(cap: int, clock: ManualClock) -> AsyncIterator[BlockServer]:
+    async with running(BlockServer(MemoryStore(), key=KEY, max_connections=cap)) as server:
+        assert server.listener is not None
+        server.listener.clock = clock
         yield server
-    finally:
-        await server.aclose()
 
 
 async def idle_client(server: BlockServer) -> BlockClient:
@@ -59,7 +42,7 @@ async def idle_client(server: BlockServer) -> BlockClient:
 
 
 async def test_idle_authenticated_clients_make_room_for_a_real_one() -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     async with capped_server(4, clock) as server:
         idle = []
         for _ in range(4):
@@ -80,7 +63,7 @@ async def test_idle_authenticated_clients_make_room_for_a_real_one() -> None:
 
 
 async def test_a_client_refused_at_the_cap_sees_server_busy() -> None:
-    clock = FakeClock()  # never advanced: both connections were active just now
+    clock = ManualClock()  # never advanced: both connections were active just now
     async with capped_server(2, clock) as server:
         active = [await idle_client(server) for _ in range(2)]
         with pytest.raises(wire_errors.ServerBusy) as info:
@@ -95,17 +78,14 @@ async def test_a_client_refused_at_the_cap_sees_server_busy() -> None:
             await client.aclose()
 
 
-async def test_a_tls_client_refused_at_the_cap_sees_server_busy(tmp_path: Path) -> None:
-    cert, key = make_cert(tmp_path)
+async def test_a_tls_client_refused_at_the_cap_sees_server_busy(cert_files: CertFiles) -> None:
+    cert, key = cert_files
     server = BlockServer(MemoryStore(), key=KEY, max_connections=1)
-    await server.start(ssl=server_ssl_context(cert, key))
-    assert server.listener is not None
-    server.listener.clock = FakeClock()  # never advanced: however slow the TLS handshakes
-    try:
+    async with running(server, ssl=server_ssl_context(cert, key)):
+        assert server.listener is not None
+        server.listener.clock = ManualClock()  # never advanced: however slow the TLS handshakes
         ctx = client_ssl_context(cert)
         async with await BlockClient.connect("127.0.0.1", server.port, key=KEY, ssl=ctx) as held:
             assert await held.missing([ABSENT]) == [ABSENT]  # active just now: not evictable
             with pytest.raises(wire_errors.ServerBusy, match=r"connection cap \(1\)"):
                 await BlockClient.connect("127.0.0.1", server.port, key=KEY, ssl=ctx)
-    finally:
-        await server.aclose()

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from store_helpers import make_older
+from helpers.net import CertFiles, Pair, transport_pair
+from helpers.store import make_older
 from tensorswap.cid import Cid
 from tensorswap.codec import TensorBlock
 from tensorswap.store import (
@@ -30,7 +29,7 @@ from tensorswap.store import (
     put_update,
 )
 from tensorswap.store.base import BlockStore
-from tensorswap.transport import Transport, connect_tcp, memory_pair, serve_tcp
+from tensorswap.transport import Transport, memory_pair
 from tensorswap.wire.auth import client_ssl_context, server_ssl_context
 from tensorswap.wire.client import BlockClient
 from tensorswap.wire.connection import FrameConnection, Timeouts, prepare_block
@@ -64,38 +63,10 @@ def block_sizes(store: BlockStore, cids: list[Cid]) -> int:
     return sum(store.get(cid).nbytes for cid in cids)
 
 
-Pair = tuple[Transport, Transport]
-
-
-async def _tcp_pair() -> AsyncIterator[Pair]:
-    """A real loopback TCP connection: (client end, server end)."""
-    accepted: asyncio.Queue[Transport] = asyncio.Queue(1)
-    release = asyncio.Event()
-
-    async def handler(transport: Transport) -> None:
-        await accepted.put(transport)
-        await release.wait()
-
-    async with await serve_tcp(handler) as listener:
-        client = await connect_tcp("127.0.0.1", listener.port)
-        server = await accepted.get()
-        try:
-            yield client, server
-        finally:
-            await client.aclose()
-            release.set()
-
-
 @pytest.fixture(params=["memory", "tcp"])
 async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
     """Two connected ends, (client, server), of each kind of transport."""
-    if request.param == "memory":
-        a, b = memory_pair(capacity=1 << 20)
-        yield a, b
-        await a.aclose()
-        await b.aclose()
-        return
-    async for ends in _tcp_pair():
+    async with transport_pair(request.param) as ends:
         yield ends
 
 
@@ -381,25 +352,8 @@ async def test_wrong_or_missing_key_is_refused_and_nothing_stored(
         assert isinstance(server.errors[-1], AuthenticationFailed)
 
 
-def make_cert(directory: Path) -> tuple[Path, Path]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not available to make a test certificate")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-            "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
-            "-days", "1", "-subj", "/CN=localhost",
-            "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
-        ],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return cert, key
-
-
-async def test_push_over_tls_with_a_key(tmp_path: Path) -> None:
-    cert, key = make_cert(tmp_path)
+async def test_push_over_tls_with_a_key(cert_files: CertFiles) -> None:
+    cert, key = cert_files
     src, root, values = tensor_store()
     dst = MemoryStore()
     server = BlockServer(dst, key=KEY)

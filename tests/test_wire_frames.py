@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-import tracemalloc
 
 import google_crc32c
 import msgspec
@@ -14,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.memory import traced
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.errors import WireError
 from tensorswap.wire.connection import FrameConnection, Timeouts, WireLimits, prepare_block
@@ -292,13 +292,9 @@ def test_fuzzed_frames_raise_only_typed_errors_and_allocate_little(chunks: list[
                 else:
                     conn.expect(frame, *MESSAGE_TYPES.values())
 
-    tracemalloc.start()
-    try:
+    with traced() as memory:
         asyncio.run(run())
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 2 * 1024 * 1024  # headers claim up to 2**64 bytes; none of it is allocated
+    assert memory.peak < 2 * 1024 * 1024  # headers claim up to 2**64 bytes; none of it is allocated
 
 
 @settings(max_examples=200, deadline=None)

@@ -6,15 +6,15 @@ import asyncio
 import contextlib
 import random
 import struct
-import tracemalloc
 import zlib
-from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.memory import traced
+from helpers.net import Pair
 from tensorswap.codec.ipfrs import encode_ipfrs_gradient
 from tensorswap.errors import WireError
 from tensorswap.wire.errors import (
@@ -38,7 +38,6 @@ from tensorswap.wire.ipfrs import (
     IpfrsLimits,
     chunk_count,
 )
-from tensorswap.wire.tcp import connect_tcp, serve_tcp
 from tensorswap.wire.transport import Transport, memory_pair
 
 
@@ -202,27 +201,8 @@ async def test_stream_bytes_are_exactly_the_seeds() -> None:
     assert bytes(wire[:got]) == expected_wire_bytes(values, 300)
 
 
-@pytest.fixture
-async def tcp_pair() -> AsyncIterator[tuple[Transport, Transport]]:
-    accepted: asyncio.Queue[Transport] = asyncio.Queue(1)
-    done = asyncio.Event()
-
-    async def handler(transport: Transport) -> None:
-        await accepted.put(transport)
-        await done.wait()
-
-    async with await serve_tcp(handler) as listener:
-        client = await connect_tcp("127.0.0.1", listener.port)
-        server = await accepted.get()
-        try:
-            yield client, server
-        finally:
-            await client.aclose()
-            done.set()
-
-
-async def test_round_trip_over_tcp(tcp_pair: tuple[Transport, Transport]) -> None:
-    client, server = tcp_pair
+async def test_round_trip_over_tcp(loopback_pair: Pair) -> None:
+    client, server = loopback_pair
     values = gradient(1_000_000, 4)
     session = GradientStreamSession("s")
     async with asyncio.TaskGroup() as tg:
@@ -254,8 +234,8 @@ async def test_round_trip_over_asyncio_streams() -> None:
         await writer.wait_closed()
 
 
-async def test_out_of_order_frames_over_tcp(tcp_pair: tuple[Transport, Transport]) -> None:
-    client, server = tcp_pair
+async def test_out_of_order_frames_over_tcp(loopback_pair: Pair) -> None:
+    client, server = loopback_pair
     values = gradient(2000, 6)
     chunks = GradientStreamSession("s", 256).encode_gradient(values)
     for chunk in reversed(chunks):
@@ -421,13 +401,9 @@ def test_fuzzed_streams_raise_only_typed_errors_and_allocate_little(frames: list
         with contextlib.suppress(WireError):
             await GradientStreamSession(limits=limits).receive_from(stream)
 
-    tracemalloc.start()
-    try:
+    with traced() as memory:
         asyncio.run(run())
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 2 * 1024 * 1024  # headers claim up to 4 GiB; nothing of that is allocated
+    assert memory.peak < 2 * 1024 * 1024  # headers claim up to 4 GiB; nothing of that is allocated
 
 
 # ── memory reserved in advance ───────────────────────────────────────────────
@@ -435,14 +411,9 @@ async def test_one_header_does_not_reserve_the_gradient_it_announces() -> None:
     # a first frame announcing 32,768 full chunks (8 GiB of values), then 100 bytes and EOF
     chunk_file = len(encode_ipfrs_gradient(np.zeros(DEFAULT_CHUNK_SIZE, np.float32)))
     stream = await _feed(struct.pack("<IIII", 0, 32_768, chunk_file, 0) + b"\0" * 100)
-    tracemalloc.start()
-    try:
-        with pytest.raises(UnexpectedEof):
-            await GradientStreamSession().receive_from(stream)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 64 * 1024 * 1024  # not 8 GiB: at most a chunk is allocated per frame
+    with traced() as memory, pytest.raises(UnexpectedEof):
+        await GradientStreamSession().receive_from(stream)
+    assert memory.peak < 64 * 1024 * 1024  # not 8 GiB: at most a chunk is allocated per frame
 
 
 async def test_a_gradient_above_the_in_place_limit_is_received_chunk_by_chunk() -> None:

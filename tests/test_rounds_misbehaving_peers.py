@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from helpers.net import running
 from tensorswap.rounds.blocking import BlockingRoundClient
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.coordinator import Coordinator
@@ -75,21 +76,14 @@ class WatchedServer(RoundServer):
 
 @pytest.fixture
 async def coordinator(tmp_path: Path) -> AsyncIterator[Coordinator]:
-    coord = Coordinator.open(tmp_path, run_timer=False, durable=False)
-    try:
+    with Coordinator.open(tmp_path, run_timer=False, durable=False) as coord:
         yield coord
-    finally:
-        coord.close()
 
 
 @pytest.fixture
 async def server(coordinator: Coordinator) -> AsyncIterator[WatchedServer]:
-    srv = WatchedServer(coordinator, max_wait=0.05)
-    try:
-        await srv.start("127.0.0.1", 0)
+    async with running(WatchedServer(coordinator, max_wait=0.05)) as srv:
         yield srv
-    finally:
-        await srv.aclose()
 
 
 async def raw(server: RoundServer, call: RoundCall | bytes) -> bytes:
@@ -99,7 +93,7 @@ async def raw(server: RoundServer, call: RoundCall | bytes) -> bytes:
         return await client.request(APP, body)
 
 
-# ── 1. wait timeouts ─────────────────────────────────────────────────────────
+# ── wait timeouts ─────────────────────────────────────────────────────────
 @pytest.mark.parametrize("timeout", [math.nan, math.inf, -1.0])
 async def test_a_wait_timeout_that_is_not_finite_and_non_negative_is_refused(
     server: WatchedServer, timeout: float
@@ -129,7 +123,7 @@ def test_max_wait_must_be_a_positive_number(coordinator: Coordinator) -> None:
             RoundServer(coordinator, max_wait=bad)
 
 
-# ── 2. waits longer than the server's cap ───────────────────────────────────
+# ── waits longer than the server's cap ───────────────────────────────────
 async def test_an_abandoned_wait_frees_its_connection_after_max_wait(
     server: WatchedServer,
 ) -> None:
@@ -194,7 +188,7 @@ async def test_blocking_client_wait_outlasts_the_server_cap(server: WatchedServe
     assert len(got) == 1 and isinstance(got[0], Complete)
 
 
-# ── 4. deeply nested msgpack ────────────────────────────────────────────────
+# ── deeply nested msgpack ────────────────────────────────────────────────
 def test_deeply_nested_msgpack_is_a_protocol_violation() -> None:
     body = b"\x82\xa2op\xa4wait\xa1z" + NESTED
     with pytest.raises(ProtocolViolation, match="rounds request"):
@@ -213,7 +207,7 @@ async def test_a_deeply_nested_request_gets_a_protocol_violation_answer(
         assert isinstance(server.errors[-1], ProtocolViolation)
 
 
-# ── 7. hostile facts in a refusal ───────────────────────────────────────────
+# ── hostile facts in a refusal ───────────────────────────────────────────
 @pytest.mark.parametrize(
     "facts",
     [{"args": 1}, {"__traceback__": 1}, {"with_traceback": 1}, {"_private": "x"}],
@@ -235,7 +229,7 @@ def test_a_round_not_found_keeps_its_message_and_key() -> None:
     assert (raised.value.key, str(raised.value)) == ("1-x", "Round not found: 1-x")
 
 
-# ── 10. names and status size ───────────────────────────────────────────────
+# ── names and status size ───────────────────────────────────────────────
 async def test_long_initiator_and_peer_names_are_refused(server: WatchedServer) -> None:
     long = "é" * (MAX_NAME_BYTES // 2 + 1)  # 2 bytes each in UTF-8: just over the limit
     ok = "é" * (MAX_NAME_BYTES // 2)

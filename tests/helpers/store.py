@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from tensorswap.cid import Cid
 from tensorswap.store import BlockStore, DirectoryStore, MemoryStore
+
+STORE_KINDS = ("memory", "directory")
+
+
+def make_store(kind: str, directory: Path) -> BlockStore:
+    """A fresh store of ``kind``: "memory", "directory" or "directory-fsync" (in ``directory``)."""
+    if kind == "memory":
+        return MemoryStore()
+    if kind in ("directory", "directory-fsync"):
+        return DirectoryStore(directory, fsync=kind == "directory-fsync")
+    raise ValueError(f"unknown store kind {kind!r}")
 
 
 def make_older(store: BlockStore, cid: Cid, seconds: float) -> None:

@@ -1,15 +1,15 @@
-"""Hostile input to the delta and flow layers: costs stay about the size of what a peer sent."""
+"""Hostile input to the delta layer: what it costs stays about the size of what a peer sent."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import struct
-import tracemalloc
 
 import numpy as np
 import pytest
 
+from helpers.memory import peak_of, traced
 from tensorswap.delta import DweConfig, DweListener, reassemble, split_fragment
 from tensorswap.delta.apply import StateMismatch, apply_fragment
 from tensorswap.delta.bincode import (
@@ -38,80 +38,6 @@ from tensorswap.delta.verify import (
     SequenceRejected,
     SequenceTracker,
 )
-from tensorswap.flow import GradientBatch, decode
-from tensorswap.flow.errors import MalformedMessage, WireVersionError
-
-
-def _peak_of(call: object, *args: object) -> tuple[BaseException | None, int]:
-    tracemalloc.start()
-    try:
-        try:
-            call(*args)  # type: ignore[operator]
-        except Exception as exc:
-            error: BaseException | None = exc
-        else:
-            error = None
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return error, peak
-
-
-# ── flow: a well-formed frame with far more JSON values than any valid message ───────────────
-def _embedding(count: int, envelope: bool) -> bytes:
-    body = (
-        b'{"Embeddings":{"batch_id":1,"embedding":['
-        + b"0," * (count - 1)
-        + b'0],"sequence_length":1,"session_id":null}}'
-    )
-    return b'{"payload":' + body + b',"wire_version":1}' if envelope else body
-
-
-def _many_members(count: int, envelope: bool) -> bytes:
-    members = b",".join(b'"k%07d":0' % i for i in range(count))
-    if envelope:
-        return b'{"wire_version":1,"payload":{"Loss":0.5,' + members + b"}}"
-    return b"{" + members + b"}"
-
-
-@pytest.mark.parametrize("envelope", [True, False], ids=["envelope", "bare"])
-@pytest.mark.parametrize(
-    "frame",
-    [lambda e: _embedding(2_000_000, e), lambda e: _many_members(600_000, e)],
-    ids=["floats", "members"],
-)
-def test_a_frame_of_millions_of_values_is_refused_without_building_them(
-    frame: object, envelope: bool
-) -> None:
-    # Each ``0,`` used to become a 32-byte Python float (and each ``"k":0,`` a key and a Raw)
-    # before validation counted them: 16x the frame and more (305 MB for 15 MiB of floats).
-    data = frame(envelope)  # type: ignore[operator]
-    for document in (data, data.decode()):
-        error, peak = _peak_of(decode, document)
-        assert isinstance(error, MalformedMessage), error
-        assert "JSON values" in str(error)
-        assert peak < len(data) // 2
-
-
-def test_the_version_is_still_checked_before_a_big_payload() -> None:
-    data = b'{"wire_version":2,"payload":{"Loss":0.5,' + b'"k":0,' * 600_000 + b'"z":0}}'
-    with pytest.raises(WireVersionError):
-        decode(data)
-    with pytest.raises(MalformedMessage, match="missing payload"):
-        decode(b'{"wire_version":1,"x":[' + b"0," * 600_000 + b"0]}")
-
-
-def test_commas_inside_strings_do_not_count_against_a_valid_message() -> None:
-    # 600 rows whose layer ids are 1,000 commas each: 600,000 commas, all inside strings.
-    rows = ",".join(
-        '{"gradients":[0.5],"layer_id":"' + "," * 1000 + f'{i:04d}"}}' for i in range(600)
-    )
-    data = '{"payload":{"GradientUpdate":{"batch_id":1,"gradients":[' + rows
-    data += '],"session_id":"s"}},"wire_version":1}'
-    for document in (data, data.encode()):
-        message = decode(document)
-        assert isinstance(message, GradientBatch)
-        assert len(message.gradients) == 600
 
 
 # ── delta: a fragment of many empty layers ───────────────────────────────────────────────────
@@ -126,7 +52,7 @@ def _empty_layers_frame(count: int) -> bytes:
 def test_a_fragment_of_many_empty_layers_is_refused_before_decoding_them() -> None:
     # 8 MiB of 24-byte empty layers used to become 349,520 layer objects: 140 MB, 2-3 s.
     body = _empty_layers_frame((MAX_DWE_FRAGMENT_BYTES - 120) // 24)
-    error, peak = _peak_of(decode_fragment_signed, body)
+    error, peak = peak_of(decode_fragment_signed, body)
     assert isinstance(error, MalformedFragment), error
     assert "more than the 4096 allowed" in str(error)
     assert peak < 1 << 20
@@ -251,14 +177,12 @@ def test_the_tracker_keeps_a_digest_of_long_session_ids() -> None:
     # used to keep its 8 MiB alive (512 GiB at the cap), long after the frame was gone.
     tracker = SequenceTracker(max_sessions=4)
     long_id = "s" * (1 << 20)
-    tracemalloc.start()
-    try:
+    with traced() as memory:
         for i in range(4):
             tracker.commit(long_id + str(i), 5)
-        held, _ = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert held < 1 << 16  # the digests, not the 4 MiB of ids built in the loop and dropped
+    assert (
+        memory.current < 1 << 16
+    )  # the digests, not the 4 MiB of ids built in the loop and dropped
     assert tracker.last(long_id + "0") == 5
     assert tracker.last(long_id + "9") is None
     with pytest.raises(SequenceRejected):
@@ -279,7 +203,7 @@ def test_a_layer_with_more_dims_than_any_state_is_refused_before_decoding_them()
         head = text(b"axiom.dwe.v1") + text(b"s") + struct.pack("<QQQQ", 1, 1, 0, ndim)
         return head + struct.pack("<Q", 1) * ndim + struct.pack("<Q", 0) + text(b"0" * 64)
 
-    error, peak = _peak_of(decode_fragment_signed, frame(1_000_000))
+    error, peak = peak_of(decode_fragment_signed, frame(1_000_000))
     assert isinstance(error, MalformedFragment), error
     assert "more than the 65 allowed" in str(error)
     assert peak < 1 << 20

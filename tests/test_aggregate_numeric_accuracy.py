@@ -1,4 +1,4 @@
-"""tensorswap.aggregate under review: edge inputs, typed errors, numeric limits, stream parity."""
+"""Aggregators' numeric limits: no float32 overflow, float64 norms, exact trims, stream parity."""
 
 from __future__ import annotations
 
@@ -9,13 +9,9 @@ from tensorswap.aggregate import (
     AggregateResult,
     AggregatorKind,
     AggregatorSpec,
-    ContributionMatrix,
     InvalidAggregatorOption,
-    InvalidContribution,
-    Layout,
     StreamingAccumulator,
     TooFewContributions,
-    aggregate,
     clip_contributions,
     fedavg,
     krum,
@@ -25,62 +21,6 @@ from tensorswap.aggregate import (
     multi_krum,
     trimmed_mean,
 )
-from tensorswap.errors import AggregationError
-
-
-def _ones(n: int = 2) -> np.ndarray:
-    return np.ones(n, dtype=np.float32)
-
-
-# ── bad options and specs raise typed errors, not raw TypeError / ValueError / AttributeError ──
-
-
-@pytest.mark.parametrize("spec", ["fedavg", AggregatorKind.FEDAVG, 3])
-def test_aggregate_rejects_a_spec_that_is_not_an_aggregator_spec(spec: object) -> None:
-    with pytest.raises(InvalidAggregatorOption, match="spec"):
-        aggregate([(_ones(), 1)], spec)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("layout", [2.5, None, object()])
-def test_matrix_layout_that_is_not_a_shape_is_an_aggregator_option_error(layout: object) -> None:
-    with pytest.raises(InvalidAggregatorOption):
-        ContributionMatrix(2, layout)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("dtype", ["foo", object(), "f4,,", "M8[bogus]"])
-def test_dtype_that_is_not_a_dtype_is_an_aggregator_option_error(dtype: object) -> None:
-    with pytest.raises(InvalidAggregatorOption):
-        ContributionMatrix(2, 3, dtype=dtype)
-    with pytest.raises(InvalidAggregatorOption):
-        AggregatorSpec(dtype=dtype)
-
-
-def test_layout_index_of_an_unknown_name_is_a_key_error() -> None:
-    m = ContributionMatrix(2, {"w": (2,)})
-    with pytest.raises(KeyError):
-        m.tensor(0, "nope")
-    with pytest.raises(KeyError):
-        Layout.named({"w": (2,)}).index("nope")
-
-
-def test_torch_tensor_without_data_is_an_invalid_contribution() -> None:
-    torch = pytest.importorskip("torch")
-    with pytest.raises(InvalidContribution):
-        aggregate([(torch.zeros(2, device="meta"), 1)])
-
-
-def test_torch_negative_view_is_read_as_the_numbers_it_shows() -> None:
-    torch = pytest.importorskip("torch")
-    result = aggregate([(torch.ones(2)._neg_view(), 1), (torch.ones(2), 3)])
-    np.testing.assert_array_equal(result.values, np.full(2, 0.5, np.float32))
-
-
-def test_sparse_torch_tensor_is_an_invalid_contribution_not_a_dtype_error() -> None:
-    torch = pytest.importorskip("torch")
-    with pytest.raises(InvalidContribution, match="not readable") as info:
-        aggregate([(torch.ones(2).to_sparse(), 1)])
-    assert isinstance(info.value, AggregationError)
-
 
 # ── trimmed mean: a sum of finite values near float32's maximum must not overflow ──
 
@@ -190,24 +130,3 @@ def test_streaming_matches_batch_fedavg_on_extreme_counts(counts: list[int]) -> 
     batch, streamed = fedavg(items), _streamed(items)
     np.testing.assert_allclose(streamed.values, batch.values, rtol=1e-6, atol=1e-7)
     assert (streamed.used, streamed.total_samples) == (batch.used, batch.total_samples)
-
-
-def test_streaming_add_that_raises_leaves_the_accumulator_unchanged() -> None:
-    acc = StreamingAccumulator(max_norm=10.0)
-    acc.add({"w": np.ones(3, np.float32)}, 2)
-    before = (acc.result().values["w"].copy(), acc.count, acc.total_samples)  # type: ignore[index]
-    bad = [
-        ({"w": np.ones(4, np.float32)}, 1),
-        ({"v": np.ones(3, np.float32)}, 1),
-        ({"w": np.ones(3, np.float64)}, 1),
-        ({"w": np.ones(3, np.int32)}, 1),
-        ({"w": np.array([1.0, np.nan, 1.0], np.float32)}, 1),
-        ({"w": np.ones(3, np.float32)}, -1),
-        ([1.0, 2.0, 3.0], 1),
-    ]
-    for values, n in bad:
-        with pytest.raises(AggregationError):
-            acc.add(values, n)
-    after = acc.result()
-    np.testing.assert_array_equal(after.values["w"], before[0])  # type: ignore[index]
-    assert (acc.count, acc.total_samples) == before[1:]

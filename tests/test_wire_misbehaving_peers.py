@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from helpers.net import read_error
 from tensorswap.cid import Cid
 from tensorswap.codec import TensorBlock
 from tensorswap.errors import TensorSwapError
@@ -29,7 +30,6 @@ from tensorswap.wire.errors import (
 from tensorswap.wire.frames import FrameHeader, FrameKind, crc32c
 from tensorswap.wire.messages import (
     MAX_CIDS_PER_MESSAGE,
-    Error,
     Get,
     Got,
     Offer,
@@ -52,14 +52,6 @@ def nested_hello(depth: int = 100_000) -> bytes:
 
 def raw_frame(kind: FrameKind, payload: bytes, stream_id: int = 0) -> bytes:
     return FrameHeader(kind, len(payload), crc32c(payload), stream_id).pack() + payload
-
-
-async def read_error(conn: FrameConnection) -> Error:
-    """The next frame, which must be an ERROR (timeouts.read bounds the wait)."""
-    frame = await conn.receive_frame()
-    message = conn.expect(frame, Error)
-    assert isinstance(message, Error)
-    return message
 
 
 # ── deeply nested msgpack ────────────────────────────────────────────────────
