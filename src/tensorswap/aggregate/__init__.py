@@ -1,4 +1,5 @@
-"""Aggregation: FedAvg, the mean, robust aggregators, norm clipping and streaming accumulation."""
+"""Aggregation: FedAvg, the mean, robust aggregators, norm clipping, streaming accumulation and
+server optimizers."""
 
 from __future__ import annotations
 
@@ -15,6 +16,22 @@ from tensorswap.aggregate.registry import (
     trimmed_mean,
 )
 from tensorswap.aggregate.robust import TooFewContributions
+from tensorswap.aggregate.server_opt import (
+    SERVER_OPTIMIZERS,
+    FedAdagradHyper,
+    FedAdamHyper,
+    FedAvgHyper,
+    FedAvgMHyper,
+    FedYogiHyper,
+    InvalidServerOptimizer,
+    InvalidServerRound,
+    InvalidServerStepInput,
+    NesterovHyper,
+    ServerOptimizer,
+    ServerOptimizerKind,
+    ServerOptimizerStateMismatch,
+    server_optimizer,
+)
 from tensorswap.aggregate.streaming import StreamingAccumulator
 from tensorswap.aggregate.types import (
     AggregateResult,
@@ -34,20 +51,33 @@ from tensorswap.aggregate.validate import (
 
 __all__ = [
     "REGISTRY",
+    "SERVER_OPTIMIZERS",
     "AggregateOverflow",
     "AggregateResult",
     "AggregatorKind",
     "AggregatorSpec",
     "Contribution",
     "ContributionMatrix",
+    "FedAdagradHyper",
+    "FedAdamHyper",
+    "FedAvgHyper",
+    "FedAvgMHyper",
+    "FedYogiHyper",
     "InvalidAggregatorOption",
     "InvalidContribution",
     "InvalidNumSamples",
     "InvalidRow",
+    "InvalidServerOptimizer",
+    "InvalidServerRound",
+    "InvalidServerStepInput",
     "KeysMismatch",
     "Layout",
+    "NesterovHyper",
     "NonFinitePolicy",
     "RowAlreadyFilled",
+    "ServerOptimizer",
+    "ServerOptimizerKind",
+    "ServerOptimizerStateMismatch",
     "StreamingAccumulator",
     "TooFewContributions",
     "UnsupportedAggregateDtype",
@@ -59,5 +89,6 @@ __all__ = [
     "mean",
     "median",
     "multi_krum",
+    "server_optimizer",
     "trimmed_mean",
 ]
