@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,10 @@ def test_serve_passes_the_budget_to_the_round_server(
 ) -> None:
     seen: dict[str, Any] = {}
 
-    async def fake_run(*args: Any) -> None:
-        seen["max_inflight_bytes"] = args[-1]
+    signature = inspect.signature(serve_cmd._run)
+
+    async def fake_run(*args: Any, **kwargs: Any) -> None:
+        seen.update(signature.bind(*args, **kwargs).arguments)
 
     monkeypatch.setattr(serve_cmd, "_run", fake_run)
     monkeypatch.setattr(serve_cmd, "release_large_frees", lambda: True)

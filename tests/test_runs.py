@@ -142,6 +142,13 @@ def test_a_sync_run_samples_peers_and_steps_the_global_model(tmp_path: Path) -> 
         assert manager.create_run("mnist", spec, initial).name == "mnist"  # idempotent
         with pytest.raises(RunExists):
             manager.create_run("mnist", RunSpec(per_round=2), initial)
+        for bad in (
+            RunSpec(optimizer="sgd"),
+            RunSpec(strategy="vote"),
+            RunSpec(optimizer_params={"eta": -1}),
+        ):
+            with pytest.raises(InvalidRunSpec):
+                manager.create_run("other", bad, initial)
         for version in (1, 2, 3):
             manager.drain()
             info = manager.run("mnist")

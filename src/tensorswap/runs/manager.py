@@ -18,7 +18,7 @@ from tensorswap.runs.journal import RunDatabase
 from tensorswap.runs.model import MAX_RUN_NAME, RunInfo, RunMode, RunSpec, VersionRecord
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER, ClientRegistry
 from tensorswap.runs.sampling import sample_peers
-from tensorswap.runs.step import apply_step, check_staleness
+from tensorswap.runs.step import apply_step, check_policies, check_staleness
 
 __all__ = ["RunManager", "Task"]
 
@@ -114,6 +114,7 @@ class RunManager:
         RunExists for the same name with another spec or model.
         """
         _check_name(name)
+        check_policies(spec)
         cid = initial if isinstance(initial, Cid) else Cid.parse(initial)
         facts = inspect_update(self.store, cid, name, "run", verify=True)
         with self._lock:

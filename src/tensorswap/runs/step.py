@@ -4,17 +4,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from tensorswap.aggregate import server_optimizer
 from tensorswap.cid import Cid
-from tensorswap.rounds.state import Contribution
-from tensorswap.runs.errors import StaleContribution
-from tensorswap.runs.model import RunInfo, RunMode, VersionRecord
+from tensorswap.errors import AggregationError, RoundsError
+from tensorswap.rounds.state import Contribution, RoundSpec
+from tensorswap.rounds.updates import aggregator_spec
+from tensorswap.runs.errors import InvalidRunSpec, StaleContribution
+from tensorswap.runs.model import RunInfo, RunMode, RunSpec, VersionRecord
 from tensorswap.store import BlockStore, ModelUpdate, get_update, put_update
 
-__all__ = ["apply_step", "check_staleness"]
+__all__ = ["apply_step", "check_policies", "check_staleness"]
+
+
+def check_policies(spec: RunSpec) -> None:
+    """InvalidRunSpec unless the spec's strategy and server optimizer (with their options)
+    exist: checked when a run is created, not at its first step."""
+    try:
+        aggregator_spec(RoundSpec(1, strategy=spec.strategy, params=spec.params))
+        hyper: dict[str, Any] = dict(spec.optimizer_params)
+        server_optimizer(spec.optimizer, **hyper)
+    except (AggregationError, RoundsError) as exc:
+        raise InvalidRunSpec(f"run spec: {exc}") from exc
 
 
 def check_staleness(info: RunInfo, peer: str, trained_on: int | None) -> float:
@@ -53,7 +67,8 @@ def apply_step(
         aggregate = {
             k: current[k] + np.asarray(v, dtype=current[k].dtype) for k, v in aggregate.items()
         }
-    optimizer = server_optimizer(spec.optimizer, **dict(spec.optimizer_params))
+    hyper: dict[str, Any] = dict(spec.optimizer_params)
+    optimizer = server_optimizer(spec.optimizer, **hyper)
     if info.state_cid is not None:
         optimizer.load_state(_load(store, info.state_cid))
     stepped = optimizer.step(current, aggregate, version)
