@@ -15,6 +15,7 @@ import pytest
 from hypothesis import settings
 
 from helpers.net import CertFiles, IpcEndpoints, Pair, make_cert, tcp_pair
+from helpers.serve import Server
 from helpers.store import STORE_KINDS, make_store
 from tensorswap.store import BlockStore
 
@@ -54,3 +55,12 @@ def ipc_endpoint() -> Iterator[IpcEndpoints]:
     """ipc:// endpoints in a short private directory, removed after the test."""
     with tempfile.TemporaryDirectory(prefix="tsflow-") as directory:
         yield IpcEndpoints(directory)
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Server]]:
+    """`tensorswap serve` processes a test starts (append them); all killed afterwards."""
+    started: list[Server] = []
+    yield started
+    for server in started:
+        server.kill()

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import select
-import signal
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from helpers.serve import SECRET, Server
 from tensorswap.cid import Cid
 from tensorswap.cli.status_cmd import status as status_command
 from tensorswap.rounds.client import RoundClient
@@ -24,73 +20,6 @@ from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
 from tensorswap.store import get_update
 
 RID = RoundId(1, "lead")
-SECRET = "restart-test-secret"
-
-
-class Server:
-    """A `tensorswap serve` child process on a free loopback port."""
-
-    def __init__(self, data: Path, *extra: str) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tensorswap.cli.serve_cmd",
-                "--listen",
-                "127.0.0.1:0",
-                "--data",
-                str(data),
-                "--key",
-                SECRET,
-                "--log-level",
-                "warning",
-                *extra,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.port = self._wait_listening(timeout=60.0)
-
-    def _wait_listening(self, timeout: float) -> int:
-        assert self.proc.stderr is not None
-        seen = []
-        while True:
-            ready, _, _ = select.select([self.proc.stderr], [], [], timeout)
-            if not ready:
-                self.kill()
-                raise AssertionError(f"server did not start: {seen}")
-            line = self.proc.stderr.readline()
-            if not line:
-                self.kill()
-                raise AssertionError(f"server exited: {seen}")
-            seen.append(line)
-            if line.startswith("listening on "):
-                return int(line.rsplit(":", 1)[1])
-
-    def kill(self) -> None:
-        """SIGKILL, then reap."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
-
-    def stop(self) -> int:
-        """SIGTERM, reap, the exit code."""
-        self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=30)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
-        return code
-
-
-@pytest.fixture
-def servers() -> Iterator[list[Server]]:
-    started: list[Server] = []
-    yield started
-    for server in started:
-        server.kill()
 
 
 def update(value: float) -> dict[str, np.ndarray]:

@@ -24,6 +24,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "delta": ("tensorswap.cli.delta_cmd", "delta", "Weight-delta fragments over TCP (axiom DWE)."),
     "send": ("tensorswap.cli.send_cmd", "send", "Send a tensor file to a receiver."),
     "recv": ("tensorswap.cli.recv_cmd", "recv", "Receive tensors into a directory store."),
+    "run": ("tensorswap.cli.run_cmd", "run", "Create and show federated runs on a coordinator."),
     "serve": ("tensorswap.cli.serve_cmd", "serve", "Run the round coordinator and block service."),
     "status": ("tensorswap.cli.status_cmd", "status", "Show a coordinator's rounds and counters."),
 }

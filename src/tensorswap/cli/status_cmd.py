@@ -13,10 +13,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from tensorswap.cli._util import SECONDS, client_tls, parse_host_port
+from tensorswap.cli.run_cmd import render_runs, run_json
 from tensorswap.cli.serve_cmd import resolve_key
 from tensorswap.rounds.client import RoundClient, ServerStatus
 from tensorswap.rounds.protocol import RoundRow
 from tensorswap.rounds.state import Aggregating, Complete, Failed
+from tensorswap.runs.client import RunClient
+from tensorswap.runs.messages import RunRow
+from tensorswap.wire import ProtocolViolation
 from tensorswap.wire.connection import Timeouts
 
 __all__ = ["render", "status", "to_json"]
@@ -26,13 +30,18 @@ _PEERS_SHOWN = 6
 
 async def _fetch(
     host: str, port: int, key: bytes | None, ssl: ssl_module.SSLContext | None, timeout: float
-) -> ServerStatus:
+) -> tuple[ServerStatus, list[RunRow]]:
     timeouts = Timeouts(connect=timeout, handshake=timeout, read=timeout)
     client = await RoundClient.connect(
         host, port, peer="tensorswap-status", key=key, ssl=ssl, timeouts=timeouts
     )
     async with client:
-        return await client.server_status()
+        report = await client.server_status()
+        try:
+            runs = await RunClient(client).runs()
+        except ProtocolViolation:  # a coordinator that runs no federations
+            runs = []
+        return report, runs
 
 
 def to_json(report: ServerStatus) -> dict[str, object]:
@@ -145,15 +154,21 @@ def status(
     tls_ca: str | None,
     timeout: float,
 ) -> None:
-    """Show the rounds of the coordinator at HOST:PORT: status, peers, contributions, bytes."""
+    """Show the coordinator at HOST:PORT: its runs (version, global model, optimizer,
+    participants), its rounds (status, peers, contributions, bytes) and counters."""
     host, port = parse_host_port(address)
     secret = resolve_key(key, key_file)
     ssl = client_tls(tls_ca) if tls or tls_ca else None
-    report = asyncio.run(_fetch(host, port, secret, ssl, timeout))
+    report, runs = asyncio.run(_fetch(host, port, secret, ssl, timeout))
     if as_json:
-        click.echo(json.dumps(to_json(report), indent=2, sort_keys=True))
+        data = to_json(report)
+        data["runs"] = [run_json(row) for row in runs]
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
     else:
-        render(report, Console())
+        console = Console()
+        if runs:
+            render_runs(runs, console)
+        render(report, console)
 
 
 if __name__ == "__main__":  # `python -m tensorswap.cli.status_cmd` before the group lists it

@@ -1,0 +1,309 @@
+"""`tensorswap run`: create a federated run on a coordinator, and show its versions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl as ssl_module
+from collections.abc import Sequence
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from tensorswap.cli._util import SECONDS, client_tls, parse_host_port
+from tensorswap.cli.send_cmd import load_tensors
+from tensorswap.cli.serve_cmd import resolve_key
+from tensorswap.codec import TensorBlock
+from tensorswap.runs.client import RunClient
+from tensorswap.runs.messages import RunRow
+from tensorswap.runs.model import RunMode, RunSpec, Staleness
+from tensorswap.store import ModelUpdate
+from tensorswap.wire.connection import Timeouts
+
+__all__ = ["render_runs", "run", "run_json"]
+
+
+def _connection(
+    address: str, key: str | None, key_file: str | None, tls_ca: str | None, timeout: float
+) -> tuple[str, int, dict[str, object]]:
+    host, port = parse_host_port(address)
+    ssl: ssl_module.SSLContext | None = client_tls(tls_ca) if tls_ca else None
+    timeouts = Timeouts(connect=timeout, handshake=timeout, read=timeout)
+    kwargs: dict[str, object] = {
+        "key": resolve_key(key, key_file),
+        "ssl": ssl,
+        "timeouts": timeouts,
+    }
+    return host, port, kwargs
+
+
+def _options(params: Sequence[str]) -> dict[str, float | int | str]:
+    """``k=v`` pairs; numbers become numbers."""
+    out: dict[str, float | int | str] = {}
+    for item in params:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise click.BadParameter(f"expected NAME=VALUE, got {item!r}")
+        for kind in (int, float):
+            try:
+                out[name] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[name] = value
+    return out
+
+
+def _numbers(params: Sequence[str]) -> dict[str, float]:
+    """``k=v`` pairs whose values must be numbers (server optimizer hyper-parameters)."""
+    out = {}
+    for name, value in _options(params).items():
+        if isinstance(value, str):
+            raise click.BadParameter(f"{name}={value!r}: a number is expected", param_hint="--opt")
+        out[name] = float(value)
+    return out
+
+
+def run_json(row: RunRow) -> dict[str, object]:
+    return {
+        "name": row.name,
+        "mode": row.mode,
+        "version": row.version,
+        "global_cid": row.global_cid,
+        "state_cid": row.state_cid,
+        "round": row.round,
+        "selected": row.selected,
+        "finished": row.finished,
+        "optimizer": row.optimizer,
+        "strategy": row.strategy,
+        "participants": row.participants,
+    }
+
+
+def render_runs(rows: Sequence[RunRow], console: Console) -> None:
+    """The runs table: version, global model, optimizer, the last version's participants."""
+    table = Table(title="runs", title_justify="left")
+    for column in ("run", "mode", "version", "round", "global model", "optimizer", "participants"):
+        table.add_column(column, justify="right" if column in ("version", "round") else "left")
+    for row in rows:
+        shown = ", ".join(row.participants[:6]) + (" …" if len(row.participants) > 6 else "")
+        table.add_row(
+            row.name + (" (finished)" if row.finished else ""),
+            row.mode,
+            str(row.version),
+            str(row.round),
+            f"…{row.global_cid[-12:]}",
+            row.optimizer,
+            shown or "-",
+        )
+    console.print(table)
+
+
+_address = click.argument("address", metavar="HOST:PORT")
+_common = [
+    click.option("--key", help="Shared secret (HMAC-SHA256), if the coordinator requires one."),
+    click.option(
+        "--key-file",
+        type=click.Path(exists=True, dir_okay=False),
+        help="Read the shared secret from a file (default: $TENSORSWAP_KEY, if set).",
+    ),
+    click.option(
+        "--tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA to trust (TLS)."
+    ),
+    click.option(
+        "--timeout", type=SECONDS, default=30.0, show_default=True, help="Seconds to wait."
+    ),
+]
+
+
+def _with_common(f):  # type: ignore[no-untyped-def]
+    for option in reversed(_common):
+        f = option(f)
+    return f
+
+
+@click.group("run")
+def run() -> None:
+    """Federated runs on a coordinator: a global model that evolves round after round."""
+
+
+@run.command("create")
+@_address
+@click.argument("name")
+@click.option(
+    "--initial",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The initial global model: .npz, safetensors, .npy or a tensorswap block.",
+)
+@click.option(
+    "--mode", type=click.Choice([m.value for m in RunMode]), default="sync", show_default=True
+)
+@click.option("--per-round", type=click.IntRange(min=1), help="Peers sampled per round (K).")
+@click.option(
+    "--fraction",
+    type=click.FloatRange(0, 1, min_open=True),
+    help="Or this fraction of the active peers.",
+)
+@click.option(
+    "--min-clients",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="A round starts once this many peers are active (and samples at least this many).",
+)
+@click.option(
+    "--quorum",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Fraction of the sampled peers a round needs at its deadline.",
+)
+@click.option(
+    "--round-timeout", type=SECONDS, help="Each round's deadline in seconds (default: none)."
+)
+@click.option("--rounds", type=click.IntRange(min=1), help="Stop after this many versions.")
+@click.option(
+    "--strategy",
+    default="fedavg",
+    show_default=True,
+    help="How a round aggregates: fedavg, mean, median, trimmed_mean, krum, multi_krum.",
+)
+@click.option(
+    "--param",
+    "params",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="A strategy option (repeatable), e.g. trim_fraction=0.2.",
+)
+@click.option(
+    "--optimizer",
+    default="fedavg",
+    show_default=True,
+    help="The server optimizer: fedavg, fedavgm, fedadam, fedyogi, fedadagrad, nesterov.",
+)
+@click.option(
+    "--opt",
+    "opts",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="A server optimizer hyper-parameter (repeatable), e.g. eta=0.01.",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seeds the sampling of peers (with the round number).",
+)
+@click.option(
+    "--buffer",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Async: contributions per new version.",
+)
+@click.option(
+    "--max-staleness",
+    type=click.IntRange(min=0),
+    default=8,
+    show_default=True,
+    help="Async: versions a contribution may lag behind.",
+)
+@click.option(
+    "--staleness",
+    type=click.Choice([s.value for s in Staleness]),
+    default="sqrt",
+    show_default=True,
+    help="Async: how a stale delta is scaled.",
+)
+@_with_common
+def create(
+    address: str,
+    name: str,
+    initial: str,
+    mode: str,
+    per_round: int | None,
+    fraction: float | None,
+    min_clients: int,
+    quorum: float,
+    round_timeout: float | None,
+    rounds: int | None,
+    strategy: str,
+    params: tuple[str, ...],
+    optimizer: str,
+    opts: tuple[str, ...],
+    seed: int,
+    buffer: int,
+    max_staleness: int,
+    staleness: str,
+    key: str | None,
+    key_file: str | None,
+    tls_ca: str | None,
+    timeout: float,
+) -> None:
+    """Create run NAME on the coordinator at HOST:PORT from the model in --initial.
+
+    Registered peers then ask for tasks (RunClient.next_task), train from the global model and
+    submit; the coordinator aggregates each round, applies the server optimizer and starts the
+    next. Creating the same run again with the same spec and model is a no-op.
+    """
+    spec = RunSpec(
+        mode=RunMode(mode),
+        per_round=per_round,
+        fraction=fraction,
+        min_clients=min_clients,
+        quorum=quorum,
+        round_timeout_s=round_timeout,
+        strategy=strategy,
+        params=_options(params),
+        optimizer=optimizer,
+        optimizer_params=_numbers(opts),
+        seed=seed,
+        rounds=rounds,
+        buffer=buffer,
+        max_staleness=max_staleness,
+        staleness=Staleness(staleness),
+    )
+    loaded = load_tensors(initial)
+    update = (
+        ModelUpdate({loaded.name: loaded.values}) if isinstance(loaded, TensorBlock) else loaded
+    )
+    host, port, kwargs = _connection(address, key, key_file, tls_ca, timeout)
+
+    async def go() -> RunRow:
+        async with await RunClient.connect(host, port, peer="tensorswap-cli", **kwargs) as client:
+            return await client.create_run(name, spec, update)
+
+    row = asyncio.run(go())
+    click.echo(f"run {row.name}: version {row.version}, global model {row.global_cid}")
+
+
+@run.command("show")
+@_address
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@_with_common
+def show(
+    address: str,
+    name: str | None,
+    as_json: bool,
+    key: str | None,
+    key_file: str | None,
+    tls_ca: str | None,
+    timeout: float,
+) -> None:
+    """Show the runs on the coordinator at HOST:PORT (or run NAME)."""
+    host, port, kwargs = _connection(address, key, key_file, tls_ca, timeout)
+
+    async def go() -> list[RunRow]:
+        async with await RunClient.connect(host, port, peer="tensorswap-cli", **kwargs) as client:
+            return [await client.run(name)] if name else await client.runs()
+
+    rows = asyncio.run(go())
+    if as_json:
+        click.echo(json.dumps([run_json(r) for r in rows], indent=2, sort_keys=True))
+    else:
+        render_runs(rows, Console())

@@ -1,0 +1,70 @@
+"""`tensorswap serve` as a child process on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+SECRET = "restart-test-secret"
+"""The key every test server is started with."""
+
+
+class Server:
+    """A `tensorswap serve` child process on a free loopback port."""
+
+    def __init__(self, data: Path, *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tensorswap.cli.serve_cmd",
+                "--listen",
+                "127.0.0.1:0",
+                "--data",
+                str(data),
+                "--key",
+                SECRET,
+                "--log-level",
+                "warning",
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.port = self._wait_listening(timeout=60.0)
+
+    def _wait_listening(self, timeout: float) -> int:
+        assert self.proc.stderr is not None
+        seen = []
+        while True:
+            ready, _, _ = select.select([self.proc.stderr], [], [], timeout)
+            if not ready:
+                self.kill()
+                raise AssertionError(f"server did not start: {seen}")
+            line = self.proc.stderr.readline()
+            if not line:
+                self.kill()
+                raise AssertionError(f"server exited: {seen}")
+            seen.append(line)
+            if line.startswith("listening on "):
+                return int(line.rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        """SIGKILL, then reap."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+    def stop(self) -> int:
+        """SIGTERM, reap, the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=30)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        return code
