@@ -24,11 +24,11 @@ to every other peer (split into several parts when it exceeds ``--max-fragment-b
 collects every part of the others' deltas for the round (until the deadline), and aggregates
 the whole deltas itself, weighting by each peer's sample count (known to every peer, as the
 shards are a deterministic split).
-
-This module is the process: its options and its command loop. What the peer holds and how it
-trains are in `demo.local`, one round of either topology in `demo.peer_rounds`, the p2p
-reassembly of the others' deltas in `demo.inbox`.
 """
+
+# This module is the process (its options, its command loop, and its --help: the docstring
+# above). What the peer holds and how it trains are in `demo.local`, one round of either
+# topology in `demo.peer_rounds`, the p2p reassembly of the others' deltas in `demo.inbox`.
 
 from __future__ import annotations
 
