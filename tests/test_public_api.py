@@ -87,3 +87,30 @@ def test_subpackages_are_not_shadowed_by_reexports() -> None:
         module = importlib.import_module(f"tensorswap.{name}")
         assert isinstance(getattr(tensorswap, name), types.ModuleType), name
         assert getattr(tensorswap, name) is module
+
+
+# Names that moved out of a module into a sibling: still importable from where they were.
+_MOVED = (
+    ("tensorswap.demo.driver", "tensorswap.demo.config", "DemoConfig"),
+    ("tensorswap.demo.driver", "tensorswap.demo.config", "DemoError"),
+    ("tensorswap.demo.driver", "tensorswap.demo.report", "DemoReport"),
+    ("tensorswap.demo.driver", "tensorswap.demo.report", "RoundReport"),
+    ("tensorswap.demo.driver", "tensorswap.demo.output", "plot_report"),
+    ("tensorswap.demo.driver", "tensorswap.demo.fleet", "Fleet"),
+    ("tensorswap.demo.driver", "tensorswap.demo.fleet", "Peer"),
+    ("tensorswap.demo.driver", "tensorswap.demo.fleet", "READY_TIMEOUT_S"),
+    ("tensorswap.demo.driver", "tensorswap.demo.fleet", "STOP_TIMEOUT_S"),
+    ("tensorswap.demo.peer", "tensorswap.demo.inbox", "DeltaInbox"),
+    ("tensorswap.demo.peer", "tensorswap.demo.inbox", "SEQ_STRIDE"),
+    ("tensorswap.demo.peer", "tensorswap.demo.local", "PeerState"),
+    ("tensorswap.demo.peer", "tensorswap.demo.local", "emit"),
+    ("tensorswap.demo.peer", "tensorswap.demo.local", "fail"),
+    ("tensorswap.demo.peer", "tensorswap.demo.peer_rounds", "star_round"),
+    ("tensorswap.demo.peer", "tensorswap.demo.peer_rounds", "p2p_round"),
+)
+
+
+@pytest.mark.parametrize(("old", "new", "name"), _MOVED)
+def test_a_moved_name_is_the_same_object_where_it_was(old: str, new: str, name: str) -> None:
+    moved = getattr(importlib.import_module(new), name)
+    assert getattr(importlib.import_module(old), name) is moved

@@ -26,323 +26,32 @@ the whole deltas itself, weighting by each peer's sample count (known to every p
 shards are a deterministic split).
 """
 
+# This module is the process (its options, its command loop, and its --help: the docstring
+# above). What the peer holds and how it trains are in `demo.local`, one round of either
+# topology in `demo.peer_rounds`, the p2p reassembly of the others' deltas in `demo.inbox`.
+
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import sys
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from math import prod
 from typing import Any
-
-import numpy as np
 
 from tensorswap._netaddr import HostPortError, split_host_port
 from tensorswap.delta.bincode import MAX_DWE_FRAGMENT_BYTES
+from tensorswap.demo.inbox import SEQ_STRIDE as SEQ_STRIDE
+from tensorswap.demo.inbox import DeltaInbox
+from tensorswap.demo.local import PeerState as PeerState
+from tensorswap.demo.local import build_state, emit, fail
+from tensorswap.demo.peer_rounds import p2p_round, star_round
 
 __all__ = ["COMPRESSIONS", "DeltaInbox", "main"]
 
 COMPRESSIONS = ("none", "f16", "int8", "topk")
-# p2p fragments of round r carry sequence r * SEQ_STRIDE (room for the parts of a split delta).
-SEQ_STRIDE = 1000
 #: Room for a part's header and a few values of a slice.
 MIN_FRAGMENT_BYTES = 1024
-
-
-def emit(event: str, **fields: Any) -> None:
-    """One JSON report line on stdout."""
-    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
-
-
-def fail(message: str, code: int = 2) -> int:
-    """Report a fatal error (stdout event + stderr line) and return the exit code."""
-    emit("error", message=message)
-    print(f"tensorswap demo peer: {message}", file=sys.stderr, flush=True)
-    return code
-
-
-def _copy(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {k: np.array(v, copy=True) for k, v in tensors.items()}
-
-
-@dataclass
-class PeerState:
-    """What one peer holds between rounds."""
-
-    args: argparse.Namespace
-    name: str
-    model: Any
-    shard: Any
-    test_x: np.ndarray
-    test_y: np.ndarray
-    samples_of: dict[str, int]
-    residual: dict[str, np.ndarray] | None = None
-    inbox: DeltaInbox | None = None  # p2p: the parts of the other peers' deltas
-
-    def weights(self) -> dict[str, np.ndarray]:
-        from tensorswap.torch import tensors_of
-
-        return _copy(tensors_of(self.model))
-
-    def load(self, tensors: Mapping[str, np.ndarray]) -> None:
-        from tensorswap.torch import load_tensors
-
-        load_tensors(self.model, tensors)
-
-    def accuracy(self) -> float:
-        from tensorswap.demo.task import evaluate
-
-        return evaluate(self.model, self.test_x, self.test_y)
-
-    def train(self, round_number: int) -> tuple[dict[str, np.ndarray], float]:
-        """Train from the current (global) weights; (weights before, mean loss)."""
-        from tensorswap.demo.task import train_local
-
-        base = self.weights()
-        seed = self.args.seed * 1_000_003 + round_number * 1009 + self.args.index
-        loss = train_local(self.model, self.shard, epochs=self.args.local_epochs, seed=seed)
-        return base, loss
-
-
-class DeltaInbox:
-    """The parts of other peers' deltas, by round and sender, until each delta is whole.
-
-    A delta above the size cap arrives as several parts (`split_fragment`) with consecutive
-    sequences from ``round * SEQ_STRIDE``, possibly in any order and ahead of their round. A
-    sender's delta is complete once its parts, from the first one on without a hole, carry as
-    many values as the model has; `take` then reassembles it (checking that the slices join)
-    and lays it out as name -> array like ``template``.
-    """
-
-    def __init__(self, template: Mapping[str, np.ndarray]) -> None:
-        self.template = {k: np.asarray(v) for k, v in template.items()}
-        self._values = sum(int(prod(v.shape)) for v in self.template.values())
-        self._parts: dict[int, dict[str, dict[int, Any]]] = {}  # round -> sender -> seq -> part
-        self._carried: dict[tuple[int, str], int] = {}
-
-    def add(self, fragment: Any) -> None:
-        """File one verified part under its round and sender (a repeated sequence is ignored)."""
-        number = int(fragment.sequence) // SEQ_STRIDE
-        parts = self._parts.setdefault(number, {}).setdefault(fragment.session_id, {})
-        if fragment.sequence in parts:
-            return
-        parts[fragment.sequence] = fragment
-        key = (number, fragment.session_id)
-        self._carried[key] = self._carried.get(key, 0) + int(fragment.value_count)
-
-    def complete(self, number: int, sender: str) -> bool:
-        """True once every part of ``sender``'s delta for round ``number`` has arrived."""
-        parts = self._parts.get(number, {}).get(sender)
-        if not parts or self._carried.get((number, sender), 0) < self._values:
-            return False
-        first = number * SEQ_STRIDE
-        return all(first + i in parts for i in range(len(parts)))
-
-    def take(self, number: int) -> dict[str, dict[str, np.ndarray]]:
-        """The complete deltas of round ``number`` by sender; forgets that round and older ones.
-
-        A sender whose parts are incomplete (the deadline passed) or do not reassemble into
-        one delta of the model's layers is left out, with a line on stderr.
-        """
-        from tensorswap.delta import apply_fragment, reassemble
-        from tensorswap.errors import DeltaError
-
-        deltas: dict[str, dict[str, np.ndarray]] = {}
-        for sender, parts in sorted(self._parts.get(number, {}).items()):
-            if not self.complete(number, sender):
-                _log(f"round {number}: {sender}'s delta is incomplete ({len(parts)} parts)")
-                continue
-            try:
-                whole = reassemble([parts[seq] for seq in sorted(parts)])
-                indices = sorted(layer.layer_index for layer in whole.layers)
-                if indices != list(range(len(self.template))):
-                    raise DeltaError(f"layers {indices} do not match the model's")
-                states = [np.zeros_like(v) for v in self.template.values()]
-                apply_fragment(states, whole)  # checks every layer's index and shape first
-            except DeltaError as exc:
-                _log(f"round {number}: {sender}'s delta is refused: {exc}")
-                continue
-            deltas[sender] = dict(zip(self.template, states, strict=True))
-        for old in [r for r in self._parts if r <= number]:
-            for sender in self._parts.pop(old):
-                self._carried.pop((old, sender), None)
-        return deltas
-
-
-def _log(message: str) -> None:
-    print(f"tensorswap demo peer: {message}", file=sys.stderr, flush=True)
-
-
-# ── star: through the coordinator ────────────────────────────────────────────
-def _closure_bytes(store: Any, cid: Any) -> int:
-    from tensorswap.store import manifest_closure
-
-    return sum(store.get(c).nbytes for c in manifest_closure(store, cid))
-
-
-async def star_round(state: PeerState, client: Any, cmd: Mapping[str, Any]) -> None:
-    from tensorswap.cid import Cid
-    from tensorswap.rounds import Complete, RoundAlreadyTerminal, RoundClosed, RoundId
-    from tensorswap.store import ModelUpdate, get_update, put_update
-
-    number = int(cmd["round"])
-    rid = RoundId(number, str(cmd["initiator"]))
-    wait_s = float(cmd.get("deadline_s") or 60.0) + 60.0
-    start = time.perf_counter()
-    base, loss = await asyncio.to_thread(state.train, number)
-    trained = state.weights()
-    emit("trained", peer=state.name, round=number, loss=loss)
-    n = state.shard.num_samples
-    compression = state.args.compression
-    dense_bytes = sum(v.nbytes for v in trained.values())
-    if compression == "none":
-        cid = await asyncio.to_thread(put_update, client.store, ModelUpdate(trained, n))
-    else:
-        delta = {k: trained[k] - base[k] for k in base}
-        if state.residual is not None:
-            delta = {k: delta[k] + state.residual[k] for k in delta}
-        update = ModelUpdate(delta, n)
-        cid = await asyncio.to_thread(put_update, client.store, update, encoding=compression)
-        sent = get_update(client.store, cid).tensors  # what the coordinator will decode
-        state.residual = {k: delta[k] - sent[k] for k in delta}
-    stored = _closure_bytes(client.store, cid)
-    late = ""
-    sent_bytes = saved = 0
-    try:
-        result = await client.submit(rid, cid)
-        sent_bytes = result.push.sent_bytes
-        saved = max(stored - sent_bytes, 0)
-    except (RoundAlreadyTerminal, RoundClosed) as exc:
-        late = str(exc)  # the round closed (deadline) before this peer's update came in
-    emit(
-        "submitted",
-        peer=state.name,
-        round=number,
-        sent_bytes=sent_bytes,
-        saved_bytes=saved,
-        dense_bytes=dense_bytes,
-        late=late,
-    )
-    status = await client.wait(rid, timeout=wait_s)
-    if not isinstance(status, Complete):
-        state.load(base)  # keep the model the round started from
-        emit(
-            "round",
-            peer=state.name,
-            round=number,
-            ok=False,
-            reason=getattr(status, "reason", status.name),
-            accuracy=state.accuracy(),
-            sent_bytes=sent_bytes,
-            saved_bytes=saved,
-            pulled_bytes=0,
-            pull_saved_bytes=0,
-            seconds=time.perf_counter() - start,
-        )
-        return
-    agg_cid = Cid.parse(status.cid)
-    pull = await client.blocks.pull(agg_cid, client.store)
-    aggregate = await asyncio.to_thread(get_update, client.store, agg_cid)
-    pulled_total = _closure_bytes(client.store, agg_cid)
-    if compression == "none":
-        state.load(aggregate.tensors)
-    else:
-        state.load({k: base[k] + aggregate.tensors[k] for k in base})
-    emit(
-        "round",
-        peer=state.name,
-        round=number,
-        ok=True,
-        aggregate=str(agg_cid),
-        contributors=int(aggregate.metadata.get("contributors", "0") or 0),
-        loss=loss,
-        accuracy=state.accuracy(),
-        sent_bytes=sent_bytes,
-        dense_bytes=dense_bytes,
-        saved_bytes=saved,
-        pulled_bytes=pull.fetched_bytes,
-        pull_saved_bytes=max(pulled_total - pull.fetched_bytes, 0),
-        late=late,
-        seconds=time.perf_counter() - start,
-    )
-
-
-# ── p2p: the delta bus ───────────────────────────────────────────────────────
-async def p2p_round(
-    state: PeerState, bus: Any, inbox: asyncio.Queue[Any], cmd: Mapping[str, Any]
-) -> None:
-    from tensorswap.aggregate import AggregatorKind, AggregatorSpec, aggregate
-    from tensorswap.delta import extract_delta_fragment, split_fragment
-
-    number = int(cmd["round"])
-    deadline_s = float(cmd.get("deadline_s") or 60.0)
-    expect = [str(p) for p in cmd.get("expect", []) if str(p) != state.name]
-    loop = asyncio.get_running_loop()
-    until = loop.time() + deadline_s
-    start = time.perf_counter()
-    base, loss = await asyncio.to_thread(state.train, number)
-    trained = state.weights()
-    emit("trained", peer=state.name, round=number, loss=loss)
-    own = {k: trained[k] - base[k] for k in base}
-    before = bus.telemetry().sent_bytes
-    fragment = extract_delta_fragment(state.name, number * SEQ_STRIDE, trained, base)
-    parts = split_fragment(fragment, max_bytes=state.args.max_fragment_bytes)
-    if len(parts) > SEQ_STRIDE:
-        raise ValueError(f"a delta in {len(parts)} parts does not fit a round's {SEQ_STRIDE}")
-    for part in parts:
-        await bus.put(part)
-    emit("submitted", peer=state.name, round=number, sent_bytes=0, saved_bytes=0, late="")
-
-    collected = state.inbox if state.inbox is not None else DeltaInbox(base)
-    state.inbox = collected
-    timed_out = False
-    while not all(collected.complete(number, p) for p in expect):
-        remaining = until - loop.time()
-        if remaining <= 0:
-            timed_out = True
-            break
-        try:
-            frag = await asyncio.wait_for(inbox.get(), remaining)
-        except TimeoutError:
-            timed_out = True
-            break
-        collected.add(frag)
-    deltas = collected.take(number)
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(bus.flush(), 5.0)
-    sent_bytes = bus.telemetry().sent_bytes - before
-
-    names = list(base)
-    members = {s: d for s, d in deltas.items() if s in state.samples_of and s != state.name}
-    members[state.name] = own
-    # One order on every peer (by name): every peer then computes the same average.
-    contributions = [(members[s], state.samples_of[s]) for s in sorted(members)]
-    spec = AggregatorSpec(AggregatorKind(state.args.aggregator))
-    result = aggregate(contributions, spec)
-    assert isinstance(result.values, dict)
-    state.load({k: base[k] + result.values[k] for k in names})
-    emit(
-        "round",
-        peer=state.name,
-        round=number,
-        ok=True,
-        contributors=len(contributions),
-        expected=len(expect) + 1,
-        timed_out=timed_out,
-        loss=loss,
-        accuracy=state.accuracy(),
-        sent_bytes=sent_bytes,
-        saved_bytes=0,
-        pulled_bytes=0,
-        pull_saved_bytes=0,
-        seconds=time.perf_counter() - start,
-    )
 
 
 # ── the command loop ─────────────────────────────────────────────────────────
@@ -365,30 +74,6 @@ async def _next(reader: asyncio.StreamReader) -> dict[str, Any] | None:
             return cmd
 
 
-def _build_state(args: argparse.Namespace) -> PeerState:
-    import torch
-
-    from tensorswap.demo.task import load_dataset, make_model
-
-    torch.set_num_threads(1)
-    data = load_dataset(args.peers, seed=args.seed)
-    samples_of = {f"peer-{i}": s.num_samples for i, s in enumerate(data.shards)}
-    model = make_model(args.seed)
-    if args.freeze_first_layer:
-        # Federated fine-tuning: the first layer keeps the shared initial weights.
-        for param in model[0].parameters():
-            param.requires_grad_(False)
-    return PeerState(
-        args=args,
-        name=f"peer-{args.index}",
-        model=model,
-        shard=data.shards[args.index],
-        test_x=data.test_x,
-        test_y=data.test_y,
-        samples_of=samples_of,
-    )
-
-
 async def run_star(args: argparse.Namespace) -> int:
     from tensorswap.errors import WireError
     from tensorswap.rounds.client import RoundClient
@@ -405,7 +90,7 @@ async def run_star(args: argparse.Namespace) -> int:
             "(is `tensorswap serve` listening there?)"
         )
     async with client:
-        state = await asyncio.to_thread(_build_state, args)
+        state = await asyncio.to_thread(build_state, args)
         emit(
             "ready",
             peer=state.name,
@@ -423,7 +108,7 @@ async def run_star(args: argparse.Namespace) -> int:
 async def run_p2p(args: argparse.Namespace) -> int:
     from tensorswap.delta import DweBus, DweConfig, DweListener
 
-    state = await asyncio.to_thread(_build_state, args)
+    state = await asyncio.to_thread(build_state, args)
     state.inbox = DeltaInbox(state.weights())
     config = DweConfig(max_fragment_bytes=args.max_fragment_bytes)
     inbox: asyncio.Queue[Any] = asyncio.Queue()

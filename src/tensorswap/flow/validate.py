@@ -5,30 +5,39 @@ returned as is when every float already is one), then checks the rules in corpus
 raises :class:`~tensorswap.flow.errors.ValidationError` at the first failure. Bounds are strict
 (``>`` fails) and empty collections are allowed. Python values the wire cannot carry (a ``str``
 channel, a negative id, ``True`` as a float) raise :class:`~tensorswap.flow.errors.FieldTypeError`.
+
+This module holds the rules of each message kind; the checks they share (field types, integer
+and float columns, limits, metadata) are in :mod:`tensorswap.flow.checks`.
 """
 
 from __future__ import annotations
 
-import math
-import re
-import struct
 from collections.abc import Callable
-from itertools import chain
 from typing import Any
 
 import numpy as np
 from msgspec.structs import replace
 
+from tensorswap.flow.checks import (
+    FieldChecks,
+    as_list,
+    check_count,
+    check_finite,
+    check_int,
+    check_int_columns,
+    check_items,
+    check_u64,
+    duplicate_identifier,
+    first_duplicate,
+    same_float,
+)
 from tensorswap.flow.errors import FieldTypeError, ValidationError, ValidationKind
-from tensorswap.flow.floats import f32
-from tensorswap.flow.limits import DEFAULT_LIMITS, Bytes, Count, Float, ProtocolLimits, Range
+from tensorswap.flow.limits import DEFAULT_LIMITS, Count, Float, ProtocolLimits, Range
 from tensorswap.flow.messages import (
     I64_MAX,
     I64_MIN,
     U16_MAX,
     U32_MAX,
-    U64_MAX,
-    BatchMetadata,
     ConfigPayload,
     EmbeddingBatch,
     GradientBatch,
@@ -47,11 +56,6 @@ from tensorswap.flow.messages import (
 )
 
 _K = ValidationKind
-_pack = struct.pack
-_unpack = struct.unpack
-_FLOATS = {float}
-_INTS = {int}
-_U64_LABEL = re.compile(r"\+?[0-9]+")
 _LEVELS = (
     ("dopamine", 0.0, 1.0),
     ("cortisol", 0.0, 1.0),
@@ -60,260 +64,30 @@ _LEVELS = (
 )
 
 
-_SPIKE_STRUCTS: dict[int, tuple[struct.Struct, struct.Struct]] = {}
+class _Checker(FieldChecks):
+    """One validation pass, a method per message; the shared pieces are `FieldChecks`'s."""
 
-
-def _spike_structs(n: int) -> tuple[struct.Struct, struct.Struct]:
-    """Structs for ``n`` spike events: all columns (u16, u32, f32), and the f32 column alone."""
-    structs = _SPIKE_STRUCTS.get(n)
-    if structs is None:
-        structs = (struct.Struct(f"<{n}H{n}I{n}f"), struct.Struct(f"<{n}f"))
-        if len(_SPIKE_STRUCTS) < 64:  # the batch sizes in use; others are built on demand
-            _SPIKE_STRUCTS[n] = structs
-    return structs
-
-
-# ── failures and stateless checks ─────────────────────────────────────────────────────────────
-def _limit(path: str, actual: int, limit: int) -> ValidationError:
-    return ValidationError(path, _K.LIMIT_EXCEEDED, Count(actual), Count(limit))
-
-
-def _duplicate(path: str, identifier: object) -> ValidationError:
-    # corpus-ipc reports a numeric identifier as ``actual``, any other one in the path.
-    label = str(identifier)
-    if _U64_LABEL.fullmatch(label) and int(label) <= U64_MAX:
-        return ValidationError(path, _K.DUPLICATE_IDENTIFIER, Count(int(label)))
-    if label not in path:
-        path = f"{path}:{label}"
-    return ValidationError(path, _K.DUPLICATE_IDENTIFIER)
-
-
-def _first_duplicate(ids: list[Any]) -> int | None:
-    if len(set(ids)) == len(ids):
-        return None
-    seen: set[Any] = set()
-    for i, identifier in enumerate(ids):
-        if identifier in seen:
-            return i
-        seen.add(identifier)
-    return None  # pragma: no cover - unequal lengths imply a repeat
-
-
-def _count(path: str, actual: int, limit: int) -> None:
-    if actual > limit:
-        raise _limit(path, actual, limit)
-
-
-def _int(path: str, value: object, low: int, high: int, name: str) -> None:
-    if type(value) is int and low <= value <= high:
-        return
-    # int subclasses (IntEnum) and numpy integers are written as plain ints; bools are not ints
-    if isinstance(value, int | np.integer) and not isinstance(value, bool) and low <= value <= high:
-        return
-    raise FieldTypeError(path, f"an integer in {low}..={high} ({name})", value)
-
-
-def _u64(path: str, value: object) -> None:
-    _int(path, value, 0, U64_MAX, "u64")
-
-
-# (values, item path, maximum, Rust type name, struct code) of one integer column
-_Column = tuple[list[Any], str, int, str, str]
-
-
-def _ints(*columns: _Column) -> None:
-    """Every item an ``int`` (not a bool) within its column's range; one struct pack checks
-    all ranges at once, the precise per-item check runs only when that fails."""
-    codes = "".join(f"{len(values)}{code}" for values, _, _, _, code in columns)
-    flat = list(chain.from_iterable(column[0] for column in columns))
-    try:
-        _pack("<" + codes, *flat)
-    except struct.error:
-        pass
-    else:
-        if not flat or set(map(type, flat)) == _INTS:
-            return
-    for values, item, high, name, _ in columns:
-        for i, value in enumerate(values):
-            _int(item.format(i), value, 0, high, name)
-
-
-def _list(path: str, value: object, what: str = "a list") -> list[Any]:
-    if not isinstance(value, list):
-        raise FieldTypeError(path, what, value)
-    return value
-
-
-def _items(values: list[Any], item: str, cls: type) -> None:
-    if values and set(map(type, values)) != {cls}:
-        for i, value in enumerate(values):
-            if not isinstance(value, cls):
-                raise FieldTypeError(item.format(i), f"a {cls.__name__}", value)
-
-
-def _float(path: str, value: object) -> float:
-    """A number (Python or numpy) as a float (not yet rounded); else a FieldTypeError."""
-    if isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except OverflowError:  # an int beyond the f64 range (copysign would convert it too)
-            return math.inf if value > 0 else -math.inf
-    raise FieldTypeError(path, "a float (f32)", value)
-
-
-def _finite(path: str, value: float) -> None:
-    if not math.isfinite(value):
-        raise ValidationError(path, _K.NON_FINITE, Float(value))
-
-
-def _same(a: float, b: object) -> bool:
-    return type(b) is float and (a == b or (a != a and b != b))
-
-
-class _Checker:
-    """One validation pass; ``peak`` bounds the magnitude of every float seen."""
-
-    __slots__ = ("limits", "peak", "track_peak", "trusted")
-
-    def __init__(self, limits: ProtocolLimits, trusted: bool, track_peak: bool = True) -> None:
-        self.limits = limits
-        self.trusted = trusted
-        self.track_peak = track_peak
-        self.peak = 0.0
-
-    # ── shared pieces ──────────────────────────────────────────────────────────────────────────
-    def add(self, total: int, n: int) -> int:
-        total += n
-        if total > self.limits.max_aggregate_records:
-            raise _limit("aggregate", total, self.limits.max_aggregate_records)
-        return total
-
-    def string(self, path: str, value: object) -> None:
-        if not isinstance(value, str):
-            raise FieldTypeError(path, "a str", value)
-        if value.isascii():
-            size = len(value)
-        else:
-            try:
-                size = len(value.encode("utf-8"))
-            except UnicodeEncodeError:
-                raise FieldTypeError(path, "valid Unicode (no lone surrogates)", value) from None
-        limit = self.limits.max_string_bytes
-        if size > limit:
-            raise ValidationError(path, _K.LIMIT_EXCEEDED, Bytes(size), Bytes(limit))
-
-    def opt_string(self, path: str, value: object) -> None:
-        if value is not None:
-            self.string(path, value)
-
-    def number(self, path: str, value: object) -> float:
-        """One float rounded to f32; not yet checked for finiteness."""
-        if type(value) is not float:
-            if self.trusted:
-                raise FieldTypeError(path, "a float (f32)", value)
-            value = _float(path, value)
-        rounded = f32(value)
-        magnitude = abs(rounded)
-        if magnitude > self.peak:
-            self.peak = magnitude
-        return rounded
-
-    def floats(self, values: list[Any], item: str) -> list[float]:
-        """Finite f32 floats: ``values`` itself when every item already is one, else a copy."""
-        if not values:
-            return values
-        if not self.trusted and set(map(type, values)) != _FLOATS:
-            values = [_float(item.format(i), v) for i, v in enumerate(values)]
-        fmt = f"<{len(values)}f"
-        try:
-            rounded: Any = _unpack(fmt, _pack(fmt, *values))
-        except OverflowError:  # a finite float beyond the f32 range becomes inf
-            rounded = [f32(v) for v in values]
-        else:
-            if self.trusted and rounded == tuple(values):
-                # Decoded JSON holds no inf or NaN, and nothing overflowed: all finite.
-                if self.track_peak:
-                    self.peak = max(self.peak, max(rounded), -min(rounded))
-                return values
-        # A sum of f32 magnitudes cannot overflow an f64: only inf or NaN makes it non-finite.
-        total = sum(map(abs, rounded))
-        if not math.isfinite(total):
-            for i, value in enumerate(rounded):
-                _finite(item.format(i), value)
-        if total > self.peak:
-            self.peak = total
-        return values if rounded == tuple(values) else list(rounded)
-
-    def spike_columns(
-        self, channels: list[Any], times: list[Any], strengths: list[Any]
-    ) -> list[float] | None:
-        """The common case of the spike columns in one struct pack: every channel an ``int``
-        within u16, every time an ``int`` within u32, every strength a finite ``float`` once
-        rounded to f32. Returns the rounded strengths (``strengths`` itself when unchanged), or
-        ``None`` when any of this does not hold and the precise checks must find the fault."""
-        n = len(strengths)
-        if not n:
-            return strengths
-        # Exact types (no bool, no subclass); comparing with a list of types needs no hashing.
-        ints = [int] * n
-        if list(map(type, channels)) != ints or list(map(type, times)) != ints:
-            return None
-        if list(map(type, strengths)) != [float] * n:
-            return None
-        columns, floats = _spike_structs(n)
-        try:
-            packed = columns.pack(*channels, *times, *strengths)
-        except (struct.error, OverflowError):  # an integer out of range, a float beyond f32
-            return None
-        rounded = floats.unpack_from(packed, 6 * n)
-        # The norm bounds every magnitude, and it is finite exactly when every value is (the
-        # norm of 65,536 finite f32 values cannot overflow an f64).
-        peak = math.hypot(*rounded)
-        if not math.isfinite(peak):
-            return None
-        if peak > self.peak:
-            self.peak = peak
-        return strengths if rounded == tuple(strengths) else list(rounded)
-
-    def metadata(self, metadata: BatchMetadata | None, counted: int) -> None:
-        total = self.add(0, counted)
-        if metadata is None:
-            return
-        if not isinstance(metadata, BatchMetadata):
-            raise FieldTypeError("metadata", "a BatchMetadata or None", metadata)
-        if metadata.processing_latency_ns is not None:
-            _u64("processing_latency_ns", metadata.processing_latency_ns)
-        self.opt_string("source", metadata.source)
-        custom = metadata.custom
-        if not isinstance(custom, dict):
-            raise FieldTypeError("custom", "a dict of str to str", custom)
-        _count("custom", len(custom), self.limits.max_metadata_entries)
-        for key, value in custom.items():
-            if key == "":
-                raise ValidationError("custom.<empty>", _K.NESTED_METADATA)
-            self.string("custom.<key>", key)
-            self.string("custom.<value>", value)
-        self.add(total, len(custom))
+    __slots__ = ()
 
     # ── one method per message ─────────────────────────────────────────────────────────────────
     def spikes(self, m: SpikeBatch) -> SpikeBatch:
-        _u64("batch_id", m.batch_id)
-        _u64("timestamp", m.timestamp)
+        check_u64("batch_id", m.batch_id)
+        check_u64("timestamp", m.timestamp)
         self.opt_string("session_id", m.session_id)
-        spikes = _list("spikes", m.spikes)
-        _count("spikes", len(spikes), self.limits.max_spike_events)
+        spikes = as_list("spikes", m.spikes)
+        check_count("spikes", len(spikes), self.limits.max_spike_events)
         if self.trusted:  # a typed decode has checked the types and integer widths
             strengths = [e.strength for e in spikes]
             rounded = self.floats(strengths, "spikes[{}].strength")
         else:
             if list(map(type, spikes)) != [SpikeEvent] * len(spikes):
-                _items(spikes, "spikes[{}]", SpikeEvent)
+                check_items(spikes, "spikes[{}]", SpikeEvent)
             channels = [e.channel for e in spikes]
             times = [e.time for e in spikes]
             strengths = [e.strength for e in spikes]
             fast = self.spike_columns(channels, times, strengths)
             if fast is None:  # something needs a closer look: the precise checks, in order
-                _ints(
+                check_int_columns(
                     (channels, "spikes[{}].channel", U16_MAX, "u16", "H"),
                     (times, "spikes[{}].time", U32_MAX, "u32", "I"),
                 )
@@ -323,35 +97,35 @@ class _Checker:
         if rounded is strengths:
             return m
         events = [
-            e if _same(r, e.strength) else replace(e, strength=r)
+            e if same_float(r, e.strength) else replace(e, strength=r)
             for e, r in zip(spikes, rounded, strict=True)
         ]
         return replace(m, spikes=events)
 
     def embeddings(self, m: EmbeddingBatch) -> EmbeddingBatch:
-        _u64("batch_id", m.batch_id)
-        _u64("sequence_length", m.sequence_length)
+        check_u64("batch_id", m.batch_id)
+        check_u64("sequence_length", m.sequence_length)
         self.opt_string("session_id", m.session_id)
-        embedding = _list("embedding", m.embedding)
-        _count("embedding", len(embedding), self.limits.max_channel_values)
-        _count("sequence_length", m.sequence_length, self.limits.max_aggregate_records)
+        embedding = as_list("embedding", m.embedding)
+        check_count("embedding", len(embedding), self.limits.max_channel_values)
+        check_count("sequence_length", m.sequence_length, self.limits.max_aggregate_records)
         rounded = self.floats(embedding, "embedding[{}]")
         self.add(0, len(rounded))
         return m if rounded is embedding else replace(m, embedding=rounded)
 
     def stimuli(self, m: StimulusBatch) -> StimulusBatch:
-        _u64("batch_id", m.batch_id)
-        _u64("timestamp", m.timestamp)
+        check_u64("batch_id", m.batch_id)
+        check_u64("timestamp", m.timestamp)
         self.opt_string("session_id", m.session_id)
-        values = _list("values", m.values)
-        _count("values", len(values), self.limits.max_channel_values)
+        values = as_list("values", m.values)
+        check_count("values", len(values), self.limits.max_channel_values)
         rounded = self.floats(values, "values[{}]")
         mask = m.valid_mask
         if mask is not None:
-            mask = _list("valid_mask", mask, "a list of bools or None")
+            mask = as_list("valid_mask", mask, "a list of bools or None")
             if not self.trusted:
-                _items(mask, "valid_mask[{}]", bool)
-            _count("valid_mask", len(mask), self.limits.max_channel_values)
+                check_items(mask, "valid_mask[{}]", bool)
+            check_count("valid_mask", len(mask), self.limits.max_channel_values)
             if len(mask) != len(rounded):
                 raise ValidationError(
                     "valid_mask", _K.LENGTH_MISMATCH, Count(len(mask)), Count(len(rounded))
@@ -360,22 +134,22 @@ class _Checker:
         return m if rounded is values else replace(m, values=rounded)
 
     def neuromodulators(self, m: NeuromodulatorSnapshot) -> NeuromodulatorSnapshot:
-        _int("tick", m.tick, I64_MIN, I64_MAX, "i64")
+        check_int("tick", m.tick, I64_MIN, I64_MAX, "i64")
         changes: dict[str, float] = {}
         for name, low, high in _LEVELS:
             original = getattr(m, name)
             value = self.number(name, original)
-            _finite(name, value)
+            check_finite(name, value)
             if value < low or value > high:
                 raise ValidationError(name, _K.OUT_OF_RANGE, Float(value), Range(low, high))
-            if not _same(value, original):
+            if not same_float(value, original):
                 changes[name] = value
         return replace(m, **changes) if changes else m
 
     def loss(self, m: Loss) -> Loss:
         value = self.number("Loss", m.value)
-        _finite("Loss", value)
-        return m if _same(value, m.value) else Loss(value)
+        check_finite("Loss", value)
+        return m if same_float(value, m.value) else Loss(value)
 
     def config_value(self, prefix: str, value: object) -> Any:
         """One config value, floats rounded (``value`` itself when unchanged)."""
@@ -385,21 +159,21 @@ class _Checker:
             self.string(f"{prefix}.value", value)
             return value
         if isinstance(value, list):
-            _count(f"{prefix}.value", len(value), self.limits.max_channel_values)
+            check_count(f"{prefix}.value", len(value), self.limits.max_channel_values)
             return self.floats(value, prefix + ".value[{}]")
         if not self.trusted and isinstance(value, int | np.integer) and not isinstance(value, bool):
-            _u64(prefix, value)  # corpus-ipc's ConfigValue::Integer, numpy integers too
+            check_u64(prefix, value)  # corpus-ipc's ConfigValue::Integer, numpy integers too
             return value if type(value) is int else int(value)
         number = self.number(prefix, value)
-        _finite(f"{prefix}.value", number)
-        return value if _same(number, value) else number
+        check_finite(f"{prefix}.value", number)
+        return value if same_float(number, value) else number
 
     def config(self, m: ConfigPayload) -> ConfigPayload:
         self.opt_string("session_id", m.session_id)
         config = m.config
         if not isinstance(config, dict):
             raise FieldTypeError("config", "a dict of str to config values", config)
-        _count("config", len(config), self.limits.max_metadata_entries)
+        check_count("config", len(config), self.limits.max_metadata_entries)
         total = self.add(0, len(config))
         changed: dict[str, Any] = {}
         for key, value in config.items():
@@ -419,26 +193,26 @@ class _Checker:
         """Gradient row ``i`` (paths ``gradients[i].…``), floats rounded."""
         path = f"gradients[{i}]"
         self.string(f"{path}.layer_id", row.layer_id)
-        values = _list(f"{path}.gradients", row.gradients)
-        _count(f"{path}.gradients", len(values), self.limits.max_channel_values)
+        values = as_list(f"{path}.gradients", row.gradients)
+        check_count(f"{path}.gradients", len(values), self.limits.max_channel_values)
         rounded = self.floats(values, path + ".gradients[{}]")
         trace = row.eligibility_trace
         rounded_trace = trace
         if trace is not None:
-            trace = _list(f"{path}.eligibility_trace", trace, "a list of floats or None")
-            _count(f"{path}.eligibility_trace", len(trace), self.limits.max_channel_values)
+            trace = as_list(f"{path}.eligibility_trace", trace, "a list of floats or None")
+            check_count(f"{path}.eligibility_trace", len(trace), self.limits.max_channel_values)
             rounded_trace = self.floats(trace, path + ".eligibility_trace[{}]")
         if rounded is values and rounded_trace is trace:
             return row
         return replace(row, gradients=rounded, eligibility_trace=rounded_trace)
 
     def gradients(self, m: GradientBatch) -> GradientBatch:
-        _u64("batch_id", m.batch_id)
+        check_u64("batch_id", m.batch_id)
         self.string("session_id", m.session_id)
-        rows = _list("gradients", m.gradients)
+        rows = as_list("gradients", m.gradients)
         if not self.trusted:
-            _items(rows, "gradients[{}]", GradientUpdate)
-        _count("gradients", len(rows), self.limits.max_gradients)
+            check_items(rows, "gradients[{}]", GradientUpdate)
+        check_count("gradients", len(rows), self.limits.max_gradients)
         total = self.add(0, len(rows))
         checked_rows = rows
         for i, row in enumerate(rows):
@@ -452,22 +226,22 @@ class _Checker:
                     checked_rows = list(rows)
                 checked_rows[i] = checked
         ids = [row.layer_id for row in rows]
-        repeat = _first_duplicate(ids)
+        repeat = first_duplicate(ids)
         if repeat is not None:
-            raise _duplicate(f"gradients[{repeat}]", ids[repeat])
+            raise duplicate_identifier(f"gradients[{repeat}]", ids[repeat])
         return m if checked_rows is rows else replace(m, gradients=checked_rows)
 
     def traces(self, m: TraceBatch) -> TraceBatch:
-        _u64("batch_id", m.batch_id)
+        check_u64("batch_id", m.batch_id)
         self.string("session_id", m.session_id)
-        traces = _list("traces", m.traces)
+        traces = as_list("traces", m.traces)
         if not self.trusted:
-            _items(traces, "traces[{}]", TraceData)
-        _count("traces", len(traces), self.limits.max_traces)
+            check_items(traces, "traces[{}]", TraceData)
+        check_count("traces", len(traces), self.limits.max_traces)
         self.add(0, len(traces))
         ids = [t.channel_id for t in traces]
         if not self.trusted:
-            _ints(
+            check_int_columns(
                 (ids, "traces[{}].channel_id", U16_MAX, "u16", "H"),
                 (
                     [t.last_spike_time for t in traces],
@@ -479,13 +253,13 @@ class _Checker:
             )
         values = [t.trace_value for t in traces]
         rounded = self.floats(values, "traces[{}].trace_value")
-        repeat = _first_duplicate(ids)
+        repeat = first_duplicate(ids)
         if repeat is not None:
-            raise _duplicate(f"traces[{repeat}]", ids[repeat])
+            raise duplicate_identifier(f"traces[{repeat}]", ids[repeat])
         if rounded is values:
             return m
         rows = [
-            t if _same(r, t.trace_value) else replace(t, trace_value=r)
+            t if same_float(r, t.trace_value) else replace(t, trace_value=r)
             for t, r in zip(traces, rounded, strict=True)
         ]
         return replace(m, traces=rows)

@@ -1,0 +1,183 @@
+"""What a demo run shows and writes: rich progress, the summary table, summary.json, demo.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tensorswap.demo.config import DemoConfig
+from tensorswap.demo.report import DemoReport, RoundReport
+
+__all__ = ["ProgressUi", "finish", "fmt_bytes", "plot_report"]
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count for people: ``512 B``, ``1.5 KiB``, ``3.2 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+class ProgressUi:
+    """Rich progress: one bar over the rounds, with the current round's figures."""
+
+    def __init__(self, console: Console, rounds: int) -> None:
+        self.console = console
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} rounds"),
+            TextColumn("peers {task.fields[done]}"),
+            TextColumn("acc {task.fields[acc]}"),
+            TextColumn("sent {task.fields[sent]}"),
+            TextColumn("dedup saved {task.fields[saved]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
+        self.task = self.progress.add_task(
+            "training", total=rounds, done="-", acc="-", sent="-", saved="-"
+        )
+
+    def update(self, **fields: Any) -> None:
+        self.progress.update(self.task, **fields)
+
+    def round_done(self, r: RoundReport, total_rounds: int) -> None:
+        self.progress.advance(self.task)
+        mark = "[green]✓[/green]" if r.ok else "[red]✗[/red]"
+        self.console.print(
+            f"{mark} round {r.round:>2}/{total_rounds}  acc {r.accuracy:.3f}  "
+            f"peers {r.contributors}/{r.expected}  sent {fmt_bytes(r.sent_bytes)}  "
+            f"fetched {fmt_bytes(r.pulled_bytes)}  dedup saved {fmt_bytes(r.saved_bytes)}  "
+            f"{r.seconds:.1f}s  {r.outcome}"
+        )
+
+    def note(self, text: str) -> None:
+        self.console.print(text)
+
+
+def finish(cfg: DemoConfig, report: DemoReport, console: Console) -> DemoReport:
+    """Write demo.png and summary.json into ``cfg.out``, print the table and the totals."""
+    out = cfg.out
+    plot = out / "demo.png"
+    plot_report(report, plot)
+    report.plot = str(plot)
+    summary = out / "summary.json"
+    report.summary = str(summary)
+    summary.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+
+    table = Table(title=f"tensorswap demo: {cfg.peers} peers, {cfg.topology}, {cfg.aggregator}")
+    table.add_column("round", justify="right")
+    table.add_column("peers", justify="right")
+    table.add_column("accuracy", justify="right")
+    table.add_column("sent", justify="right")
+    if cfg.compression != "none":
+        table.add_column("dense", justify="right")
+    table.add_column("fetched", justify="right")
+    table.add_column("dedup saved", justify="right")
+    table.add_column("s", justify="right")
+    table.add_column("outcome")
+    for r in report.rounds:
+        row = [
+            str(r.round),
+            f"{r.contributors}/{r.expected}",
+            f"{r.accuracy:.3f}",
+            fmt_bytes(r.sent_bytes),
+        ]
+        if cfg.compression != "none":
+            row.append(fmt_bytes(r.dense_bytes))
+        row += [
+            fmt_bytes(r.pulled_bytes),
+            fmt_bytes(r.saved_bytes),
+            f"{r.seconds:.1f}",
+            (f"{r.killed} killed; " if r.killed else "") + r.how,
+        ]
+        table.add_row(*row)
+    console.print(table)
+    sent = sum(r.sent_bytes for r in report.rounds)
+    saved = sum(r.saved_bytes for r in report.rounds)
+    console.print(
+        f"test accuracy {report.initial_accuracy:.3f} -> [bold]{report.final_accuracy:.3f}"
+        f"[/bold] in {len(report.rounds)} rounds, {report.seconds:.1f}s; "
+        f"sent {fmt_bytes(sent)}, dedup saved {fmt_bytes(saved)}"
+    )
+    console.print(f"plot: {plot}")
+    console.print(f"summary: {summary}")
+    return report
+
+
+def plot_report(report: DemoReport, path: Path) -> None:
+    """Accuracy and bytes per round as a PNG (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    rounds = [r.round for r in report.rounds]
+    fig, (ax_acc, ax_bytes) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    try:
+        ax_acc.plot(
+            [0, *rounds],
+            [report.initial_accuracy, *(r.accuracy for r in report.rounds)],
+            marker="o",
+            label="global model (mean over peers)",
+        )
+        ax_acc.set_ylabel("test accuracy")
+        ax_acc.set_ylim(0, 1)
+        ax_acc.grid(alpha=0.3)
+        width = 0.4
+        kib = 1024.0
+        ax_bytes.bar(
+            [x - width / 2 for x in rounds],
+            [r.sent_bytes / kib for r in report.rounds],
+            width,
+            label="sent by peers",
+        )
+        ax_bytes.bar(
+            [x + width / 2 for x in rounds],
+            [r.saved_bytes / kib for r in report.rounds],
+            width,
+            label="saved by dedup",
+        )
+        if any(r.pulled_bytes for r in report.rounds):
+            ax_bytes.plot(
+                rounds,
+                [r.pulled_bytes / kib for r in report.rounds],
+                marker="s",
+                color="gray",
+                label="fetched by peers",
+            )
+        ax_bytes.set_ylabel("KiB per round")
+        ax_bytes.set_xlabel("round")
+        ax_bytes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax_bytes.grid(alpha=0.3)
+        for r in report.rounds:
+            if r.killed:
+                for ax in (ax_acc, ax_bytes):
+                    ax.axvline(r.round, color="red", linestyle="--", alpha=0.6)
+                ax_acc.annotate(
+                    f" {r.killed} killed", (r.round, 0.97), color="red", ha="left", va="top"
+                )
+        ax_acc.legend(loc="lower right")
+        # headroom above the bars, so the legend never covers the last rounds
+        low, high = ax_bytes.get_ylim()
+        ax_bytes.set_ylim(low, high * 1.3)
+        ax_bytes.legend(loc="upper center", ncol=3, frameon=False)
+        cfg = report.config
+        fig.suptitle(
+            f"tensorswap demo: {cfg['peers']} peers, {cfg['topology']}, {cfg['aggregator']}, "
+            f"compression {cfg['compression']}"
+        )
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
