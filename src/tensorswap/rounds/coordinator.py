@@ -29,7 +29,7 @@ from tensorswap.rounds.errors import RoundFailed
 from tensorswap.rounds.fold import RoundWork
 from tensorswap.rounds.persist import RoundDatabase, open_journal
 from tensorswap.rounds.retention import DEFAULT_GC_GRACE, Retention, RetentionWorker
-from tensorswap.rounds.retry import RetryPolicy, RetrySchedule, transient_cause
+from tensorswap.rounds.retry import RetryPolicy, RetrySchedule
 from tensorswap.rounds.screen import check_layout, screen
 from tensorswap.rounds.state import (
     Complete,
@@ -79,9 +79,8 @@ class Coordinator:
       left Aggregating (or full) are aggregated again from their stored contributions, and
       deadlines that passed meanwhile are handled at once.
     - With ``keep_rounds`` set, each round that ends is followed by a collection on a
-      background thread (``collect_garbage``). A collection never runs during a submit or
-      while an aggregate is being stored, so nothing a round holds is deleted.
-    - All methods are thread-safe.
+      background thread (``collect_garbage``), never during a submit or while an aggregate
+      is stored. All methods are thread-safe.
     """
 
     def __init__(
@@ -376,21 +375,12 @@ class Coordinator:
     def _retry_later(self, info: RoundInfo, exc: Exception) -> bool:
         """Schedule another attempt after a transient failure; False when it is not one, or
         the retries ran out (the caller fails the round)."""
-        why = transient_cause(exc)
-        if why is None:
+        reason = self._retries.plan(info.round_id, self.clock.now(), info.deadline, exc)
+        if reason is None:
             return False
-        rid = info.round_id
-        attempts = self._retries.attempts(rid) + 1
-        planned = self._retries.failed(rid, self.clock.now(), info.deadline)
-        if planned is None:
-            log.warning("round %s: giving up after %d transient failure(s): %s", rid, attempts, exc)
-            return False
-        attempt, due = planned
-        wait = max(due - self.clock.now(), 0.0)
-        reason = f"retrying in {wait:.1f} s after attempt {attempt} failed: {why}: {exc}"
         self._count(aggregation_retries=1)
-        log.warning("round %s: %s", rid, reason)
-        self.tracker.note_aggregating(rid, reason)
+        log.warning("round %s: %s", info.round_id, reason)
+        self.tracker.note_aggregating(info.round_id, reason)
         self._poke()
         return True
 

@@ -4,6 +4,7 @@ try again (exponential backoff, bounded by the round's deadline and a retry wind
 from __future__ import annotations
 
 import errno
+import logging
 import math
 import os
 import sqlite3
@@ -17,6 +18,8 @@ __all__ = ["TRANSIENT_ERRNOS", "RetryPolicy", "RetrySchedule", "transient_cause"
 TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 """OS errors a later attempt may not meet: a full disk or quota (space can be freed), an I/O
 error on write (a flaky device, a network file system)."""
+
+log = logging.getLogger(__name__)
 
 _SQLITE_TRANSIENT = ("database or disk is full", "disk i/o error")
 
@@ -97,6 +100,23 @@ class RetrySchedule:
                 return None
             entry.due = due
             return entry.attempts, due
+
+    def plan(
+        self, round_id: RoundId, now: float, deadline: float | None, exc: BaseException
+    ) -> str | None:
+        """After ``exc``: the reason an Aggregating status shows while the next attempt waits,
+        or None when ``exc`` is not transient or the retries ran out (fail the round)."""
+        why = transient_cause(exc)
+        if why is None:
+            return None
+        planned = self.failed(round_id, now, deadline)
+        if planned is None:
+            log.warning("round %s: giving up after transient failures: %s", round_id, exc)
+            return None
+        attempt, due = planned
+        return (
+            f"retrying in {max(due - now, 0.0):.1f} s after attempt {attempt} failed: {why}: {exc}"
+        )
 
     def attempts(self, round_id: RoundId) -> int:
         with self._lock:
