@@ -118,11 +118,6 @@ class RetrySchedule:
             f"retrying in {max(due - now, 0.0):.1f} s after attempt {attempt} failed: {why}: {exc}"
         )
 
-    def attempts(self, round_id: RoundId) -> int:
-        with self._lock:
-            entry = self._rounds.get(round_id)
-            return 0 if entry is None else entry.attempts
-
     def next_due(self) -> float | None:
         with self._lock:
             return min((e.due for e in self._rounds.values() if e.due is not None), default=None)
