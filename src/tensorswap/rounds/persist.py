@@ -8,13 +8,14 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 from tensorswap.errors import RoundsError
+from tensorswap.rounds._sqlite import transaction
 from tensorswap.rounds.errors import JournalDamaged, JournalMissing
 from tensorswap.rounds.state import (
     Aggregating,
@@ -167,19 +168,10 @@ class RoundDatabase:
         """The database ``<data_dir>/rounds.sqlite3`` (created if missing)."""
         return cls(Path(data_dir) / DB_FILENAME, durable=durable)
 
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            try:
-                self._conn.execute("BEGIN IMMEDIATE")
-                try:
-                    yield self._conn
-                except BaseException:
-                    self._conn.execute("ROLLBACK")
-                    raise
-                self._conn.execute("COMMIT")
-            except sqlite3.Error as exc:
-                raise RoundsError(f"round database {self.path}: {exc}") from exc
+    def _transaction(self) -> AbstractContextManager[sqlite3.Connection]:
+        return transaction(
+            self._conn, self._lock, lambda exc: RoundsError(f"round database {self.path}: {exc}")
+        )
 
     # ── RoundJournal ─────────────────────────────────────────────────────────
     def insert_round(self, info: RoundInfo) -> None:

@@ -12,10 +12,11 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 
+from tensorswap.rounds._sqlite import transaction
 from tensorswap.runs.errors import RunsError
 from tensorswap.runs.model import ClientInfo, Param, RunInfo, RunSpec, VersionRecord
 
@@ -84,19 +85,10 @@ class RunDatabase:
         except sqlite3.Error as exc:
             raise RunsError(f"cannot open the runs journal in {self.path}: {exc}") from exc
 
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            try:
-                self._conn.execute("BEGIN IMMEDIATE")
-                try:
-                    yield self._conn
-                except BaseException:
-                    self._conn.execute("ROLLBACK")
-                    raise
-                self._conn.execute("COMMIT")
-            except sqlite3.Error as exc:
-                raise RunsError(f"runs journal {self.path}: {exc}") from exc
+    def _transaction(self) -> AbstractContextManager[sqlite3.Connection]:
+        return transaction(
+            self._conn, self._lock, lambda exc: RunsError(f"runs journal {self.path}: {exc}")
+        )
 
     def _query(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
         with self._lock:
