@@ -120,7 +120,7 @@ class RunManager:
         with self._lock:
             known = self._runs.get(name)
             if known is not None:
-                if known.spec != spec or (known.created_at and self._initial(name) != str(cid)):
+                if known.spec != spec or self._initial(name) != str(cid):
                     raise RunExists(name, "another spec or initial model")
                 return known
             info = RunInfo(name, spec, 0, str(cid), None, 0, (), False, time.time())
