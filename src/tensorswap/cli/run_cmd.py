@@ -48,7 +48,10 @@ class _Timeout(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and value.strip().lower() == AUTO:
             return AUTO
-        return SECONDS.convert(value, param, ctx)
+        try:
+            return SECONDS.convert(value, param, ctx)
+        except click.BadParameter:
+            self.fail(f"{value!r} is neither seconds > 0 nor 'auto'", param, ctx)
 
 
 def _options(params: Sequence[str]) -> dict[str, float | int | str]:
