@@ -6,9 +6,11 @@ import asyncio
 import json
 import ssl as ssl_module
 from collections.abc import Sequence
+from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tensorswap.cli._util import SECONDS, client_tls, parse_host_port
@@ -17,7 +19,7 @@ from tensorswap.cli.serve_cmd import resolve_key
 from tensorswap.codec import TensorBlock
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.messages import RunRow
-from tensorswap.runs.model import RunMode, RunSpec, Staleness
+from tensorswap.runs.model import AUTO, RunMode, RunSpec, Staleness
 from tensorswap.store import ModelUpdate
 from tensorswap.wire.connection import Timeouts
 
@@ -36,6 +38,20 @@ def _connection(
         "timeouts": timeouts,
     }
     return host, port, kwargs
+
+
+class _Timeout(click.ParamType):
+    """``--round-timeout``: seconds > 0, or ``auto``."""
+
+    name = "seconds|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.strip().lower() == AUTO:
+            return AUTO
+        try:
+            return SECONDS.convert(value, param, ctx)
+        except click.BadParameter:
+            self.fail(f"{value!r} is neither seconds > 0 nor 'auto'", param, ctx)
 
 
 def _options(params: Sequence[str]) -> dict[str, float | int | str]:
@@ -79,6 +95,8 @@ def run_json(row: RunRow) -> dict[str, object]:
         "optimizer": row.optimizer,
         "strategy": row.strategy,
         "participants": row.participants,
+        "deadline_s": row.deadline_s,
+        "deadline_reason": row.deadline_reason or None,
     }
 
 
@@ -98,6 +116,13 @@ def render_runs(rows: Sequence[RunRow], console: Console) -> None:
             row.optimizer,
             shown or "-",
         )
+    for row in rows:
+        if row.deadline_s is not None:
+            console.print(
+                f"run {escape(row.name)} round {row.round}: deadline {row.deadline_s:.3g} s"
+                f" ({escape(row.deadline_reason)})",
+                highlight=False,
+            )
     console.print(table)
 
 
@@ -162,7 +187,31 @@ def run() -> None:
     help="Fraction of the sampled peers a round needs at its deadline.",
 )
 @click.option(
-    "--round-timeout", type=SECONDS, help="Each round's deadline in seconds (default: none)."
+    "--round-timeout",
+    type=_Timeout(),
+    help="Each round's deadline in seconds, or 'auto': from the arrivals of earlier rounds"
+    " (default: none).",
+)
+@click.option(
+    "--deadline-floor",
+    type=SECONDS,
+    default=1.0,
+    show_default=True,
+    help="Auto deadlines: never below this (seconds).",
+)
+@click.option(
+    "--deadline-cap",
+    type=SECONDS,
+    default=600.0,
+    show_default=True,
+    help="Auto deadlines: never above this (seconds); the first round's deadline.",
+)
+@click.option(
+    "--deadline-k",
+    type=click.FloatRange(min=0),
+    default=3.0,
+    show_default=True,
+    help="Auto deadlines: median + K x MAD of the quorum-th arrival.",
 )
 @click.option("--rounds", type=click.IntRange(min=1), help="Stop after this many versions.")
 @click.option(
@@ -229,7 +278,10 @@ def create(
     fraction: float | None,
     min_clients: int,
     quorum: float,
-    round_timeout: float | None,
+    round_timeout: float | str | None,
+    deadline_floor: float,
+    deadline_cap: float,
+    deadline_k: float,
     rounds: int | None,
     strategy: str,
     params: tuple[str, ...],
@@ -257,6 +309,9 @@ def create(
         min_clients=min_clients,
         quorum=quorum,
         round_timeout_s=round_timeout,
+        deadline_floor_s=deadline_floor,
+        deadline_cap_s=deadline_cap,
+        deadline_k=deadline_k,
         strategy=strategy,
         params=_options(params),
         optimizer=optimizer,

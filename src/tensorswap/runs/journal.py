@@ -3,7 +3,7 @@
 It lives in the coordinator's ``rounds.sqlite3`` beside the rounds tables (its own
 connection), so one file holds every decision a federation made: which contributions a
 round accepted (rounds), which global model and optimizer state each version is and who
-was sampled for each round (here).
+was sampled for each round and the deadline an ``auto`` run chose for it, with why (here).
 """
 
 from __future__ import annotations
@@ -58,6 +58,14 @@ CREATE TABLE IF NOT EXISTS run_trained_on (
     peer       TEXT    NOT NULL,
     version    INTEGER NOT NULL,
     PRIMARY KEY (run, round, peer),
+    FOREIGN KEY (run) REFERENCES runs (name) ON DELETE CASCADE
+);
+CREATE TABLE IF NOT EXISTS run_deadlines (
+    run        TEXT    NOT NULL,
+    round      INTEGER NOT NULL,
+    deadline_s REAL    NOT NULL,
+    reason     TEXT    NOT NULL,
+    PRIMARY KEY (run, round),
     FOREIGN KEY (run) REFERENCES runs (name) ON DELETE CASCADE
 );
 CREATE TABLE IF NOT EXISTS clients (
@@ -159,8 +167,15 @@ class RunDatabase:
             (run, rnd): tuple(json.loads(str(peers)))
             for run, rnd, peers in self._query("SELECT run, round, peers FROM run_selections")
         }
+        deadlines = {
+            (run, rnd): (float(d), str(why))  # type: ignore[arg-type]
+            for run, rnd, d, why in self._query(
+                "SELECT run, round, deadline_s, reason FROM run_deadlines"
+            )
+        }
         out = []
         for name, spec, version, global_cid, state_cid, rnd, finished, created in rows:
+            deadline, reason = deadlines.get((name, rnd), (None, ""))
             out.append(
                 RunInfo(
                     str(name),
@@ -172,6 +187,8 @@ class RunDatabase:
                     selections.get((name, rnd), ()),
                     bool(finished),
                     float(created),  # type: ignore[arg-type]
+                    deadline,
+                    reason,
                 )
             )
         return out
@@ -200,6 +217,22 @@ class RunDatabase:
             "SELECT peers FROM run_selections WHERE run = ? AND round = ?", (run, round)
         )
         return tuple(json.loads(str(rows[0][0]))) if rows else None
+
+    def set_deadline(self, run: str, round: int, deadline_s: float, reason: str) -> None:
+        """Record the deadline chosen for ``round`` of ``run`` (before the round starts)."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO run_deadlines VALUES (?, ?, ?, ?)",
+                (run, round, deadline_s, reason),
+            )
+
+    def deadline(self, run: str, round: int) -> tuple[float, str] | None:
+        """The deadline recorded for ``round`` of ``run`` and its reason, or None."""
+        rows = self._query(
+            "SELECT deadline_s, reason FROM run_deadlines WHERE run = ? AND round = ?",
+            (run, round),
+        )
+        return (float(rows[0][0]), str(rows[0][1])) if rows else None  # type: ignore[arg-type]
 
     def note_trained_on(self, run: str, round: int, peer: str, version: int) -> None:
         """Record the version an asynchronous contribution trained on (before it is

@@ -13,6 +13,7 @@ from tensorswap.cid import Cid
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec, RoundStatus
 from tensorswap.rounds.updates import inspect_update
+from tensorswap.runs.deadlines import auto_deadline, run_history
 from tensorswap.runs.errors import InvalidRunSpec, NotSelected, RunExists, RunNotFound, RunsError
 from tensorswap.runs.journal import RunDatabase
 from tensorswap.runs.model import MAX_RUN_NAME, RunInfo, RunMode, RunSpec, VersionRecord
@@ -327,10 +328,14 @@ class RunManager:
             self.store, Cid.parse(info.global_cid), info.name, "run", verify=True
         )
         expected = len(info.selected) if spec.mode is RunMode.SYNC else spec.buffer
+        timeout_s = spec.round_timeout_s if spec.mode is RunMode.SYNC else None
+        if isinstance(timeout_s, str):  # "auto"
+            info = self._auto_deadline(info, spec.quorum_of(expected))
+            timeout_s = info.deadline_s
         round_spec = RoundSpec(
             expected,
             quorum=spec.quorum_of(expected) if spec.mode is RunMode.SYNC else expected,
-            timeout_s=spec.round_timeout_s if spec.mode is RunMode.SYNC else None,
+            timeout_s=timeout_s,
             strategy=spec.strategy,
             params=spec.params,
             layout=facts.layout,
@@ -338,6 +343,29 @@ class RunManager:
         self.coordinator.start_round(RoundId(info.round, info.name), round_spec)
         log.info("run %s: round %d started, %s", info.name, info.round, info.selected or "open")
         self._notify(info.name)
+
+    def _auto_deadline(self, info: RunInfo, quorum: int) -> RunInfo:
+        """The deadline of round ``info.round`` of an auto run: the one journaled for it (a
+        restart), else computed from the earlier rounds' arrivals and journaled first."""
+        known = self.journal.deadline(info.name, info.round)
+        if known is None:
+            spec = info.spec
+            history = run_history(self.coordinator, info.name, info.round, spec.deadline_window)
+            chosen = auto_deadline(
+                history,
+                quorum,
+                k=spec.deadline_k,
+                floor=spec.deadline_floor_s,
+                cap=spec.deadline_cap_s,
+                initial=spec.deadline_initial_s,
+            )
+            known = (chosen.seconds, chosen.reason)
+            self.journal.set_deadline(info.name, info.round, *known)
+        log.info("run %s: round %d deadline %.3f s, %s", info.name, info.round, *known)
+        info = replace(info, deadline_s=known[0], deadline_reason=known[1])
+        with self._lock:
+            self._runs[info.name] = info
+        return info
 
     def _initial(self, name: str) -> str:
         versions = self.journal.versions(name)

@@ -139,8 +139,9 @@ RunRequest = (
 )
 
 
-class RunRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """One run as ``runs`` reports it."""
+class RunRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
+    """One run as ``runs`` reports it (``deadline_s`` / ``deadline_reason``: the deadline an
+    ``auto`` run chose for its current round and why; left out when unset)."""
 
     name: str
     mode: str
@@ -154,6 +155,8 @@ class RunRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     strategy: str
     participants: list[str]
     created_at: float
+    deadline_s: float | None = None
+    deadline_reason: str = ""
 
 
 class TaskWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

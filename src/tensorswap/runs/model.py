@@ -12,6 +12,7 @@ from types import MappingProxyType
 from tensorswap.runs.errors import InvalidRunSpec
 
 __all__ = [
+    "AUTO",
     "MAX_RUN_NAME",
     "ClientInfo",
     "RunInfo",
@@ -20,6 +21,9 @@ __all__ = [
     "Staleness",
     "VersionRecord",
 ]
+
+AUTO = "auto"
+"""``RunSpec.round_timeout_s`` for adaptive deadlines."""
 
 MAX_RUN_NAME = 128
 """The longest run name (UTF-8 bytes); a run's rounds are ``RoundId(n, name)``."""
@@ -53,9 +57,14 @@ class RunSpec:
     Sampling (sync): ``per_round`` peers, or ``fraction`` of the active ones (at least
     ``min_clients``, at most all); a round starts only once ``min_clients`` are active.
     ``quorum`` is the fraction of the sampled peers a round needs when its deadline passes.
-    ``round_timeout_s`` is each round's deadline (None: none). ``strategy`` / ``params``
-    aggregate the contributions (see ``RoundSpec``); ``optimizer`` / ``optimizer_params``
-    turn the aggregate into the next global model (``tensorswap.aggregate.server_optimizer``).
+    ``round_timeout_s`` is each round's deadline in seconds (None: none), or ``"auto"``: each
+    round's deadline is computed from the arrival times of the run's previous
+    ``deadline_window`` rounds (the quorum-th arrival's median + ``deadline_k`` x its MAD),
+    clamped to ``[deadline_floor_s, deadline_cap_s]``; with no history it is
+    ``deadline_initial_s`` (None: the cap). See ``tensorswap.runs.deadlines``.
+    ``strategy`` / ``params`` aggregate the contributions (see ``RoundSpec``);
+    ``optimizer`` / ``optimizer_params`` turn the aggregate into the next global model
+    (``tensorswap.aggregate.server_optimizer``).
     ``rounds`` stops the run after that many versions (None: never). Asynchronous runs use
     ``buffer``, ``max_staleness`` and ``staleness`` / ``staleness_exponent``.
     """
@@ -65,7 +74,7 @@ class RunSpec:
     fraction: float | None = None
     min_clients: int = 1
     quorum: float = 1.0
-    round_timeout_s: float | None = None
+    round_timeout_s: float | str | None = None
     strategy: str = "fedavg"
     params: Mapping[str, Param] = field(default_factory=dict)
     optimizer: str = "fedavg"
@@ -76,6 +85,16 @@ class RunSpec:
     max_staleness: int = 8
     staleness: Staleness = Staleness.SQRT
     staleness_exponent: float = 0.5
+    deadline_floor_s: float = 1.0
+    deadline_cap_s: float = 600.0
+    deadline_k: float = 3.0
+    deadline_window: int = 5
+    deadline_initial_s: float | None = None
+
+    @property
+    def auto_deadline(self) -> bool:
+        """Whether each round's deadline is computed from earlier rounds' arrivals."""
+        return self.round_timeout_s == AUTO
 
     def __post_init__(self) -> None:
         try:
@@ -99,10 +118,13 @@ class RunSpec:
             raise InvalidRunSpec(f"fraction must be in (0, 1], got {self.fraction!r}")
         if not (0 < self.quorum <= 1):
             raise InvalidRunSpec(f"quorum must be a fraction in (0, 1], got {self.quorum!r}")
-        if self.round_timeout_s is not None and not (
-            math.isfinite(self.round_timeout_s) and self.round_timeout_s > 0
-        ):
-            raise InvalidRunSpec(f"round_timeout_s must be > 0, got {self.round_timeout_s!r}")
+        timeout = self.round_timeout_s
+        if isinstance(timeout, str):
+            if timeout != AUTO:
+                raise InvalidRunSpec(f"round_timeout_s is seconds or 'auto', got {timeout!r}")
+        elif timeout is not None and not (_number(timeout) and timeout > 0):
+            raise InvalidRunSpec(f"round_timeout_s must be > 0, got {timeout!r}")
+        self._check_deadline_policy()
         if self.rounds is not None:
             _positive_int("rounds", self.rounds)
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):
@@ -113,6 +135,19 @@ class RunSpec:
             raise InvalidRunSpec(f"staleness_exponent must be >= 0, got {self.staleness_exponent}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InvalidRunSpec(f"seed must be an int >= 0, got {self.seed!r}")
+
+    def _check_deadline_policy(self) -> None:
+        floor, cap, k = self.deadline_floor_s, self.deadline_cap_s, self.deadline_k
+        if not (_number(floor) and _number(cap) and 0 < floor <= cap):
+            raise InvalidRunSpec(
+                f"need 0 < deadline_floor_s <= deadline_cap_s, got {floor!r} and {cap!r}"
+            )
+        if not (_number(k) and k >= 0):
+            raise InvalidRunSpec(f"deadline_k must be >= 0, got {k!r}")
+        _positive_int("deadline_window", self.deadline_window)
+        initial = self.deadline_initial_s
+        if initial is not None and not (_number(initial) and initial > 0):
+            raise InvalidRunSpec(f"deadline_initial_s must be > 0, got {initial!r}")
 
     def sample_size(self, active: int) -> int:
         """How many peers a round samples when ``active`` peers are active (sync runs)."""
@@ -153,6 +188,11 @@ class RunSpec:
             raise InvalidRunSpec(f"run spec: {exc}") from None
 
 
+def _number(value: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidRunSpec(f"{name} must be an int >= 1, got {value!r}")
@@ -188,6 +228,10 @@ class RunInfo:
     """The peers sampled for that round (sync runs)."""
     finished: bool
     created_at: float
+    deadline_s: float | None = None
+    """The deadline chosen for round ``round`` of an ``auto`` run (seconds; None otherwise)."""
+    deadline_reason: str = ""
+    """Why that deadline (one line, as logged)."""
 
 
 @dataclass(frozen=True, slots=True)

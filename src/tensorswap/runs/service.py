@@ -53,6 +53,8 @@ def row_of(manager: RunManager, info: RunInfo) -> RunRow:
         strategy=info.spec.strategy,
         participants=list(last.participants) if last is not None else [],
         created_at=info.created_at,
+        deadline_s=info.deadline_s,
+        deadline_reason=info.deadline_reason,
     )
 
 
