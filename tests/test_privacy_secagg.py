@@ -11,6 +11,8 @@ from collections.abc import Callable, Collection
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("cryptography")
 
@@ -36,6 +38,7 @@ from tensorswap.privacy.secagg import (
     ShareDecryptionFailed,
     TooFewShares,
     TooFewSurvivors,
+    UnknownParticipant,
     decode,
     encode,
     make_config,
@@ -45,7 +48,9 @@ from tensorswap.privacy.secagg.protocol import (
     KeysAdvert,
     MaskedInput,
     Message,
+    PeerKeys,
     SharesDelivery,
+    SharesUpload,
     UnmaskRequest,
     UnmaskResponse,
 )
@@ -116,6 +121,22 @@ def test_shamir_t_minus_1_shares_fit_every_secret() -> None:
         forged = split_secret(bytes([candidate]), 3, [1, 2, 3], randbelow=_fixed(a1, a2))
         assert (forged[1], forged[2]) == (shares[1], shares[2])
         assert combine_shares(forged.values(), 3) == bytes([candidate])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    secret=st.binary(min_size=1, max_size=64),
+    n=st.integers(2, 9),
+    data=st.data(),
+)
+def test_shamir_round_trips_any_secret_from_any_t_shares(
+    secret: bytes, n: int, data: st.DataObject
+) -> None:
+    t = data.draw(st.integers(1, n))
+    indices = data.draw(st.lists(st.integers(1, 0xFFFF), min_size=n, max_size=n, unique=True))
+    shares = split_secret(secret, t, indices)
+    chosen = data.draw(st.permutations(list(shares.values())))[:t]
+    assert combine_shares(chosen, t) == secret
 
 
 def test_shamir_refuses_duplicated_indices_and_malformed_shares() -> None:
@@ -407,6 +428,38 @@ def test_a_server_asking_for_both_shares_of_one_peer_is_refused() -> None:
     )
     with pytest.raises(ReplayedMessage):
         r.clients[1].handle(second)
+
+
+def test_the_server_refuses_malformed_peer_messages() -> None:
+    r = Round(make_config(range(8), DIM))
+    rid = r.config.round_id
+    bad_keys = PeerKeys(encryption_key=b"short", mask_key=bytes(32), seed_commitment=bytes(32))
+    with pytest.raises(MalformedSecAggMessage):
+        r.server.receive(KeysAdvert(round_id=rid, sender=0, keys=bad_keys))
+    with pytest.raises(UnknownParticipant):
+        r.server.receive(KeysAdvert(round_id=rid, sender=99, keys=bad_keys))
+    r.phase()
+    peer = 0
+    upload = r.clients[peer].handle(r.outbox[peer])
+    assert isinstance(upload, SharesUpload)
+    partial = dict(list(upload.ciphertexts.items())[1:])  # one live neighbour left out
+    with pytest.raises(UnknownParticipant):
+        r.server.receive(SharesUpload(round_id=rid, sender=peer, ciphertexts=partial))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    sender=st.integers(0, 2**32),
+    shares=st.dictionaries(st.integers(0, 64), st.binary(max_size=40), max_size=5),
+)
+def test_messages_round_trip_through_msgpack(sender: int, shares: dict[int, bytes]) -> None:
+    rid = bytes(range(16))
+    for message in (
+        UnmaskResponse(round_id=rid, sender=sender, seed_shares=shares, key_shares={}),
+        SharesDelivery(round_id=rid, ciphertexts=shares),
+        UnmaskRequest(round_id=rid, survivors=tuple(shares), dropped=()),
+    ):
+        assert decode(encode(message)) == message
 
 
 def test_unsafe_thresholds_are_refused() -> None:
