@@ -1,0 +1,66 @@
+"""SecAgg+ (Bell et al. 2020): the coordinator learns the sum of the peers' updates, not one.
+
+A protocol library: pure client and server state machines (``SecAggClient``,
+``SecAggServer``) exchanging msgspec messages, over Shamir sharing (``shamir``), stochastic
+quantization (``quantize``), a sparse neighbour graph (``graph``) and primitives from the
+``cryptography`` package (``crypto``; install the ``privacy`` extra). Not yet wired into
+``RoundClient`` or the coordinator: see docs/privacy-secagg.md.
+"""
+
+from tensorswap.privacy.secagg.client import ClientPhase, SecAggClient
+from tensorswap.privacy.secagg.errors import (
+    ConflictingUnmaskRequest,
+    DuplicateShareIndex,
+    ForeignRound,
+    KeyAdvertRejected,
+    MalformedSecAggMessage,
+    MalformedShare,
+    NotEnoughShares,
+    OutOfPhase,
+    QuantizationError,
+    ReconstructionMismatch,
+    ReplayedMessage,
+    SecAggConfigError,
+    SecAggError,
+    ShamirError,
+    ShareDecryptionFailed,
+    ShareMisaddressed,
+    TooFewShares,
+    TooFewSurvivors,
+    UnknownParticipant,
+)
+from tensorswap.privacy.secagg.protocol import SecAggConfig, decode, encode, make_config
+from tensorswap.privacy.secagg.quantize import Quantizer
+from tensorswap.privacy.secagg.server import SecAggResult, SecAggServer, ServerPhase
+
+__all__ = [
+    "ClientPhase",
+    "ConflictingUnmaskRequest",
+    "DuplicateShareIndex",
+    "ForeignRound",
+    "KeyAdvertRejected",
+    "MalformedSecAggMessage",
+    "MalformedShare",
+    "NotEnoughShares",
+    "OutOfPhase",
+    "QuantizationError",
+    "Quantizer",
+    "ReconstructionMismatch",
+    "ReplayedMessage",
+    "SecAggClient",
+    "SecAggConfig",
+    "SecAggConfigError",
+    "SecAggError",
+    "SecAggResult",
+    "SecAggServer",
+    "ServerPhase",
+    "ShamirError",
+    "ShareDecryptionFailed",
+    "ShareMisaddressed",
+    "TooFewShares",
+    "TooFewSurvivors",
+    "UnknownParticipant",
+    "decode",
+    "encode",
+    "make_config",
+]

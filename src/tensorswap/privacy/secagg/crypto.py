@@ -1,0 +1,106 @@
+"""The cryptographic primitives of SecAgg+, all from the ``cryptography`` package.
+
+- Key agreement: X25519. Each peer holds two key pairs per round, one whose agreed secrets
+  key the encryption of shares and one whose agreed secrets seed the pairwise masks.
+- Key derivation: HKDF-SHA256 over the X25519 output, salted with the round id, with a
+  distinct ``info`` label per use, so one agreement never keys two purposes.
+- Encryption of shares: ChaCha20-Poly1305 (AEAD), a random 96-bit nonce per message,
+  the (round, source, destination) bound as associated data.
+- Mask expansion (the PRG): the ChaCha20 keystream under a 32-byte HKDF output as key and an
+  all-zero nonce, read as little-endian uint32 words. ChaCha20 is a standard stream cipher
+  whose keystream is a PRF output; every 32-bit word is uniform mod 2^32 with no modular
+  bias, and each key is fresh per round and purpose, so the fixed nonce is never reused
+  with one key for two different streams.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
+
+from tensorswap.privacy.secagg.errors import KeyAdvertRejected, ShareDecryptionFailed
+
+KEY_BYTES = 32
+NONCE_BYTES = 12
+INFO_SHARE_KEY = b"tensorswap secagg+ v1 share encryption"
+INFO_PAIR_MASK = b"tensorswap secagg+ v1 pairwise mask"
+INFO_SELF_MASK = b"tensorswap secagg+ v1 self mask"
+_ZERO_NONCE = bytes(16)
+
+
+def generate_keypair() -> tuple[bytes, bytes]:
+    """A fresh X25519 ``(private, public)`` pair as 32 raw bytes each."""
+    sk = X25519PrivateKey.generate()
+    return (
+        sk.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()),
+        sk.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw),
+    )
+
+
+def public_key_of(private_key: bytes) -> bytes:
+    """The X25519 public key of a raw private key (to check a reconstructed key)."""
+    sk = X25519PrivateKey.from_private_bytes(private_key)
+    return sk.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def agree(private_key: bytes, peer_public: bytes, *, round_id: bytes, info: bytes) -> bytes:
+    """A 32-byte key both ends derive: HKDF-SHA256(X25519(sk, pk), salt=round, info)."""
+    try:
+        pk = X25519PublicKey.from_public_bytes(peer_public)
+        shared = X25519PrivateKey.from_private_bytes(private_key).exchange(pk)
+    except ValueError as exc:  # wrong length, or a low-order point (all-zero output)
+        raise KeyAdvertRejected(f"unusable X25519 public key: {exc}") from exc
+    return derive(shared, round_id=round_id, info=info)
+
+
+def derive(material: bytes, *, round_id: bytes, info: bytes) -> bytes:
+    """HKDF-SHA256 of ``material`` to 32 bytes, salted with the round id."""
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=round_id, info=info).derive(
+        material
+    )
+
+
+def _aad(round_id: bytes, source: int, destination: int) -> bytes:
+    return round_id + source.to_bytes(8, "big") + destination.to_bytes(8, "big")
+
+
+def encrypt(
+    key: bytes, plaintext: bytes, *, round_id: bytes, source: int, destination: int
+) -> bytes:
+    """``nonce || ChaCha20-Poly1305(plaintext)`` with (round, source, destination) as AAD."""
+    nonce = os.urandom(NONCE_BYTES)
+    return nonce + ChaCha20Poly1305(key).encrypt(
+        nonce, plaintext, _aad(round_id, source, destination)
+    )
+
+
+def decrypt(key: bytes, blob: bytes, *, round_id: bytes, source: int, destination: int) -> bytes:
+    """The plaintext of ``encrypt``; any tampering, or another key or route, is refused."""
+    if len(blob) < NONCE_BYTES + 16:
+        raise ShareDecryptionFailed(source, destination)
+    try:
+        return ChaCha20Poly1305(key).decrypt(
+            blob[:NONCE_BYTES], blob[NONCE_BYTES:], _aad(round_id, source, destination)
+        )
+    except InvalidTag as exc:
+        raise ShareDecryptionFailed(source, destination) from exc
+
+
+def expand_mask(seed: bytes, length: int) -> np.ndarray:
+    """``length`` uniform uint32 words: the ChaCha20 keystream under the 32-byte ``seed``."""
+    encryptor = Cipher(algorithms.ChaCha20(seed, _ZERO_NONCE), mode=None).encryptor()
+    stream = encryptor.update(bytes(4 * length))
+    return np.frombuffer(stream, dtype="<u4").astype(np.uint32, copy=False)

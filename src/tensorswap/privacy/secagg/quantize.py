@@ -1,0 +1,119 @@
+"""Stochastic quantization of a weighted float32 update into integers mod 2^32, and back.
+
+A peer with update ``x`` (float32, 1-D, length d) and weight ``w`` (its num_samples, an
+integer in 1..max_weight) sends ``d + 1`` words:
+
+- ``q_j = SR((clip(x_j, -r, r) * w / max_weight + r) / step)`` for each coordinate, with
+  ``step = 2r / (2^bits - 1)`` and SR stochastic rounding (down or up to a neighbouring
+  integer with the probability that makes it unbiased), so ``0 <= q_j <= 2^bits - 1``;
+- the weight ``w`` itself, exactly, as the last word.
+
+The sum of n such vectors mod 2^32 is the exact integer sum as long as
+``n * (2^bits - 1) < 2^32`` and ``n * max_weight < 2^32`` (``check_capacity``): then no
+coordinate wraps, and ``sum_j * step - n * r`` is the sum of the weighted, clipped inputs.
+Dividing by ``sum(w) / max_weight`` gives FedAvg's weighted mean.
+
+Error bound: per peer and coordinate ``|q_j * step - r - v_j| < step`` and ``E[...] = v_j``
+(unbiased), with ``v_j = clip(x_j) * w / max_weight``; the sum of n peers errs by less than
+``n * step`` (standard deviation at most ``sqrt(n) * step / 2``), the weighted mean by less
+than ``n * step * max_weight / sum(w)``: set ``max_weight`` near the real largest weight and
+use the most ``bits`` the peer count allows (``max_bits``). Values beyond ``[-r, r]`` are
+clipped first (biased, as any clipping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensorswap.privacy.secagg.errors import QuantizationError, SecAggConfigError
+
+MODULUS = 1 << 32
+
+
+def max_bits(peers: int) -> int:
+    """The most bits per coordinate whose sum over ``peers`` cannot wrap mod 2^32."""
+    bits = 31
+    while bits > 1 and peers * ((1 << bits) - 1) >= MODULUS:
+        bits -= 1
+    return bits
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """The clipping range ``[-clip, clip]``, the ``bits`` per coordinate, the weight bound."""
+
+    clip: float
+    bits: int
+    max_weight: int
+
+    def __post_init__(self) -> None:
+        if not (np.isfinite(self.clip) and self.clip > 0):
+            raise SecAggConfigError("clip", self.clip, "must be a finite positive number")
+        if not 1 <= self.bits <= 31:
+            raise SecAggConfigError("bits", self.bits, "must be in 1..31")
+        if not 1 <= self.max_weight < MODULUS:
+            raise SecAggConfigError("max_weight", self.max_weight, "must be in 1..2^32-1")
+
+    @property
+    def levels(self) -> int:
+        """The largest quantized value, ``2^bits - 1``."""
+        return (1 << self.bits) - 1
+
+    @property
+    def step(self) -> float:
+        """The quantization step ``2 * clip / (2^bits - 1)``: the per-coordinate error bound."""
+        return 2.0 * self.clip / self.levels
+
+    def check_capacity(self, peers: int) -> None:
+        """Refuse a peer count whose sum could wrap mod 2^32 (coordinates or weights)."""
+        if peers * self.levels >= MODULUS:
+            raise SecAggConfigError(
+                "bits", self.bits, f"{peers} peers x (2^{self.bits} - 1) would wrap mod 2^32"
+            )
+        if peers * self.max_weight >= MODULUS:
+            raise SecAggConfigError(
+                "max_weight", self.max_weight, f"{peers} peers x max_weight would wrap mod 2^32"
+            )
+
+    def quantize(self, update: np.ndarray, weight: int, rng: np.random.Generator) -> np.ndarray:
+        """The ``d + 1`` uint32 words of one peer's weighted update (weight last).
+
+        ``rng`` draws the stochastic rounding; pass a generator seeded from ``os.urandom``
+        in production (the rounding noise is not a secret the protocol relies on).
+        """
+        if not isinstance(update, np.ndarray) or update.dtype != np.float32 or update.ndim != 1:
+            raise QuantizationError("the update must be a 1-D float32 numpy array")
+        if not np.all(np.isfinite(update)):
+            raise QuantizationError("the update has non-finite values")
+        if isinstance(weight, bool) or not isinstance(weight, int | np.integer):
+            raise QuantizationError(f"the weight must be an integer, got {weight!r}")
+        if not 1 <= int(weight) <= self.max_weight:
+            raise QuantizationError(f"weight {weight} is outside 1..{self.max_weight}")
+        clipped = np.clip(update.astype(np.float64), -self.clip, self.clip)
+        z = (clipped * (int(weight) / self.max_weight) + self.clip) / self.step
+        floor = np.floor(z)
+        rounded = floor + (rng.random(z.shape) < (z - floor))
+        out = np.empty(update.size + 1, dtype=np.uint32)
+        out[:-1] = np.clip(rounded, 0, self.levels).astype(np.uint32)
+        out[-1] = int(weight)
+        return out
+
+    def dequantize_sum(self, total: np.ndarray, peers: int) -> tuple[np.ndarray, int]:
+        """``(sum of the weighted clipped inputs, sum of the weights)`` from the unmasked sum.
+
+        ``total`` is the sum mod 2^32 of ``peers`` quantized vectors; the first element of
+        the result is ``sum_i clip(x_i) * w_i / max_weight`` (float64), within the error bound.
+        """
+        if total.dtype != np.uint32 or total.ndim != 1 or total.size < 1:
+            raise QuantizationError("the sum must be a non-empty 1-D uint32 array")
+        values = total[:-1].astype(np.float64) * self.step - peers * self.clip
+        return values, int(total[-1])
+
+    def weighted_mean(self, total: np.ndarray, peers: int) -> np.ndarray:
+        """FedAvg's ``sum(w_i x_i) / sum(w_i)`` (float32) from the unmasked sum of ``peers``."""
+        values, weight_sum = self.dequantize_sum(total, peers)
+        if weight_sum == 0:
+            raise QuantizationError("the weights sum to zero")
+        return (values * (self.max_weight / weight_sum)).astype(np.float32)
