@@ -9,12 +9,14 @@ from typing import Any
 import numpy as np
 
 from tensorswap.aggregate import server_optimizer
+from tensorswap.aggregate.server_opt import ServerOptimizer
 from tensorswap.cid import Cid
 from tensorswap.errors import AggregationError, RoundsError
 from tensorswap.rounds.state import Contribution, RoundSpec
 from tensorswap.rounds.updates import aggregator_spec
 from tensorswap.runs.errors import InvalidRunSpec, StaleContribution
 from tensorswap.runs.model import RunInfo, RunMode, RunSpec, VersionRecord
+from tensorswap.runs.stream import stream_step
 from tensorswap.store import BlockStore, ModelUpdate, get_update, put_update
 
 __all__ = ["apply_step", "check_policies", "check_staleness"]
@@ -61,25 +63,26 @@ def apply_step(
     """
     spec = info.spec
     version = info.version + 1
-    current = {k: np.asarray(v) for k, v in _load(store, info.global_cid).items()}
-    aggregate = _load(store, str(aggregate_cid))
-    if spec.mode is RunMode.ASYNC:
-        aggregate = {
-            k: current[k] + np.asarray(v, dtype=current[k].dtype) for k, v in aggregate.items()
-        }
     hyper: dict[str, Any] = dict(spec.optimizer_params)
     optimizer = server_optimizer(spec.optimizer, **hyper)
-    if info.state_cid is not None:
-        optimizer.load_state(_load(store, info.state_cid))
-    stepped = optimizer.step(current, aggregate, version)
-    new = {k: stepped[k].astype(current[k].dtype, copy=False) for k in current}
     meta = {"run": info.name, "version": str(version), "optimizer": spec.optimizer}
     name = f"{info.name}@{version}"
-    global_cid = put_update(store, ModelUpdate(new, 0, meta, name=name))
-    state = optimizer.state
-    state_cid = (
-        put_update(store, ModelUpdate(state, 0, meta, name=f"{name}/state")) if state else None
+    state = None if info.state_cid is None else Cid.parse(info.state_cid)
+    delta = spec.mode is RunMode.ASYNC
+    streamed = stream_step(
+        store,
+        optimizer,
+        version,
+        Cid.parse(info.global_cid),
+        aggregate_cid,
+        state,
+        delta=delta,
+        metadata=meta,
+        name=name,
     )
+    if streamed is None:  # not laid out for chunk-by-chunk: whole models, same result
+        streamed = _whole_step(store, info, optimizer, aggregate_cid, version, delta, meta, name)
+    global_cid, state_cid = streamed
     peers = tuple(c.peer for c in contributions)
     seen = trained_on or {}
     staleness = tuple(info.version - seen[p] for p in peers if p in seen)
@@ -92,6 +95,35 @@ def apply_step(
         staleness if len(staleness) == len(peers) else (),
         time.time(),
     )
+
+
+def _whole_step(
+    store: BlockStore,
+    info: RunInfo,
+    optimizer: ServerOptimizer,
+    aggregate_cid: Cid,
+    version: int,
+    delta: bool,
+    meta: dict[str, str],
+    name: str,
+) -> tuple[Cid, Cid | None]:
+    """``stream_step``'s result from whole models in memory (any dtype, any chunking)."""
+    current = {k: np.asarray(v) for k, v in _load(store, info.global_cid).items()}
+    aggregate = _load(store, str(aggregate_cid))
+    if delta:
+        aggregate = {
+            k: current[k] + np.asarray(v, dtype=current[k].dtype) for k, v in aggregate.items()
+        }
+    if info.state_cid is not None:
+        optimizer.load_state(_load(store, info.state_cid))
+    stepped = optimizer.step(current, aggregate, version)
+    new = {k: stepped[k].astype(current[k].dtype, copy=False) for k in current}
+    global_cid = put_update(store, ModelUpdate(new, 0, meta, name=name))
+    state = optimizer.state
+    state_cid = (
+        put_update(store, ModelUpdate(state, 0, meta, name=f"{name}/state")) if state else None
+    )
+    return global_cid, state_cid
 
 
 def _load(store: BlockStore, cid: str) -> dict[str, np.ndarray]:

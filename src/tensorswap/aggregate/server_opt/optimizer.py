@@ -228,6 +228,43 @@ class ServerOptimizer:
         self._state = new_state
         return result
 
+    @quiet
+    def step_piece(
+        self,
+        server_round: int,
+        current: np.ndarray,
+        aggregate: np.ndarray,
+        state: Mapping[str, np.ndarray],
+        out: np.ndarray,
+    ) -> None:
+        """One flat piece of one tensor, for a caller that streams a model chunk by chunk:
+        ``out`` gets the next global values of the piece, ``state`` (prefix -> this piece's
+        writable state array, zeros before the first step) is updated in place. Every kind's
+        rule is elementwise, so pieces stepped one by one give exactly what ``step`` gives
+        for the whole tensor. Does not touch this optimizer's own ``state``. All arrays 1-D,
+        the same length; ``out`` and the state in the compute dtype (float32 or float64)."""
+        if isinstance(server_round, bool) or not isinstance(server_round, int | np.integer):
+            raise InvalidServerRound(server_round)
+        if server_round < 1:
+            raise InvalidServerRound(server_round)
+        dtype = _compute_dtype(current, aggregate)
+        if set(state) != set(self.prefixes):
+            raise ServerOptimizerStateMismatch(None, f"a piece needs state {self.prefixes}")
+        arrays = [current, aggregate, out, *state.values()]
+        if any(a.ndim != 1 or a.size != current.size for a in arrays):
+            raise InvalidServerStepInput("piece", "arrays must be 1-D and of one length")
+        if out.dtype != dtype or any(a.dtype != dtype for a in state.values()):
+            raise InvalidServerStepInput("piece", f"out and state must be {dtype}")
+        job = kernels.Job(
+            np.ascontiguousarray(current, dtype=dtype),
+            np.ascontiguousarray(aggregate, dtype=dtype),
+            dict(state),
+            out,
+        )
+        kernels.run(
+            SERVER_OPTIMIZERS[self.kind], self.hyper, int(server_round), [job], 1, self._scratch
+        )
+
 
 def server_optimizer(
     kind: ServerOptimizerKind | str, *, workers: int = 1, **hyper: Any
