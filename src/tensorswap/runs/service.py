@@ -53,11 +53,22 @@ def row_of(manager: RunManager, info: RunInfo) -> RunRow:
         strategy=info.spec.strategy,
         participants=list(last.participants) if last is not None else [],
         created_at=info.created_at,
+        epsilon=manager.privacy.spent(info),
+        dp_delta=info.spec.dp_delta if info.spec.dp_clip is not None else None,
+        stop_reason=manager.privacy.stop_reason(info.name),
     )
 
 
 def task_wire(task: Task) -> TaskWire:
-    return TaskWire(task.run, task.round_id.round, task.version, task.global_cid, task.mode.value)
+    return TaskWire(
+        task.run,
+        task.round_id.round,
+        task.version,
+        task.global_cid,
+        task.mode.value,
+        task.dp,
+        task.clip,
+    )
 
 
 class RunService:
@@ -122,6 +133,7 @@ class RunService:
                     call.peer,
                     Cid.parse(call.update),
                     trained_on=call.trained_on,
+                    clipped=call.clipped,
                 )
                 return RunAnswer(status=status_to_wire(status))
         raise ProtocolViolation(f"unknown runs request {type(call).__name__}")

@@ -49,6 +49,8 @@ def apply_step(
     aggregate_cid: Cid,
     contributions: Sequence[Contribution],
     trained_on: dict[str, int] | None = None,
+    *,
+    delta: bool = False,
 ) -> VersionRecord:
     """Version ``info.version + 1``: the server optimizer (with the state journaled for the
     current version) stepped from the current global model and the round's aggregate; both
@@ -57,13 +59,14 @@ def apply_step(
 
     In an asynchronous run the aggregate is the mean delta (peers submit their update minus
     the global model they trained from): the optimizer sees ``current + delta`` as Flower's
-    aggregated model.
+    aggregated model. So in a differentially private run (``delta``): its aggregate is the
+    noised mean delta.
     """
     spec = info.spec
     version = info.version + 1
     current = {k: np.asarray(v) for k, v in _load(store, info.global_cid).items()}
     aggregate = _load(store, str(aggregate_cid))
-    if spec.mode is RunMode.ASYNC:
+    if spec.mode is RunMode.ASYNC or delta:
         aggregate = {
             k: current[k] + np.asarray(v, dtype=current[k].dtype) for k, v in aggregate.items()
         }
