@@ -319,3 +319,74 @@ def test_adaptive_clipping_moves_the_norm_from_the_clipped_count(tmp_path: Path)
         assert step.next_clip == pytest.approx(want)
         task = manager.task("dp", manager.run("dp").selected[0])
         assert task is not None and task.clip == pytest.approx(want)
+
+
+# ── over the wire ────────────────────────────────────────────────────────────
+KEY = b"privacy-dp-key"
+
+
+async def test_peers_submit_models_and_the_client_makes_clipped_deltas(tmp_path: Path) -> None:
+    """RunClient.submit takes the trained model, as in any run: it sends the delta, clipped
+    to the task's norm (client-side clipping); an over-norm delta is refused typed."""
+    import asyncio
+
+    from tensorswap.rounds.server import RoundServer
+    from tensorswap.runs.client import RunClient
+    from tensorswap.runs.manager import Task
+    from tensorswap.runs.messages import ContributeRequest
+    from tensorswap.runs.service import RunService
+
+    coord = Coordinator.open(tmp_path, clock=FakeClock(), run_timer=False, durable=False)
+    runs = RunManager.open(coord, durable=False)
+    server = RoundServer(coord, key=KEY, max_wait=30)
+    RunService(runs, server)
+    peers: list[RunClient] = []
+    try:
+        await server.start("127.0.0.1", 0)
+        for i in range(3):
+            peers.append(await RunClient.connect("127.0.0.1", server.port, peer=f"p{i}", key=KEY))
+            await peers[-1].register({"num_samples": 10})
+        spec = RunSpec(
+            per_round=2, rounds=2, seed=1, dp_clip=1.0, dp_noise=0.8, dp_clipping="client"
+        )
+        await peers[0].create_run("fl", spec, ModelUpdate(_model(0.0)))
+
+        async def contribute(client: RunClient, task: Task, cid: Cid) -> None:
+            """A contribute request by hand, without RunClient.submit's clipping."""
+            await client.rounds.blocks.push(client.rounds.store, cid)
+            request = ContributeRequest(
+                peer=client.peer,
+                run=task.run,
+                round=task.round_id.round,
+                update=cid.to_bytes(),
+                trained_on=task.version,
+            )
+            await client._call(request)
+
+        async def loop(client: RunClient) -> int:
+            done = 0
+            while (task := await client.next_task("fl", timeout=20)) is not None:
+                model = await client.fetch_model(task)
+                if done == 0:  # a raw delta above the norm, contributed by hand: refused
+                    raw = await asyncio.to_thread(
+                        put_update, client.rounds.store, ModelUpdate(_model(3.0))
+                    )
+                    with pytest.raises(ClipBoundExceeded) as caught:
+                        await contribute(client, task, raw)
+                    assert caught.value.clip == 1.0
+                await client.submit(task, {k: v + 3 for k, v in model.items()}, num_samples=10)
+                done += 1
+            return done
+
+        counts = await asyncio.gather(*(loop(p) for p in peers))
+        assert sum(counts) == 4
+        row = await peers[0].run("fl")
+        assert row.finished and row.version == 2 and row.epsilon is not None
+        assert row.epsilon == pytest.approx(runs.privacy.steps("fl")[-1].epsilon)
+        assert all(s.clipped == 2 for s in runs.privacy.steps("fl"))  # every peer clipped
+    finally:
+        for client in peers:
+            await client.aclose()
+        await server.aclose()
+        runs.close()
+        coord.close()
