@@ -390,3 +390,16 @@ async def test_peers_submit_models_and_the_client_makes_clipped_deltas(tmp_path:
         await server.aclose()
         runs.close()
         coord.close()
+
+
+def test_a_noised_run_without_dp_accounting_is_refused_when_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tensorswap.privacy import AccountantUnavailable
+
+    monkeypatch.setitem(__import__("sys").modules, "dp_accounting", None)  # not installed
+    with federation(tmp_path, FakeClock()) as (coord, manager):
+        initial = put_update(coord.store, ModelUpdate(_model(0.0)))
+        with pytest.raises(AccountantUnavailable, match=r"tensorswap\[privacy\]"):
+            manager.create_run("dp", SPEC, initial)
+        assert manager.runs() == []

@@ -10,7 +10,7 @@ from typing import Any
 
 from tensorswap.privacy.errors import AccountantUnavailable
 
-__all__ = ["RDP_ORDERS", "epsilon", "round_epsilons"]
+__all__ = ["RDP_ORDERS", "check_available", "epsilon", "round_epsilons"]
 
 RDP_ORDERS: tuple[float, ...] = tuple(
     [1 + x / 10 for x in range(10, 100)] + list(range(11, 64)) + [128, 256, 512]
@@ -27,6 +27,11 @@ def _dp_accounting() -> Any:
     except ImportError as exc:
         raise AccountantUnavailable(str(exc)) from exc
     return dp_accounting, rdp
+
+
+def check_available() -> None:
+    """AccountantUnavailable unless dp-accounting imports (checked when a DP run is made)."""
+    _dp_accounting()
 
 
 def epsilon(noise_multiplier: float, rates: Sequence[float], delta: float) -> float:

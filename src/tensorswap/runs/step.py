@@ -22,13 +22,18 @@ __all__ = ["apply_step", "check_policies", "check_staleness"]
 
 def check_policies(spec: RunSpec) -> None:
     """InvalidRunSpec unless the spec's strategy and server optimizer (with their options)
-    exist: checked when a run is created, not at its first step."""
+    exist (AccountantUnavailable for a noised DP run without dp-accounting): checked when
+    a run is created, not at its first step."""
     try:
         aggregator_spec(RoundSpec(1, strategy=spec.strategy, params=spec.params))
         hyper: dict[str, Any] = dict(spec.optimizer_params)
         server_optimizer(spec.optimizer, **hyper)
     except (AggregationError, RoundsError) as exc:
         raise InvalidRunSpec(f"run spec: {exc}") from exc
+    if spec.dp_clip is not None and spec.dp_noise > 0:
+        from tensorswap.privacy.accountant import check_available
+
+        check_available()  # AccountantUnavailable now, not at the first step
 
 
 def check_staleness(info: RunInfo, peer: str, trained_on: int | None) -> float:
