@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+_STEP = 1 << 20
+
 __all__ = [
     "adaptive_noise",
     "add_gaussian_noise",
@@ -25,11 +27,14 @@ __all__ = [
 
 
 def update_norm(tensors: Mapping[str, np.ndarray]) -> float:
-    """The L2 norm of all the tensors together (flattened, in float64)."""
+    """The L2 norm of all the tensors together (flattened, summed in float64, in steps of
+    ``_STEP`` values so the scratch memory stays bounded)."""
     total = 0.0
     for values in tensors.values():
-        flat = np.asarray(values, dtype=np.float64).reshape(-1)
-        total += float(np.dot(flat, flat))
+        flat = np.asarray(values).reshape(-1)
+        for start in range(0, flat.size, _STEP):
+            part = flat[start : start + _STEP].astype(np.float64)
+            total += float(np.dot(part, part))
     return math.sqrt(total)
 
 
