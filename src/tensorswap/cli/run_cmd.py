@@ -97,24 +97,35 @@ def run_json(row: RunRow) -> dict[str, object]:
         "participants": row.participants,
         "deadline_s": row.deadline_s,
         "deadline_reason": row.deadline_reason or None,
+        "epsilon": row.epsilon,
+        "dp_delta": row.dp_delta,
+        "stop_reason": row.stop_reason,
     }
 
 
 def render_runs(rows: Sequence[RunRow], console: Console) -> None:
-    """The runs table: version, global model, optimizer, the last version's participants."""
+    """The runs table: version, global model, optimizer, the last version's participants
+    (and a DP run's ε so far, at its δ; why it stopped, if its budget ran out)."""
     table = Table(title="runs", title_justify="left")
-    for column in ("run", "mode", "version", "round", "global model", "optimizer", "participants"):
+    private = any(row.epsilon is not None for row in rows)
+    columns = ["run", "mode", "version", "round", "global model", "optimizer", "participants"]
+    for column in columns + (["epsilon"] if private else []):
         table.add_column(column, justify="right" if column in ("version", "round") else "left")
     for row in rows:
         shown = ", ".join(row.participants[:6]) + (" …" if len(row.participants) > 6 else "")
+        state = " (stopped: privacy budget)" if row.stop_reason else " (finished)"
+        extra = []
+        if private:
+            extra = ["-" if row.epsilon is None else f"{row.epsilon:.3g} (δ={row.dp_delta:g})"]
         table.add_row(
-            row.name + (" (finished)" if row.finished else ""),
+            row.name + (state if row.finished else ""),
             row.mode,
             str(row.version),
             str(row.round),
             f"…{row.global_cid[-12:]}",
             row.optimizer,
             shown or "-",
+            *extra,
         )
     for row in rows:
         if row.deadline_s is not None:

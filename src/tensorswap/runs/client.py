@@ -9,6 +9,7 @@ from typing import Any, Literal, Self
 import numpy as np
 
 from tensorswap.cid import Cid
+from tensorswap.privacy.dp import clip_update
 from tensorswap.rounds.client import RoundClient, SubmitResult
 from tensorswap.rounds.protocol import raise_remote
 from tensorswap.rounds.state import RoundId, RoundStatus
@@ -107,9 +108,8 @@ class RunClient:
             answer = await self._call(TaskRequest(peer=self.peer, run=run, timeout=left), long=True)
             if answer.task is not None:
                 t = answer.task
-                return Task(
-                    t.run, RoundId(t.round, t.run), t.version, t.global_cid, RunMode(t.mode)
-                )
+                rid = RoundId(t.round, t.run)
+                return Task(t.run, rid, t.version, t.global_cid, RunMode(t.mode), t.dp, t.clip)
             if left is not None and left <= 0:
                 return None
             if (await self.run(run)).finished:
@@ -124,8 +124,15 @@ class RunClient:
         self, task: Task, update: ModelUpdate | Mapping[str, Any], num_samples: int = 0
     ) -> RoundStatus:
         """Submit this peer's result for ``task``: its new model (sync runs), or its delta
-        from the task's model (async runs, tagged with the task's version)."""
-        if task.mode is RunMode.SYNC:
+        from the task's model (async runs, tagged with the task's version).
+
+        In a differentially private run ``update`` is the new model too: the delta from the
+        task's model is computed here (and clipped to the task's norm with client-side
+        clipping) and contributed with the clip bit."""
+        clipped: bool | None = None
+        if task.dp:
+            update, clipped = await self._dp_delta(task, update, num_samples)
+        elif task.mode is RunMode.SYNC:
             result: SubmitResult = await self.rounds.submit(task.round_id, update, num_samples)
             return result.status
         cid = await self._push(update, num_samples)
@@ -135,6 +142,7 @@ class RunClient:
             round=task.round_id.round,
             update=cid.to_bytes(),
             trained_on=task.version,
+            clipped=clipped,
         )
         answer = await self._call(call)
         if answer.status is None:
@@ -142,6 +150,22 @@ class RunClient:
         return answer.status.to_status()
 
     # ── internals ────────────────────────────────────────────────────────────
+    async def _dp_delta(
+        self, task: Task, update: ModelUpdate | Mapping[str, Any], num_samples: int
+    ) -> tuple[ModelUpdate, bool | None]:
+        model = update if isinstance(update, ModelUpdate) else ModelUpdate(dict(update))
+        base = await self.fetch_model(task)
+        delta = {
+            k: np.asarray(v) - np.asarray(base[k]).astype(np.asarray(v).dtype)
+            for k, v in model.tensors.items()
+        }
+        if task.dp != "client":
+            return ModelUpdate(delta, num_samples or model.num_samples), None
+        if task.clip is None:
+            raise ProtocolViolation("a client-side clipping task lacks its clipping norm")
+        clipped_delta, bit = clip_update(delta, task.clip)
+        return ModelUpdate(clipped_delta, num_samples or model.num_samples), bit
+
     async def _push(self, update: ModelUpdate | Mapping[str, Any] | Cid, samples: int = 0) -> Cid:
         rc = self.rounds
         if isinstance(update, Cid):

@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from tensorswap.cid import Cid
+from tensorswap.privacy.errors import PrivacyBudgetExhausted
+from tensorswap.privacy.run import RunPrivacy, is_private
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec, RoundStatus
 from tensorswap.rounds.updates import inspect_update
@@ -36,6 +38,10 @@ class Task:
     version: int
     global_cid: str
     mode: RunMode
+    dp: str = ""
+    """A DP run's clipping side (``server`` or ``client``): submit the delta; "" otherwise."""
+    clip: float | None = None
+    """A DP run's clipping norm for this round (client-side clipping: clip to it)."""
 
 
 class RunManager:
@@ -73,6 +79,7 @@ class RunManager:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._runs: dict[str, RunInfo] = {r.name: r for r in journal.load_runs()}
+        self.privacy = RunPrivacy(journal)
         self._listeners: list[Callable[[str], None]] = []
         self._closed = False
         self._owns_journal = False
@@ -181,16 +188,28 @@ class RunManager:
             return None
         if info.spec.mode is RunMode.SYNC and peer not in info.selected:
             return None
+        if is_private(info.spec):
+            clip = self.privacy.clip_for(info, info.round)
+            dp = info.spec.dp_clipping
+            return Task(name, rid, info.version, info.global_cid, info.spec.mode, dp, clip)
         return Task(name, rid, info.version, info.global_cid, info.spec.mode)
 
     def submit(
-        self, round_id: RoundId, peer: str, update: Cid | str, *, trained_on: int | None = None
+        self,
+        round_id: RoundId,
+        peer: str,
+        update: Cid | str,
+        *,
+        trained_on: int | None = None,
+        clipped: bool | None = None,
     ) -> RoundStatus:
         """Submit a peer's update to a round of a run: checked against the sample (sync) or
         its staleness (async: ``trained_on`` is the version it trained from), then handed
         to the coordinator. Raises NotSelected, StaleContribution, or what the coordinator
         refuses. (A sync run's peers may also submit through the coordinator itself, e.g.
-        ``RoundClient.submit``: the same check runs there.)"""
+        ``RoundClient.submit``: the same check runs there.) A DP run takes the delta from
+        version ``trained_on`` (the current one) and ``clipped``, the peer's clip bit with
+        client-side clipping; see ``RunPrivacy.admit``."""
         self.registry.seen(peer)
         info = self.run(round_id.initiator)
         scale = 1.0
@@ -200,6 +219,11 @@ class RunManager:
                 raise NotSelected(info.name, round_id.round, peer, 0)
             assert trained_on is not None  # check_staleness refuses None
             self.journal.note_trained_on(info.name, round_id.round, peer, trained_on)
+        elif is_private(info.spec):
+            cid = update if isinstance(update, Cid) else Cid.parse(update)
+            scale = self.privacy.admit(
+                self.store, info, round_id.round, peer, cid, trained_on, clipped
+            )
         self._local.via_manager = True
         try:
             return self.coordinator.submit(round_id, peer, update, scale=scale)
@@ -215,6 +239,11 @@ class RunManager:
         if info.spec.mode is RunMode.SYNC:
             if round_id.round != info.round or peer not in info.selected:
                 raise NotSelected(info.name, round_id.round, peer, len(info.selected))
+            if is_private(info.spec) and not getattr(self._local, "via_manager", False):
+                raise RunsError(
+                    f"run {info.name!r} is differentially private: contribute the delta from "
+                    f"the task's model (RunClient.submit, RunManager.submit(..., trained_on=))"
+                )
         elif not getattr(self._local, "via_manager", False):
             raise RunsError(
                 f"run {info.name!r} is asynchronous: contribute with the version trained on "
@@ -280,7 +309,11 @@ class RunManager:
         left_out = round_info.dropped_peers if round_info is not None else frozenset()
         contributions = [c for c in self.coordinator.contributions(rid) if c.peer not in left_out]
         trained_on = self.journal.trained_on(info.name, info.round)
-        record = apply_step(self.store, info, Cid.parse(status.cid), contributions, trained_on)
+        aggregate = Cid.parse(status.cid)
+        private = is_private(info.spec)
+        if private:  # the noised aggregate, journaled before the optimizer sees it
+            aggregate = self.privacy.noised_aggregate(self.store, info, aggregate, contributions)
+        record = apply_step(self.store, info, aggregate, contributions, trained_on, delta=private)
         finished = info.spec.rounds is not None and record.version >= info.spec.rounds
         self.journal.add_version(info.name, record, finished)
         new = replace(
@@ -314,6 +347,14 @@ class RunManager:
             selected = sample_peers(
                 active, spec.sample_size(len(active)), spec.seed, info.round + 1
             )
+            try:
+                self.privacy.before_round(info, info.round + 1, len(selected), len(active))
+            except PrivacyBudgetExhausted as exc:
+                log.warning("%s: the run stops", exc)
+                with self._lock:
+                    self._runs[info.name] = replace(info, selected=(), finished=True)
+                self._notify(info.name)
+                return
         else:
             selected = ()
         self.journal.start_round(info.name, info.round + 1, selected)
@@ -336,7 +377,7 @@ class RunManager:
             expected,
             quorum=spec.quorum_of(expected) if spec.mode is RunMode.SYNC else expected,
             timeout_s=timeout_s,
-            strategy=spec.strategy,
+            strategy="mean" if is_private(spec) else spec.strategy,
             params=spec.params,
             layout=facts.layout,
         )

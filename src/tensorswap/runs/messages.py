@@ -120,6 +120,8 @@ class ContributeRequest(_RunRequest, frozen=True, tag="contribute"):
     round: int
     update: bytes
     trained_on: int | None = None
+    clipped: bool | None = None
+    """A client-side clipping DP run: whether the peer had to clip its delta."""
 
     def __post_init__(self) -> None:
         _name("a peer name", self.peer)
@@ -157,6 +159,11 @@ class RunRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defa
     created_at: float
     deadline_s: float | None = None
     deadline_reason: str = ""
+    epsilon: float | None = None
+    """A DP run's ε so far (at ``dp_delta``); None for a run without DP."""
+    dp_delta: float | None = None
+    stop_reason: str = ""
+    """Why a run finished early (its privacy budget), "" otherwise."""
 
 
 class TaskWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -167,6 +174,8 @@ class TaskWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     version: int
     global_cid: str
     mode: str
+    dp: str = ""
+    clip: float | None = None
 
 
 class RunAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):

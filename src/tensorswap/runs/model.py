@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from types import MappingProxyType
 
+from tensorswap.privacy.params import check_dp_options
 from tensorswap.runs.errors import InvalidRunSpec
 
 __all__ = [
@@ -67,6 +68,11 @@ class RunSpec:
     (``tensorswap.aggregate.server_optimizer``).
     ``rounds`` stops the run after that many versions (None: never). Asynchronous runs use
     ``buffer``, ``max_staleness`` and ``staleness`` / ``staleness_exponent``.
+
+    Differential privacy (sync runs; docs/privacy.md): ``dp_clip`` (the clipping norm C;
+    None: no DP), ``dp_noise`` (the noise multiplier z), ``dp_delta``, ``dp_max_epsilon``,
+    ``dp_clipping`` (``server`` or ``client``), ``dp_adaptive`` with
+    ``dp_target_clipped_quantile``, ``dp_clip_norm_lr``, ``dp_clipped_count_stddev``.
     """
 
     mode: RunMode = RunMode.SYNC
@@ -90,6 +96,15 @@ class RunSpec:
     deadline_k: float = 3.0
     deadline_window: int = 5
     deadline_initial_s: float | None = None
+    dp_clip: float | None = None
+    dp_noise: float = 0.0
+    dp_delta: float = 1e-5
+    dp_max_epsilon: float | None = None
+    dp_clipping: str = "server"
+    dp_adaptive: bool = False
+    dp_target_clipped_quantile: float = 0.5
+    dp_clip_norm_lr: float = 0.2
+    dp_clipped_count_stddev: float | None = None
 
     @property
     def auto_deadline(self) -> bool:
@@ -135,6 +150,7 @@ class RunSpec:
             raise InvalidRunSpec(f"staleness_exponent must be >= 0, got {self.staleness_exponent}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InvalidRunSpec(f"seed must be an int >= 0, got {self.seed!r}")
+        check_dp_options(self)
 
     def _check_deadline_policy(self) -> None:
         floor, cap, k = self.deadline_floor_s, self.deadline_cap_s, self.deadline_k

@@ -55,11 +55,22 @@ def row_of(manager: RunManager, info: RunInfo) -> RunRow:
         created_at=info.created_at,
         deadline_s=info.deadline_s,
         deadline_reason=info.deadline_reason,
+        epsilon=manager.privacy.spent(info),
+        dp_delta=info.spec.dp_delta if info.spec.dp_clip is not None else None,
+        stop_reason=manager.privacy.stop_reason(info.name),
     )
 
 
 def task_wire(task: Task) -> TaskWire:
-    return TaskWire(task.run, task.round_id.round, task.version, task.global_cid, task.mode.value)
+    return TaskWire(
+        task.run,
+        task.round_id.round,
+        task.version,
+        task.global_cid,
+        task.mode.value,
+        task.dp,
+        task.clip,
+    )
 
 
 class RunService:
@@ -124,6 +135,7 @@ class RunService:
                     call.peer,
                     Cid.parse(call.update),
                     trained_on=call.trained_on,
+                    clipped=call.clipped,
                 )
                 return RunAnswer(status=status_to_wire(status))
         raise ProtocolViolation(f"unknown runs request {type(call).__name__}")

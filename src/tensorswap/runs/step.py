@@ -24,13 +24,18 @@ __all__ = ["apply_step", "check_policies", "check_staleness"]
 
 def check_policies(spec: RunSpec) -> None:
     """InvalidRunSpec unless the spec's strategy and server optimizer (with their options)
-    exist: checked when a run is created, not at its first step."""
+    exist (AccountantUnavailable for a noised DP run without dp-accounting): checked when
+    a run is created, not at its first step."""
     try:
         aggregator_spec(RoundSpec(1, strategy=spec.strategy, params=spec.params))
         hyper: dict[str, Any] = dict(spec.optimizer_params)
         server_optimizer(spec.optimizer, **hyper)
     except (AggregationError, RoundsError) as exc:
         raise InvalidRunSpec(f"run spec: {exc}") from exc
+    if spec.dp_clip is not None and spec.dp_noise > 0:
+        from tensorswap.privacy.accountant import check_available
+
+        check_available()  # AccountantUnavailable now, not at the first step
 
 
 def check_staleness(info: RunInfo, peer: str, trained_on: int | None) -> float:
@@ -51,6 +56,8 @@ def apply_step(
     aggregate_cid: Cid,
     contributions: Sequence[Contribution],
     trained_on: dict[str, int] | None = None,
+    *,
+    delta: bool = False,
 ) -> VersionRecord:
     """Version ``info.version + 1``: the server optimizer (with the state journaled for the
     current version) stepped from the current global model and the round's aggregate; both
@@ -59,7 +66,8 @@ def apply_step(
 
     In an asynchronous run the aggregate is the mean delta (peers submit their update minus
     the global model they trained from): the optimizer sees ``current + delta`` as Flower's
-    aggregated model.
+    aggregated model. So in a differentially private run (``delta``): its aggregate is the
+    noised mean delta.
     """
     spec = info.spec
     version = info.version + 1
@@ -68,7 +76,7 @@ def apply_step(
     meta = {"run": info.name, "version": str(version), "optimizer": spec.optimizer}
     name = f"{info.name}@{version}"
     state = None if info.state_cid is None else Cid.parse(info.state_cid)
-    delta = spec.mode is RunMode.ASYNC
+    delta = delta or spec.mode is RunMode.ASYNC
     streamed = stream_step(
         store,
         optimizer,

@@ -1,0 +1,119 @@
+"""DP-FedAvg's arithmetic: L2 clipping, the Gaussian noise's calibration, adaptive clipping.
+
+Pure functions, numbered after the papers and Flower 1.42's ``differential_privacy``
+helpers: McMahan et al. 2018 (DP-FedAvg), Andrew et al. 2021 (adaptive clipping).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Mapping
+
+import numpy as np
+
+_STEP = 1 << 20
+
+__all__ = [
+    "adaptive_noise",
+    "add_gaussian_noise",
+    "clip_factor",
+    "clip_update",
+    "next_clip",
+    "noise_std",
+    "secure_generator",
+    "update_norm",
+]
+
+
+def update_norm(tensors: Mapping[str, np.ndarray]) -> float:
+    """The L2 norm of all the tensors together (flattened, summed in float64, in steps of
+    ``_STEP`` values so the scratch memory stays bounded)."""
+    total = 0.0
+    for values in tensors.values():
+        flat = np.asarray(values).reshape(-1)
+        for start in range(0, flat.size, _STEP):
+            part = flat[start : start + _STEP].astype(np.float64)
+            total += float(np.dot(part, part))
+    return math.sqrt(total)
+
+
+def clip_factor(norm: float, clip: float) -> float:
+    """``min(1, clip / norm)``: the factor that brings an update of L2 norm ``norm`` within
+    ``clip`` (1 for a zero or non-finite norm; a non-finite update is refused elsewhere)."""
+    if not math.isfinite(norm) or norm <= clip:
+        return 1.0
+    return clip / norm
+
+
+def clip_update(
+    tensors: Mapping[str, np.ndarray], clip: float
+) -> tuple[dict[str, np.ndarray], bool]:
+    """The update scaled to L2 norm at most ``clip`` (Flower's FlatClip), and whether it was
+    scaled (Flower's ``norm_bit``). Each tensor keeps its dtype."""
+    factor = clip_factor(update_norm(tensors), clip)
+    if factor == 1.0:
+        return {k: np.asarray(v) for k, v in tensors.items()}, False
+    out = {
+        k: (np.asarray(v, dtype=np.float64) * factor).astype(np.asarray(v).dtype)
+        for k, v in tensors.items()
+    }
+    return out, True
+
+
+def noise_std(noise_multiplier: float, clip: float, num_sampled: int) -> float:
+    """The standard deviation of the noise added to the mean of ``num_sampled`` updates
+    clipped to ``clip``: ``noise_multiplier * clip / num_sampled`` (Flower's
+    ``compute_stdv``; the mean's sensitivity is ``clip / num_sampled``)."""
+    if num_sampled < 1:
+        raise ValueError(f"num_sampled must be >= 1, got {num_sampled}")
+    return noise_multiplier * clip / num_sampled
+
+
+def adaptive_noise(noise_multiplier: float, clipped_count_stddev: float) -> float:
+    """The update's noise multiplier under adaptive clipping, when the clipped count gets
+    noise of stddev ``clipped_count_stddev``: ``(z**-2 - (2 sigma_b)**-2) ** -0.5`` (Andrew
+    et al., Theorem 1; Flower's ``compute_adaptive_noise_params``), so that the two releases
+    together cost what one Gaussian of multiplier ``z`` does. ValueError unless
+    ``z < 2 sigma_b``; 0 without noise."""
+    if noise_multiplier <= 0:
+        return 0.0
+    if noise_multiplier >= 2 * clipped_count_stddev:
+        raise ValueError(
+            f"noise_multiplier {noise_multiplier} needs clipped_count_stddev above "
+            f"{noise_multiplier / 2} (got {clipped_count_stddev})"
+        )
+    return float((noise_multiplier**-2 - (2 * clipped_count_stddev) ** -2) ** -0.5)
+
+
+def next_clip(
+    clip: float, clipped_fraction: float, target_clipped_quantile: float, lr: float
+) -> float:
+    """The clipping norm of the next round: a geometric step towards the norm that clips the
+    target fraction of updates, ``clip * exp(lr * (clipped_fraction - target))``.
+
+    This is Andrew et al.'s update, ``C exp(-lr (b - gamma))``, written with the clipped
+    fraction ``1 - b`` and Flower's target ``1 - gamma``: too many updates clipped raises the
+    norm, too few lowers it. (Flower 1.42 applies ``exp(-lr * (clipped_fraction - target))``,
+    which moves the norm away from the target; see docs/privacy.md.)
+    """
+    return float(clip * math.exp(lr * (clipped_fraction - target_clipped_quantile)))
+
+
+def secure_generator() -> np.random.Generator:
+    """A numpy generator seeded with 256 bits from the OS's CSPRNG (``secrets``): never the
+    run's seed, so nobody who knows the spec can predict (and subtract) the noise."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(secrets.randbits(256))))
+
+
+def add_gaussian_noise(
+    tensors: Mapping[str, np.ndarray], std: float, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """Each value plus independent ``N(0, std**2)`` noise (drawn in float64, the sum cast
+    back to each tensor's dtype); in name order, so one generator gives one draw."""
+    out = {}
+    for name in sorted(tensors):
+        values = np.asarray(tensors[name])
+        noised = values.astype(np.float64) + rng.normal(0.0, std, values.shape)
+        out[name] = noised.astype(values.dtype)
+    return {name: out[name] for name in tensors}

@@ -1,0 +1,91 @@
+"""The differential-privacy options of a run spec, checked (no other privacy imports here:
+``runs.model`` calls this while it is being imported)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tensorswap.runs.errors import InvalidRunSpec
+
+__all__ = ["CLIPPING_MODES", "DP_STRATEGIES", "check_dp_options", "default_count_stddev"]
+
+CLIPPING_MODES = ("server", "client")
+"""``server``: the coordinator clips each update; ``client``: the peer clips, the coordinator
+checks the norm and refuses one above the clipping norm."""
+
+DP_STRATEGIES = ("fedavg", "mean")
+"""Strategies a DP run accepts; its rounds always aggregate with the unweighted ``mean`` of
+the clipped deltas (DP-FedAvg's uniform weights, Flower's noise calibration)."""
+
+
+def default_count_stddev(num_sampled: int) -> float:
+    """The clipped-count noise when none is given: ``num_sampled / 20`` (Andrew et al.,
+    Flower's default)."""
+    return num_sampled / 20
+
+
+def _finite(name: str, value: object, low: float, *, strict: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRunSpec(f"{name} must be a finite number, got {value!r}")
+    if value < low or (strict and value == low):
+        raise InvalidRunSpec(f"{name} must be {'>' if strict else '>='} {low}, got {value!r}")
+    return float(value)
+
+
+def check_dp_options(spec: Any) -> None:
+    """InvalidRunSpec unless the spec's ``dp_*`` options work together (a RunSpec)."""
+    if spec.dp_clip is None:
+        given = [
+            name
+            for name, default in (
+                ("dp_noise", 0.0),
+                ("dp_max_epsilon", None),
+                ("dp_clipping", "server"),
+                ("dp_adaptive", False),
+            )
+            if getattr(spec, name) != default
+        ]
+        if given:
+            raise InvalidRunSpec(f"{', '.join(given)} need dp_clip (the clipping norm)")
+        return
+    _finite("dp_clip", spec.dp_clip, 0.0)
+    _finite("dp_noise", spec.dp_noise, 0.0, strict=False)
+    delta = _finite("dp_delta", spec.dp_delta, 0.0)
+    if delta >= 1:
+        raise InvalidRunSpec(f"dp_delta must be in (0, 1), got {delta!r}")
+    if spec.dp_max_epsilon is not None:
+        _finite("dp_max_epsilon", spec.dp_max_epsilon, 0.0)
+    if spec.dp_clipping not in CLIPPING_MODES:
+        raise InvalidRunSpec(
+            f"dp_clipping is one of {list(CLIPPING_MODES)}, got {spec.dp_clipping!r}"
+        )
+    if not isinstance(spec.dp_adaptive, bool):
+        raise InvalidRunSpec(f"dp_adaptive must be true or false, got {spec.dp_adaptive!r}")
+    quantile = _finite(
+        "dp_target_clipped_quantile", spec.dp_target_clipped_quantile, 0.0, strict=False
+    )
+    if quantile > 1:
+        raise InvalidRunSpec(f"dp_target_clipped_quantile must be in [0, 1], got {quantile!r}")
+    _finite("dp_clip_norm_lr", spec.dp_clip_norm_lr, 0.0)
+    if spec.dp_clipped_count_stddev is not None:
+        _finite("dp_clipped_count_stddev", spec.dp_clipped_count_stddev, 0.0, strict=False)
+    if spec.mode.value != "sync":
+        raise InvalidRunSpec("differential privacy needs a sync run (sampled rounds)")
+    if spec.strategy not in DP_STRATEGIES:
+        raise InvalidRunSpec(
+            f"a DP run aggregates with the unweighted mean of clipped deltas; strategy "
+            f"{spec.strategy!r} is not one of {list(DP_STRATEGIES)}"
+        )
+    if "max_norm" in spec.params:
+        raise InvalidRunSpec("a DP run clips with dp_clip; drop the strategy's max_norm")
+    if spec.dp_adaptive and spec.dp_noise > 0:
+        # the smallest round samples min_clients: its count noise is the smallest default
+        count = spec.dp_clipped_count_stddev
+        count = default_count_stddev(spec.min_clients) if count is None else count
+        if spec.dp_noise >= 2 * count:
+            raise InvalidRunSpec(
+                f"adaptive clipping splits dp_noise={spec.dp_noise} between the update and the "
+                f"clipped count (stddev {count:.4g}); it needs dp_noise < 2 x that stddev: "
+                f"raise dp_clipped_count_stddev (or min_clients) or lower dp_noise"
+            )
