@@ -108,3 +108,11 @@ def test_run_create_from_a_file(tmp_path: Path, servers: list[Server]) -> None:
     assert result.output.startswith("run cli-run: version 0, global model b")
     bad = CliRunner().invoke(run_command, [*args, "--opt", "server_momentum=lots"])
     assert bad.exit_code == 2 and "a number is expected" in bad.output
+    private = ["create", address, "dp-run", "--initial", str(tmp_path / "init.npz")]
+    dp = ["--key", SECRET, "--per-round", "2", "--dp-clip", "1.0", "--dp-noise", "0.5"]
+    result = CliRunner().invoke(run_command, [*private, *dp, "--dp-max-epsilon", "8"])
+    assert result.exit_code == 0, result.output
+    shown = CliRunner().invoke(run_command, ["show", address, "dp-run", "--key", SECRET, "--json"])
+    assert shown.exit_code == 0, shown.output
+    (row,) = json.loads(shown.output)
+    assert row["dp_delta"] == 1e-5 and row["epsilon"] is not None

@@ -279,6 +279,42 @@ def run() -> None:
     show_default=True,
     help="Async: how a stale delta is scaled.",
 )
+@click.option(
+    "--dp-clip",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Differential privacy: clip each peer's update to this L2 norm (C); turns DP on.",
+)
+@click.option(
+    "--dp-noise",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="DP: the noise multiplier z (noise std z x C / peers sampled).",
+)
+@click.option(
+    "--dp-delta",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=1e-5,
+    show_default=True,
+    help="DP: the delta epsilon is reported at.",
+)
+@click.option(
+    "--dp-max-epsilon",
+    type=click.FloatRange(min=0, min_open=True),
+    help="DP: stop the run before a round would spend more than this epsilon.",
+)
+@click.option(
+    "--dp-clipping",
+    type=click.Choice(["server", "client"]),
+    default="server",
+    show_default=True,
+    help="DP: who clips (client: the coordinator refuses an update above C).",
+)
+@click.option(
+    "--dp-adaptive",
+    is_flag=True,
+    help="DP: adapt C to a quantile of the update norms (Andrew et al.).",
+)
 @_with_common
 def create(
     address: str,
@@ -302,6 +338,12 @@ def create(
     buffer: int,
     max_staleness: int,
     staleness: str,
+    dp_clip: float | None,
+    dp_noise: float,
+    dp_delta: float,
+    dp_max_epsilon: float | None,
+    dp_clipping: str,
+    dp_adaptive: bool,
     key: str | None,
     key_file: str | None,
     tls_ca: str | None,
@@ -332,6 +374,12 @@ def create(
         buffer=buffer,
         max_staleness=max_staleness,
         staleness=Staleness(staleness),
+        dp_clip=dp_clip,
+        dp_noise=dp_noise,
+        dp_delta=dp_delta,
+        dp_max_epsilon=dp_max_epsilon,
+        dp_clipping=dp_clipping,
+        dp_adaptive=dp_adaptive,
     )
     loaded = load_tensors(initial)
     update = (
