@@ -30,7 +30,7 @@ async def _train(client: RunClient, task: Task | None, step: np.float32) -> None
 
 
 async def _federation(
-    port: int, peers: int, per_round: int, rounds: int, nbytes: int, optimizer: str
+    port: int, peers: int, per_round: int, rounds: int, nbytes: int, optimizer: str, dp: bool
 ) -> float:
     names = tuple(f"p{i}" for i in range(peers))
     clients = [await RunClient.connect("127.0.0.1", port, peer=n) for n in names]
@@ -42,7 +42,8 @@ async def _federation(
             "w": rng.standard_normal(nbytes // 8, dtype=np.float32),
             "b": rng.standard_normal(nbytes // 8, dtype=np.float32),
         }
-        spec = RunSpec(per_round=per_round, rounds=rounds, seed=1, optimizer=optimizer)
+        private = {"dp_clip": 1000.0, "dp_noise": 0.5} if dp else {}
+        spec = RunSpec(per_round=per_round, rounds=rounds, seed=1, optimizer=optimizer, **private)
         await clients[0].create_run("mem", spec, initial)
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -63,21 +64,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a 2 MiB model, 5 rounds (64 MiB, 20)")
     parser.add_argument("--optimizer", default="fedadam", help="the run's server optimizer")
+    parser.add_argument("--rounds", type=int, help="rounds (default 20; 5 with --quick)")
+    parser.add_argument("--dp", action="store_true", help="a differentially private run")
     args = parser.parse_args(argv)
     nbytes, rounds = (2 * MiB, 5) if args.quick else (64 * MiB, 20)
+    rounds = args.rounds or rounds
     with tempfile.TemporaryDirectory(prefix="bench-runs-") as tmp:
         server = Coordinator(Path(tmp) / "data")
         try:
             base, _ = server.memory()
             server.reset_peak()
-            seconds = asyncio.run(_federation(server.port, 8, 4, rounds, nbytes, args.optimizer))
+            seconds = asyncio.run(
+                _federation(server.port, 8, 4, rounds, nbytes, args.optimizer, args.dp)
+            )
             _, peak = server.memory()
         finally:
             server.stop()
     growth = (peak - base) / nbytes
     print(
         f"run: 8 peers, 4 per round, {rounds} rounds of a {nbytes // MiB} MiB model, "
-        f"{args.optimizer}"
+        f"{args.optimizer}{' with DP' if args.dp else ''}"
     )
     print(f"  {seconds:.1f} s, {seconds / rounds:.2f} s per round")
     print(f"  coordinator RSS {base / MiB:.0f} MiB -> peak {peak / MiB:.0f} MiB")
