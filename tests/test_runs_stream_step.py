@@ -70,3 +70,20 @@ def test_other_layouts_fall_back() -> None:
     small = put_update(store, ModelUpdate({"w": np.ones(4096, np.float32)}), chunk_bytes=1024)
     big = put_update(store, ModelUpdate({"w": np.ones(4096, np.float32)}))
     assert stream_step(store, opt, 1, small, big, None, delta=False, metadata={}, name="x") is None
+
+
+def test_noise_streamed_chunk_by_chunk_has_the_asked_scale_and_spread() -> None:
+    from tensorswap.runs.stream import stream_noised
+
+    store = MemoryStore()
+    values = {"big": np.full(1_500_000, 2.0, np.float32), "small": np.ones((3, 3), np.float64)}
+    aggregate = put_update(store, ModelUpdate(values))
+    rng = np.random.default_rng(3)
+    cid = stream_noised(store, aggregate, 0.5, 0.1, rng, metadata={"dp": "x"}, name="r@1/dp")
+    noised = get_update(store, cid)
+    assert noised.metadata == {"dp": "x"} and noised.name == "r@1/dp"
+    big = noised.tensors["big"]
+    assert big.dtype == np.float32 and noised.tensors["small"].dtype == np.float64
+    assert abs(float(big.mean()) - 1.0) < 1e-3  # 2.0 x 0.5, plus zero-mean noise
+    assert abs(float(big.std()) - 0.1) < 1e-3
+    assert len(np.unique(big[:1000])) > 900  # independent draws, not one per chunk

@@ -9,13 +9,10 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from tensorswap.cid import Cid
 from tensorswap.privacy.accountant import epsilon
 from tensorswap.privacy.dp import (
     adaptive_noise,
-    add_gaussian_noise,
     clip_factor,
     next_clip,
     noise_std,
@@ -25,10 +22,12 @@ from tensorswap.privacy.dp import (
 from tensorswap.privacy.errors import ClipBoundExceeded, PrivacyBudgetExhausted
 from tensorswap.privacy.ledger import PrivacyLedger, PrivacyRound, PrivacyStep
 from tensorswap.privacy.params import default_count_stddev
+from tensorswap.rounds.fold import load_pieces
 from tensorswap.rounds.state import Contribution
 from tensorswap.rounds.updates import inspect_update
 from tensorswap.runs.errors import NotSelected, RunsError, StaleContribution
-from tensorswap.store import BlockStore, ModelUpdate, get_update, put_update
+from tensorswap.runs.stream import stream_noised
+from tensorswap.store import BlockStore
 
 if TYPE_CHECKING:  # runs.model imports privacy.params: no runs.model import at import time
     from tensorswap.runs.journal import RunDatabase
@@ -114,7 +113,8 @@ class RunPrivacy:
             raise StaleContribution(info.name, peer, trained_on, info.version, 0)
         clip = self._round(info.name, round).clip
         facts = inspect_update(store, update, f"{info.name}@{round}", peer, verify=True)
-        norm = update_norm(dict(get_update(store, facts.cid, verify=True).tensors))
+        pieces, _, _ = load_pieces(store, facts, None)  # chunk views, re-hashed: no copies
+        norm = update_norm(pieces)
         if info.spec.dp_clipping == "client":
             if math.isfinite(norm) and norm > clip * (1 + CLIP_TOLERANCE):
                 raise ClipBoundExceeded(info.name, round, peer, norm, clip)
@@ -156,11 +156,11 @@ class RunPrivacy:
                 count_std = float(given)
             z = adaptive_noise(spec.dp_noise, count_std)
         std = noise_std(z, entry.clip, m)
-        mean = get_update(store, aggregate, verify=True).tensors
-        factor = kept / m
-        summed = {k: np.asarray(v, dtype=np.float64) * factor for k, v in mean.items()}
-        noised = add_gaussian_noise(summed, std, rng)
-        values = {k: noised[k].astype(np.asarray(mean[k]).dtype) for k in mean}
+        meta = {"run": name, "round": str(info.round), "dp": "noised mean delta"}
+        # chunk by chunk, a few chunks in memory: sum of clipped deltas / m, plus the noise
+        cid = stream_noised(
+            store, aggregate, kept / m, std, rng, metadata=meta, name=f"{name}@{info.round}/dp"
+        )
         noised_clipped, upcoming = float(clipped), entry.clip
         if spec.dp_adaptive:
             noised_clipped = float(rng.normal(clipped, count_std)) if count_std > 0 else clipped
@@ -172,8 +172,6 @@ class RunPrivacy:
             )
         rates = [s.rate for s in steps] + [entry.rate]
         eps = epsilon(spec.dp_noise, rates, spec.dp_delta)
-        meta = {"run": name, "round": str(info.round), "dp": "noised mean delta"}
-        cid = put_update(store, ModelUpdate(values, 0, meta, name=f"{name}@{info.round}/dp"))
         step = PrivacyStep(
             info.round,
             str(cid),

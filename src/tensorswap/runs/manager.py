@@ -247,7 +247,7 @@ class RunManager:
         elif not getattr(self._local, "via_manager", False):
             raise RunsError(
                 f"run {info.name!r} is asynchronous: contribute with the version trained on "
-                f"(RunClient.contribute, RunManager.submit(..., trained_on=))"
+                f"(RunClient.submit, RunManager.submit(..., trained_on=))"
             )
 
     # ── transitions (on the manager's thread) ────────────────────────────────

@@ -23,7 +23,7 @@ from tensorswap.store import (
     update_manifest,
 )
 
-__all__ = ["stream_step"]
+__all__ = ["stream_noised", "stream_step"]
 
 _STREAMED = frozenset({"float32", "float64"})
 
@@ -103,6 +103,33 @@ def stream_step(
     # the state in the order ``optimizer.state`` lists it: tensor by tensor, prefix by prefix
     kept_update = update_manifest(f"{name}/state", 0, state_out, metadata)
     return new, _put_update(store, kept_update)
+
+
+def stream_noised(
+    store: BlockStore,
+    aggregate: Cid,
+    factor: float,
+    std: float,
+    rng: np.random.Generator,
+    *,
+    metadata: Mapping[str, str],
+    name: str,
+) -> Cid:
+    """``aggregate`` x ``factor`` plus independent ``N(0, std**2)`` noise per value (drawn and
+    added in float64, cast back to each tensor's dtype), stored chunk by chunk as an update
+    laid out like ``aggregate``: a few chunks in memory, never the whole model. Every chunk
+    is re-hashed as it is read."""
+    source = _update(store, aggregate)
+    refs: list[tuple[str, Cid]] = []
+    for ref in source.tensors:
+        tensor = _tensor(store, ref.cid)
+        chunks = []
+        for i, chunk in enumerate(tensor.chunks):
+            values = decode_chunk(store.get(chunk.cid, verify=True), tensor, i)
+            noised = values.astype(np.float64) * factor + rng.normal(0.0, std, values.size)
+            chunks.append(_put_chunk(store, noised.astype(values.dtype)))
+        refs.append((ref.name, _put_tensor(store, ref.name, tensor, chunks)))
+    return _put_update(store, update_manifest(name, 0, refs, metadata))
 
 
 def _update(store: BlockStore, cid: Cid) -> UpdateManifest:
