@@ -71,6 +71,11 @@ async def test_peers_long_poll_train_and_submit_over_the_wire(
         assert final.finished and final.version == 2
         model = (await peers[0].rounds.fetch(Cid.parse(final.global_cid))).tensors
         np.testing.assert_array_equal(model["w"], np.full((16, 4), 2.0, np.float32))
+        history = await peers[2].versions("fl")
+        assert [v.version for v in history] == [0, 1, 2]
+        assert all(len(v.participants) == 2 for v in history[1:])
+        assert history[-1].global_cid == final.global_cid
+        assert [v.version for v in await peers[2].versions("fl", since=2)] == [2]
         listed = await peers[1].runs()
         assert [r.name for r in listed] == ["fl"] and len(listed[0].participants) == 2
     finally:

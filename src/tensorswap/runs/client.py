@@ -16,6 +16,7 @@ from tensorswap.rounds.state import RoundId, RoundStatus
 from tensorswap.runs.manager import Task
 from tensorswap.runs.messages import (
     APP,
+    MAX_VERSIONS,
     ContributeRequest,
     CreateRunRequest,
     HeartbeatRequest,
@@ -25,6 +26,8 @@ from tensorswap.runs.messages import (
     RunRow,
     RunsRequest,
     TaskRequest,
+    VersionRow,
+    VersionsRequest,
     decode_answer,
     encode,
 )
@@ -95,6 +98,18 @@ class RunClient:
 
     async def run(self, name: str) -> RunRow:
         return _one(await self._call(RunsRequest(peer=self.peer, run=name)))
+
+    async def versions(self, run: str, since: int = 0) -> list[VersionRow]:
+        """Every version of ``run`` from ``since`` on (participants, staleness, CIDs, time);
+        long histories come in several requests."""
+        out: list[VersionRow] = []
+        while True:
+            answer = await self._call(VersionsRequest(peer=self.peer, run=run, since=since))
+            got = answer.versions or []
+            out.extend(got)
+            if len(got) < MAX_VERSIONS:
+                return out
+            since = got[-1].version + 1
 
     async def next_task(self, run: str, timeout: float | None = None) -> Task | None:
         """Wait for this peer's next task in ``run``: None when the run is finished or

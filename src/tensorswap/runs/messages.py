@@ -20,6 +20,7 @@ from tensorswap.rounds.messages import MAX_NAME_BYTES, ErrorInfo, Param, StatusW
 __all__ = [
     "APP",
     "MAX_SPEC_BYTES",
+    "MAX_VERSIONS",
     "ContributeRequest",
     "CreateRunRequest",
     "HeartbeatRequest",
@@ -30,6 +31,8 @@ __all__ = [
     "RunsRequest",
     "TaskRequest",
     "TaskWire",
+    "VersionRow",
+    "VersionsRequest",
 ]
 
 APP = "runs"
@@ -131,6 +134,21 @@ class ContributeRequest(_RunRequest, frozen=True, tag="contribute"):
             raise ValueError("round must be >= 1 and trained_on >= 0")
 
 
+class VersionsRequest(_RunRequest, frozen=True, tag="versions"):
+    """The versions of ``run`` from ``since`` on (at most MAX_VERSIONS per answer)."""
+
+    run: str
+    since: int = 0
+
+    def __post_init__(self) -> None:
+        _name("a run name", self.run)
+        if self.since < 0:
+            raise ValueError("since must be >= 0")
+
+
+MAX_VERSIONS = 256
+"""The most versions one ``versions`` answer lists (ask again from the last one + 1)."""
+
 RunRequest = (
     RegisterRequest
     | HeartbeatRequest
@@ -138,7 +156,20 @@ RunRequest = (
     | RunsRequest
     | TaskRequest
     | ContributeRequest
+    | VersionsRequest
 )
+
+
+class VersionRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """One version of a run's global model: its CIDs, the round, who made it, staleness."""
+
+    version: int
+    global_cid: str
+    state_cid: str | None
+    round: int
+    participants: list[str]
+    staleness: list[int]
+    at: float
 
 
 class RunRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
@@ -187,6 +218,7 @@ class RunAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_d
     status: StatusWire | None = None
     clients: int | None = None
     active: int | None = None
+    versions: list[VersionRow] | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -16,6 +16,7 @@ from tensorswap.rounds.state import RoundId
 from tensorswap.runs.manager import RunManager, Task
 from tensorswap.runs.messages import (
     APP,
+    MAX_VERSIONS,
     ContributeRequest,
     CreateRunRequest,
     HeartbeatRequest,
@@ -26,6 +27,8 @@ from tensorswap.runs.messages import (
     RunsRequest,
     TaskRequest,
     TaskWire,
+    VersionRow,
+    VersionsRequest,
     decode_request,
     encode,
 )
@@ -124,6 +127,22 @@ class RunService:
                 infos = [manager.run(call.run)] if call.run else manager.runs()
                 rows = [row_of(manager, info) for info in infos]
                 return RunAnswer(runs=rows, clients=len(registry), active=len(registry.active()))
+            case VersionsRequest():
+                records = await asyncio.to_thread(manager.versions, call.run)
+                picked = [r for r in records if r.version >= call.since][:MAX_VERSIONS]
+                history = [
+                    VersionRow(
+                        r.version,
+                        r.global_cid,
+                        r.state_cid,
+                        r.round,
+                        list(r.participants),
+                        list(r.staleness),
+                        r.at,
+                    )
+                    for r in picked
+                ]
+                return RunAnswer(versions=history)
             case TaskRequest():
                 task = await self._task(call)
                 return RunAnswer(task=None if task is None else task_wire(task))
