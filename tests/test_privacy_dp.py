@@ -20,7 +20,6 @@ from tensorswap.privacy import (
     PrivacyBudgetExhausted,
     PrivacyError,
     adaptive_noise,
-    add_gaussian_noise,
     clip_factor,
     clip_update,
     epsilon,
@@ -90,9 +89,17 @@ def test_adaptive_clip_follows_andrew_et_al_and_converges_to_the_quantile() -> N
 
 
 def test_noise_is_gaussian_from_a_secure_generator() -> None:
-    zeros = {"w": np.zeros((200, 100), np.float32)}
-    one = add_gaussian_noise(zeros, 0.5, secure_generator())["w"]
-    two = add_gaussian_noise(zeros, 0.5, secure_generator())["w"]
+    from tensorswap.runs.stream import stream_noised
+    from tensorswap.store import MemoryStore, ModelUpdate, get_update, put_update
+
+    store = MemoryStore()
+    zeros = put_update(store, ModelUpdate({"w": np.zeros((200, 100), np.float32)}))
+
+    def draw() -> np.ndarray:
+        cid = stream_noised(store, zeros, 1.0, 0.5, secure_generator(), metadata={}, name="n")
+        return np.asarray(get_update(store, cid).tensors["w"])
+
+    one, two = draw(), draw()
     assert one.dtype == np.float32 and not np.array_equal(one, two)  # fresh seeds each time
     assert float(one.std()) == pytest.approx(0.5, rel=0.05)
     assert abs(float(one.mean())) < 0.02

@@ -7,7 +7,6 @@ import tensorswap.runs  # noqa: F401  isort: skip
 from tensorswap.privacy.accountant import epsilon, round_epsilons
 from tensorswap.privacy.dp import (
     adaptive_noise,
-    add_gaussian_noise,
     clip_factor,
     clip_update,
     next_clip,
@@ -33,7 +32,6 @@ __all__ = [
     "PrivacyStep",
     "RunPrivacy",
     "adaptive_noise",
-    "add_gaussian_noise",
     "clip_factor",
     "clip_update",
     "epsilon",

@@ -16,7 +16,6 @@ _STEP = 1 << 20
 
 __all__ = [
     "adaptive_noise",
-    "add_gaussian_noise",
     "clip_factor",
     "clip_update",
     "next_clip",
@@ -104,16 +103,3 @@ def secure_generator() -> np.random.Generator:
     """A numpy generator seeded with 256 bits from the OS's CSPRNG (``secrets``): never the
     run's seed, so nobody who knows the spec can predict (and subtract) the noise."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(secrets.randbits(256))))
-
-
-def add_gaussian_noise(
-    tensors: Mapping[str, np.ndarray], std: float, rng: np.random.Generator
-) -> dict[str, np.ndarray]:
-    """Each value plus independent ``N(0, std**2)`` noise (drawn in float64, the sum cast
-    back to each tensor's dtype); in name order, so one generator gives one draw."""
-    out = {}
-    for name in sorted(tensors):
-        values = np.asarray(tensors[name])
-        noised = values.astype(np.float64) + rng.normal(0.0, std, values.shape)
-        out[name] = noised.astype(values.dtype)
-    return {name: out[name] for name in tensors}
