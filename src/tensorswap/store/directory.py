@@ -27,6 +27,7 @@ FORMAT_LINE = b"tensorswap-blockstore 1\n"
 _TMP_SUFFIX = ".tmp"
 _WRITE_STEP = 1 << 30  # os.write moves at most ~2 GiB per call on Linux; write in 1 GiB steps
 _HEX = frozenset("0123456789abcdef")
+_READ_SMALL = 64 * 1024  # blocks up to this size are read into memory rather than mapped
 _OWN_WRITES_KEPT = 1 << 16  # blocks remembered as written by this store (trust_own_writes)
 # A block file is a regular file the store wrote: a symlink is never followed, and opening a
 # FIFO put there must not wait for a writer (O_NONBLOCK changes nothing for regular files).
@@ -189,11 +190,11 @@ class DirectoryStore(BlockStore):
                 os.close(fd)
                 fd = -1
                 self._not_a_block_file(cid, path, stat)
-            if stat.st_size:
+            if stat.st_size > _READ_SMALL:
                 mapping = mmap.mmap(fd, stat.st_size, access=mmap.ACCESS_READ)
                 view = memoryview(mapping)
-            else:
-                view = memoryview(b"")
+            else:  # a small block: one read costs less than mapping and unmapping it
+                view = memoryview(os.read(fd, stat.st_size))
         except OSError as exc:
             raise StoreError(f"cannot map block {cid} at {path}: {exc}") from exc
         finally:
