@@ -21,6 +21,7 @@ from tensorswap.cli._util import (
     read_key,
     server_tls,
 )
+from tensorswap.rounds.batch import PeerKeys
 from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
 from tensorswap.rounds.server import RoundServer
 from tensorswap.runs.manager import RunManager
@@ -79,6 +80,8 @@ async def _run(
     reset: bool = False,
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     inactive_after: float = DEFAULT_INACTIVE_AFTER,
+    group_commit: bool = True,
+    peer_keys: str | None = None,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -93,6 +96,7 @@ async def _run(
         reset=reset,
         keep_rounds=keep_rounds,
         gc_grace=gc_grace,
+        group_commit=group_commit,
     )
     runs: RunManager | None = None
     try:
@@ -106,6 +110,7 @@ async def _run(
             max_wait=max_wait,
             max_connections=max_connections,
             max_inflight_bytes=max_inflight_bytes,
+            peer_keys=None if peer_keys is None else PeerKeys.load(peer_keys),
         )
         RunService(runs, server)
         async with await server.start(host, port, ssl=ssl):
@@ -214,6 +219,18 @@ async def _run(
     "runs counts as inactive and is no longer sampled.",
 )
 @click.option(
+    "--peer-keys",
+    type=click.Path(exists=True, dir_okay=False),
+    help="File of '<peer> <hex key>' lines: every contribution must then prove its peer's own "
+    "key (submit_batch proofs, see docs/scale.md); plain submits are refused.",
+)
+@click.option(
+    "--no-group-commit",
+    is_flag=True,
+    help="Journal each contribution in a transaction of its own (the behaviour before group "
+    "commit; for comparison).",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -235,6 +252,8 @@ def serve(
     reset: bool,
     max_inflight_bytes: int,
     inactive_after: float,
+    peer_keys: str | None,
+    no_group_commit: bool,
     log_level: str,
 ) -> None:
     """Run a coordinator: rounds (start, submit, status, wait), federated runs (register,
@@ -273,6 +292,8 @@ def serve(
             reset,
             max_inflight_bytes,
             inactive_after,
+            group_commit=not no_group_commit,
+            peer_keys=peer_keys,
         )
     )
 

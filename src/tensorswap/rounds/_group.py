@@ -53,6 +53,8 @@ class GroupCommit:
         self._leading = False
         self.commits = 0
         self.writes = 0
+        self.on_queue: Callable[[int], None] | None = None
+        """Called (under the queue's lock) with the queue's length after each enqueue."""
 
     def write(self, write: Write) -> None:
         """Run ``write`` in a transaction that commits before this returns; raise its error
@@ -72,6 +74,8 @@ class GroupCommit:
         last = slots[-1] if slots else None
         with self._cond:
             self._queue.extend(slots)
+            if self.on_queue is not None:
+                self.on_queue(len(self._queue))
             while last is not None and not last.done:
                 if self._leading:
                     self._cond.wait()

@@ -144,6 +144,7 @@ class Coordinator:
         *,
         durable: bool = True,
         reset: bool = False,
+        group_commit: bool = True,
         **kwargs: object,
     ) -> Coordinator:
         """A coordinator over ``<dir>/rounds.sqlite3`` and a directory store in ``<dir>/blocks``.
@@ -154,7 +155,9 @@ class Coordinator:
         root = Path(data_dir)
         store = DirectoryStore(root / STORE_DIRNAME, trust_own_writes=True)
         try:
-            journal = open_journal(root, store, durable=durable, reset=reset)
+            journal = open_journal(
+                root, store, durable=durable, reset=reset, group_commit=group_commit
+            )
         except BaseException:
             store.close()
             raise

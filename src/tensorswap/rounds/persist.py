@@ -417,6 +417,7 @@ def open_journal(
     *,
     durable: bool = True,
     reset: bool = False,
+    group_commit: bool = True,
 ) -> RoundDatabase:
     """The journal ``<data_dir>/rounds.sqlite3`` of a coordinator whose blocks are ``store``.
 
@@ -431,10 +432,15 @@ def open_journal(
         aside = _set_aside(path)
         where = f"the old one is kept as {aside}" if aside else "there was none"
         log.warning("starting a fresh round journal %s on request (reset): %s", path, where)
-        return RoundDatabase(path, durable=durable)
+        return RoundDatabase(path, durable=durable, group_commit=group_commit)
     holds_blocks = next(iter(store), None) is not None
     name = str(getattr(store, "root", store))
-    return RoundDatabase(path, durable=durable, store_with_blocks=name if holds_blocks else None)
+    return RoundDatabase(
+        path,
+        durable=durable,
+        store_with_blocks=name if holds_blocks else None,
+        group_commit=group_commit,
+    )
 
 
 def _set_aside(path: Path) -> Path | None:

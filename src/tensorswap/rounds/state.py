@@ -131,6 +131,7 @@ class _Round:
             self.deadline,
             self.layout,
             tuple(self.dropped.items()),
+            None if peers is None else len(self.contributions),
         )
 
 
