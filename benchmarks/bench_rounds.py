@@ -9,7 +9,10 @@
 2. The coordinator process's peak RSS during those rounds, as a multiple of one update
    (the worst round, from the RSS before the first). Goal <= 3x (FedAvg folds
    contributions as they arrive; blocks are read memory-mapped).
-3. 1,000 peers with tiny updates in one round: contributions per second.
+3. 1,000 peers with tiny updates in one round: contributions per second, durable, as
+   RoundClients (one request per submit) with a transaction per contribution (the path
+   before group commit: the starting figure) and with group commit, and as VirtualClients
+   (batched ``submit_batch`` requests); ratios against the first. Goal >= 3,000/s.
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.__main__ import ratio_line
 from tensorswap.cid import Cid
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.state import Complete, RoundId, RoundSpec
+from tensorswap.rounds.virtual import PeerSubmit, VirtualClients
 from tensorswap.store import ModelUpdate, put_update
 
 MiB = 1024 * 1024
@@ -261,17 +267,80 @@ async def many_peers(port: int, peers: int, connections: int) -> float:
             await client.aclose()
 
 
-def run_tiny(tmp: Path, peers: int, connections: int) -> None:
-    for label, extra in (("durable", ()), ("fast-commit", ("--fast-commit",))):
-        coord = Coordinator(tmp / f"tiny-{label}", *extra)
+async def many_virtual(port: int, peers: int, connections: int, batch: int | None) -> float:
+    """``peers`` virtual peers over ``connections`` connections (one of them for the wait):
+    ``batch`` None submits each peer on its own at once (coalesced), else ``submit_many``
+    in requests of ``batch`` items."""
+    pool = await VirtualClients.connect("127.0.0.1", port, connections=connections)
+    rid = RoundId(3, "bench")
+    try:
+        await pool.clients[0].start_round(rid, RoundSpec(peers))
+        items = [
+            PeerSubmit(f"peer-{i}", {"w": np.full(16, float(i % 20), np.float32)}, 1)
+            for i in range(peers)
+        ]
+        start = time.perf_counter()
+        if batch is None:
+            who = [pool.peer(item.peer) for item in items]
+            outcomes = await asyncio.gather(
+                *(p.submit(rid, item.update, 1) for p, item in zip(who, items, strict=True))
+            )
+        else:
+            outcomes = list(await pool.submit_many(rid, items, batch=batch))
+        assert not any(isinstance(o, Exception) for o in outcomes), outcomes[:3]
+        assert isinstance(await pool.wait(rid, timeout=600), Complete)
+        return time.perf_counter() - start
+    finally:
+        await pool.aclose()
+
+
+def run_tiny(tmp: Path, peers: int, connections: int) -> bool:
+    """Tiny contributions per second, durable (synchronous=FULL) unless marked, every
+    answer after its contribution committed; the first row is the path before group commit
+    (the starting figure), the others' ratios are against it."""
+    rows: list[tuple[str, float]] = []
+    configs: list[tuple[str, tuple[str, ...], Callable[[int], Awaitable[float]]]] = [
+        (
+            f"RoundClient x {connections}, a transaction per submit (before)",
+            ("--no-group-commit",),
+            lambda port: many_peers(port, peers, connections),
+        ),
+        (
+            f"RoundClient x {connections}, group commit",
+            (),
+            lambda port: many_peers(port, peers, connections),
+        ),
+        (
+            f"RoundClient x {connections}, group commit, fast-commit (not durable)",
+            ("--fast-commit",),
+            lambda port: many_peers(port, peers, connections),
+        ),
+        (
+            "VirtualClients, each peer's submit on its own (coalesced), 3 connections",
+            (),
+            lambda port: many_virtual(port, peers, 3, None),
+        ),
+        (
+            "VirtualClients.submit_many, batches of 250, 3 connections",
+            (),
+            lambda port: many_virtual(port, peers, 3, 250),
+        ),
+    ]
+    for i, (label, extra, run) in enumerate(configs):
+        coord = Coordinator(tmp / f"tiny-{i}", *extra)
         try:
-            seconds = asyncio.run(many_peers(coord.port, peers, connections))
+            seconds = asyncio.run(run(coord.port))
         finally:
             coord.stop()
-        print(
-            f"{peers} peers, tiny updates ({label}, {connections} connections): "
-            f"{seconds:.2f} s, {peers / seconds:.0f} contributions/s"
-        )
+        rows.append((label, peers / seconds))
+    base = rows[0][1]
+    print(f"{peers} peers, tiny updates (16 float32), one round, contributions per second:")
+    for label, rate in rows:
+        print(f"  {rate:7.0f}/s  {rate / base:5.2f}x  {label}")
+    best = max(rate for label, rate in rows if "not durable" not in label)
+    print(f"  best durable: {best:.0f}/s, {best / base:.2f}x the path before (goal >= 3000/s)")
+    print(ratio_line("tiny_durable_vs_before", best / base))
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

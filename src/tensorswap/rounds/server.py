@@ -9,7 +9,7 @@ import ssl as ssl_module
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Self, assert_never
+from typing import Any, Self, assert_never
 
 import msgspec
 
@@ -131,6 +131,9 @@ class RoundServer:
         """The longest one ``wait`` request waits (seconds)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[RoundId, set[asyncio.Event]] = {}
+        self._intake: dict[RoundId, list[tuple[str, Cid, asyncio.Future[Any]]]] = {}
+        self._intaking: set[RoundId] = set()
+        self._intake_tasks: set[asyncio.Task[None]] = set()
         self.peer_keys = None if peer_keys is None else PeerKeys(peer_keys)
         """Per-peer keys: when set, every contribution must prove its peer's key
         (``rounds.batch``); the plain ``submit`` op is refused."""
@@ -272,8 +275,7 @@ class RoundServer:
                     wired = None if current is None else status_to_wire(current)
                     return RoundAnswer(started=started, status=wired)
                 case SubmitRequest():
-                    rid, peer, update = request.round_id, request.peer, request.cid
-                    status = await asyncio.to_thread(coord.submit, rid, peer, update)
+                    status = await self._submit(request.round_id, request.peer, request.cid)
                     return RoundAnswer(status=status_to_wire(status))
                 case WaitRequest():
                     status = await self._wait(request.round_id, request.timeout)
@@ -290,6 +292,37 @@ class RoundServer:
             raise
         except TensorSwapError as exc:
             return RoundAnswer(error=error_info(exc))
+
+    async def _submit(self, rid: RoundId, peer: str, cid: Cid) -> RoundStatus:
+        """``coordinator.submit``, batched with the submits other connections make meanwhile:
+        one worker thread per round screens them in order and journals them in one
+        transaction (``submit_many``); each answer still waits for its own commit."""
+        future: asyncio.Future[RoundStatus | Exception] = asyncio.get_running_loop().create_future()
+        queue = self._intake.setdefault(rid, [])
+        queue.append((peer, cid, future))
+        if rid not in self._intaking:
+            self._intaking.add(rid)
+            task = asyncio.ensure_future(self._drain_intake(rid))
+            self._intake_tasks.add(task)
+            task.add_done_callback(self._intake_tasks.discard)
+        outcome = await future
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def _drain_intake(self, rid: RoundId) -> None:
+        try:
+            while queue := self._intake.pop(rid, None):
+                pairs = [(peer, cid) for peer, cid, _ in queue]
+                try:
+                    outcomes = await asyncio.to_thread(self.coordinator.submit_many, rid, pairs)
+                except Exception as exc:  # a bug: every waiter hears of it
+                    outcomes = [exc] * len(queue)
+                for (_, _, future), outcome in zip(queue, outcomes, strict=True):
+                    if not future.done():
+                        future.set_result(outcome)
+        finally:
+            self._intaking.discard(rid)
 
     async def _submit_batch(self, call: BatchSubmitRequest) -> BatchAnswer:
         """Check each item's proof (with per-peer keys), then submit the rest together."""

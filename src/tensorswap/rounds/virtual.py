@@ -28,7 +28,7 @@ from tensorswap.rounds.batch import (
     BatchSubmitRequest,
     submit_proof,
 )
-from tensorswap.rounds.client import RoundClient, _children_first
+from tensorswap.rounds.client import RoundClient, _children_first, is_small
 from tensorswap.rounds.errors import UnknownUpdate
 from tensorswap.rounds.paging import PageAnswer, PeersPageRequest, RoundsPageRequest
 from tensorswap.rounds.protocol import APP, raise_remote
@@ -51,20 +51,6 @@ class PeerSubmit:
     peer: str
     update: Update
     num_samples: int = 0
-
-
-_SMALL_UPDATE = 64 * 1024
-
-
-def _small(update: Update) -> bool:
-    """Whether ``update`` is a CID or holds at most _SMALL_UPDATE bytes of values."""
-    if isinstance(update, Cid):
-        return True
-    tensors = update.tensors if isinstance(update, ModelUpdate) else update
-    total = 0
-    for value in tensors.values():
-        total += int(getattr(value, "nbytes", _SMALL_UPDATE + 1))
-    return total <= _SMALL_UPDATE
 
 
 class _Queued:
@@ -164,6 +150,15 @@ class VirtualClients:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    def client_for(self, peer: str, index: int = 0) -> RoundClient:
+        """A RoundClient named ``peer`` over connection ``index`` (its lock, its store): for
+        APIs built on one, e.g. ``RunClient(pool.client_for("site-7")).register(...)``. Its
+        plain submits carry no proof (refused by a coordinator with per-peer keys)."""
+        base = self.clients[index]
+        view = RoundClient(base.blocks, peer, base.store)
+        view._lock = base._lock  # one request at a time on the shared connection
+        return view
+
     def peer(self, name: str, key: bytes | None = None) -> VirtualPeer:
         """The virtual peer ``name`` (its ``key`` recorded when given)."""
         if not name:
@@ -182,7 +177,9 @@ class VirtualClients:
         raises what it was refused for.
         """
         item = [PeerSubmit(peer, update, num_samples)]
-        if _small(update):  # hashing and encoding a tiny update costs less than a thread hop
+        if isinstance(update, Cid) or is_small(
+            update
+        ):  # hashing and encoding a tiny update costs less than a thread hop
             (cid,) = self._put(item)
         else:
             (cid,) = await asyncio.to_thread(self._put, item)
