@@ -15,10 +15,11 @@ from tensorswap.rounds.batch import MAX_BATCH, BatchItem, BatchSubmitRequest, Pe
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.errors import DuplicateContribution, PeerNotAuthorised, RoundNotFound
+from tensorswap.rounds.paging import page_peers, page_rounds
 from tensorswap.rounds.persist import RoundDatabase
 from tensorswap.rounds.server import RoundServer
 from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
-from tensorswap.rounds.virtual import PeerSubmit, VirtualClients, page_peers, page_rounds
+from tensorswap.rounds.virtual import PeerSubmit, VirtualClients
 
 RID = RoundId(5, "sim")
 KEY = b"virtual-test-key"

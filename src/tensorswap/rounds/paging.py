@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import msgspec
 
+from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.messages import ErrorInfo, Param, RoundRow, _Request
+from tensorswap.rounds.model import RoundId
+from tensorswap.rounds.protocol import APP, raise_remote
+from tensorswap.wire.errors import ProtocolViolation
 
 __all__ = [
     "MAX_PAGE",
@@ -20,6 +24,8 @@ __all__ = [
     "PageAnswer",
     "PeersPageRequest",
     "RoundsPageRequest",
+    "page_peers",
+    "page_rounds",
 ]
 
 MAX_PAGE = 1000
@@ -78,3 +84,38 @@ def next_start(start: int, shown: int, total: int) -> int | None:
     """Where the page after one of ``shown`` items from ``start`` begins; None past the end."""
     after = start + shown
     return after if after < total else None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_page_decoder = msgspec.msgpack.Decoder(PageAnswer)
+
+
+async def _page(client: RoundClient, request: RoundsPageRequest | PeersPageRequest) -> PageAnswer:
+    async with client._lock:
+        body = await client.blocks.request(APP, _encoder.encode(request), timeout="read")
+    try:
+        answer = _page_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolViolation(f"bad page answer: {exc}") from exc
+    if answer.error is not None:
+        raise_remote(answer.error, client.blocks.conn.peer)
+    return answer
+
+
+async def page_rounds(
+    client: RoundClient, start: int = 0, limit: int = 100, *, peers: int = 0, stats: bool = False
+) -> PageAnswer:
+    """One page of the coordinator's rounds (``rounds_page``): ``limit`` rounds from
+    ``start`` with at most ``peers`` peer names each; ``next`` is the next page's start."""
+    request = RoundsPageRequest(start=start, limit=limit, peers=peers, stats=stats)
+    return await _page(client, request)
+
+
+async def page_peers(
+    client: RoundClient, round_id: RoundId, start: int = 0, limit: int = 1000
+) -> PageAnswer:
+    """One page of the round's peers in acceptance order (``peers_page``)."""
+    request = PeersPageRequest(
+        round=round_id.round, initiator=round_id.initiator, start=start, limit=limit
+    )
+    return await _page(client, request)

@@ -30,18 +30,16 @@ from tensorswap.rounds.batch import (
 )
 from tensorswap.rounds.client import RoundClient, _children_first, is_small
 from tensorswap.rounds.errors import UnknownUpdate
-from tensorswap.rounds.paging import PageAnswer, PeersPageRequest, RoundsPageRequest
 from tensorswap.rounds.protocol import APP, raise_remote
 from tensorswap.rounds.state import RoundId, RoundStatus
 from tensorswap.store import BlockStore, MemoryStore, ModelUpdate, put_update
 from tensorswap.wire import ProtocolViolation, Timeouts, WireLimits
 
-__all__ = ["PeerSubmit", "VirtualClients", "VirtualPeer", "page_peers", "page_rounds"]
+__all__ = ["PeerSubmit", "VirtualClients", "VirtualPeer"]
 
 Update = ModelUpdate | Mapping[str, Any] | Cid
 _encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(BatchAnswer)
-_page_decoder = msgspec.msgpack.Decoder(PageAnswer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,12 +197,20 @@ class VirtualClients:
         ``max_batch``), sent on the submit connections at once; per item the round's status
         once durable, or the error that refused it."""
         size = min(batch or self.max_batch, self.max_batch)
-        cids = await asyncio.to_thread(self._put, list(items))
-        pairs = [(item.peer, cid) for item, cid in zip(items, cids, strict=True)]
-        parts = [pairs[i : i + size] for i in range(0, len(pairs), size)]
-        sent = await asyncio.gather(
-            *(self._send(next(self._turn), round_id, part) for part in parts)
-        )
+        sends: list[asyncio.Task[list[RoundStatus | Exception]]] = []
+        try:
+            for start in range(0, len(items), size):
+                part = list(items[start : start + size])
+                # the next part is encoded while the ones before it are on the wire
+                cids = await asyncio.to_thread(self._put, part)
+                pairs = [(item.peer, cid) for item, cid in zip(part, cids, strict=True)]
+                sends.append(asyncio.ensure_future(self._send(next(self._turn), round_id, pairs)))
+            sent = await asyncio.gather(*sends)
+        except BaseException:
+            for task in sends:
+                task.cancel()
+            await asyncio.gather(*sends, return_exceptions=True)
+            raise
         return [outcome for part in sent for outcome in part]
 
     def _put(self, items: list[PeerSubmit]) -> list[Cid]:
@@ -344,35 +350,3 @@ class VirtualPeer:
 
     def __repr__(self) -> str:
         return f"VirtualPeer({self.name!r})"
-
-
-# ── paged status ─────────────────────────────────────────────────────────────
-async def _page(client: RoundClient, request: RoundsPageRequest | PeersPageRequest) -> PageAnswer:
-    async with client._lock:
-        body = await client.blocks.request(APP, _encoder.encode(request), timeout="read")
-    try:
-        answer = _page_decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise ProtocolViolation(f"bad page answer: {exc}") from exc
-    if answer.error is not None:
-        raise_remote(answer.error, client.blocks.conn.peer)
-    return answer
-
-
-async def page_rounds(
-    client: RoundClient, start: int = 0, limit: int = 100, *, peers: int = 0, stats: bool = False
-) -> PageAnswer:
-    """One page of the coordinator's rounds (``rounds_page``): ``limit`` rounds from
-    ``start`` with at most ``peers`` peer names each; ``next`` is the next page's start."""
-    request = RoundsPageRequest(start=start, limit=limit, peers=peers, stats=stats)
-    return await _page(client, request)
-
-
-async def page_peers(
-    client: RoundClient, round_id: RoundId, start: int = 0, limit: int = 1000
-) -> PageAnswer:
-    """One page of the round's peers in acceptance order (``peers_page``)."""
-    request = PeersPageRequest(
-        round=round_id.round, initiator=round_id.initiator, start=start, limit=limit
-    )
-    return await _page(client, request)
