@@ -337,6 +337,16 @@ def run_tiny(tmp: Path, peers: int, connections: int, before_src: str | None = N
             (),
             lambda port: many_virtual(port, peers, 3, 500),
         ),
+        (
+            "the same, --sync-blocks (blocks flushed before each commit)",
+            ("--sync-blocks",),
+            lambda port: many_virtual(port, peers, 3, 500),
+        ),
+        (
+            f"RoundClient x {connections}, group commit, --sync-blocks",
+            ("--sync-blocks",),
+            lambda port: many_peers(port, peers, connections),
+        ),
     ]
     for i, (label, extra, run) in enumerate(configs):
         src = extra[1] if extra[:1] == ("--src",) else None

@@ -82,6 +82,7 @@ async def _run(
     inactive_after: float = DEFAULT_INACTIVE_AFTER,
     group_commit: bool = True,
     peer_keys: str | None = None,
+    sync_blocks: bool = False,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -97,6 +98,7 @@ async def _run(
         keep_rounds=keep_rounds,
         gc_grace=gc_grace,
         group_commit=group_commit,
+        sync_blocks=sync_blocks,
     )
     runs: RunManager | None = None
     try:
@@ -225,6 +227,12 @@ async def _run(
     "key (submit_batch proofs, see docs/scale.md); plain submits are refused.",
 )
 @click.option(
+    "--sync-blocks",
+    is_flag=True,
+    help="Flush received blocks to disk (syncfs) before each journal commit that names them, "
+    "so an accepted contribution's blocks survive a power loss too (once per group commit).",
+)
+@click.option(
     "--no-group-commit",
     is_flag=True,
     help="Journal each contribution in a transaction of its own (the behaviour before group "
@@ -253,6 +261,7 @@ def serve(
     max_inflight_bytes: int,
     inactive_after: float,
     peer_keys: str | None,
+    sync_blocks: bool,
     no_group_commit: bool,
     log_level: str,
 ) -> None:
@@ -294,6 +303,7 @@ def serve(
             inactive_after,
             group_commit=not no_group_commit,
             peer_keys=peer_keys,
+            sync_blocks=sync_blocks,
         )
     )
 

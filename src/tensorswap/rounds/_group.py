@@ -44,8 +44,12 @@ class GroupCommit:
         *,
         grouped: bool = True,
         max_batch: int = 4096,
+        before: Callable[[], None] | None = None,
     ) -> None:
         self._transaction = transaction
+        self.before = before
+        """Run by the leader before each transaction (e.g. flush the blocks the batch's
+        writes name); what it raises fails the whole batch."""
         self.grouped = grouped
         self.max_batch = max_batch
         self._cond = threading.Condition(threading.Lock())
@@ -95,6 +99,8 @@ class GroupCommit:
     def _run(self, batch: list[_Slot]) -> None:
         """One transaction for ``batch``; marks each slot done with its error (if any)."""
         try:
+            if self.before is not None:
+                self.before()
             with self._transaction() as db:
                 for slot in batch:
                     db.execute("SAVEPOINT w")

@@ -145,18 +145,27 @@ class Coordinator:
         durable: bool = True,
         reset: bool = False,
         group_commit: bool = True,
+        sync_blocks: bool = False,
         **kwargs: object,
     ) -> Coordinator:
         """A coordinator over ``<dir>/rounds.sqlite3`` and a directory store in ``<dir>/blocks``.
 
         Both are created if missing, reopened otherwise, and closed by ``close``. A lost or
         damaged journal is refused, and ``reset`` starts a fresh one: see ``open_journal``.
+        ``sync_blocks`` flushes the store to disk (``DirectoryStore.sync``) before each
+        journal transaction, so with ``durable`` a contribution's blocks survive a power
+        loss too (once per group commit, not per block).
         """
         root = Path(data_dir)
         store = DirectoryStore(root / STORE_DIRNAME, trust_own_writes=True)
         try:
             journal = open_journal(
-                root, store, durable=durable, reset=reset, group_commit=group_commit
+                root,
+                store,
+                durable=durable,
+                reset=reset,
+                group_commit=group_commit,
+                before_commit=store.sync if sync_blocks else None,
             )
         except BaseException:
             store.close()

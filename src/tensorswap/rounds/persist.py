@@ -8,7 +8,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
@@ -101,7 +101,9 @@ class RoundDatabase:
     Group commit (``group_commit=True``, the default): writes from threads that call at the
     same time share one transaction, so one fsync covers them all (``rounds._group``); each
     call still returns only once its own write has committed, and writes commit in the
-    order they were made. ``add_contributions`` queues several at once.
+    order they were made. ``add_contributions`` queues several at once. ``before_commit``
+    runs before each transaction (a coordinator flushes its block store there, so the blocks
+    a contribution names are on disk before the journal records it).
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class RoundDatabase:
         durable: bool = True,
         store_with_blocks: str | None = None,
         group_commit: bool = True,
+        before_commit: Callable[[], None] | None = None,
     ) -> None:
         """Open (or create) the journal at ``path``; a damaged one is refused (JournalDamaged).
 
@@ -120,7 +123,7 @@ class RoundDatabase:
         """
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._group = GroupCommit(self._transaction, grouped=group_commit)
+        self._group = GroupCommit(self._transaction, grouped=group_commit, before=before_commit)
         if store_with_blocks is not None and not self.path.exists():
             raise JournalMissing(self.path, "missing", store_with_blocks)
         try:
@@ -418,6 +421,7 @@ def open_journal(
     durable: bool = True,
     reset: bool = False,
     group_commit: bool = True,
+    before_commit: Callable[[], None] | None = None,
 ) -> RoundDatabase:
     """The journal ``<data_dir>/rounds.sqlite3`` of a coordinator whose blocks are ``store``.
 
@@ -432,7 +436,9 @@ def open_journal(
         aside = _set_aside(path)
         where = f"the old one is kept as {aside}" if aside else "there was none"
         log.warning("starting a fresh round journal %s on request (reset): %s", path, where)
-        return RoundDatabase(path, durable=durable, group_commit=group_commit)
+        return RoundDatabase(
+            path, durable=durable, group_commit=group_commit, before_commit=before_commit
+        )
     holds_blocks = next(iter(store), None) is not None
     name = str(getattr(store, "root", store))
     return RoundDatabase(
@@ -440,6 +446,7 @@ def open_journal(
         durable=durable,
         store_with_blocks=name if holds_blocks else None,
         group_commit=group_commit,
+        before_commit=before_commit,
     )
 
 

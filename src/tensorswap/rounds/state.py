@@ -212,11 +212,12 @@ class RoundTracker:
         """Raise what ``submit`` would raise for this peer now; the round's snapshot otherwise.
 
         Lets a caller refuse early, before validating a large update; ``submit`` checks again.
+        The snapshot lists no peers (``received`` still counts them).
         """
         with self._lock:
             entry = self._get(round_id)
             self._check_open(entry, peer)
-            return entry.snapshot()
+            return entry.snapshot(peers=0)  # O(1): a full round's peers are not copied
 
     def submit(self, contribution: Contribution, *, layout: Layout | None = None) -> RoundStatus:
         """Accept a contribution and return the new status (Collecting).
