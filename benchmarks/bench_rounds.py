@@ -333,14 +333,14 @@ def run_tiny(tmp: Path, peers: int, connections: int, before_src: str | None = N
             lambda port: many_virtual(port, peers, 3, None),
         ),
         (
-            "VirtualClients.submit_many, batches of 500, 3 connections",
+            "VirtualClients.submit_many, batches of 1000, 2 connections",
             (),
-            lambda port: many_virtual(port, peers, 3, 500),
+            lambda port: many_virtual(port, peers, 2, 1000),
         ),
         (
             "the same, --sync-blocks (blocks flushed before each commit)",
             ("--sync-blocks",),
-            lambda port: many_virtual(port, peers, 3, 500),
+            lambda port: many_virtual(port, peers, 2, 1000),
         ),
         (
             f"RoundClient x {connections}, group commit, --sync-blocks",
