@@ -90,6 +90,29 @@ def test_a_peer_killed_in_a_sync_run_leaves_its_round_to_the_quorum(tmp_path: Pa
     assert len(report.versions) == 2
 
 
+@pytest.mark.slow
+def test_a_dp_run_reports_epsilon_per_version_and_stops_at_its_budget(tmp_path: Path) -> None:
+    cfg = DemoConfig(
+        peers=3,
+        rounds=6,
+        local_epochs=1,
+        dp_clip=2.0,
+        dp_noise=0.5,
+        dp_max_epsilon=25.0,
+        out=tmp_path,
+    )
+    report, text = _run(cfg)
+    eps = [v.epsilon for v in report.versions]
+    assert eps and all(e is not None for e in eps)
+    assert eps == sorted(eps) and eps[-1] <= 25.0  # type: ignore[type-var]
+    assert len(report.versions) < 6 and "privacy budget exhausted" in text
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [v["epsilon"] for v in summary["versions"]] == eps
+    spec = RunSpec.from_json(summary["run"]["spec"])
+    assert (spec.dp_clip, spec.dp_noise, spec.dp_max_epsilon) == (2.0, 0.5, 25.0)
+    assert "ε" in text
+
+
 def test_run_options_become_the_runs_spec() -> None:
     spec = run_spec(DemoConfig(peers=8, sample=4, server_opt="fedadam", rounds=5, seed=3))
     assert (spec.mode, spec.per_round, spec.min_clients, spec.optimizer) == (
@@ -115,6 +138,7 @@ def test_run_options_become_the_runs_spec() -> None:
         ({"server_opt": "fedadam", "compression": "int8"}, "--compression"),
         ({"mode": "async", "kill_peer": 1}, "--kill-peer"),
         ({"mode": "async", "aggregator": "median"}, "fedavg or mean"),
+        ({"mode": "async", "dp_clip": 1.0}, "--dp-clip applies to --mode sync"),
     ],
 )
 def test_run_options_that_do_not_go_together_are_refused(

@@ -130,6 +130,33 @@ SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "n
     type=click.IntRange(0),
     help="Async run: a delta trained on a version older than this many is refused.",
 )
+@click.option(
+    "--dp-clip",
+    "dp_clip",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="C",
+    help="Differential privacy (a sync run, DP-FedAvg): clip each update's delta to L2 norm "
+    "C; prints epsilon per round and plots accuracy against it.",
+)
+@click.option(
+    "--dp-noise",
+    "dp_noise",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    metavar="Z",
+    help="DP noise multiplier: Gaussian noise of std Z*C/sampled on the mean delta.",
+)
+@click.option("--dp-delta", "dp_delta", type=float, default=1e-5, show_default=True)
+@click.option(
+    "--dp-max-epsilon",
+    "dp_max_epsilon",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="E",
+    help="Stop the run before a round would take epsilon past E.",
+)
 def demo(
     peers: int,
     rounds: int,
@@ -152,6 +179,10 @@ def demo(
     slow_factor: float,
     buffer: int | None,
     max_staleness: int,
+    dp_clip: float | None,
+    dp_noise: float,
+    dp_delta: float,
+    dp_max_epsilon: float | None,
 ) -> int:
     """Train an MLP on digits federatedly across peer processes, with progress and a plot.
 
@@ -160,7 +191,7 @@ def demo(
     evaluate. Prints each round, a summary table, and writes demo.png and summary.json to
     OUT.
 
-    With --mode, --server-opt, --sample or --slow-peer the demo is one federated run on the
+    With --mode, --server-opt, --sample, --slow-peer or --dp-clip the demo is one federated run on the
     coordinator instead: the peers long-poll for tasks, the coordinator samples them and
     steps the global model with the server optimizer (sync), or folds deltas as they come
     and makes a version every --buffer of them (async); the plot shows accuracy against
@@ -194,6 +225,10 @@ def demo(
         slow_factor=slow_factor,
         buffer=buffer,
         max_staleness=max_staleness,
+        dp_clip=dp_clip,
+        dp_noise=dp_noise,
+        dp_delta=dp_delta,
+        dp_max_epsilon=dp_max_epsilon,
     )
     try:
         check_config(cfg)

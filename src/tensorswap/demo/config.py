@@ -41,6 +41,11 @@ class DemoConfig:
     slow_factor: float = 5.0
     buffer: int | None = None  # async: contributions per version (None: half the peers)
     max_staleness: int = 8
+    # Differential privacy (a sync run): the clipping norm C (None: no DP), noise multiplier z
+    dp_clip: float | None = None
+    dp_noise: float = 1.0
+    dp_delta: float = 1e-5
+    dp_max_epsilon: float | None = None
 
     @property
     def federated(self) -> bool:
@@ -50,6 +55,7 @@ class DemoConfig:
             or self.server_opt is not None
             or self.sample is not None
             or self.slow_peer is not None
+            or self.dp_clip is not None
         )
 
     @property
@@ -83,7 +89,9 @@ def check_config(cfg: DemoConfig) -> None:
 
 def _check_run_options(cfg: DemoConfig) -> None:
     if cfg.topology != "star":
-        raise DemoError("--mode, --server-opt, --sample and --slow-peer run on the star topology")
+        raise DemoError(
+            "--mode, --server-opt, --sample, --slow-peer and --dp-* run on the star topology"
+        )
     if cfg.compression != "none":
         raise DemoError("--compression applies to the per-round demo, not to a federated run")
     if cfg.freeze_first_layer:
@@ -92,6 +100,8 @@ def _check_run_options(cfg: DemoConfig) -> None:
         raise DemoError(f"--sample {cfg.sample} must be in [1, --peers {cfg.peers}]")
     if cfg.slow_peer is not None and not 0 <= cfg.slow_peer < cfg.peers:
         raise DemoError(f"--slow-peer {cfg.slow_peer} must be a peer index in [0, {cfg.peers})")
+    if cfg.dp_clip is not None and cfg.run_mode == "async":
+        raise DemoError("--dp-clip applies to --mode sync (DP-FedAvg rounds)")
     if cfg.run_mode == "async":
         if cfg.sample is not None:
             raise DemoError("--sample applies to --mode sync (an async run takes any peer)")

@@ -92,7 +92,19 @@ def run_spec(cfg: DemoConfig) -> Any:
         optimizer=cfg.server_opt or "fedavg",
         seed=cfg.seed,
         rounds=cfg.rounds,
+        **_dp_options(cfg),
     )
+
+
+def _dp_options(cfg: DemoConfig) -> dict[str, Any]:
+    if cfg.dp_clip is None:
+        return {}
+    return {
+        "dp_clip": cfg.dp_clip,
+        "dp_noise": cfg.dp_noise,
+        "dp_delta": cfg.dp_delta,
+        "dp_max_epsilon": cfg.dp_max_epsilon,
+    }
 
 
 class _Evaluator:
@@ -139,7 +151,18 @@ async def run_federation(run: _Run, report: DemoReport) -> None:
             if cfg.run_mode == "async"
             else f"{cfg.sample or cfg.peers} of {cfg.peers} peers per round"
         )
-        + (f"; peer-{cfg.slow_peer} trains {cfg.slow_factor:g}x slower" if cfg.slow_peer else "")
+        + (
+            f"; peer-{cfg.slow_peer} trains {cfg.slow_factor:g}x slower"
+            if cfg.slow_peer is not None
+            else ""
+        )
+        + (
+            f"; DP: clip {cfg.dp_clip:g}, noise multiplier {cfg.dp_noise:g}, "
+            f"delta {cfg.dp_delta:g}"
+            + (f", max epsilon {cfg.dp_max_epsilon:g}" if cfg.dp_max_epsilon else "")
+            if cfg.dp_clip is not None
+            else ""
+        )
     )
     for peer in run.fleet.peers:
         await run.fleet.send(peer, {"cmd": "run", "run": name})
@@ -184,6 +207,8 @@ async def _follow_versions(
         if not rows:
             info = await client.run(name)
             if info.finished:
+                if info.stop_reason:
+                    follow.notes.append(f"run {name} stopped: {info.stop_reason}")
                 break
             if not any(p.alive for p in run.fleet.peers):
                 raise DemoError(f"run {name}: every peer has left at version {since - 1}")
@@ -191,7 +216,6 @@ async def _follow_versions(
         for row in rows:
             model = await client.rounds.fetch(Cid.parse(row.global_cid))
             accuracy = await asyncio.to_thread(evaluator.accuracy, dict(model.tensors))
-            info = await client.run(name)
             entry = VersionReport(
                 version=row.version,
                 round=row.round,
@@ -200,7 +224,7 @@ async def _follow_versions(
                 accuracy=accuracy,
                 elapsed_s=time.perf_counter() - start,
                 global_cid=row.global_cid,
-                epsilon=info.epsilon,
+                epsilon=row.epsilon,
             )
             if follow.killed is not None:
                 entry.killed, follow.killed = follow.killed, None

@@ -175,6 +175,8 @@ class VersionRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     participants: list[str]
     staleness: list[int]
     at: float
+    epsilon: float | None = None
+    """A DP run: its ε after this version's round (at the run's ``dp_delta``)."""
 
 
 class RunRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):

@@ -181,9 +181,14 @@ class RunService:
                 return info.version >= call.since or info.finished, None
 
             await self._wait(call.run, call.wait, made)
-        records = await asyncio.to_thread(self.manager.versions, call.run)
-        picked = [r for r in records if r.version >= call.since][:MAX_VERSIONS]
-        return [_version_row(r) for r in picked]
+
+        def read() -> list[VersionRow]:
+            records = self.manager.versions(call.run)
+            spent = {s.round: s.epsilon for s in self.manager.privacy.steps(call.run)}
+            picked = [r for r in records if r.version >= call.since][:MAX_VERSIONS]
+            return [_version_row(r, spent.get(r.round) if r.version else None) for r in picked]
+
+        return await asyncio.to_thread(read)
 
     async def _wait(
         self, run: str, timeout: float | None, probe: Callable[[], tuple[bool, _T]]
@@ -220,7 +225,7 @@ class RunService:
             event.set()
 
 
-def _version_row(r: VersionRecord) -> VersionRow:
+def _version_row(r: VersionRecord, epsilon: float | None) -> VersionRow:
     return VersionRow(
         r.version,
         r.global_cid,
@@ -229,4 +234,5 @@ def _version_row(r: VersionRecord) -> VersionRow:
         list(r.participants),
         list(r.staleness),
         r.at,
+        epsilon,
     )
