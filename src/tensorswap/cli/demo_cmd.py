@@ -191,8 +191,8 @@ def demo(
     evaluate. Prints each round, a summary table, and writes demo.png and summary.json to
     OUT.
 
-    With --mode, --server-opt, --sample, --slow-peer or --dp-clip the demo is one federated run on the
-    coordinator instead: the peers long-poll for tasks, the coordinator samples them and
+    With --mode, --server-opt, --sample, --slow-peer or --dp-clip the demo is one federated
+    run on the coordinator instead: the peers long-poll for tasks, the coordinator samples them and
     steps the global model with the server optimizer (sync), or folds deltas as they come
     and makes a version every --buffer of them (async); the plot shows accuracy against
     wall-clock time.
