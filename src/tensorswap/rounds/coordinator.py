@@ -124,6 +124,12 @@ class Coordinator:
         self.admission: Callable[[RoundId, str, float], None] | None = None
         """Called as ``admission(round_id, peer, scale)`` before a submit is screened; what
         it raises refuses the submit (a run checks that the peer was sampled)."""
+        self.release: Callable[[RoundId, Cid], Cid] | None = None
+        """Called as ``release(round_id, aggregate)`` once a round's aggregate is stored,
+        before Complete names anything: the CID it returns is what Complete names (a
+        differentially private run releases the noised aggregate, so the clean one is never
+        published). What it raises is treated as an aggregation failure (retried when
+        transient). Must be idempotent: a restart may call it again for the same round."""
         self._work: dict[RoundId, RoundWork] = {}
         self._closed = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-aggregate")
@@ -351,6 +357,8 @@ class Coordinator:
                     self._work_for(round_id),
                     lambda peer, reason: self._drop(round_id, peer, reason),
                 )
+                if self.release is not None:
+                    cid = self.release(round_id, cid)
                 seconds = time.perf_counter() - started
                 with self._lock:  # counted before Complete wakes anyone who then reads them
                     self._counters["last_aggregation_seconds"] = seconds

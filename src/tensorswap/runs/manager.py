@@ -14,6 +14,7 @@ from tensorswap.privacy.errors import PrivacyBudgetExhausted
 from tensorswap.privacy.run import RunPrivacy, is_private
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.errors import RoundAlreadyTerminal, RoundClosed
+from tensorswap.rounds.model import Contribution
 from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec, RoundStatus
 from tensorswap.rounds.updates import inspect_update
 from tensorswap.runs.deadlines import auto_deadline, run_history
@@ -94,6 +95,7 @@ class RunManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-runs")
         self._local = threading.local()
         coordinator.admission = self._admit
+        coordinator.release = self._release
         coordinator.subscribe(self._on_round)
         coordinator.add_root_source(self.roots)
         registry.subscribe(self._on_registration)
@@ -340,15 +342,28 @@ class RunManager:
             return versions[-1].version
         return info.version + 1
 
-    def _step(self, info: RunInfo, status: Complete) -> RunInfo:
-        rid = RoundId(info.round, info.name)
+    def _kept(self, rid: RoundId) -> list[Contribution]:
+        """The round's contributions less those dropped (unreadable) when it aggregated."""
         round_info = self.coordinator.info(rid)
         left_out = round_info.dropped_peers if round_info is not None else frozenset()
-        contributions = [c for c in self.coordinator.contributions(rid) if c.peer not in left_out]
+        return [c for c in self.coordinator.contributions(rid) if c.peer not in left_out]
+
+    def _release(self, rid: RoundId, aggregate: Cid) -> Cid:
+        """The coordinator's release hook: a DP run's round is Complete with its noised
+        aggregate (journaled first, drawn once), never the clean mean of clipped deltas."""
+        with self._lock:
+            info = self._runs.get(rid.initiator)
+        if info is None or not is_private(info.spec) or rid.round != info.round:
+            return aggregate
+        return self.privacy.noised_aggregate(self.store, info, aggregate, self._kept(rid))
+
+    def _step(self, info: RunInfo, status: Complete) -> RunInfo:
+        rid = RoundId(info.round, info.name)
+        contributions = self._kept(rid)
         trained_on = self.journal.trained_on(info.name, info.round)
         aggregate = Cid.parse(status.cid)
         private = is_private(info.spec)
-        if private:  # the noised aggregate, journaled before the optimizer sees it
+        if private:  # the noised aggregate (released already, or a round that ended before)
             aggregate = self.privacy.noised_aggregate(self.store, info, aggregate, contributions)
         record = apply_step(self.store, info, aggregate, contributions, trained_on, delta=private)
         finished = info.spec.rounds is not None and record.version >= info.spec.rounds
