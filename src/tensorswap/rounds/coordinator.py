@@ -96,6 +96,7 @@ class Coordinator:
         keep_rounds: int | None = None,
         gc_grace: float = DEFAULT_GC_GRACE,
         retry: RetryPolicy | None = None,
+        finish: Callable[[RoundId, Cid], None] | None = None,
     ) -> None:
         self.store = store
         self.journal = journal
@@ -121,6 +122,9 @@ class Coordinator:
             grace=gc_grace,
         )
         self._retries = RetrySchedule(retry)
+        self.finish = finish
+        """When set, a round's stored aggregate goes to ``finish(round_id, cid)`` (a regional
+        tier) and the round stays Aggregating until ``complete_round`` or ``fail_round``."""
         self.admission: Callable[[RoundId, str, float], None] | None = None
         """Called as ``admission(round_id, peer, scale)`` before a submit is screened; what
         it raises refuses the submit (a run checks that the peer was sampled)."""
@@ -363,10 +367,12 @@ class Coordinator:
                 with self._lock:  # counted before Complete wakes anyone who then reads them
                     self._counters["last_aggregation_seconds"] = seconds
                 self._count(rounds_completed=1, aggregation_seconds=seconds)
-                self._retention.schedule()  # queued before Complete wakes anyone; runs after
-                self._retention.mark_ended(round_id)
                 try:
-                    self.tracker.mark_complete(round_id, str(cid))
+                    if self.finish is not None:
+                        self.tracker.note_aggregating(round_id, f"aggregate {cid} stored")
+                        self.finish(round_id, cid)
+                    else:
+                        self.complete_round(round_id, cid)
                 except BaseException:
                     self._count(rounds_completed=-1, aggregation_seconds=-seconds)
                     raise
@@ -379,6 +385,17 @@ class Coordinator:
             self._forget(round_id)
             self._retries.forget(round_id)
         log.info("round %s complete in %.3f s: %s", round_id, seconds, cid)
+
+    def complete_round(self, round_id: RoundId, cid: Cid | str) -> None:
+        """Mark the round Complete(cid) (RoundAlreadyTerminal if it has ended)."""
+        with self._gc_lock.shared():  # no collection between the caller's store and this
+            self._retention.schedule()  # queued before Complete wakes anyone; runs after
+            self._retention.mark_ended(round_id)
+            self.tracker.mark_complete(round_id, str(cid))
+
+    def fail_round(self, round_id: RoundId, reason: str) -> None:
+        """Mark the round Failed(reason), unless it has ended already."""
+        self._fail(round_id, reason)
 
     def _retry_later(self, info: RoundInfo, exc: Exception) -> bool:
         """Schedule another attempt after a transient failure; False when it is not one, or
