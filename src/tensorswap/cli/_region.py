@@ -11,6 +11,7 @@ import click
 
 from tensorswap.cli._util import SECONDS, client_tls, parse_host_port, read_key
 from tensorswap.region import Backoff, RegionalTier, UpstreamLink
+from tensorswap.rounds.messages import MAX_NAME_BYTES
 from tensorswap.wire.connection import Timeouts
 
 __all__ = ["RegionArgs", "open_tier", "region_args", "region_options"]
@@ -83,12 +84,17 @@ def region_args(
         if region or upstream_key_file or upstream_tls_ca:
             raise click.UsageError("--region and the --upstream-* options need --upstream")
         return None
-    host, port = parse_host_port(upstream)
+    try:
+        host, port = parse_host_port(upstream)
+    except click.BadParameter as exc:
+        exc.param_hint = "'--upstream'"
+        raise
     if port == 0:
-        raise click.BadParameter("the upstream needs a port", param_hint="--upstream")
-    name = region or socket.gethostname()
-    if not name:
-        raise click.BadParameter("empty region name", param_hint="--region")
+        raise click.BadParameter("the upstream needs a port", param_hint="'--upstream'")
+    name = socket.gethostname() if region is None else region.strip()
+    if not name or len(name.encode()) > MAX_NAME_BYTES:
+        why = "empty" if not name else f"longer than {MAX_NAME_BYTES} bytes"
+        raise click.BadParameter(f"the region name is {why}", param_hint="'--region'")
     key = read_key(upstream_key_file) if upstream_key_file else own_key
     return RegionArgs(host, port, name, key, upstream_tls_ca, upstream_patience)
 
