@@ -23,6 +23,7 @@ from tensorswap.cli._util import (
     read_key,
     server_tls,
 )
+from tensorswap.region.runs_proxy import RunsProxy
 from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
 from tensorswap.rounds.server import RoundServer
 from tensorswap.runs.manager import RunManager
@@ -115,6 +116,8 @@ async def _run(
         )
         if runs is not None:
             RunService(runs, server)
+        elif tier is not None:
+            RunsProxy(tier.link, server)  # runs live at the top: relayed there
         async with await server.start(host, port, ssl=ssl):
             active = coordinator.tracker.active_count()
             click.echo(f"listening on {host}:{server.port}", err=True)

@@ -6,6 +6,8 @@ contribution to the coordinator above (``tensorswap serve --upstream HOST:PORT``
   region's peers under the same round id.
 - ``link``: ``UpstreamLink``, the RoundClient connections to the upstream (reconnected with
   backoff, bytes counted); ``Backoff``.
+- ``runs_proxy``: ``RunsProxy``, the region's runs app: requests relayed to the top (where
+  runs, sampling and the server optimizer live), global models pulled once per region.
 - ``journal``: ``RegionJournal``, what was submitted upstream per round (kill -9 safe).
 - ``errors``: ``RegionError`` and its leaves.
 """
@@ -13,6 +15,7 @@ contribution to the coordinator above (``tensorswap serve --upstream HOST:PORT``
 from tensorswap.region.errors import RegionError, UpstreamIncompatible, UpstreamUnavailable
 from tensorswap.region.journal import Forward, ForwardState, RegionJournal
 from tensorswap.region.link import Backoff, LinkTraffic, UpstreamLink
+from tensorswap.region.runs_proxy import RunsProxy
 from tensorswap.region.tier import COMPOSING_STRATEGY, RegionalTier, TierStats
 
 __all__ = [
@@ -24,6 +27,7 @@ __all__ = [
     "RegionError",
     "RegionJournal",
     "RegionalTier",
+    "RunsProxy",
     "TierStats",
     "UpstreamIncompatible",
     "UpstreamLink",

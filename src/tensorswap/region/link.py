@@ -108,6 +108,7 @@ class UpstreamLink:
         self._sleep = sleep
         self._idle: list[RoundClient] = []
         self._busy: set[RoundClient] = set()
+        self._fetching: dict[Cid, asyncio.Future[None]] = {}
         self._sent = self._received = self._connections = 0
         self._closed = False
 
@@ -141,12 +142,39 @@ class UpstreamLink:
         return await self._retrying(what, lambda c: c.wait(round_id))
 
     async def fetch(self, cid: Cid) -> None:
-        """Pull what the region's store lacks of ``cid`` from the upstream."""
+        """Pull what the region's store lacks of ``cid`` from the upstream; callers asking
+        for the same CID meanwhile share that one transfer (each update comes down once)."""
+        running = self._fetching.get(cid)
+        if running is None:
 
-        async def pull(client: RoundClient) -> None:
-            await client.blocks.pull(cid, client.store)
+            async def pull(client: RoundClient) -> None:
+                await client.blocks.pull(cid, client.store)
 
-        await self._retrying(f"fetching {cid}", pull)
+            running = asyncio.ensure_future(self._retrying(f"fetching {cid}", pull))
+            self._fetching[cid] = running
+            running.add_done_callback(lambda done: self._fetched(cid, done))
+        await asyncio.shield(running)  # a cancelled caller leaves it to the others
+
+    async def relay(
+        self, app: str, body: bytes, *, push: Cid | None = None, timeout: float | None = None
+    ) -> bytes:
+        """Send the request ``body`` for ``app`` upstream and return the reply body, after
+        pushing what the upstream lacks of ``push`` (from the region's store). ``timeout``
+        bounds the wait for the reply (None: the wire's read timeout). Not idempotent by
+        itself: a request repeated after a broken connection may be answered with a
+        refusal (a duplicate), which the reply then carries."""
+
+        async def call(client: RoundClient) -> bytes:
+            if push is not None:
+                await client.blocks.push(client.store, push)
+            return await client.blocks.request(app, body, timeout=timeout or "read")
+
+        return await self._retrying(f"relaying a {app!r} request", call)
+
+    def _fetched(self, cid: Cid, done: asyncio.Future[None]) -> None:
+        self._fetching.pop(cid, None)
+        if not done.cancelled():
+            done.exception()  # retrieved here too: its callers may all have gone
 
     async def aclose(self) -> None:
         """Close every connection (operations in progress fail with a transport error)."""
