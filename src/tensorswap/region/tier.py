@@ -152,6 +152,9 @@ class RegionalTier:
                 record = await asyncio.to_thread(journal.record_partial, round_id, partial)
             if record.state is ForwardState.PARTIAL:
                 record = await self._submit(record)
+            what = "late upstream" if record.state is ForwardState.LATE else "submitted upstream"
+            where = f"{what} to {self.link.address}; waiting for the upper round"
+            coordinator.tracker.note_aggregating(round_id, where)
             status = await self.link.wait(round_id)
             if isinstance(status, Failed):
                 await self._fail(round_id, f"upstream round failed: {status.reason}")
