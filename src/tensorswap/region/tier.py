@@ -118,6 +118,8 @@ class RegionalTier:
     # ── the coordinator's hook ───────────────────────────────────────────────
     def finish(self, round_id: RoundId, partial: Cid) -> None:
         """Called by the coordinator (its aggregation thread) with a round's stored partial."""
+        if self.coordinator is not None:
+            self.coordinator.tracker.note_aggregating(round_id, f"partial {partial} stored")
         with self._lock:
             loop = self._loop
             if loop is None:

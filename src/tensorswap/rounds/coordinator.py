@@ -122,9 +122,7 @@ class Coordinator:
             grace=gc_grace,
         )
         self._retries = RetrySchedule(retry)
-        self.finish = finish
-        """When set, a round's stored aggregate goes to ``finish(round_id, cid)`` (a regional
-        tier) and the round stays Aggregating until ``complete_round`` or ``fail_round``."""
+        self.finish = finish  # a regional tier: it calls complete_round / fail_round later
         self.admission: Callable[[RoundId, str, float], None] | None = None
         """Called as ``admission(round_id, peer, scale)`` before a submit is screened; what
         it raises refuses the submit (a run checks that the peer was sampled)."""
@@ -368,8 +366,7 @@ class Coordinator:
                     self._counters["last_aggregation_seconds"] = seconds
                 self._count(rounds_completed=1, aggregation_seconds=seconds)
                 try:
-                    if self.finish is not None:
-                        self.tracker.note_aggregating(round_id, f"aggregate {cid} stored")
+                    if self.finish is not None:  # the round stays Aggregating meanwhile
                         self.finish(round_id, cid)
                     else:
                         self.complete_round(round_id, cid)
