@@ -22,6 +22,7 @@ from helpers.region import (
     values,
 )
 from tensorswap.region import Backoff
+from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.deadline import FakeClock
 from tensorswap.rounds.server import RoundServer
@@ -166,3 +167,33 @@ def test_backoff_is_checked() -> None:
     with pytest.raises(ValueError, match="backoff"):
         Backoff(first=0)
     assert FAST.cap >= FAST.first
+
+
+async def test_a_top_server_restarted_mid_wait_is_reconnected_to(tmp_path: Path) -> None:
+    with Coordinator.open(tmp_path / "top", durable=False) as coord:
+        top = RoundServer(coord)
+        await top.start("127.0.0.1", 0)
+        port = top.port
+        try:
+            await start(port, RoundSpec(2))
+            async with region(tmp_path, "region-0", port) as rg:
+                peers = asyncio.ensure_future(region_round(rg, [0, 1]))
+                await until(lambda: coord.info(RID).received == 1)  # the region is waiting
+                await top.aclose()  # its connections are cut
+                top = RoundServer(coord)
+                await top.start("127.0.0.1", port)
+                await submit_other(port)
+                answers = await peers
+                stats = rg.tier.stats()
+        finally:
+            await top.aclose()
+    want = (values(0) * 10 + values(1) * 11 + values(7) * 17) / 38
+    for status, result in answers:
+        assert isinstance(status, Complete) and result is not None
+        np.testing.assert_allclose(result["w"], want, rtol=1e-5, atol=1e-6)
+    assert stats.upstream_connections >= 2 and stats.forwarded == 1
+
+
+async def submit_other(port: int) -> None:
+    async with await RoundClient.connect("127.0.0.1", port, peer="other") as other:
+        await other.submit(RID, {"w": values(7)}, 17)
