@@ -4,17 +4,22 @@ through it; the top samples and steps; each global model crosses the upstream li
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from helpers.region import FAST
 from tensorswap.cid import Cid
 from tensorswap.region import RegionalTier, RunsProxy, UpstreamLink
+from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.errors import RoundNotFound
 from tensorswap.rounds.server import RoundServer
+from tensorswap.rounds.state import RoundId
 from tensorswap.runs import NotSelected, RunManager, RunSpec
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.service import RunService
@@ -112,3 +117,28 @@ async def test_refusals_from_the_top_arrive_typed_through_the_region(tmp_path: P
                 assert exc.peer == "b"
             else:
                 raise AssertionError("an unsampled peer's submit was accepted")
+
+
+async def test_a_submit_to_an_unknown_round_is_refused_at_once_with_the_upstream_down(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as probe:  # nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    link = UpstreamLink("127.0.0.1", port, region="region-0", backoff=FAST)  # patience 30 s
+    tier = await asyncio.to_thread(RegionalTier.open, tmp_path / "region", link, durable=False)
+    assert tier.coordinator is not None
+    region = RoundServer(tier.coordinator)
+    RunsProxy(link, region)
+    await region.start("127.0.0.1", 0)
+    await tier.start()
+    try:
+        async with await RoundClient.connect("127.0.0.1", region.port, peer="p") as peer:
+            with pytest.raises(RoundNotFound):
+                await asyncio.wait_for(
+                    peer.submit(RoundId(1, "nowhere"), {"w": np.ones(4, np.float32)}, 1), 20
+                )
+    finally:
+        await tier.aclose()
+        await region.aclose()
+        tier.close()

@@ -156,11 +156,18 @@ class UpstreamLink:
         await asyncio.shield(running)  # a cancelled caller leaves it to the others
 
     async def relay(
-        self, app: str, body: bytes, *, push: Cid | None = None, timeout: float | None = None
+        self,
+        app: str,
+        body: bytes,
+        *,
+        push: Cid | None = None,
+        timeout: float | None = None,
+        once: bool = False,
     ) -> bytes:
         """Send the request ``body`` for ``app`` upstream and return the reply body, after
         pushing what the upstream lacks of ``push`` (from the region's store). ``timeout``
-        bounds the wait for the reply (None: the wire's read timeout). Not idempotent by
+        bounds the wait for the reply (None: the wire's read timeout); ``once``: a transient
+        failure raises UpstreamUnavailable at once, without retrying. Not idempotent by
         itself: a request repeated after a broken connection may be answered with a
         refusal (a duplicate), which the reply then carries."""
 
@@ -169,7 +176,8 @@ class UpstreamLink:
                 await client.blocks.push(client.store, push)
             return await client.blocks.request(app, body, timeout=timeout or "read")
 
-        return await self._retrying(f"relaying a {app!r} request", call)
+        patience = 0.0 if once else None
+        return await self._retrying(f"relaying a {app!r} request", call, patience=patience)
 
     def _fetched(self, cid: Cid, done: asyncio.Future[None]) -> None:
         self._fetching.pop(cid, None)
@@ -188,8 +196,11 @@ class UpstreamLink:
         what: str,
         op: Callable[[RoundClient], Awaitable[T]],
         again: tuple[type[BaseException], ...] = (),
+        *,
+        patience: float | None = None,
     ) -> T:
         delay, failing_since = self.backoff.first, None
+        patience = self.backoff.patience if patience is None else patience
         retried: tuple[type[BaseException], ...] = (*TRANSIENT, *again, RemoteError)
         while True:
             try:
@@ -202,7 +213,7 @@ class UpstreamLink:
                     raise
                 now = time.monotonic()
                 failing_since = now if failing_since is None else failing_since
-                if self._closed or now - failing_since >= self.backoff.patience:
+                if self._closed or now - failing_since >= patience:
                     waited = now - failing_since
                     raise UpstreamUnavailable(self.address, what, waited, str(exc)) from exc
                 log.info(

@@ -136,7 +136,9 @@ class RunsProxy:
             return True
         body = encode(RunsRequest(peer=self.link.region, run=rid.initiator))
         try:
-            answer = decode_answer(await self.link.relay(RUNS_APP, body))
+            # one attempt: a peer's submit to a round not started here must not wait out
+            # the link's patience when the upstream is down
+            answer = decode_answer(await self.link.relay(RUNS_APP, body, once=True))
         except (TensorSwapError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.debug("round %s: no run upstream (%s)", rid, exc)
             return False
