@@ -96,6 +96,7 @@ class Coordinator:
         keep_rounds: int | None = None,
         gc_grace: float = DEFAULT_GC_GRACE,
         retry: RetryPolicy | None = None,
+        finish: Callable[[RoundId, Cid], None] | None = None,
     ) -> None:
         self.store = store
         self.journal = journal
@@ -121,9 +122,16 @@ class Coordinator:
             grace=gc_grace,
         )
         self._retries = RetrySchedule(retry)
+        self.finish = finish  # a regional tier: it calls complete_round / fail_round later
         self.admission: Callable[[RoundId, str, float], None] | None = None
         """Called as ``admission(round_id, peer, scale)`` before a submit is screened; what
         it raises refuses the submit (a run checks that the peer was sampled)."""
+        self.release: Callable[[RoundId, Cid], Cid] | None = None
+        """Called as ``release(round_id, aggregate)`` once a round's aggregate is stored,
+        before Complete names anything: the CID it returns is what Complete names (a
+        differentially private run releases the noised aggregate, so the clean one is never
+        published). What it raises is treated as an aggregation failure (retried when
+        transient). Must be idempotent: a restart may call it again for the same round."""
         self._work: dict[RoundId, RoundWork] = {}
         self._closed = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-aggregate")
@@ -152,9 +160,8 @@ class Coordinator:
 
         Both are created if missing, reopened otherwise, and closed by ``close``. A lost or
         damaged journal is refused, and ``reset`` starts a fresh one: see ``open_journal``.
-        ``sync_blocks`` flushes the store to disk (``DirectoryStore.sync``) before each
-        journal transaction, so with ``durable`` a contribution's blocks survive a power
-        loss too (once per group commit, not per block).
+        ``sync_blocks`` flushes the store (``DirectoryStore.sync``) before each journal
+        commit: with ``durable``, accepted blocks survive a power loss too.
         """
         root = Path(data_dir)
         store = DirectoryStore(root / STORE_DIRNAME, trust_own_writes=True)
@@ -236,27 +243,13 @@ class Coordinator:
         self, round_id: RoundId, items: Sequence[tuple[str, Cid | str, float]]
     ) -> list[RoundStatus | Exception]:
         work = self._work_for(round_id)
-        outcomes, accepted, nbytes = intake(
-            self.tracker,
-            self.store,
-            work,
-            round_id,
-            items,
-            admission=self.admission,
-            verify=self._verify,
-            now=self.clock.now,
-            refused=self._refused,
-        )
+        outcomes, accepted, nbytes = intake(self, work, round_id, items)
         self._count(contributions=accepted, contribution_bytes=nbytes)
         if self.tracker.is_ready(round_id):
             with work.lock:
                 if self.tracker.is_ready(round_id):
                     self._begin(round_id)
         return outcomes
-
-    def _refused(self, key: str, peer: str, exc: BaseException) -> None:
-        self._count(rejected=1)
-        log.info("round %s: contribution from %r refused: %s", key, peer, exc)
 
     def check_deadlines(self) -> list[RoundId]:
         """Handle every round whose deadline has passed, and queue the retries that are due;
@@ -364,14 +357,17 @@ class Coordinator:
                     self._work_for(round_id),
                     lambda peer, reason: self._drop(round_id, peer, reason),
                 )
+                if self.release is not None:
+                    cid = self.release(round_id, cid)
                 seconds = time.perf_counter() - started
                 with self._lock:  # counted before Complete wakes anyone who then reads them
                     self._counters["last_aggregation_seconds"] = seconds
                 self._count(rounds_completed=1, aggregation_seconds=seconds)
-                self._retention.schedule()  # queued before Complete wakes anyone; runs after
-                self._retention.mark_ended(round_id)
                 try:
-                    self.tracker.mark_complete(round_id, str(cid))
+                    if self.finish is not None:  # the round stays Aggregating meanwhile
+                        self.finish(round_id, cid)
+                    else:
+                        self.complete_round(round_id, cid)
                 except BaseException:
                     self._count(rounds_completed=-1, aggregation_seconds=-seconds)
                     raise
@@ -384,6 +380,17 @@ class Coordinator:
             self._forget(round_id)
             self._retries.forget(round_id)
         log.info("round %s complete in %.3f s: %s", round_id, seconds, cid)
+
+    def complete_round(self, round_id: RoundId, cid: Cid | str) -> None:
+        """Mark the round Complete(cid) (RoundAlreadyTerminal if it has ended)."""
+        with self._gc_lock.shared():  # no collection between the caller's store and this
+            self._retention.schedule()  # queued before Complete wakes anyone; runs after
+            self._retention.mark_ended(round_id)
+            self.tracker.mark_complete(round_id, str(cid))
+
+    def fail_round(self, round_id: RoundId, reason: str) -> None:
+        """Mark the round Failed(reason), unless it has ended already."""
+        self._fail(round_id, reason)
 
     def _retry_later(self, info: RoundInfo, exc: Exception) -> bool:
         """Schedule another attempt after a transient failure; False when it is not one, or

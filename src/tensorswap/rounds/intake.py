@@ -3,34 +3,29 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tensorswap.cid import Cid
 from tensorswap.errors import RoundsError
 from tensorswap.rounds.fold import RoundWork
 from tensorswap.rounds.screen import check_layout, screen
-from tensorswap.rounds.state import Contribution, RoundId, RoundStatus, RoundTracker, Ticket
+from tensorswap.rounds.state import Contribution, RoundId, RoundStatus, Ticket
 from tensorswap.rounds.updates import aggregator_spec, inspect_update, parse_update_cid
-from tensorswap.store import BlockStore
+
+if TYPE_CHECKING:
+    from tensorswap.rounds.coordinator import Coordinator
 
 __all__ = ["intake"]
 
 log = logging.getLogger("tensorswap.rounds.coordinator")
 
-Admission = Callable[[RoundId, str, float], None]
-
 
 def intake(
-    tracker: RoundTracker,
-    store: BlockStore,
+    coordinator: Coordinator,
     work: RoundWork,
     round_id: RoundId,
     items: Sequence[tuple[str, Cid | str, float]],
-    *,
-    admission: Admission | None,
-    verify: bool | None,
-    now: Callable[[], float],
-    refused: Callable[[str, str, BaseException], None],
 ) -> tuple[list[RoundStatus | Exception], int, int]:
     """Screen each ``(peer, update_cid, scale)`` item, fold it (streaming kinds) and reserve
     its place under ``work.lock``, one at a time; then journal every reserved one at once,
@@ -38,8 +33,15 @@ def intake(
 
     Per item the round's status once durable, or the error that refused it (a refused item
     leaves no trace; sums that held it are rebuilt at the end); and how many were accepted,
-    with their bytes. ``refused(key, peer, exc)`` is told of each refusal.
+    with their bytes. Each refusal is counted (``rejected``) and logged.
     """
+    tracker, store, admission = coordinator.tracker, coordinator.store, coordinator.admission
+    verify, now = coordinator._verify, coordinator.clock.now
+
+    def refused(key: str, peer: str, exc: BaseException) -> None:
+        coordinator._count(rejected=1)
+        log.info("round %s: contribution from %r refused: %s", key, peer, exc)
+
     key = round_id.as_key()
     outcomes: list[RoundStatus | Exception] = []
     tickets: list[tuple[int, Ticket, bool]] = []

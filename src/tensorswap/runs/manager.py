@@ -13,10 +13,19 @@ from tensorswap.cid import Cid
 from tensorswap.privacy.errors import PrivacyBudgetExhausted
 from tensorswap.privacy.run import RunPrivacy, is_private
 from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.errors import RoundAlreadyTerminal, RoundClosed
+from tensorswap.rounds.model import Contribution
 from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec, RoundStatus
 from tensorswap.rounds.updates import inspect_update
 from tensorswap.runs.deadlines import auto_deadline, run_history
-from tensorswap.runs.errors import InvalidRunSpec, NotSelected, RunExists, RunNotFound, RunsError
+from tensorswap.runs.errors import (
+    BufferBusy,
+    InvalidRunSpec,
+    NotSelected,
+    RunExists,
+    RunNotFound,
+    RunsError,
+)
 from tensorswap.runs.journal import RunDatabase
 from tensorswap.runs.model import MAX_RUN_NAME, RunInfo, RunMode, RunSpec, VersionRecord
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER, ClientRegistry
@@ -86,6 +95,7 @@ class RunManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-runs")
         self._local = threading.local()
         coordinator.admission = self._admit
+        coordinator.release = self._release
         coordinator.subscribe(self._on_round)
         coordinator.add_root_source(self.roots)
         registry.subscribe(self._on_registration)
@@ -204,8 +214,10 @@ class RunManager:
         clipped: bool | None = None,
     ) -> RoundStatus:
         """Submit a peer's update to a round of a run: checked against the sample (sync) or
-        its staleness (async: ``trained_on`` is the version it trained from), then handed
-        to the coordinator. Raises NotSelected, StaleContribution, or what the coordinator
+        its staleness (async: ``trained_on`` is the version it trained from; the delta joins
+        the buffer open now, whatever ``round_id`` says, or BufferBusy when none is open to
+        it), then handed to the coordinator. Raises NotSelected, StaleContribution, or what
+        the coordinator
         refuses. (A sync run's peers may also submit through the coordinator itself, e.g.
         ``RoundClient.submit``: the same check runs there.) A DP run takes the delta from
         version ``trained_on`` (the current one) and ``clipped``, the peer's clip bit with
@@ -214,12 +226,8 @@ class RunManager:
         info = self.run(round_id.initiator)
         scale = 1.0
         if info.spec.mode is RunMode.ASYNC:
-            scale = check_staleness(info, peer, trained_on)
-            if round_id.round != info.round:
-                raise NotSelected(info.name, round_id.round, peer, 0)
-            assert trained_on is not None  # check_staleness refuses None
-            self.journal.note_trained_on(info.name, round_id.round, peer, trained_on)
-        elif is_private(info.spec):
+            return self._submit_async(info, peer, update, trained_on)
+        if is_private(info.spec):
             cid = update if isinstance(update, Cid) else Cid.parse(update)
             scale = self.privacy.admit(
                 self.store, info, round_id.round, peer, cid, trained_on, clipped
@@ -229,6 +237,37 @@ class RunManager:
             return self.coordinator.submit(round_id, peer, update, scale=scale)
         finally:
             self._local.via_manager = False
+
+    def _submit_async(
+        self, info: RunInfo, peer: str, update: Cid | str, trained_on: int | None
+    ) -> RoundStatus:
+        """Into the buffer open now, whatever round the peer's task named (FedBuff: a delta
+        joins the current buffer, scaled by its staleness); BufferBusy when none is open
+        to this peer (the service then waits for the next one)."""
+        scale = check_staleness(info, peer, trained_on)
+        assert trained_on is not None  # check_staleness refuses None
+        rid = RoundId(info.round, info.name)
+        if not self.buffer_open(info.name, peer):
+            raise BufferBusy(info.name, info.round, peer)
+        self.journal.note_trained_on(info.name, rid.round, peer, trained_on)
+        self._local.via_manager = True
+        try:
+            return self.coordinator.submit(rid, peer, update, scale=scale)
+        except (RoundClosed, RoundAlreadyTerminal):
+            raise BufferBusy(info.name, info.round, peer) from None  # filled meanwhile
+        finally:
+            self._local.via_manager = False
+
+    def buffer_open(self, name: str, peer: str) -> bool:
+        """Whether an asynchronous run's current buffer would take ``peer``'s delta now
+        (also True when the run is finished or not asynchronous: nothing to wait for)."""
+        info = self.run(name)
+        if info.finished or info.spec.mode is not RunMode.ASYNC:
+            return True
+        current = self.coordinator.info(RoundId(info.round, name)) if info.round else None
+        if current is None or current.status.is_terminal or peer in current.peers:
+            return False
+        return current.status.name != "Aggregating"  # Pending or Collecting
 
     def _admit(self, round_id: RoundId, peer: str, scale: float) -> None:
         """The coordinator's admission check for the rounds of runs."""
@@ -303,15 +342,28 @@ class RunManager:
             return versions[-1].version
         return info.version + 1
 
-    def _step(self, info: RunInfo, status: Complete) -> RunInfo:
-        rid = RoundId(info.round, info.name)
+    def _kept(self, rid: RoundId) -> list[Contribution]:
+        """The round's contributions less those dropped (unreadable) when it aggregated."""
         round_info = self.coordinator.info(rid)
         left_out = round_info.dropped_peers if round_info is not None else frozenset()
-        contributions = [c for c in self.coordinator.contributions(rid) if c.peer not in left_out]
+        return [c for c in self.coordinator.contributions(rid) if c.peer not in left_out]
+
+    def _release(self, rid: RoundId, aggregate: Cid) -> Cid:
+        """The coordinator's release hook: a DP run's round is Complete with its noised
+        aggregate (journaled first, drawn once), never the clean mean of clipped deltas."""
+        with self._lock:
+            info = self._runs.get(rid.initiator)
+        if info is None or not is_private(info.spec) or rid.round != info.round:
+            return aggregate
+        return self.privacy.noised_aggregate(self.store, info, aggregate, self._kept(rid))
+
+    def _step(self, info: RunInfo, status: Complete) -> RunInfo:
+        rid = RoundId(info.round, info.name)
+        contributions = self._kept(rid)
         trained_on = self.journal.trained_on(info.name, info.round)
         aggregate = Cid.parse(status.cid)
         private = is_private(info.spec)
-        if private:  # the noised aggregate, journaled before the optimizer sees it
+        if private:  # the noised aggregate (released already, or a round that ended before)
             aggregate = self.privacy.noised_aggregate(self.store, info, aggregate, contributions)
         record = apply_step(self.store, info, aggregate, contributions, trained_on, delta=private)
         finished = info.spec.rounds is not None and record.version >= info.spec.rounds
