@@ -15,6 +15,7 @@ import pytest
 from tensorswap.errors import RoundsError
 from tensorswap.rounds._group import GroupCommit
 from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.deadline import FakeClock
 from tensorswap.rounds.errors import DuplicateContribution, RoundClosed, UnknownUpdate
 from tensorswap.rounds.persist import RoundDatabase
 from tensorswap.rounds.state import (
@@ -198,3 +199,31 @@ def test_concurrent_submits_share_transactions_and_all_survive_a_reopen(tmp_path
         assert sorted(c.peer for c in again.contributions(RID)) == sorted(
             f"p{i}" for i in range(peers)
         )
+
+
+def test_a_deadline_waits_for_a_reserved_contribution_before_its_verdict(tmp_path: Path) -> None:
+    clock = FakeClock()
+    with Coordinator.open(tmp_path, clock=clock, run_timer=False) as coord:
+        coord.start_round(RID, RoundSpec(3, quorum=1, timeout_s=10))
+        cid = put_update(coord.store, _tiny(2.0))
+        contribution = Contribution(RID, "a", str(cid), 1, 64, clock.now())
+        ticket = coord.tracker.reserve(contribution)  # checked, not yet journaled
+        waiting = threading.Event()
+        changed = coord.tracker._changed
+
+        class Watched(threading.Condition):
+            def wait(self, timeout: float | None = None) -> bool:
+                waiting.set()
+                return super().wait(timeout)
+
+        watched = Watched(coord.tracker._lock)
+        coord.tracker._changed = watched
+        clock.advance(11)
+        judged = threading.Thread(target=coord.check_deadlines)
+        judged.start()
+        assert waiting.wait(30)  # the verdict waits for the reserved contribution ...
+        assert coord.tracker.record([ticket])[0] == Collecting(1, 3)
+        judged.join(30)
+        coord.tracker._changed = changed
+        # ... so it counts it: quorum met, aggregated, not failed below quorum
+        assert isinstance(coord.wait(RID, timeout=30), Complete)
