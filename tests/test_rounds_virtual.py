@@ -165,3 +165,27 @@ async def test_status_pages_rounds_and_peers(coord: Coordinator) -> None:
         assert names == [f"v{i:02}" for i in range(25)]  # acceptance order
         with pytest.raises(RoundNotFound):
             await page_peers(client, RoundId(9, "sim"))
+
+
+async def test_virtual_peers_register_for_runs_under_their_own_names(tmp_path: Path) -> None:
+    from tensorswap.runs import RunManager
+    from tensorswap.runs.client import RunClient
+    from tensorswap.runs.service import RunService
+
+    with Coordinator.open(tmp_path, run_timer=False, durable=False) as coord:
+        runs = RunManager.open(coord, durable=False)
+        try:
+            server = RoundServer(coord, key=KEY)
+            RunService(runs, server)
+            async with (
+                running(server),
+                await VirtualClients.connect(
+                    "127.0.0.1", server.port, connections=2, key=KEY
+                ) as pool,
+            ):
+                names = [f"site-{i}" for i in range(5)]
+                for i, name in enumerate(names):
+                    await RunClient(pool.client_for(name, i % 2)).register({"num_samples": i})
+            assert sorted(runs.registry.active()) == names
+        finally:
+            runs.close()
