@@ -158,8 +158,11 @@ class RoundServer:
         await self.blocks.handle(transport)
 
     async def aclose(self) -> None:
-        """Stop listening and cancel the connections being served."""
+        """Stop listening and cancel the connections being served; submits already handed
+        to the coordinator finish (they are journaled or refused, as if answered)."""
         await self.blocks.aclose()
+        if self._intake_tasks:
+            await asyncio.gather(*self._intake_tasks, return_exceptions=True)
 
     async def __aenter__(self) -> Self:
         return self
