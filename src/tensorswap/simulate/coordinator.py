@@ -1,0 +1,98 @@
+"""The simulation's coordinator: a real ``tensorswap serve`` process, as the demo starts one."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+from tensorswap.demo.fleet import child_env
+from tensorswap.simulate.errors import SimulationError
+
+__all__ = ["Coordinator"]
+
+READY_TIMEOUT_S = 120.0
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+class Coordinator:
+    """``tensorswap serve`` on ``listen`` with its data under ``out/coordinator`` (removed
+    first: each simulation starts from nothing), its log in
+    ``out/coordinator.log``. Clients registered for runs stay active the whole simulation
+    (virtual clients are idle for many rounds)."""
+
+    def __init__(self, out: Path, listen: str = "127.0.0.1:0") -> None:
+        self.out = out
+        self.listen = listen
+        self.proc: asyncio.subprocess.Process | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    async def start(self) -> tuple[str, int]:
+        """Start it; where it listens (host, port)."""
+        data = self.out / "coordinator"
+        if data.exists():  # a fresh coordinator each simulation: no run, rounds, blocks
+            await asyncio.to_thread(shutil.rmtree, data)
+        log_path = self.out / "coordinator.log"
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in aclose
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tensorswap.cli.serve_cmd",
+            "--listen",
+            self.listen,
+            "--data",
+            str(data),
+            "--fast-commit",
+            "--timeout",
+            "300",
+            "--max-wait",
+            "60",
+            "--inactive-after",
+            "86400",
+            "--log-level",
+            "warning",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=self._log,
+            env=child_env(),
+        )
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            text = log_path.read_text(errors="replace")
+            if match := _LISTENING.search(text):
+                return match.group(1), int(match.group(2))
+            if self.proc.returncode is not None:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.proc.wait(), 0.05)
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+        raise SimulationError("the coordinator did not start: " + (" | ".join(tail) or "no output"))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def aclose(self) -> None:
+        """SIGTERM (a clean stop), then SIGKILL; reaped."""
+        proc = self.proc
+        if proc is not None:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                if proc.returncode is not None:
+                    break
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), 10.0)
+            await proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
