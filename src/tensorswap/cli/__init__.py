@@ -26,6 +26,11 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "recv": ("tensorswap.cli.recv_cmd", "recv", "Receive tensors into a directory store."),
     "run": ("tensorswap.cli.run_cmd", "run", "Create and show federated runs on a coordinator."),
     "serve": ("tensorswap.cli.serve_cmd", "serve", "Run the round coordinator and block service."),
+    "simulate": (
+        "tensorswap.cli.simulate_cmd",
+        "simulate",
+        "Simulate many clients against a real coordinator (local or Ray).",
+    ),
     "status": ("tensorswap.cli.status_cmd", "status", "Show a coordinator's rounds and counters."),
 }
 

@@ -2,11 +2,13 @@
 
 Both are deterministic for a seed: client ``i`` always has the same data, so a simulation
 can be repeated and compared. The synthetic task gives each client a quadratic objective
-``0.5 * mean((w - c_i)^2)`` around its own target ``c_i = c* + noise_i`` (drawn from
-``(seed, i)``); local training is ``epochs`` steps of gradient descent, FedAvg of the
-clients' models moves the global one towards ``c*``, and the reported loss is the global
-model's distance to ``c*``. It costs one random draw per client and round, so thousands of
-clients and models of many MiB stay cheap while every update is a real, distinct tensor.
+``0.5 * mean((w - c_i)^2)`` around its own target ``c_i = c* + noise_i``; local training
+is ``epochs`` steps of gradient descent, FedAvg of the clients' models moves the global one
+towards ``c*``, and the reported loss is the global model's distance to ``c*``. A client's
+noise is a window of one shared random array (``NOISE_OFFSETS`` longer than the model),
+starting at an offset drawn from the client's index: each client's update is a real,
+distinct tensor, and a client costs a few passes over the model, no random draw, so
+thousands of clients and models of many MiB stay cheap (a simulation measures the engine).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tensorswap.simulate.errors import InvalidSimulation
 __all__ = ["DigitsTask", "SimTask", "SyntheticTask", "make_task"]
 
 COLUMNS = 256
+NOISE_OFFSETS = 1 << 16
 
 
 class SimTask(Protocol):
@@ -49,6 +52,8 @@ class SyntheticTask:
         self.shape = (max(1, round(model_mib * 1024 * 1024 / 4 / COLUMNS)), COLUMNS)
         rng = np.random.default_rng([seed, 0x5EED])
         self.optimum = rng.standard_normal(self.shape, dtype=np.float32)
+        self.size = self.shape[0] * self.shape[1]
+        self.noise = rng.standard_normal(self.size + NOISE_OFFSETS, dtype=np.float32)
 
     def initial(self) -> dict[str, np.ndarray]:
         return {"weight": np.zeros(self.shape, np.float32)}
@@ -57,10 +62,9 @@ class SyntheticTask:
         return 16 + (client * 7919) % 64
 
     def target(self, client: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, 1 + client])
-        noise = rng.standard_normal(self.shape, dtype=np.float32)
-        noise += self.optimum
-        return noise
+        """Client ``client``'s optimum: ``c*`` plus its window of the shared noise."""
+        at = (client * 7919 + 17) % NOISE_OFFSETS
+        return self.optimum + self.noise[at : at + self.size].reshape(self.shape)
 
     def train(
         self, client: int, round: int, tensors: Mapping[str, np.ndarray]
