@@ -21,6 +21,7 @@ total wall time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -75,8 +76,8 @@ def main() -> int:
 
         cache = sys.modules.setdefault("_flower_simulate_cache", types.ModuleType("cache"))
         if not hasattr(cache, "arrays"):
-            cache.arrays = _optimum_and_noise(shape, seed)  # type: ignore[attr-defined]
-        return cache.arrays  # type: ignore[attr-defined,no-any-return]
+            cache.arrays = _optimum_and_noise(shape, seed)
+        return cache.arrays
 
     client_app = ClientApp()
 
@@ -134,7 +135,7 @@ def main() -> int:
             "init_args": {"num_cpus": args.workers, "include_dashboard": False},
         },
     )
-    rounds = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    rounds = [b - a for a, b in itertools.pairwise(marks)]
     print(
         json.dumps(
             {

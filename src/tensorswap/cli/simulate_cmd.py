@@ -63,6 +63,7 @@ from tensorswap.cli._util import parse_host_port
 @click.option(
     "--listen",
     default="127.0.0.1:0",
+    callback=lambda ctx, param, value: parse_host_port(value) and value,
     show_default=True,
     metavar="HOST:PORT",
     help="Where the coordinator listens.",
@@ -127,7 +128,6 @@ def simulate(
     from tensorswap.simulate.driver import run_simulation
     from tensorswap.simulate.output import SimUi, round_table, write_outputs
 
-    parse_host_port(listen)
     if model_mib is not None and task == "auto":
         task = "synthetic"
     try:

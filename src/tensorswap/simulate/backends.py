@@ -93,7 +93,9 @@ class ProcessBackend:
                 stdin.write((json.dumps(cmd) + "\n").encode())
                 await stdin.drain()
                 line = await asyncio.wait_for(stdout.readline(), timeout)
-            except (ConnectionError, ValueError) as exc:
+            except ConnectionError as exc:  # its stdin is closed: it has exited
+                raise SimulationError(f"worker {p.index} exited ({exc}); {self._tail(p)}") from None
+            except ValueError as exc:  # an answer longer than MAX_LINE
                 raise SimulationError(f"worker {p.index}: {exc}; {self._tail(p)}") from None
             except TimeoutError:
                 raise SimulationError(

@@ -99,9 +99,7 @@ class RayBackend:
         return list(ready)
 
     async def round(self, worker: int, cmd: Mapping[str, Any]) -> dict[str, Any]:
-        return await self._call(
-            worker, self.actors[worker].round.remote(dict(cmd)), self.timeout_s
-        )
+        return await self._call(worker, self.actors[worker].round.remote(dict(cmd)), self.timeout_s)
 
     def pids(self) -> list[int]:
         return list(self._pids)
