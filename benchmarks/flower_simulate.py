@@ -74,10 +74,11 @@ def main() -> int:
         """
         import types
 
-        cache = sys.modules.setdefault("_flower_simulate_cache", types.ModuleType("cache"))
-        if not hasattr(cache, "arrays"):
-            cache.arrays = _optimum_and_noise(shape, seed)
-        return cache.arrays
+        cache = vars(sys.modules.setdefault("_flower_simulate_cache", types.ModuleType("c")))
+        if "arrays" not in cache:
+            cache["arrays"] = _optimum_and_noise(shape, seed)
+        arrays: tuple[np.ndarray, np.ndarray] = cache["arrays"]
+        return arrays
 
     client_app = ClientApp()
 

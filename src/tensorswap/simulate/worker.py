@@ -3,9 +3,10 @@
 ``SimWorker`` is the same in both backends: ``start`` connects a ``VirtualClients`` pool and
 registers each hosted client for runs under its own name; ``round`` trains the hosted
 clients the coordinator sampled (from the round's global model, fetched once) and submits
-their updates in batches (``submit_many``), training the next chunk while the previous one
-is on the wire. The ``process`` backend runs it as ``python -m tensorswap.simulate.worker``:
-JSON-line commands on stdin, one JSON-line answer each on stdout.
+their updates in batches (``submit_many``), training the next chunk while the previous ones
+are on the wire, and dropping each chunk's blocks once the coordinator holds them durably.
+The ``process`` backend runs it as ``python -m tensorswap.simulate.worker``: JSON-line
+commands on stdin, one JSON-line answer each on stdout.
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ from typing import Any
 from tensorswap.cid import Cid
 from tensorswap.simulate.errors import InvalidSimulation
 from tensorswap.simulate.task import SimTask, make_task
+from tensorswap.store import ModelUpdate, put_update
 
-__all__ = ["SimWorker", "client_name", "main"]
+__all__ = ["MAX_INFLIGHT", "SimWorker", "client_name", "main"]
+
+MAX_INFLIGHT = 2
+"""Chunks of a worker's round trained but not yet durable on the coordinator, at most."""
 
 
 def client_name(index: int) -> str:
@@ -95,35 +100,54 @@ class SimWorker:
         sent0, received0 = self._traffic()
         model = await self.pool.reader.fetch(cid)
         tensors = dict(model.tensors)
-        task = self.task
+        store, task = self.pool.store, self.task
+        keep = set(store)  # the global model's blocks (each chunk's updates reuse none else)
 
-        def train(part: Sequence[int]) -> tuple[list[PeerSubmit], list[float]]:
+        def train(part: Sequence[int]) -> tuple[list[PeerSubmit], list[float], set[Cid]]:
+            """Train ``part``, put its updates in the store: the submits, losses, blocks."""
             items, losses = [], []
             for index in part:
                 new, loss = task.train(index, rid.round, tensors)
-                items.append(PeerSubmit(client_name(index), new, task.num_samples(index)))
+                samples = task.num_samples(index)
+                cid = put_update(store, ModelUpdate(new, samples))
+                items.append(PeerSubmit(client_name(index), cid, samples))
                 losses.append(loss)
-            return items, losses
+            blocks = set(self.pool._closure([item.update for item in items]))
+            return items, losses, blocks
 
-        sends: list[asyncio.Task[list[Any]]] = []
+        # at most MAX_INFLIGHT chunks trained and not yet durable on the coordinator: the
+        # blocks of each chunk leave the store once it is (memory: a few chunks, not a round)
+        inflight: list[tuple[asyncio.Task[list[Any]], set[Cid]]] = []
+        outcomes: list[Any] = []
         losses: list[float] = []
         train_s = 0.0
+
+        async def settle() -> None:
+            send, blocks = inflight.pop(0)
+            outcomes.extend(await send)
+            others = set().union(*(b for _, b in inflight)) if inflight else set()
+            for block in blocks - keep - others:
+                store.delete(block)
+
         try:
             for at in range(0, len(chosen), self.chunk):
                 t0 = time.perf_counter()
-                items, part_losses = await asyncio.to_thread(train, chosen[at : at + self.chunk])
+                part = chosen[at : at + self.chunk]
+                items, part_losses, blocks = await asyncio.to_thread(train, part)
                 train_s += time.perf_counter() - t0
                 losses.extend(part_losses)
-                sends.append(asyncio.ensure_future(self.pool.submit_many(rid, items)))
-            outcomes = [o for part in await asyncio.gather(*sends) for o in part]
+                inflight.append((asyncio.ensure_future(self.pool.submit_many(rid, items)), blocks))
+                while len(inflight) > MAX_INFLIGHT:
+                    await settle()
+            while inflight:
+                await settle()
         except BaseException:
-            for send in sends:
+            for send, _ in inflight:
                 send.cancel()
-            await asyncio.gather(*sends, return_exceptions=True)
+            await asyncio.gather(*(send for send, _ in inflight), return_exceptions=True)
             raise
         refused = [f"{type(o).__name__}: {o}" for o in outcomes if isinstance(o, Exception)]
         sent1, received1 = self._traffic()
-        store = self.pool.store
         for block in list(store):  # this round's updates and model: not needed again
             store.delete(block)
         return {
