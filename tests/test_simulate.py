@@ -194,3 +194,16 @@ def test_every_process_is_stopped_on_failure(
     with pytest.raises(error, match=message):
         asyncio.run(run_simulation(cfg, on_event))
     _no_children_left()
+
+
+def test_a_foreign_data_directory_is_not_emptied(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "precious.txt").write_text("keep me")
+    argv = ["simulate", *SMALL, "--out", str(tmp_path / "out"), "--data", str(data)]
+    assert main(argv) == 2
+    assert "not emptying it" in capsys.readouterr().err
+    assert (data / "precious.txt").read_text() == "keep me"
+    _no_children_left()

@@ -98,6 +98,12 @@ from tensorswap.cli._util import parse_host_port
     type=click.Path(file_okay=False, path_type=Path),
     help="Where summary.json, simulate.png and the processes' logs go.",
 )
+@click.option(
+    "--data",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The coordinator's data directory, emptied first [default: OUT/coordinator].",
+)
 @click.option("--no-plot", is_flag=True, help="Skip simulate.png.")
 def simulate(
     clients: int,
@@ -115,6 +121,7 @@ def simulate(
     seed: int,
     round_timeout: float,
     out: Path,
+    data: Path | None,
     no_plot: bool,
 ) -> None:
     """Simulate N clients, K sampled per round, for R rounds, against a real coordinator.
@@ -140,6 +147,7 @@ def simulate(
             backend=backend,
             workers=workers,
             out=out,
+            data=data,
             seed=seed,
             local_epochs=local_epochs,
             lr=lr,

@@ -24,7 +24,8 @@ MAX_MODEL_MIB = 4096.0
 @dataclass(frozen=True)
 class SimConfig:
     """One simulation. ``workers`` None: one per CPU core (at most 8, at most one per
-    client). ``model_mib``: the synthetic model's size (default 1 MiB)."""
+    client). ``model_mib``: the synthetic model's size (default 1 MiB). ``data``: the
+    coordinator's data directory (default ``out/coordinator``; emptied first)."""
 
     clients: int
     per_round: int
@@ -34,6 +35,7 @@ class SimConfig:
     backend: str = "process"
     workers: int | None = None
     out: Path = field(default_factory=lambda: Path("simulate-out"))
+    data: Path | None = None
     seed: int = 0
     local_epochs: int = 2
     lr: float = 0.5

@@ -18,18 +18,22 @@ from tensorswap.simulate.errors import SimulationError
 __all__ = ["Coordinator"]
 
 READY_TIMEOUT_S = 120.0
+MARKER = ".tensorswap-simulate"
+"""Marks a directory a simulation's coordinator used: only such a directory is emptied."""
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
 class Coordinator:
-    """``tensorswap serve`` on ``listen`` with its data under ``out/coordinator`` (removed
-    first: each simulation starts from nothing), its log in
+    """``tensorswap serve`` on ``listen`` with its data in ``data`` (default
+    ``out/coordinator``; emptied first, when empty or a simulation's: each simulation starts
+    from nothing), its log in
     ``out/coordinator.log``. Clients registered for runs stay active the whole simulation
     (virtual clients are idle for many rounds)."""
 
-    def __init__(self, out: Path, listen: str = "127.0.0.1:0") -> None:
+    def __init__(self, out: Path, listen: str = "127.0.0.1:0", data: Path | None = None) -> None:
         self.out = out
         self.listen = listen
+        self.data = data if data is not None else out / "coordinator"
         self.proc: asyncio.subprocess.Process | None = None
         self._log: IO[bytes] | None = None
 
@@ -39,9 +43,15 @@ class Coordinator:
 
     async def start(self) -> tuple[str, int]:
         """Start it; where it listens (host, port)."""
-        data = self.out / "coordinator"
+        data = self.data
         if data.exists():  # a fresh coordinator each simulation: no run, rounds, blocks
+            if any(data.iterdir()) and not (data / MARKER).exists():
+                raise SimulationError(
+                    f"{data} holds files of something else than a simulation; not emptying it"
+                )
             await asyncio.to_thread(shutil.rmtree, data)
+        data.mkdir(parents=True)
+        (data / MARKER).write_text("the data of a `tensorswap simulate` coordinator\n")
         log_path = self.out / "coordinator.log"
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in aclose
         self.proc = await asyncio.create_subprocess_exec(

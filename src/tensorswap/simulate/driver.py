@@ -114,7 +114,7 @@ async def run_simulation(cfg: SimConfig, on_event: Listener | None = None) -> Si
     cfg.out.mkdir(parents=True, exist_ok=True)
     memory = PeakMemory().start()
     started = time.perf_counter()
-    coordinator = Coordinator(cfg.out, cfg.listen)
+    coordinator = Coordinator(cfg.out, cfg.listen, cfg.data)
     backend = make_backend(cfg.backend, cfg.out, cfg.round_timeout_s, cfg.ray_address)
     client: RunClient | None = None
     task = await asyncio.to_thread(make_task, cfg.task_spec())
