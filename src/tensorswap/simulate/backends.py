@@ -13,18 +13,32 @@ import contextlib
 import json
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, TypeVar
 
 from tensorswap.demo.fleet import child_env
 from tensorswap.simulate.errors import SimulationError
 
-__all__ = ["READY_TIMEOUT_S", "Backend", "ProcessBackend", "make_backend"]
+__all__ = ["READY_TIMEOUT_S", "Backend", "ProcessBackend", "gather_or_cancel", "make_backend"]
 
 READY_TIMEOUT_S = 300.0  # registering thousands of clients on a loaded machine
 STOP_TIMEOUT_S = 10.0
 MAX_LINE = 1 << 20
+T = TypeVar("T")
+
+
+async def gather_or_cancel(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Every result of ``aws``; on the first failure the others are cancelled (and awaited)
+    before it is raised, so nothing is left running behind a failed step."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class Backend(Protocol):
@@ -70,13 +84,9 @@ class ProcessBackend:
                 log.close()
                 raise
             self.procs.append(_Proc(index, proc, log))
-        return list(
-            await asyncio.gather(
-                *(
-                    self._call(p, {"cmd": "start", "spec": dict(s)}, READY_TIMEOUT_S)
-                    for p, s in zip(self.procs, specs, strict=True)
-                )
-            )
+        return await gather_or_cancel(
+            self._call(p, {"cmd": "start", "spec": dict(s)}, READY_TIMEOUT_S)
+            for p, s in zip(self.procs, specs, strict=True)
         )
 
     async def round(self, worker: int, cmd: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tensorswap.simulate.backends import make_backend
+from tensorswap.simulate.backends import gather_or_cancel, make_backend
 from tensorswap.simulate.config import SimConfig
 from tensorswap.simulate.coordinator import Coordinator
 from tensorswap.simulate.errors import SimulationError
@@ -112,13 +112,13 @@ async def run_simulation(cfg: SimConfig, on_event: Listener | None = None) -> Si
 
     notify = on_event or (lambda kind, data: None)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    memory = PeakMemory().start()
     started = time.perf_counter()
+    task = await asyncio.to_thread(make_task, cfg.task_spec())
+    result = SimResult(cfg.to_json(), task.metric)
+    memory = PeakMemory().start()
     coordinator = Coordinator(cfg.out, cfg.listen, cfg.data)
     backend = make_backend(cfg.backend, cfg.out, cfg.round_timeout_s, cfg.ray_address)
     client: RunClient | None = None
-    task = await asyncio.to_thread(make_task, cfg.task_spec())
-    result = SimResult(cfg.to_json(), task.metric)
     try:
         host, port = await coordinator.start()
         result.coordinator = f"{host}:{port}"
@@ -155,8 +155,8 @@ async def run_simulation(cfg: SimConfig, on_event: Listener | None = None) -> Si
                 index = _index_of(peer)
                 by_worker.setdefault(owner[index], []).append(index)
             cmd = {"run": RUN_NAME, "round": r, "global_cid": info.global_cid}
-            reports = await asyncio.gather(
-                *(backend.round(w, {**cmd, "clients": idx}) for w, idx in by_worker.items())
+            reports = await gather_or_cancel(
+                backend.round(w, {**cmd, "clients": idx}) for w, idx in by_worker.items()
             )
             refused = [e for rep in reports for e in rep.get("errors", [])]
             if refused:

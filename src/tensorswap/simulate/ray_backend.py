@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tensorswap.demo.fleet import child_env
-from tensorswap.simulate.backends import READY_TIMEOUT_S, STOP_TIMEOUT_S
+from tensorswap.simulate.backends import READY_TIMEOUT_S, STOP_TIMEOUT_S, gather_or_cancel
 from tensorswap.simulate.errors import SimulationError
 
 __all__ = ["RayBackend", "ray_available"]
@@ -92,8 +92,8 @@ class RayBackend:
             self._owns_ray = True
         actor = _actor_class()
         self.actors = [actor.options(num_cpus=1).remote(dict(s)) for s in specs]
-        ready = await asyncio.gather(
-            *(self._call(i, a.start.remote(), READY_TIMEOUT_S) for i, a in enumerate(self.actors))
+        ready = await gather_or_cancel(
+            self._call(i, a.start.remote(), READY_TIMEOUT_S) for i, a in enumerate(self.actors)
         )
         self._pids = [int(r.get("pid", 0)) for r in ready]
         return list(ready)
