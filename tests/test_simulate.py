@@ -26,9 +26,19 @@ from tensorswap.simulate.worker import SimWorker
 SMALL = ["--clients", "40", "--per-round", "8", "--rounds", "2", "--model-mib", "0.01"]
 
 
+_BEFORE: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _children_before() -> None:
+    """The processes below this one before the test (another test's are not this one's)."""
+    _BEFORE.clear()
+    _BEFORE.update(descendants(os.getpid()))
+
+
 def _no_children_left() -> None:
-    """No process of this test is left (workers, coordinator)."""
-    left = [pid for pid in descendants(os.getpid()) if pid != os.getpid()]
+    """No process this test started is left (workers, coordinator)."""
+    left = sorted(set(descendants(os.getpid())) - _BEFORE)
     assert left == [], f"processes left behind: {left}"
 
 

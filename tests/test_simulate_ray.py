@@ -27,11 +27,12 @@ pytestmark = [
 ]
 
 
-def _wait_no_children(timeout: float = 30.0) -> list[int]:
-    """Ray's processes exit a moment after ray.shutdown(): wait for them (bounded)."""
+def _wait_no_children(before: set[int], timeout: float = 30.0) -> list[int]:
+    """Ray's processes exit a moment after ray.shutdown(): wait for them (bounded); the
+    processes started since ``before`` still alive."""
     deadline = time.monotonic() + timeout
     while True:
-        left = [pid for pid in descendants(os.getpid()) if pid != os.getpid()]
+        left = sorted(set(descendants(os.getpid())) - before)
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)
@@ -40,6 +41,7 @@ def _wait_no_children(timeout: float = 30.0) -> list[int]:
 def test_ray_backend_matches_the_process_backend(tmp_path: Path) -> None:
     import ray
 
+    before = set(descendants(os.getpid()))
     common = {"clients": 40, "per_round": 8, "rounds": 2, "model_mib": 0.01, "workers": 2}
     local = asyncio.run(run_simulation(SimConfig(**common, out=tmp_path / "process")))
     events: list[str] = []
@@ -57,4 +59,4 @@ def test_ray_backend_matches_the_process_backend(tmp_path: Path) -> None:
         assert b.metric == pytest.approx(a.metric, rel=1e-5)
         assert b.sent_bytes > 8 * 10 * 1024
     assert on_ray.peak_memory_bytes > 0 and on_ray.config["backend"] == "ray"
-    assert _wait_no_children() == []
+    assert _wait_no_children(before) == []
