@@ -32,6 +32,7 @@ from tensorswap.rounds.retention import DEFAULT_GC_GRACE, Retention, RetentionWo
 from tensorswap.rounds.retry import RetryPolicy, RetrySchedule
 from tensorswap.rounds.screen import check_layout, screen
 from tensorswap.rounds.state import (
+    Aggregating,
     Complete,
     Contribution,
     RoundId,
@@ -245,6 +246,17 @@ class Coordinator:
         self._count(contributions=1, contribution_bytes=facts.nbytes)
         log.debug("round %s: %s contributed %d bytes -> %s", key, peer, facts.nbytes, status)
         return status
+
+    def fail_round(self, round_id: RoundId, reason: str) -> bool:
+        """Fail a round still collecting, with ``reason`` (its owner gave up on it: a run's
+        secure aggregation that cannot finish); False if it is unknown or already ended."""
+        work = self._work_for(round_id)
+        with self._gc_lock.shared(), work.lock:
+            status = self.tracker.status(round_id)
+            if status is None or status.is_terminal or isinstance(status, Aggregating):
+                return False
+            self._fail(round_id, reason)
+        return True
 
     def check_deadlines(self) -> list[RoundId]:
         """Handle every round whose deadline has passed, and queue the retries that are due;

@@ -21,6 +21,7 @@ from tensorswap.runs.journal import RunDatabase
 from tensorswap.runs.model import MAX_RUN_NAME, RunInfo, RunMode, RunSpec, VersionRecord
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER, ClientRegistry
 from tensorswap.runs.sampling import sample_peers
+from tensorswap.runs.secure import SECAGG_PEER, RunSecurity, is_secure
 from tensorswap.runs.step import apply_step, check_policies, check_staleness
 
 __all__ = ["RunManager", "Task"]
@@ -42,6 +43,8 @@ class Task:
     """A DP run's clipping side (``server`` or ``client``): submit the delta; "" otherwise."""
     clip: float | None = None
     """A DP run's clipping norm for this round (client-side clipping: clip to it)."""
+    secagg: bool = False
+    """A secure run: submit runs SecAgg+ with the coordinator (the delta, masked)."""
 
 
 class RunManager:
@@ -80,6 +83,7 @@ class RunManager:
         self._changed = threading.Condition(self._lock)
         self._runs: dict[str, RunInfo] = {r.name: r for r in journal.load_runs()}
         self.privacy = RunPrivacy(journal)
+        self.secure = RunSecurity(coordinator, journal, self._release_secure, self._notify)
         self._listeners: list[Callable[[str], None]] = []
         self._closed = False
         self._owns_journal = False
@@ -188,11 +192,14 @@ class RunManager:
             return None
         if info.spec.mode is RunMode.SYNC and peer not in info.selected:
             return None
+        secure = is_secure(info.spec)
+        if secure and not self.secure.awaits(rid, peer):
+            return None
+        dp, clip = "", None
         if is_private(info.spec):
             clip = self.privacy.clip_for(info, info.round)
             dp = info.spec.dp_clipping
-            return Task(name, rid, info.version, info.global_cid, info.spec.mode, dp, clip)
-        return Task(name, rid, info.version, info.global_cid, info.spec.mode)
+        return Task(name, rid, info.version, info.global_cid, info.spec.mode, dp, clip, secure)
 
     def submit(
         self,
@@ -213,6 +220,8 @@ class RunManager:
         self.registry.seen(peer)
         info = self.run(round_id.initiator)
         scale = 1.0
+        if is_secure(info.spec):
+            raise RunsError(_SECURE_ONLY.format(info.name))
         if info.spec.mode is RunMode.ASYNC:
             scale = check_staleness(info, peer, trained_on)
             if round_id.round != info.round:
@@ -236,15 +245,20 @@ class RunManager:
             info = self._runs.get(round_id.initiator)
         if info is None:
             return
+        via_manager = getattr(self._local, "via_manager", False)
+        if is_secure(info.spec):
+            if via_manager and peer == SECAGG_PEER:
+                return  # the round's unmasked aggregate, from RunSecurity
+            raise RunsError(_SECURE_ONLY.format(info.name))
         if info.spec.mode is RunMode.SYNC:
             if round_id.round != info.round or peer not in info.selected:
                 raise NotSelected(info.name, round_id.round, peer, len(info.selected))
-            if is_private(info.spec) and not getattr(self._local, "via_manager", False):
+            if is_private(info.spec) and not via_manager:
                 raise RunsError(
                     f"run {info.name!r} is differentially private: contribute the delta from "
                     f"the task's model (RunClient.submit, RunManager.submit(..., trained_on=))"
                 )
-        elif not getattr(self._local, "via_manager", False):
+        elif not via_manager:
             raise RunsError(
                 f"run {info.name!r} is asynchronous: contribute with the version trained on "
                 f"(RunClient.submit, RunManager.submit(..., trained_on=))"
@@ -286,6 +300,7 @@ class RunManager:
                 return
             status = current.status
             if not status.is_terminal:
+                self.secure.resume(info)  # a secure round a restart cut short fails cleanly
                 return  # collecting or aggregating: the coordinator goes on by itself
             if isinstance(status, Complete) and info.version < self._version_of_round(info):
                 info = self._step(info, status)
@@ -311,9 +326,12 @@ class RunManager:
         trained_on = self.journal.trained_on(info.name, info.round)
         aggregate = Cid.parse(status.cid)
         private = is_private(info.spec)
+        if is_secure(info.spec):  # the survivors, whose deltas the aggregate sums
+            contributions = self.secure.contributions(info)
         if private:  # the noised aggregate, journaled before the optimizer sees it
             aggregate = self.privacy.noised_aggregate(self.store, info, aggregate, contributions)
-        record = apply_step(self.store, info, aggregate, contributions, trained_on, delta=private)
+        delta = private or is_secure(info.spec)
+        record = apply_step(self.store, info, aggregate, contributions, trained_on, delta=delta)
         finished = info.spec.rounds is not None and record.version >= info.spec.rounds
         self.journal.add_version(info.name, record, finished)
         new = replace(
@@ -373,15 +391,21 @@ class RunManager:
         if isinstance(timeout_s, str):  # "auto"
             info = self._auto_deadline(info, spec.quorum_of(expected))
             timeout_s = info.deadline_s
+        quorum = spec.quorum_of(expected) if spec.mode is RunMode.SYNC else expected
+        secure = is_secure(spec)
+        if secure:  # one contribution: the unmasked aggregate; RunSecurity owns the deadlines
+            expected, quorum, timeout_s = 1, 1, None
         round_spec = RoundSpec(
             expected,
-            quorum=spec.quorum_of(expected) if spec.mode is RunMode.SYNC else expected,
+            quorum=quorum,
             timeout_s=timeout_s,
-            strategy="mean" if is_private(spec) else spec.strategy,
+            strategy="mean" if is_private(spec) or secure else spec.strategy,
             params=spec.params,
             layout=facts.layout,
         )
         self.coordinator.start_round(RoundId(info.round, info.name), round_spec)
+        if secure:
+            self.secure.open(info, facts.layout)
         log.info("run %s: round %d started, %s", info.name, info.round, info.selected or "open")
         self._notify(info.name)
 
@@ -407,6 +431,14 @@ class RunManager:
         with self._lock:
             self._runs[info.name] = info
         return info
+
+    def _release_secure(self, round_id: RoundId, cid: Cid) -> None:
+        """Contribute a secure round's unmasked aggregate (RunSecurity's only submit)."""
+        self._local.via_manager = True
+        try:
+            self.coordinator.submit(round_id, SECAGG_PEER, cid)
+        finally:
+            self._local.via_manager = False
 
     def _initial(self, name: str) -> str:
         versions = self.journal.versions(name)
@@ -444,8 +476,15 @@ class RunManager:
                 return
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.secure.close()
         if self._owns_journal:
             self.journal.close()
+
+
+_SECURE_ONLY = (
+    "run {!r} aggregates securely (SecAgg+): contribute with RunClient.submit, which masks "
+    "the delta; a plain update would show it to the coordinator"
+)
 
 
 def _waiting(info: RunInfo) -> bool:

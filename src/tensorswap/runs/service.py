@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 
@@ -25,6 +27,7 @@ from tensorswap.runs.messages import (
     RunRequest,
     RunRow,
     RunsRequest,
+    SecAggRequest,
     TaskRequest,
     TaskWire,
     VersionRow,
@@ -38,6 +41,8 @@ from tensorswap.wire import AppRequest, ProtocolViolation
 __all__ = ["RunService", "row_of", "task_wire"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def row_of(manager: RunManager, info: RunInfo) -> RunRow:
@@ -73,6 +78,7 @@ def task_wire(task: Task) -> TaskWire:
         task.mode.value,
         task.dp,
         task.clip,
+        task.secagg,
     )
 
 
@@ -157,32 +163,70 @@ class RunService:
                     clipped=call.clipped,
                 )
                 return RunAnswer(status=status_to_wire(status))
+            case SecAggRequest():
+                return await self._secagg(call)
         raise ProtocolViolation(f"unknown runs request {type(call).__name__}")
 
     async def _task(self, call: TaskRequest) -> Task | None:
-        limit = (
-            self.server.max_wait
-            if call.timeout is None
-            else min(call.timeout, self.server.max_wait)
-        )
+        def probe() -> tuple[bool, Task | None]:
+            task = self.manager.task(call.run, call.peer)
+            return task is not None or self.manager.run(call.run).finished, task
+
+        return await self._wait(call.run, call.timeout, probe, None)
+
+    async def _secagg(self, call: SecAggRequest) -> RunAnswer:
+        """Post the peer's SecAgg+ message, then answer its next server message (waiting
+        for its phase to close, up to the timeout)."""
+        from tensorswap.privacy.secagg.protocol import MaskedInput, UnmaskResponse, decode
+
+        manager = self.manager
+        manager.registry.seen(call.peer)
+        rid = RoundId(call.round, call.run)
+        session = manager.secure.session_for(manager.run(call.run), rid, call.peer)
+        if call.message:
+            message = decode(call.message)
+            if isinstance(message, MaskedInput):
+                message = await asyncio.to_thread(
+                    manager.secure.masked_input, rid, message, call.block
+                )
+            await asyncio.to_thread(session.post, call.peer, message)
+            if isinstance(message, UnmaskResponse):  # the peer's last step
+                status = manager.coordinator.status(rid)
+                return RunAnswer(status=None if status is None else status_to_wire(status))
+        elif call.after == 0:
+            index, setup = await asyncio.to_thread(session.setup, call.peer)
+            return RunAnswer(secagg=setup, secagg_peer=index)
+
+        def probe() -> tuple[bool, bytes | None]:
+            got = session.message_for(call.peer, call.after)
+            return got is not None, got
+
+        return RunAnswer(secagg=await self._wait(call.run, call.timeout, probe, None))
+
+    async def _wait(
+        self, run: str, timeout: float | None, probe: Callable[[], tuple[bool, T]], none: T
+    ) -> T:
+        """``probe()``'s value once it says done, re-probed each time ``run`` changes;
+        ``none`` after ``timeout`` (at most the server's ``max_wait``). No thread waits."""
+        limit = self.server.max_wait if timeout is None else min(timeout, self.server.max_wait)
         event = asyncio.Event()
-        self._waiters.setdefault(call.run, set()).add(event)
+        self._waiters.setdefault(run, set()).add(event)
         try:
             async with asyncio.timeout(limit):
                 while True:
                     event.clear()
-                    task = self.manager.task(call.run, call.peer)
-                    if task is not None or self.manager.run(call.run).finished:
-                        return task
+                    done, value = probe()
+                    if done:
+                        return value
                     await event.wait()
         except TimeoutError:
-            return None
+            return none
         finally:
-            waiting = self._waiters.get(call.run)
+            waiting = self._waiters.get(run)
             if waiting is not None:
                 waiting.discard(event)
                 if not waiting:
-                    del self._waiters[call.run]
+                    del self._waiters[run]
 
     def _on_change(self, run: str) -> None:
         loop = self._loop
