@@ -232,6 +232,8 @@ class RunRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defa
     dp_delta: float | None = None
     stop_reason: str = ""
     """Why a run finished early (its privacy budget), "" otherwise."""
+    secagg: bool = False
+    """Whether the run aggregates securely (SecAgg+)."""
 
 
 class TaskWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

@@ -187,6 +187,9 @@ class RunSecurity:
         if not is_secure(info.spec):
             raise RunsError(f"run {info.name!r} does not aggregate securely")
         if round_id.round != info.round or peer not in info.selected:
+            reason = self.reason(info.name, round_id.round)
+            if reason:  # a round that ended badly says why (a restart, too few survivors)
+                raise SecureRoundFailed(round_id.as_key(), reason)
             raise NotSelected(info.name, round_id.round, peer, len(info.selected))
         session = self._session(round_id.as_key())
         if session is None or session.finished:

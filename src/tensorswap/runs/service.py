@@ -66,6 +66,7 @@ def row_of(manager: RunManager, info: RunInfo) -> RunRow:
         epsilon=manager.privacy.spent(info),
         dp_delta=info.spec.dp_delta if info.spec.dp_clip is not None else None,
         stop_reason=manager.privacy.stop_reason(info.name),
+        secagg=info.spec.secagg,
     )
 
 
