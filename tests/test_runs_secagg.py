@@ -338,3 +338,41 @@ def test_secure_specs_are_checked() -> None:
 
     with pytest.raises(InvalidRunSpec, match="threshold"):
         check_policies(RunSpec(per_round=8, min_clients=2, secagg=True, secagg_threshold=2))
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.8])
+async def test_secure_and_differentially_private_clip_before_masking(
+    served: Served, noise: float
+) -> None:
+    """Client-side clipping before masking (every peer weighs 1): the unmasked sum is the mean
+    of the clipped deltas; with noise the coordinator adds it to that sum, and ε is spent."""
+    peers = [await served.client(f"p{i}") for i in range(3)]
+    try:
+        spec = RunSpec(
+            per_round=3, min_clients=3, rounds=1, secagg=True, dp_clip=0.5,
+            dp_clipping="client", dp_noise=noise,
+        )  # fmt: skip
+        await peers[0].create_run("fl", spec, ModelUpdate(_model()))
+        await asyncio.gather(*(_train(p, i) for i, p in enumerate(peers)))
+        mean = await _aggregate(served.manager, "fl", 1)
+        clipped = []
+        for i in range(3):
+            d = np.concatenate([_delta(i)["w"].ravel(), _delta(i)["b"].ravel()])
+            clipped.append(d * min(1.0, 0.5 / float(np.linalg.norm(d))))
+        want = np.mean(clipped, axis=0)
+        got = np.concatenate([mean["w"].ravel(), mean["b"].ravel()])
+        np.testing.assert_allclose(got, want, atol=1e-6)  # weights 1: the plain mean
+        row = await peers[0].run("fl")
+        steps = served.manager.privacy.steps("fl")
+        assert len(steps) == 1 and steps[0].contributors == 3
+        final = (await peers[0].rounds.fetch(Cid.parse(row.global_cid))).tensors
+        moved = np.concatenate([(final[k] - _model()[k]).ravel() for k in ("w", "b")])
+        if noise == 0:
+            np.testing.assert_allclose(moved, want, atol=1e-6)
+            assert row.epsilon is not None
+        else:
+            assert not np.allclose(moved, want, atol=1e-3)  # noised
+            assert row.epsilon is not None and 0 < row.epsilon < float("inf")
+    finally:
+        for p in peers:
+            await p.aclose()

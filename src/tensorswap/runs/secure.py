@@ -222,7 +222,7 @@ class RunSecurity:
         want = 4 * (meta.dim + 1)
         if self.store.size_of(cid) != want:
             raise MalformedSecAggMessage(f"the masked vector {cid} is not {want} bytes long")
-        data = bytes(self.store.get(cid, verify=True))
+        data = bytes(self.store.get(cid))  # verified as it was pushed (put_verified)
         with self._lock:
             self._blocks.setdefault(key, []).append(cid)
         return msgspec.structs.replace(message, masked=data)

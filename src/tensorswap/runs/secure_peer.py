@@ -28,23 +28,33 @@ if TYPE_CHECKING:
 __all__ = ["flatten_delta", "secure_submit"]
 
 
-def flatten_delta(delta: Mapping[str, np.ndarray], order: Mapping[str, np.ndarray]) -> np.ndarray:
-    """``delta``'s tensors as one float32 vector in ``order``'s tensor order (the global
-    model's), each raveled; QuantizationError unless names and shapes match."""
+def flatten_delta(
+    model: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray], clip: float | None = None
+) -> np.ndarray:
+    """``model - base`` as one float32 vector in ``base``'s tensor order (the global model's),
+    each tensor raveled, scaled to L2 norm ``clip`` at most when one is given (client-side DP
+    clipping); QuantizationError unless names and shapes match."""
+    from tensorswap.privacy.dp import clip_factor
     from tensorswap.privacy.secagg.errors import QuantizationError
 
-    if set(delta) != set(order):
-        diff = sorted(set(delta) ^ set(order))
+    if set(model) != set(base):
+        diff = sorted(set(model) ^ set(base))
         raise QuantizationError(f"the update's tensors differ from the task's model: {diff}")
-    parts = []
-    for name, like in order.items():
-        part = np.asarray(delta[name])
+    out = np.empty(sum(np.size(v) for v in base.values()), np.float32)
+    at = 0
+    for name, like in base.items():
+        part = np.asarray(model[name])
         if part.shape != np.shape(like):
             raise QuantizationError(
                 f"tensor {name!r} has shape {part.shape}, the task's model {np.shape(like)}"
             )
-        parts.append(part.astype(np.float32, copy=False).ravel())
-    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        view = out[at : at + part.size]
+        view[:] = part.ravel()
+        view -= np.asarray(like, np.float32).ravel()
+        at += part.size
+    if clip is not None:
+        out *= np.float32(clip_factor(float(np.linalg.norm(out.astype(np.float64))), clip))
+    return out
 
 
 async def secure_submit(
@@ -63,9 +73,12 @@ async def secure_submit(
         encode,
     )
 
-    delta, _ = await client._dp_delta(task, update, num_samples)
+    model = update if isinstance(update, ModelUpdate) else ModelUpdate(dict(update))
+    if task.dp == "client" and task.clip is None:
+        raise ProtocolViolation("a client-side clipping task lacks its clipping norm")
+    clip = task.clip if task.dp == "client" else None
     base = await client.fetch_model(task)
-    vector = await asyncio.to_thread(flatten_delta, delta.tensors, base)
+    vector = await asyncio.to_thread(flatten_delta, model.tensors, base, clip)
 
     def request(after: int, message: bytes = b"", block: bytes | None = None) -> SecAggRequest:
         return SecAggRequest(
@@ -86,7 +99,7 @@ async def secure_submit(
     setup = decode(answer.secagg or b"")
     if not isinstance(setup, Setup) or answer.secagg_peer is None:
         raise ProtocolViolation("the coordinator's secagg setup lacks its config or peer number")
-    samples = num_samples or delta.num_samples
+    samples = num_samples or model.num_samples
     weight = 1 if setup.config.max_weight == 1 else max(1, samples)
     peer = SecAggClient(answer.secagg_peer, vector, weight)
     message: Message = setup

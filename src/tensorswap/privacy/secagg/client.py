@@ -256,7 +256,9 @@ class SecAggClient:
         self.mask_partners = frozenset(sources)
         self.phase = ClientPhase.MASKED
         return MaskedInput(
-            round_id=config.round_id, sender=self.peer_id, masked=masked.astype("<u4").tobytes()
+            round_id=config.round_id,
+            sender=self.peer_id,
+            masked=masked.astype("<u4", copy=False).tobytes(),
         )
 
     def _on_unmask(self, message: UnmaskRequest) -> UnmaskResponse:

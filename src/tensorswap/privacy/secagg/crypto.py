@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -99,8 +100,20 @@ def decrypt(key: bytes, blob: bytes, *, round_id: bytes, source: int, destinatio
         raise ShareDecryptionFailed(source, destination) from exc
 
 
+_ZEROS = bytes(1 << 20)
+"""The plaintext the keystream is read through, a chunk at a time (read-only, shared)."""
+
+
 def expand_mask(seed: bytes, length: int) -> np.ndarray:
-    """``length`` uniform uint32 words: the ChaCha20 keystream under the 32-byte ``seed``."""
+    """``length`` uniform uint32 words: the ChaCha20 keystream under the 32-byte ``seed``,
+    written straight into the result (no intermediate bytes object)."""
     encryptor = Cipher(algorithms.ChaCha20(seed, _ZERO_NONCE), mode=None).encryptor()
-    stream = encryptor.update(bytes(4 * length))
-    return np.frombuffer(stream, dtype="<u4").astype(np.uint32, copy=False)
+    out = np.empty(length, dtype=np.uint32)
+    raw = out.view(np.uint8)
+    chunk = len(_ZEROS)
+    for at in range(0, raw.size, chunk):
+        piece = raw[at : at + chunk]
+        encryptor.update_into(memoryview(_ZEROS)[: piece.size], memoryview(piece))
+    if sys.byteorder == "big":  # the words are little-endian by definition
+        out.byteswap(inplace=True)
+    return out

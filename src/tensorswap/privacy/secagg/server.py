@@ -161,7 +161,7 @@ class SecAggServer:
                 f"peer {sender}'s masked vector has {len(masked)} bytes, "
                 f"{4 * (self.config.dim + 1)} expected"
             )
-        self._masked[sender] = np.frombuffer(masked, dtype="<u4").astype(np.uint32)
+        self._masked[sender] = np.frombuffer(masked, dtype="<u4").astype(np.uint32, copy=False)
 
     def _take_response(self, sender: int, response: UnmaskResponse) -> None:
         self._refuse_replay(self._responses, sender)  # type: ignore[arg-type]
