@@ -113,7 +113,7 @@ def expand_mask(seed: bytes, length: int) -> np.ndarray:
     chunk = len(_ZEROS)
     for at in range(0, raw.size, chunk):
         piece = raw[at : at + chunk]
-        encryptor.update_into(memoryview(_ZEROS)[: piece.size], memoryview(piece))
+        encryptor.update_into(memoryview(_ZEROS)[: piece.size], piece.data)
     if sys.byteorder == "big":  # the words are little-endian by definition
         out.byteswap(inplace=True)
     return out
