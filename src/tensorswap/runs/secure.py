@@ -113,6 +113,7 @@ class RunSecurity:
         self._release = release
         self._notify = notify
         self._lock = threading.Lock()
+        self._changes = threading.Lock()  # one session change handled at a time, in order
         self._sessions: SecAggSessions | None = None
         self._open: dict[str, _Open] = {}
         self._blocks: dict[str, list[Cid]] = {}
@@ -182,7 +183,7 @@ class RunSecurity:
     def session_for(self, info: RunInfo, round_id: RoundId, peer: str) -> SecAggSession:
         """The live session of ``round_id`` for a sampled ``peer``: NotSelected, or
         SecureRoundFailed when the round has none (ended, failed, lost in a restart)."""
-        from tensorswap.privacy.secagg.errors import SecureRoundFailed
+        from tensorswap.privacy.secagg.errors import OutOfPhase, SecureRoundFailed
 
         if not is_secure(info.spec):
             raise RunsError(f"run {info.name!r} does not aggregate securely")
@@ -193,6 +194,9 @@ class RunSecurity:
             raise NotSelected(info.name, round_id.round, peer, len(info.selected))
         session = self._session(round_id.as_key())
         if session is None or session.finished:
+            row = self._row(info.name, round_id.round)
+            if row is not None and row[0] == "done":
+                raise OutOfPhase("server", "done", "a message after the round was unmasked")
             reason = self.reason(info.name, round_id.round) or "the round has no open session"
             raise SecureRoundFailed(round_id.as_key(), reason)
         return session
@@ -261,6 +265,12 @@ class RunSecurity:
 
     # ── the session's end ────────────────────────────────────────────────────
     def _on_change(self, session: SecAggSession) -> None:
+        with self._changes:
+            self._handle(session)
+
+    def _handle(self, session: SecAggSession) -> None:
+        """Journal the session's new phase; at its end store and release the aggregate, or
+        fail the round. Each end is handled once (later calls find the round closed)."""
         with self._lock:
             meta = self._open.get(session.key)
         if meta is None:
@@ -276,8 +286,12 @@ class RunSecurity:
                 {"run": meta.run, "round": str(meta.round), "secagg": "unmasked mean delta"},
                 name=f"{meta.run}@{meta.round}/secagg",
             )
-            cid = put_update(self.store, update)
-            self._write(meta.run, meta.round, "done", out.survivors, out.dropped, str(cid))
+            try:
+                cid = put_update(self.store, update)
+                self._write(meta.run, meta.round, "done", out.survivors, out.dropped, str(cid))
+            except Exception as exc:  # a full disk: the round cannot be released
+                self._failed(rid, f"storing the unmasked aggregate failed: {exc}")
+                return
             self._end(session.key)
             log.info(
                 "run %s: round %d unmasked: %d survivors, %d dropped",
@@ -301,6 +315,7 @@ class RunSecurity:
         with self._lock:
             sessions = self._sessions
             blocks = self._blocks.pop(key, [])
+            self._open.pop(key, None)
         if sessions is not None:
             sessions.pop(key)
         for cid in blocks:  # uniform noise on their own; no reason to keep them
