@@ -111,7 +111,7 @@ async def secure_submit(
             block = None
             if isinstance(reply, MaskedInput):
                 client.secagg_quantized = peer.quantized
-                masked_cid = await asyncio.to_thread(store.put, reply.masked)
+                masked_cid = await asyncio.to_thread(store.put, reply.masked, adopt=True)
                 await client.rounds.blocks.push(store, masked_cid)
                 reply, block = msgspec.structs.replace(reply, masked=b""), masked_cid.to_bytes()
             answer = await client._call(request(after, encode(reply), block), long=True)

@@ -98,18 +98,20 @@ class Quantizer:
             raise QuantizationError(f"the weight must be an integer, got {weight!r}")
         if not 1 <= int(weight) <= self.max_weight:
             raise QuantizationError(f"weight {weight} is outside 1..{self.max_weight}")
-        # z = (clip(x) * w / M + r) / step, in float64 (2^31 levels need > 24 bits), in place
+        # z = (clip(x) * w / M + r) / step in float64 (2^31 levels need > 24 bits), in place;
+        # stochastic rounding as floor(z + u), u uniform in [0, 1): up with probability
+        # frac(z). u: 32-bit words of a ChaCha20 stream keyed from ``rng`` (4x numpy's draw).
         z = np.empty(update.size, dtype=np.float64)
         np.clip(update, -self.clip, self.clip, out=z)
         z *= (int(weight) / self.max_weight) / self.step
-        z += self.clip / self.step
-        rounded = np.floor(z)
-        z -= rounded  # the fraction: round up with that probability, i.e. when a uniform
-        z *= 2.0**32  # 32-bit word is below fraction x 2^32 (words: a ChaCha20 stream keyed
-        rounded += _uniform_words(rng, z.size) < z  # from ``rng``, 4x numpy's draw speed)
-        np.clip(rounded, 0, self.levels, out=rounded)
+        u = _uniform_words(rng, update.size).astype(np.float64)
+        u *= 2.0**-32
+        u += self.clip / self.step
+        z += u
         out = np.empty(update.size + 1, dtype=np.uint32)
-        out[:-1] = rounded
+        np.floor(z, out=z)  # z >= 0 here, so the cast below is exact
+        np.clip(z, 0, self.levels, out=z)
+        out[:-1] = z
         out[-1] = int(weight)
         return out
 
