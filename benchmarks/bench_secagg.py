@@ -8,9 +8,11 @@ peer's cost grows with the round's size.
 2. Scaling: the protocol library in process for n = 8, 16, 32 peers: per-peer CPU seconds
    and bytes sent. SecAgg+ masks with k = 2 ceil(log2 n) neighbours, so both grow like
    log n (k + 1 = 7, 9, 11), not like n; goal: CPU at n = 32 <= 2x that at n = 8 (n grows 4x).
-3. Flower 1.42's SecAgg+ workflow on the same shape: ``--flower`` runs
-   ``benchmarks/flower_secagg.py`` in the venv given by ``--flower-python`` (flwr is never a
-   dependency of tensorswap); goal: tensorswap's secure round >= 3x faster.
+3. Flower 1.42's SecAgg+ workflow on the same shape, when a venv with
+   ``flwr[simulation]==1.42.0`` exists at ``--flower-python`` (default
+   /work/wt/venvs/flwr; flwr is never a dependency of tensorswap): ``flower_secagg.py`` runs
+   there, and its SecAgg+ fit stage per round (median, after the engine's first round) is
+   compared with tensorswap's whole secure round; goal: tensorswap >= 3x faster.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="64K parameters (default 1M)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per run (median)")
-    parser.add_argument("--flower", action="store_true", help="also time Flower's SecAgg+")
+    parser.add_argument("--no-flower", action="store_true", help="skip Flower's SecAgg+")
     parser.add_argument("--flower-python", default=FLOWER_PYTHON)
     args = parser.parse_args(argv)
     dim = 1 << 16 if args.quick else 1 << 20
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     print(ratio_line("secagg_cpu_32_vs_8", growth, "<=", 2))
     ok &= growth <= 2
 
-    if args.flower:
+    if not (args.no_flower or args.quick):
         theirs = flower(args.flower_python, 8, dim)
         if theirs is not None:
             faster = theirs / secure

@@ -226,7 +226,9 @@ class RunSecurity:
         want = 4 * (meta.dim + 1)
         if self.store.size_of(cid) != want:
             raise MalformedSecAggMessage(f"the masked vector {cid} is not {want} bytes long")
-        data = bytes(self.store.get(cid))  # verified as it was pushed (put_verified)
+        # a read-only view (verified as it was pushed), no copy; it stays valid after the
+        # block is deleted at the round's end
+        data = self.store.get(cid)
         with self._lock:
             self._blocks.setdefault(key, []).append(cid)
         return msgspec.structs.replace(message, masked=data)

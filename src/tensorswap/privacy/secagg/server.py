@@ -258,7 +258,7 @@ class SecAggServer:
         rid, length = config.round_id, config.dim + 1
         total = np.zeros(length, dtype=np.uint32)
         for peer in self._survivors:
-            total += self._masked[peer]
+            np.add(total, self._masked[peer], out=total)
         masks: list[tuple[bytes, int]] = []  # what to take back out, then one pass over total
         for peer in self._survivors:
             seed = self._rebuild(peer, "seed_shares", "self-mask seed")
