@@ -194,6 +194,14 @@ class RoundClient:
         answer = await self._call(StatusRequest(round=rid.round, initiator=rid.initiator))
         return _status(answer)
 
+    async def round_row(self, round_id: RoundId) -> RoundRow:
+        """The coordinator's row for one round: its strategy, quorum, peers, deadline."""
+        rid = round_id
+        answer = await self._call(StatusRequest(round=rid.round, initiator=rid.initiator))
+        if not answer.rounds:
+            raise ProtocolViolation("the coordinator's answer lacks the round's row")
+        return answer.rounds[0]
+
     async def server_status(self) -> ServerStatus:
         """Every round with its peers and bytes, and the coordinator's counters."""
         answer = await self._call(StatusRequest(all=True))

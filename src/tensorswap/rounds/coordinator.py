@@ -32,7 +32,6 @@ from tensorswap.rounds.retention import DEFAULT_GC_GRACE, Retention, RetentionWo
 from tensorswap.rounds.retry import RetryPolicy, RetrySchedule
 from tensorswap.rounds.screen import check_layout, screen
 from tensorswap.rounds.state import (
-    Aggregating,
     Complete,
     Contribution,
     RoundId,
@@ -97,6 +96,7 @@ class Coordinator:
         keep_rounds: int | None = None,
         gc_grace: float = DEFAULT_GC_GRACE,
         retry: RetryPolicy | None = None,
+        finish: Callable[[RoundId, Cid], None] | None = None,
     ) -> None:
         self.store = store
         self.journal = journal
@@ -122,9 +122,16 @@ class Coordinator:
             grace=gc_grace,
         )
         self._retries = RetrySchedule(retry)
+        self.finish = finish  # a regional tier: it calls complete_round / fail_round later
         self.admission: Callable[[RoundId, str, float], None] | None = None
         """Called as ``admission(round_id, peer, scale)`` before a submit is screened; what
         it raises refuses the submit (a run checks that the peer was sampled)."""
+        self.release: Callable[[RoundId, Cid], Cid] | None = None
+        """Called as ``release(round_id, aggregate)`` once a round's aggregate is stored,
+        before Complete names anything: the CID it returns is what Complete names (a
+        differentially private run releases the noised aggregate, so the clean one is never
+        published). What it raises is treated as an aggregation failure (retried when
+        transient). Must be idempotent: a restart may call it again for the same round."""
         self._work: dict[RoundId, RoundWork] = {}
         self._closed = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-aggregate")
@@ -247,17 +254,6 @@ class Coordinator:
         log.debug("round %s: %s contributed %d bytes -> %s", key, peer, facts.nbytes, status)
         return status
 
-    def fail_round(self, round_id: RoundId, reason: str) -> bool:
-        """Fail a round still collecting, with ``reason`` (its owner gave up on it: a run's
-        secure aggregation that cannot finish); False if it is unknown or already ended."""
-        work = self._work_for(round_id)
-        with self._gc_lock.shared(), work.lock:
-            status = self.tracker.status(round_id)
-            if status is None or status.is_terminal or isinstance(status, Aggregating):
-                return False
-            self._fail(round_id, reason)
-        return True
-
     def check_deadlines(self) -> list[RoundId]:
         """Handle every round whose deadline has passed, and queue the retries that are due;
         the rounds acted on.
@@ -363,14 +359,17 @@ class Coordinator:
                     self._work_for(round_id),
                     lambda peer, reason: self._drop(round_id, peer, reason),
                 )
+                if self.release is not None:
+                    cid = self.release(round_id, cid)
                 seconds = time.perf_counter() - started
                 with self._lock:  # counted before Complete wakes anyone who then reads them
                     self._counters["last_aggregation_seconds"] = seconds
                 self._count(rounds_completed=1, aggregation_seconds=seconds)
-                self._retention.schedule()  # queued before Complete wakes anyone; runs after
-                self._retention.mark_ended(round_id)
                 try:
-                    self.tracker.mark_complete(round_id, str(cid))
+                    if self.finish is not None:  # the round stays Aggregating meanwhile
+                        self.finish(round_id, cid)
+                    else:
+                        self.complete_round(round_id, cid)
                 except BaseException:
                     self._count(rounds_completed=-1, aggregation_seconds=-seconds)
                     raise
@@ -383,6 +382,17 @@ class Coordinator:
             self._forget(round_id)
             self._retries.forget(round_id)
         log.info("round %s complete in %.3f s: %s", round_id, seconds, cid)
+
+    def complete_round(self, round_id: RoundId, cid: Cid | str) -> None:
+        """Mark the round Complete(cid) (RoundAlreadyTerminal if it has ended)."""
+        with self._gc_lock.shared():  # no collection between the caller's store and this
+            self._retention.schedule()  # queued before Complete wakes anyone; runs after
+            self._retention.mark_ended(round_id)
+            self.tracker.mark_complete(round_id, str(cid))
+
+    def fail_round(self, round_id: RoundId, reason: str) -> None:
+        """Mark the round Failed(reason), unless it has ended already."""
+        self._fail(round_id, reason)
 
     def _retry_later(self, info: RoundInfo, exc: Exception) -> bool:
         """Schedule another attempt after a transient failure; False when it is not one, or

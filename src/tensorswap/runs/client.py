@@ -102,17 +102,22 @@ class RunClient:
     async def run(self, name: str) -> RunRow:
         return _one(await self._call(RunsRequest(peer=self.peer, run=name)))
 
-    async def versions(self, run: str, since: int = 0) -> list[VersionRow]:
+    async def versions(
+        self, run: str, since: int = 0, *, wait: float | None = None
+    ) -> list[VersionRow]:
         """Every version of ``run`` from ``since`` on (participants, staleness, CIDs, time);
-        long histories come in several requests."""
+        long histories come in several requests. With ``wait``, when there is none yet,
+        wait up to ``wait`` seconds for version ``since`` (a driver following a run): an
+        empty list then means none came in time, or the run finished."""
         out: list[VersionRow] = []
         while True:
-            answer = await self._call(VersionsRequest(peer=self.peer, run=run, since=since))
+            call = VersionsRequest(peer=self.peer, run=run, since=since, wait=wait)
+            answer = await self._call(call, long=wait is not None)
             got = answer.versions or []
             out.extend(got)
             if len(got) < MAX_VERSIONS:
                 return out
-            since = got[-1].version + 1
+            since, wait = got[-1].version + 1, None
 
     async def next_task(self, run: str, timeout: float | None = None) -> Task | None:
         """Wait for this peer's next task in ``run``: None when the run is finished or

@@ -136,15 +136,20 @@ class ContributeRequest(_RunRequest, frozen=True, tag="contribute"):
 
 
 class VersionsRequest(_RunRequest, frozen=True, tag="versions"):
-    """The versions of ``run`` from ``since`` on (at most MAX_VERSIONS per answer)."""
+    """The versions of ``run`` from ``since`` on (at most MAX_VERSIONS per answer). With
+    ``wait``, a request that finds none waits up to that many seconds (the server's
+    ``max_wait`` at most) for version ``since`` to be made or the run to finish."""
 
     run: str
     since: int = 0
+    wait: float | None = None
 
     def __post_init__(self) -> None:
         _name("a run name", self.run)
         if self.since < 0:
             raise ValueError("since must be >= 0")
+        if self.wait is not None and not (math.isfinite(self.wait) and self.wait >= 0):
+            raise ValueError(f"a versions wait must be finite and >= 0, got {self.wait!r}")
 
 
 MAX_SECAGG_MESSAGE = 1 << 20
@@ -207,6 +212,8 @@ class VersionRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     participants: list[str]
     staleness: list[int]
     at: float
+    epsilon: float | None = None
+    """A DP run: its ε after this version's round (at the run's ``dp_delta``)."""
 
 
 class RunRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):

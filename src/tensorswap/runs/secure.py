@@ -39,12 +39,24 @@ if TYPE_CHECKING:  # the secagg package needs ``cryptography``: imported when a 
     from tensorswap.runs.journal import RunDatabase
     from tensorswap.runs.model import RunInfo, RunSpec
 
-__all__ = ["SECAGG_PEER", "RunSecurity", "is_secure", "layout_size", "secagg_weight"]
+__all__ = [
+    "SECAGG_PEER",
+    "SECURE_ONLY",
+    "RunSecurity",
+    "is_secure",
+    "layout_size",
+    "secagg_weight",
+]
 
 log = logging.getLogger(__name__)
 
 SECAGG_PEER = "secagg:sum"
 """The peer name a secure round's unmasked aggregate is contributed under."""
+
+SECURE_ONLY = (
+    "run {!r} aggregates securely (SecAgg+): contribute with RunClient.submit, which masks "
+    "the delta; a plain update would show it to the coordinator"
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS run_secagg (
@@ -96,22 +108,19 @@ class _Open:
 class RunSecurity:
     """The secure side of every run of a manager (runs without ``secagg`` pass through).
 
-    ``release(round_id, cid)`` submits an unmasked aggregate to its coordinator round;
+    It submits each unmasked aggregate to its coordinator round itself (``admit``, the
+    manager's admission check for secure rounds, lets that one through and nothing else);
     ``notify(run)`` wakes whoever waits on the run (long-polling peers). Thread-safe.
     """
 
     def __init__(
-        self,
-        coordinator: Coordinator,
-        journal: RunDatabase,
-        release: Callable[[RoundId, Cid], None],
-        notify: Callable[[str], None],
+        self, coordinator: Coordinator, journal: RunDatabase, notify: Callable[[str], None]
     ) -> None:
         self.coordinator = coordinator
         self.store = coordinator.store
         self.journal = journal
-        self._release = release
         self._notify = notify
+        self._releasing = threading.local()
         self._lock = threading.Lock()
         self._changes = threading.Lock()  # one session change handled at a time, in order
         self._sessions: SecAggSessions | None = None
@@ -254,12 +263,24 @@ class RunSecurity:
             f"memory only, so the round cannot go on",
         )
 
-    def contributions(self, info: RunInfo) -> list[Contribution]:
-        """The survivors of round ``info.round`` (for the step's participants and DP count)."""
-        row = self._row(info.name, info.round)
-        rid = RoundId(info.round, info.name)
+    def contributions(self, rid: RoundId) -> list[Contribution]:
+        """The survivors of round ``rid`` (for the step's participants and DP's count)."""
+        row = self._row(rid.initiator, rid.round)
         survivors = json.loads(row[1]) if row is not None else []
         return [Contribution(rid, str(peer), "") for peer in survivors]
+
+    def admit(self, info: RunInfo, peer: str) -> None:
+        """The admission check of a secure round: only the aggregate this object submits;
+        any other contribution would show one update to the coordinator (RunsError)."""
+        if not (peer == SECAGG_PEER and getattr(self._releasing, "on", False)):
+            raise RunsError(SECURE_ONLY.format(info.name))
+
+    def _release(self, rid: RoundId, cid: Cid) -> None:
+        self._releasing.on = True
+        try:
+            self.coordinator.submit(rid, SECAGG_PEER, cid)
+        finally:
+            self._releasing.on = False
 
     def reason(self, run: str, round: int) -> str:
         row = self._row(run, round)

@@ -14,7 +14,8 @@ from tensorswap.errors import TensorSwapError
 from tensorswap.rounds.messages import status_to_wire
 from tensorswap.rounds.protocol import error_info
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.runs.errors import BufferBusy
 from tensorswap.runs.manager import RunManager, Task
 from tensorswap.runs.messages import (
     APP,
@@ -35,14 +36,13 @@ from tensorswap.runs.messages import (
     decode_request,
     encode,
 )
-from tensorswap.runs.model import RunInfo, RunSpec
+from tensorswap.runs.model import RunInfo, RunSpec, VersionRecord
 from tensorswap.wire import AppRequest, ProtocolViolation
 
 __all__ = ["RunService", "row_of", "task_wire"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 def row_of(manager: RunManager, info: RunInfo) -> RunRow:
@@ -135,45 +135,48 @@ class RunService:
                 rows = [row_of(manager, info) for info in infos]
                 return RunAnswer(runs=rows, clients=len(registry), active=len(registry.active()))
             case VersionsRequest():
-                records = await asyncio.to_thread(manager.versions, call.run)
-                picked = [r for r in records if r.version >= call.since][:MAX_VERSIONS]
-                history = [
-                    VersionRow(
-                        r.version,
-                        r.global_cid,
-                        r.state_cid,
-                        r.round,
-                        list(r.participants),
-                        list(r.staleness),
-                        r.at,
-                    )
-                    for r in picked
-                ]
-                return RunAnswer(versions=history)
+                return RunAnswer(versions=await self._versions(call))
             case TaskRequest():
                 task = await self._task(call)
                 return RunAnswer(task=None if task is None else task_wire(task))
             case ContributeRequest():
-                rid = RoundId(call.round, call.run)
-                status = await asyncio.to_thread(
+                return RunAnswer(status=status_to_wire(await self._contribute(call)))
+            case SecAggRequest():
+                return await self._secagg(call)
+        raise ProtocolViolation(f"unknown runs request {type(call).__name__}")
+
+    async def _contribute(self, call: ContributeRequest) -> RoundStatus:
+        """Submit; an asynchronous run's delta that finds no buffer open to it waits here
+        (no thread) for the next one, up to the server's ``max_wait``."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.server.max_wait
+        manager = self.manager
+        while True:
+            try:
+                return await asyncio.to_thread(
                     manager.submit,
-                    rid,
+                    RoundId(call.round, call.run),
                     call.peer,
                     Cid.parse(call.update),
                     trained_on=call.trained_on,
                     clipped=call.clipped,
                 )
-                return RunAnswer(status=status_to_wire(status))
-            case SecAggRequest():
-                return await self._secagg(call)
-        raise ProtocolViolation(f"unknown runs request {type(call).__name__}")
+            except BufferBusy:
+                left = until - loop.time()
+                if left <= 0:
+                    raise
+
+                def opened() -> tuple[bool, None]:
+                    return manager.buffer_open(call.run, call.peer), None
+
+                await self._wait(call.run, left, opened)
 
     async def _task(self, call: TaskRequest) -> Task | None:
         def probe() -> tuple[bool, Task | None]:
             task = self.manager.task(call.run, call.peer)
             return task is not None or self.manager.run(call.run).finished, task
 
-        return await self._wait(call.run, call.timeout, probe, None)
+        return await self._wait(call.run, call.timeout, probe)
 
     async def _secagg(self, call: SecAggRequest) -> RunAnswer:
         """Post the peer's SecAgg+ message, then answer its next server message (waiting
@@ -202,13 +205,30 @@ class RunService:
             got = session.message_for(call.peer, call.after)
             return got is not None, got
 
-        return RunAnswer(secagg=await self._wait(call.run, call.timeout, probe, None))
+        return RunAnswer(secagg=await self._wait(call.run, call.timeout, probe))
+
+    async def _versions(self, call: VersionsRequest) -> list[VersionRow]:
+        if call.wait is not None:
+
+            def made() -> tuple[bool, None]:
+                info = self.manager.run(call.run)
+                return info.version >= call.since or info.finished, None
+
+            await self._wait(call.run, call.wait, made)
+
+        def read() -> list[VersionRow]:
+            records = self.manager.versions(call.run)
+            spent = {s.round: s.epsilon for s in self.manager.privacy.steps(call.run)}
+            picked = [r for r in records if r.version >= call.since][:MAX_VERSIONS]
+            return [_version_row(r, spent.get(r.round) if r.version else None) for r in picked]
+
+        return await asyncio.to_thread(read)
 
     async def _wait(
-        self, run: str, timeout: float | None, probe: Callable[[], tuple[bool, T]], none: T
-    ) -> T:
-        """``probe()``'s value once it says done, re-probed each time ``run`` changes;
-        ``none`` after ``timeout`` (at most the server's ``max_wait``). No thread waits."""
+        self, run: str, timeout: float | None, probe: Callable[[], tuple[bool, _T]]
+    ) -> _T | None:
+        """``probe()``'s value once it says done, probed again at each change of ``run``;
+        None after ``timeout`` (the server's ``max_wait`` at most). No thread waits."""
         limit = self.server.max_wait if timeout is None else min(timeout, self.server.max_wait)
         event = asyncio.Event()
         self._waiters.setdefault(run, set()).add(event)
@@ -221,7 +241,7 @@ class RunService:
                         return value
                     await event.wait()
         except TimeoutError:
-            return none
+            return None
         finally:
             waiting = self._waiters.get(run)
             if waiting is not None:
@@ -237,3 +257,16 @@ class RunService:
     def _wake(self, run: str) -> None:
         for event in self._waiters.get(run, ()):
             event.set()
+
+
+def _version_row(r: VersionRecord, epsilon: float | None) -> VersionRow:
+    return VersionRow(
+        r.version,
+        r.global_cid,
+        r.state_cid,
+        r.round,
+        list(r.participants),
+        list(r.staleness),
+        r.at,
+        epsilon,
+    )
