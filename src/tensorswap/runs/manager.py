@@ -92,7 +92,7 @@ class RunManager:
         self._changed = threading.Condition(self._lock)
         self._runs: dict[str, RunInfo] = {r.name: r for r in journal.load_runs()}
         self.privacy = RunPrivacy(journal)
-        self.secure = RunSecurity(coordinator, journal, self._notify)
+        self.secure = RunSecurity(coordinator, journal, self._release, self._notify)
         self._listeners: list[Callable[[str], None]] = []
         self._closed = False
         self._owns_journal = False
@@ -282,8 +282,8 @@ class RunManager:
             info = self._runs.get(round_id.initiator)
         if info is None:
             return
-        if is_secure(info.spec):
-            return self.secure.admit(info, peer)  # only the round's unmasked aggregate
+        if is_secure(info.spec):  # RunSecurity completes the round with the unmasked sum
+            raise RunsError(SECURE_ONLY.format(info.name))
         if info.spec.mode is RunMode.SYNC:
             if round_id.round != info.round or peer not in info.selected:
                 raise NotSelected(info.name, round_id.round, peer, len(info.selected))
@@ -439,8 +439,8 @@ class RunManager:
             info = self._auto_deadline(info, spec.quorum_of(expected))
             timeout_s = info.deadline_s
         quorum = spec.quorum_of(expected) if spec.mode is RunMode.SYNC else expected
-        if secure := is_secure(spec):  # one contribution, the unmasked aggregate; own deadlines
-            expected, quorum, timeout_s = 1, 1, None
+        if secure := is_secure(spec):  # RunSecurity completes it and owns the deadlines
+            timeout_s = None
         round_spec = RoundSpec(
             expected,
             quorum=quorum,

@@ -2,9 +2,10 @@
 sampled peers' deltas (what the run manager calls at its few secure points: a round's start,
 a restart, a round's step; the service hands it the peers' protocol messages).
 
-A secure round is a coordinator round that expects one contribution: the unmasked mean
-delta, which this module stores and submits (as peer ``SECAGG_PEER``) once the SecAgg+
-session finishes, so the round completes, and is stepped, like any other. Peers' masked
+A secure round is a coordinator round that admits no contribution: once its SecAgg+ session
+finishes, this module stores the unmasked mean delta and completes the round with it
+(``Coordinator.complete_round``; a DP run's release hook noises it first), so the round is
+stepped like any other. Peers' masked
 vectors arrive as raw blocks pushed into the coordinator's store (referenced by CID) and are
 deleted once the session ends. Journaled (table ``run_secagg``): each round's phase, and at
 the end its survivors, the dropped peers and the aggregate's CID, or why it failed; no share,
@@ -40,7 +41,6 @@ if TYPE_CHECKING:  # the secagg package needs ``cryptography``: imported when a 
     from tensorswap.runs.model import RunInfo, RunSpec
 
 __all__ = [
-    "SECAGG_PEER",
     "SECURE_ONLY",
     "RunSecurity",
     "is_secure",
@@ -49,9 +49,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-SECAGG_PEER = "secagg:sum"
-"""The peer name a secure round's unmasked aggregate is contributed under."""
 
 SECURE_ONLY = (
     "run {!r} aggregates securely (SecAgg+): contribute with RunClient.submit, which masks "
@@ -108,19 +105,23 @@ class _Open:
 class RunSecurity:
     """The secure side of every run of a manager (runs without ``secagg`` pass through).
 
-    It submits each unmasked aggregate to its coordinator round itself (``admit``, the
-    manager's admission check for secure rounds, lets that one through and nothing else);
-    ``notify(run)`` wakes whoever waits on the run (long-polling peers). Thread-safe.
+    ``release(round_id, aggregate)`` is the manager's release hook (the CID a round completes
+    with: a DP run's noised aggregate); ``notify(run)`` wakes whoever waits on the run
+    (long-polling peers). Thread-safe.
     """
 
     def __init__(
-        self, coordinator: Coordinator, journal: RunDatabase, notify: Callable[[str], None]
+        self,
+        coordinator: Coordinator,
+        journal: RunDatabase,
+        release: Callable[[RoundId, Cid], Cid],
+        notify: Callable[[str], None],
     ) -> None:
         self.coordinator = coordinator
         self.store = coordinator.store
         self.journal = journal
+        self._release_hook = release
         self._notify = notify
-        self._releasing = threading.local()
         self._lock = threading.Lock()
         self._changes = threading.Lock()  # one session change handled at a time, in order
         self._sessions: SecAggSessions | None = None
@@ -245,7 +246,8 @@ class RunSecurity:
     # ── restart, step ────────────────────────────────────────────────────────
     def resume(self, info: RunInfo) -> None:
         """A secure round still collecting with no live session (the coordinator restarted
-        between phases): submit its aggregate if it was journaled, else fail it cleanly."""
+        between phases): complete it with its aggregate if that was journaled, else fail it
+        cleanly."""
         if not is_secure(info.spec):
             return
         rid = RoundId(info.round, info.name)
@@ -253,8 +255,7 @@ class RunSecurity:
             return
         row = self._row(info.name, info.round)
         if row is not None and row[0] == "done" and row[3]:
-            if not self.coordinator.contributions(rid):
-                self._release(rid, Cid.parse(row[3]))
+            self._release(rid, Cid.parse(row[3]))  # the caller saw the round still open
             return
         phase = row[0] if row is not None else "setup"
         self._failed(
@@ -269,18 +270,9 @@ class RunSecurity:
         survivors = json.loads(row[1]) if row is not None else []
         return [Contribution(rid, str(peer), "") for peer in survivors]
 
-    def admit(self, info: RunInfo, peer: str) -> None:
-        """The admission check of a secure round: only the aggregate this object submits;
-        any other contribution would show one update to the coordinator (RunsError)."""
-        if not (peer == SECAGG_PEER and getattr(self._releasing, "on", False)):
-            raise RunsError(SECURE_ONLY.format(info.name))
-
     def _release(self, rid: RoundId, cid: Cid) -> None:
-        self._releasing.on = True
-        try:
-            self.coordinator.submit(rid, SECAGG_PEER, cid)
-        finally:
-            self._releasing.on = False
+        """Complete the coordinator round with the unmasked aggregate (as released)."""
+        self.coordinator.complete_round(rid, self._release_hook(rid, cid))
 
     def reason(self, run: str, round: int) -> str:
         row = self._row(run, round)
