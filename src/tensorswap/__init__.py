@@ -131,6 +131,7 @@ from tensorswap.rounds import (
     InvalidUpdate,
     JournalDamaged,
     JournalMissing,
+    PeerNotAuthorised,
     RoundAlreadyTerminal,
     RoundClient,
     RoundClosed,
@@ -143,6 +144,7 @@ from tensorswap.rounds import (
     RoundTimeout,
     UnknownUpdate,
     UpdateMismatch,
+    VirtualClients,
 )
 from tensorswap.store import (
     BlockStore,
@@ -283,6 +285,7 @@ __all__ = [
     "NonFinitePolicy",
     "NonFiniteValues",
     "OverBudget",
+    "PeerNotAuthorised",
     "PeerTimeout",
     "ProtocolViolation",
     "RemoteError",
@@ -331,6 +334,7 @@ __all__ = [
     "UpdateManifest",
     "UpdateMismatch",
     "ValueColumnNotFloat32",
+    "VirtualClients",
     "WireError",
     "WireLimits",
     "__version__",

@@ -24,6 +24,7 @@ from tensorswap.cli._util import (
     server_tls,
 )
 from tensorswap.region.runs_proxy import RunsProxy
+from tensorswap.rounds.batch import PeerKeys
 from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
 from tensorswap.rounds.server import RoundServer
 from tensorswap.runs.manager import RunManager
@@ -83,6 +84,9 @@ async def _run(
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     inactive_after: float = DEFAULT_INACTIVE_AFTER,
     region: RegionArgs | None = None,
+    group_commit: bool = True,
+    peer_keys: str | None = None,
+    sync_blocks: bool = False,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -91,7 +95,12 @@ async def _run(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
     opened: dict[str, Any] = dict(
-        durable=durable, reset=reset, keep_rounds=keep_rounds, gc_grace=gc_grace
+        durable=durable,
+        reset=reset,
+        keep_rounds=keep_rounds,
+        gc_grace=gc_grace,
+        group_commit=group_commit,
+        sync_blocks=sync_blocks,
     )
     tier = None
     if region is not None:  # a regional coordinator: runs live at the top
@@ -113,6 +122,7 @@ async def _run(
             max_wait=max_wait,
             max_connections=max_connections,
             max_inflight_bytes=max_inflight_bytes,
+            peer_keys=None if peer_keys is None else PeerKeys.load(peer_keys),
         )
         if runs is not None:
             RunService(runs, server)
@@ -231,6 +241,24 @@ async def _run(
 )
 @region_options
 @click.option(
+    "--peer-keys",
+    type=click.Path(exists=True, dir_okay=False),
+    help="File of '<peer> <hex key>' lines: every contribution must then prove its peer's own "
+    "key (submit_batch proofs, see docs/scale.md); plain submits are refused.",
+)
+@click.option(
+    "--sync-blocks",
+    is_flag=True,
+    help="Flush received blocks to disk (syncfs) before each journal commit that names them, "
+    "so an accepted contribution's blocks survive a power loss too (once per group commit).",
+)
+@click.option(
+    "--no-group-commit",
+    is_flag=True,
+    help="Journal each contribution in a transaction of its own (the behaviour before group "
+    "commit; for comparison).",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -252,6 +280,9 @@ def serve(
     reset: bool,
     max_inflight_bytes: int,
     inactive_after: float,
+    peer_keys: str | None,
+    sync_blocks: bool,
+    no_group_commit: bool,
     log_level: str,
     upstream: str | None,
     region: str | None,
@@ -299,6 +330,9 @@ def serve(
             max_inflight_bytes,
             inactive_after,
             tier,
+            group_commit=not no_group_commit,
+            peer_keys=peer_keys,
+            sync_blocks=sync_blocks,
         )
     )
 

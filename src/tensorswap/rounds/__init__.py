@@ -1,5 +1,6 @@
 """Rounds: the coordinator's state machine, deadlines and quorum, persisted in SQLite."""
 
+from tensorswap.rounds.batch import PeerKeys, submit_proof
 from tensorswap.rounds.blocking import BlockingRoundClient
 from tensorswap.rounds.client import RoundClient, ServerStatus, SubmitResult
 from tensorswap.rounds.coordinator import Coordinator, CoordinatorStats
@@ -11,6 +12,7 @@ from tensorswap.rounds.errors import (
     InvalidUpdate,
     JournalDamaged,
     JournalMissing,
+    PeerNotAuthorised,
     RoundAlreadyTerminal,
     RoundClosed,
     RoundFailed,
@@ -19,6 +21,7 @@ from tensorswap.rounds.errors import (
     UnknownUpdate,
     UpdateMismatch,
 )
+from tensorswap.rounds.paging import page_peers, page_rounds
 from tensorswap.rounds.persist import RoundDatabase
 from tensorswap.rounds.server import RoundServer, TrafficStats
 from tensorswap.rounds.state import (
@@ -35,6 +38,7 @@ from tensorswap.rounds.state import (
     RoundStatus,
     RoundTracker,
 )
+from tensorswap.rounds.virtual import PeerSubmit, VirtualClients, VirtualPeer
 
 __all__ = [
     "Aggregating",
@@ -54,6 +58,9 @@ __all__ = [
     "JournalDamaged",
     "JournalMissing",
     "LayerSpec",
+    "PeerKeys",
+    "PeerNotAuthorised",
+    "PeerSubmit",
     "Pending",
     "RoundAlreadyTerminal",
     "RoundClient",
@@ -74,5 +81,10 @@ __all__ = [
     "TrafficStats",
     "UnknownUpdate",
     "UpdateMismatch",
+    "VirtualClients",
+    "VirtualPeer",
     "expiry_verdict",
+    "page_peers",
+    "page_rounds",
+    "submit_proof",
 ]
