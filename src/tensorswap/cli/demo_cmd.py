@@ -157,6 +157,20 @@ SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "n
     metavar="E",
     help="Stop the run before a round would take epsilon past E.",
 )
+@click.option(
+    "--secagg",
+    is_flag=True,
+    help="Secure aggregation (SecAgg+, a sync run): the coordinator learns only the sum of "
+    "each round's updates, never one peer's.",
+)
+@click.option(
+    "--secagg-threshold",
+    "secagg_threshold",
+    type=click.IntRange(2),
+    default=None,
+    metavar="T",
+    help="SecAgg+: survivors needed to unmask a round [default: SecAgg+'s for its size].",
+)
 def demo(
     peers: int,
     rounds: int,
@@ -183,6 +197,8 @@ def demo(
     dp_noise: float,
     dp_delta: float,
     dp_max_epsilon: float | None,
+    secagg: bool,
+    secagg_threshold: int | None,
 ) -> int:
     """Train an MLP on digits federatedly across peer processes, with progress and a plot.
 
@@ -191,11 +207,11 @@ def demo(
     evaluate. Prints each round, a summary table, and writes demo.png and summary.json to
     OUT.
 
-    With --mode, --server-opt, --sample, --slow-peer or --dp-clip the demo is one federated
-    run on the coordinator instead: the peers long-poll for tasks, the coordinator samples them and
-    steps the global model with the server optimizer (sync), or folds deltas as they come
-    and makes a version every --buffer of them (async); the plot shows accuracy against
-    wall-clock time.
+    With --mode, --server-opt, --sample, --slow-peer, --dp-clip or --secagg the demo is one
+    federated run on the coordinator instead: the peers long-poll for tasks, the coordinator
+    samples them and steps the global model with the server optimizer (sync), or folds deltas
+    as they come and makes a version every --buffer of them (async); the plot shows accuracy
+    against wall-clock time.
     """
     from tensorswap.demo.driver import DemoConfig, DemoError, check_config, run_demo
 
@@ -229,6 +245,8 @@ def demo(
         dp_noise=dp_noise,
         dp_delta=dp_delta,
         dp_max_epsilon=dp_max_epsilon,
+        secagg=secagg,
+        secagg_threshold=secagg_threshold,
     )
     try:
         check_config(cfg)
