@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from tensorswap.cid import Cid
 from tensorswap.privacy.errors import PrivacyBudgetExhausted
@@ -20,14 +20,20 @@ from tensorswap.rounds.updates import inspect_update
 from tensorswap.runs.deadlines import journaled_deadline
 from tensorswap.runs.errors import (
     BufferBusy,
-    InvalidRunSpec,
     NotSelected,
     RunExists,
     RunNotFound,
     RunsError,
 )
 from tensorswap.runs.journal import RunDatabase
-from tensorswap.runs.model import MAX_RUN_NAME, RunInfo, RunMode, RunSpec, VersionRecord
+from tensorswap.runs.model import (
+    RunInfo,
+    RunMode,
+    RunSpec,
+    Task,
+    VersionRecord,
+    check_run_name,
+)
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER, ClientRegistry
 from tensorswap.runs.sampling import sample_peers
 from tensorswap.runs.secure import SECURE_ONLY, RunSecurity, is_secure
@@ -36,24 +42,6 @@ from tensorswap.runs.step import apply_step, check_policies, check_staleness
 __all__ = ["RunManager", "Task"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Task:
-    """What a peer is asked to do: train from ``global_cid`` (version ``version``) and submit
-    to ``round_id``; in an asynchronous run, submit the delta tagged with ``version``."""
-
-    run: str
-    round_id: RoundId
-    version: int
-    global_cid: str
-    mode: RunMode
-    dp: str = ""
-    """A DP run's clipping side (``server`` or ``client``): submit the delta; "" otherwise."""
-    clip: float | None = None
-    """A DP run's clipping norm for this round (client-side clipping: clip to it)."""
-    secagg: bool = False
-    """A secure run: submit runs SecAgg+ with the coordinator (the delta, masked)."""
 
 
 class RunManager:
@@ -135,7 +123,7 @@ class RunManager:
         Idempotent: the same name, spec and initial model return the run as it is;
         RunExists for the same name with another spec or model.
         """
-        _check_name(name)
+        check_run_name(name)
         check_policies(spec)
         cid = initial if isinstance(initial, Cid) else Cid.parse(initial)
         facts = inspect_update(self.store, cid, name, "run", verify=True)
@@ -508,12 +496,3 @@ class RunManager:
 def _waiting(info: RunInfo) -> bool:
     """A sync run whose next round waits for peers (no round in flight)."""
     return info.spec.mode is RunMode.SYNC and not info.selected
-
-
-def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not name or len(name.encode()) > MAX_RUN_NAME:
-        raise InvalidRunSpec(f"a run name is 1..{MAX_RUN_NAME} bytes, got {name!r:.80}")
-    try:
-        RoundId(1, name)
-    except ValueError as exc:
-        raise InvalidRunSpec(f"run name {name!r}: {exc}") from None

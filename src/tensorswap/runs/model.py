@@ -10,6 +10,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from tensorswap.privacy.params import check_dp_options, check_secagg_options
+from tensorswap.rounds.model import RoundId
 from tensorswap.runs.errors import InvalidRunSpec
 
 __all__ = [
@@ -20,7 +21,9 @@ __all__ = [
     "RunMode",
     "RunSpec",
     "Staleness",
+    "Task",
     "VersionRecord",
+    "check_run_name",
 ]
 
 AUTO = "auto"
@@ -273,3 +276,31 @@ class ClientInfo:
     facts: Mapping[str, Param]
     registered_at: float
     last_seen: float
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """What a peer is asked to do: train from ``global_cid`` (version ``version``) and submit
+    to ``round_id``; in an asynchronous run, submit the delta tagged with ``version``."""
+
+    run: str
+    round_id: RoundId
+    version: int
+    global_cid: str
+    mode: RunMode
+    dp: str = ""
+    """A DP run's clipping side (``server`` or ``client``): submit the delta; "" otherwise."""
+    clip: float | None = None
+    """A DP run's clipping norm for this round (client-side clipping: clip to it)."""
+    secagg: bool = False
+    """A secure run: submit runs SecAgg+ with the coordinator (the delta, masked)."""
+
+
+def check_run_name(name: str) -> None:
+    """InvalidRunSpec unless ``name`` can name a run (and its rounds ``RoundId(n, name)``)."""
+    if not isinstance(name, str) or not name or len(name.encode()) > MAX_RUN_NAME:
+        raise InvalidRunSpec(f"a run name is 1..{MAX_RUN_NAME} bytes, got {name!r:.80}")
+    try:
+        RoundId(1, name)
+    except ValueError as exc:
+        raise InvalidRunSpec(f"run name {name!r}: {exc}") from None
