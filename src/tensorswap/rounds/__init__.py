@@ -20,6 +20,7 @@ from tensorswap.rounds.errors import (
     UpdateMismatch,
 )
 from tensorswap.rounds.persist import RoundDatabase
+from tensorswap.rounds.reconnect import Backoff, retrying
 from tensorswap.rounds.server import RoundServer, TrafficStats
 from tensorswap.rounds.state import (
     Aggregating,
@@ -38,6 +39,7 @@ from tensorswap.rounds.state import (
 
 __all__ = [
     "Aggregating",
+    "Backoff",
     "BlockingRoundClient",
     "Clock",
     "Collecting",
@@ -75,4 +77,5 @@ __all__ = [
     "UnknownUpdate",
     "UpdateMismatch",
     "expiry_verdict",
+    "retrying",
 ]
