@@ -1,4 +1,4 @@
-"""rounds.reconnect: an operation run again on a fresh connection, with backoff, after wire failures."""
+"""rounds.reconnect: an operation run again on a fresh connection (with backoff) after failures."""
 
 from __future__ import annotations
 

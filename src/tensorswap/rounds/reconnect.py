@@ -90,8 +90,8 @@ async def retrying(
     """``operation(client)`` on a client from ``connect()``, again on a new one after a
     RETRYABLE failure (of the connect or of the operation), with ``backoff`` between tries.
 
-    Each attempt's client is closed before the next (aborted after a failure). ``on_retry(attempt, error, wait)`` is
-    called before each wait. A DuplicateContribution on a retry (not the first attempt)
+    Each attempt's client is closed before the next (aborted after a failure).
+    ``on_retry(attempt, error, wait)`` is called before each wait. A DuplicateContribution on a retry (not the first attempt)
     means an earlier attempt was accepted: ``on_duplicate()`` is returned when given, else
     it is raised. Cancelling the call closes the client in use.
     """
