@@ -91,9 +91,9 @@ async def retrying(
     RETRYABLE failure (of the connect or of the operation), with ``backoff`` between tries.
 
     Each attempt's client is closed before the next (aborted after a failure).
-    ``on_retry(attempt, error, wait)`` is called before each wait. A DuplicateContribution on a retry (not the first attempt)
-    means an earlier attempt was accepted: ``on_duplicate()`` is returned when given, else
-    it is raised. Cancelling the call closes the client in use.
+    ``on_retry(attempt, error, wait)`` is called before each wait. A DuplicateContribution
+    on a retry (not the first attempt) means an earlier attempt was accepted:
+    ``on_duplicate()`` is returned when given, else it is raised. Cancelling the call closes the client in use.
     """
     backoff = backoff or Backoff()
     waits = backoff.delays(rng)
