@@ -93,7 +93,8 @@ async def retrying(
     Each attempt's client is closed before the next (aborted after a failure).
     ``on_retry(attempt, error, wait)`` is called before each wait. A DuplicateContribution
     on a retry (not the first attempt) means an earlier attempt was accepted:
-    ``on_duplicate()`` is returned when given, else it is raised. Cancelling the call closes the client in use.
+    ``on_duplicate()`` is returned when given, else it is raised. Cancelling the call
+    aborts the client in use.
     """
     backoff = backoff or Backoff()
     waits = backoff.delays(rng)
