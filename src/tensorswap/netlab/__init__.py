@@ -19,11 +19,20 @@ from __future__ import annotations
 
 from tensorswap.netlab.errors import (
     LabCommandFailed,
+    LabProcessFailed,
     NamespacesUnavailable,
     NetlabError,
-    RelayFailed,
 )
-from tensorswap.netlab.lab import DEVICE, NETWORK, Host, Lab, Relay, namespace_exists, sweep_stale
+from tensorswap.netlab.lab import (
+    DEVICE,
+    NETWORK,
+    Host,
+    Lab,
+    Relay,
+    namespace_exists,
+    sweep_stale,
+    wait_listening,
+)
 from tensorswap.netlab.shape import TokenBucket
 
 __all__ = [
@@ -32,11 +41,12 @@ __all__ = [
     "Host",
     "Lab",
     "LabCommandFailed",
+    "LabProcessFailed",
     "NamespacesUnavailable",
     "NetlabError",
     "Relay",
-    "RelayFailed",
     "TokenBucket",
     "namespace_exists",
     "sweep_stale",
+    "wait_listening",
 ]

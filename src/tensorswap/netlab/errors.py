@@ -5,7 +5,8 @@
     NetlabError
     ├── NamespacesUnavailable   (also RuntimeError) no namespaces here: not root, no `ip`
     ├── LabCommandFailed        an `ip` / `tc` command failed (its argv, exit code, stderr)
-    └── RelayFailed             a delay relay did not start, or died
+    └── LabProcessFailed        a process started in a host (a relay, a server) did not
+                                start listening
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 
 from tensorswap.errors import NetlabError
 
-__all__ = ["LabCommandFailed", "NamespacesUnavailable", "NetlabError", "RelayFailed"]
+__all__ = ["LabCommandFailed", "LabProcessFailed", "NamespacesUnavailable", "NetlabError"]
 
 
 class NamespacesUnavailable(NetlabError, RuntimeError):
@@ -37,10 +38,10 @@ class LabCommandFailed(NetlabError):
         )
 
 
-class RelayFailed(NetlabError):
-    """A delay relay process did not start listening, or exited."""
+class LabProcessFailed(NetlabError):
+    """A process started in a lab host (a relay, a server) did not start listening."""
 
     def __init__(self, name: str, detail: str) -> None:
         self.name = name
         self.detail = detail
-        super().__init__(f"relay {name}: {detail}")
+        super().__init__(f"{name}: {detail}")

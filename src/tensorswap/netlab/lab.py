@@ -34,7 +34,7 @@ from tensorswap.netlab._sys import (
     run_coroutine,
     start_in_namespace,
 )
-from tensorswap.netlab.errors import LabCommandFailed, RelayFailed
+from tensorswap.netlab.errors import LabCommandFailed, LabProcessFailed
 
 __all__ = ["DEVICE", "NETWORK", "Host", "Lab", "Relay", "sweep_stale"]
 
@@ -249,7 +249,7 @@ class Lab:
             "--target", f"{target[0]}:{target[1]}", "--delay", repr(delay), "--cap", str(cap),
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        name = f"{host}->{target[0]}:{target[1]}"
+        name = f"relay {host}->{target[0]}:{target[1]}"
         port = wait_listening(proc, startup, name)
         relay = Relay(name, where.address, port, target, delay, cap, proc)
         self.relays.append(relay)
@@ -283,10 +283,11 @@ class Lab:
 
 
 def wait_listening(proc: subprocess.Popen[Any], timeout: float, name: str) -> int:
-    """The port from a child's ``listening on HOST:PORT`` stderr line (RelayFailed if none)."""
+    """The port of a child's ``listening on HOST:PORT`` stderr line (LabProcessFailed if it
+    exits or says nothing of the kind for ``timeout`` seconds; it is killed then)."""
     stream = proc.stderr
     if stream is None:
-        raise RelayFailed(name, "started without a stderr pipe")
+        raise LabProcessFailed(name, "started without a stderr pipe")
     seen: list[str] = []
     while True:
         ready, _, _ = select.select([stream], [], [], timeout)
@@ -294,7 +295,7 @@ def wait_listening(proc: subprocess.Popen[Any], timeout: float, name: str) -> in
         if not line:
             proc.kill()
             proc.wait(timeout=30)
-            raise RelayFailed(name, f"did not start listening: {''.join(seen)[-2000:]!r}")
+            raise LabProcessFailed(name, f"did not start listening: {''.join(seen)[-2000:]!r}")
         seen.append(line)
         if line.startswith("listening on "):
             return int(line.rsplit(":", 1)[1])

@@ -39,10 +39,20 @@ class DelayPipe:
         self._queue: deque[tuple[float, bytes]] = deque()
         self._changed = asyncio.Condition()
 
-    async def put(self, data: bytes) -> None:
-        """Hold ``data`` (b"" marks the end); waits while the pipe is full."""
+    async def room(self) -> int:
+        """Wait until the pipe has room; how many bytes it takes now (``cap`` - held)."""
         async with self._changed:
-            # an empty pipe takes any one read, so a read larger than cap still passes
+            await self._changed.wait_for(lambda: self.held < self.cap)
+            return self.cap - self.held
+
+    async def put(self, data: bytes) -> None:
+        """Hold ``data`` (b"" marks the end); waits while it does not fit.
+
+        A read sized by ``room`` always fits, so the pipe fills up to ``cap`` exactly:
+        reads of a fixed size would leave up to one read's worth of it unused (and the
+        relay slower than rate x delay / delay).
+        """
+        async with self._changed:
             await self._changed.wait_for(lambda: self._fits(len(data)))
             self._queue.append((time.monotonic() + self.delay, data))
             self.held += len(data)
@@ -68,7 +78,7 @@ class DelayPipe:
 
 async def _read_side(reader: asyncio.StreamReader, pipe: DelayPipe) -> None:
     try:
-        while data := await reader.read(_READ):
+        while data := await reader.read(min(_READ, await pipe.room())):
             await pipe.put(data)
     finally:
         await pipe.put(b"")
