@@ -113,15 +113,27 @@ def raw_peer(target: tuple[str, int], nbytes: int, start: threading.Barrier) -> 
 
 # ── tensorswap ───────────────────────────────────────────────────────────────
 async def ts_peer(
-    target: tuple[str, int], name: str, rid: RoundId, values: np.ndarray, start: threading.Barrier
+    target: tuple[str, int],
+    name: str,
+    rid: RoundId,
+    values: np.ndarray,
+    start: threading.Barrier,
+    marks: list[tuple[float, float, float]],
 ) -> float:
-    """Connect, wait for the start, submit, wait for the aggregate and fetch it; end time."""
+    """Connect, wait for the start, submit, wait for the aggregate and fetch it; end time.
+
+    Appends to ``marks`` when its submit was answered, its wait, and its fetch ended."""
     async with await RoundClient.connect(*target, peer=name, key=KEY) as client:
         start.wait()
         await client.submit(rid, {"w": values}, 1)
-        result = await client.fetch_result(rid, timeout=300)
-        assert result["w"].nbytes == values.nbytes
-    return time.perf_counter()
+        submitted = time.perf_counter()
+        cid = await client.result(rid, timeout=300)
+        known = time.perf_counter()
+        result = await client.fetch(cid)
+        assert result.tensors["w"].nbytes == values.nbytes
+        end = time.perf_counter()
+    marks.append((submitted, known, end))
+    return end
 
 
 async def start_round(target: tuple[str, int], rid: RoundId, peers: int) -> None:
@@ -129,14 +141,17 @@ async def start_round(target: tuple[str, int], rid: RoundId, peers: int) -> None
         await lead.start_round(rid, RoundSpec(peers))
 
 
-def timed(peers: list[Host], run: Callable[[int, Host, threading.Barrier], float]) -> float:
-    """Start every peer (each in its host), release them at once; seconds to the last end."""
+def timed(
+    peers: list[Host], run: Callable[[int, Host, threading.Barrier], float]
+) -> tuple[float, float]:
+    """Start every peer (each in its host), release them at once; (when, seconds to the
+    last end)."""
     start = threading.Barrier(len(peers) + 1)
     futures = [host.start(lambda i=i, host=host: run(i, host, start)) for i, host in
                enumerate(peers)]  # fmt: skip
     start.wait()
     began = time.perf_counter()
-    return max(f.result(timeout=600) for f in futures) - began
+    return began, max(f.result(timeout=600) for f in futures) - began
 
 
 # ── one scenario ─────────────────────────────────────────────────────────────
@@ -153,8 +168,9 @@ def run_scenario(lab: Lab, scenario: Scenario, reps: int, nbytes: int, first_rou
         ts, raw = (ts_relay.address, ts_relay.port), (raw_relay.address, raw_relay.port)
     floats = nbytes // 4
     raws, rounds, ratios = [], [], []
+    phases: list[tuple[float, float, float]] = []
     for rep in range(reps):
-        raws.append(timed(peers, lambda i, host, start: raw_peer(raw, nbytes, start)))
+        raws.append(timed(peers, lambda i, host, start: raw_peer(raw, nbytes, start))[1])
         rid = RoundId(first_round + rep, "bench")
         direct = (coord.address, TS_PORT)
         coord.call(lambda rid=rid, direct=direct: asyncio.run(start_round(direct, rid, len(peers))))
@@ -163,20 +179,38 @@ def run_scenario(lab: Lab, scenario: Scenario, reps: int, nbytes: int, first_rou
         rng = np.random.default_rng(first_round + rep)  # fresh in every round of the run
         fresh = [rng.standard_normal(floats, np.float32) for _ in peers]
 
-        def one(
-            i: int, host: Host, start: threading.Barrier, rid: RoundId = rid, fresh=fresh
-        ) -> float:
-            return asyncio.run(ts_peer(ts, f"peer{i}", rid, fresh[i], start))
+        marks: list[tuple[float, float, float]] = []
 
-        rounds.append(timed(peers, one))
+        def one(
+            i: int, host: Host, start: threading.Barrier, rid: RoundId = rid, fresh=fresh,
+            marks=marks,
+        ) -> float:  # fmt: skip
+            return asyncio.run(ts_peer(ts, f"peer{i}", rid, fresh[i], start, marks))
+
+        began, seconds = timed(peers, one)
+        rounds.append(seconds)
+        submitted, known = max(m[0] for m in marks), max(m[1] for m in marks)
+        phases.append((submitted - began, known - submitted, began + seconds - known))
         ratios.append(rounds[-1] / raws[-1])
     ratio = statistics.median(ratios)
+    relay_cpu = sum(_cpu_seconds(relay.proc.pid) for relay in lab.relays)
     print(f"{scenario.name}: {len(peers)} peers x {nbytes // MiB} MiB up and down, {reps} rounds")
     print(f"  raw TCP     {_spread(raws)} s")
     print(f"  tensorswap  {_spread(rounds)} s")
+    names = ("last submit answered", "  then result known", "  then last fetch done")
+    for k, name in enumerate(names):
+        print(f"    {name:<22} {_spread([p[k] for p in phases])} s")
     print(f"  ratio       {_spread(ratios)} -> {ratio:.3f}x (goal <= {scenario.goal}x)")
+    if lab.relays:
+        print(f"  relays' CPU time so far: {relay_cpu:.2f} s (they must not be the bottleneck)")
     print(ratio_line(f"wan_{scenario.name.replace('-', '_')}_vs_raw", ratio, "<=", scenario.goal))
     return ratio
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _spread(values: list[float]) -> str:
@@ -186,7 +220,7 @@ def _spread(values: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 round per scenario, 2 MiB")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--mib", type=int, default=8)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--only", choices=[s.name for s in SCENARIOS], default=None)

@@ -104,9 +104,16 @@ class Committed(_Base, frozen=True):
 
 
 class Get(_Base, frozen=True):
-    """Client -> server: send these blocks (BLOCK frames, in this order, then Got)."""
+    """Client -> server: send these blocks (BLOCK frames, in this order, then Got).
+
+    ``manifests``: after them, also every manifest they link to, recursively, that the
+    server holds (not chunks; parents before children; not listed in Got), so that a pull
+    learns a whole update's chunk list in one round trip. A server that predates the field
+    ignores it and sends only what was asked; the pull then goes on level by level.
+    """
 
     cids: list[bytes]
+    manifests: bool = False
 
 
 class Got(_Base, frozen=True):

@@ -299,7 +299,8 @@ class BlockServer(ServerHandlers):
                     for root in roots:
                         self.on_root(root)
             elif isinstance(message, Get):
-                await self._answer_get(conn, parse_cids(message.cids, "Get"), stream_id)
+                cids = parse_cids(message.cids, "Get")
+                await self._answer_get(conn, cids, stream_id, manifests=message.manifests)
             elif isinstance(message, Request):
                 await sink.drain()
                 reply = await self._answer_request(message, conn.peer, stream_id)
