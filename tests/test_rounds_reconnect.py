@@ -14,7 +14,8 @@ from helpers.net import running
 from tensorswap.rounds import Backoff, Coordinator, RoundClient, RoundServer, retrying
 from tensorswap.rounds.errors import DuplicateContribution, RoundNotFound
 from tensorswap.rounds.state import RoundId, RoundSpec
-from tensorswap.transport import ConnectionFailed, PeerTimeout
+from tensorswap.transport import ConnectionFailed, PeerTimeout, UnexpectedEof
+from tensorswap.wire.errors import AuthenticationFailed
 
 
 class FakeClient:
@@ -97,6 +98,26 @@ async def test_it_gives_up_after_the_window_with_the_last_error() -> None:
         await retrying(script.connect, _ok, NO_JITTER, sleep=clock.sleep, clock=clock)
     assert sum(clock.waits) == pytest.approx(10.0)  # the last wait is cut to the window
     assert max(clock.waits) <= 1.5
+
+
+def closed_in_handshake() -> AuthenticationFailed:
+    try:
+        try:
+            raise UnexpectedEof("the welcome", 0, 32)
+        except UnexpectedEof as exc:
+            raise AuthenticationFailed("c:1", "server closed before its welcome") from exc
+    except AuthenticationFailed as exc:
+        return exc
+
+
+async def test_a_handshake_cut_by_the_connection_is_retried_a_wrong_key_is_not() -> None:
+    script, clock = Script(closed_in_handshake()), Clock()
+    assert await retrying(script.connect, _ok, NO_JITTER, sleep=clock.sleep, clock=clock)
+    assert clock.waits == [0.5]
+    script = Script(AuthenticationFailed("c:1", "the server's proof does not verify"))
+    with pytest.raises(AuthenticationFailed, match="proof"):
+        await retrying(script.connect, _ok, NO_JITTER, sleep=clock.sleep, clock=clock)
+    assert clock.waits == [0.5]
 
 
 async def test_refusals_of_the_coordinator_are_not_retried() -> None:

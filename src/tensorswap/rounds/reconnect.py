@@ -23,9 +23,15 @@ from typing import TypeVar
 
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.errors import DuplicateContribution
-from tensorswap.wire.errors import ProtocolViolation, RemoteError, StreamEnded, TransportError
+from tensorswap.wire.errors import (
+    AuthenticationFailed,
+    ProtocolViolation,
+    RemoteError,
+    StreamEnded,
+    TransportError,
+)
 
-__all__ = ["RETRYABLE", "Backoff", "retrying"]
+__all__ = ["RETRYABLE", "Backoff", "retryable", "retrying"]
 
 T = TypeVar("T")
 
@@ -38,7 +44,19 @@ RETRYABLE: tuple[type[BaseException], ...] = (
     RemoteError,
 )
 """Failures of the connection, not of the request: a fresh connection may succeed. The
-coordinator's own refusals (RoundsError leaves such as RoundNotFound) are not retried."""
+coordinator's own refusals (RoundsError leaves such as RoundNotFound) are not retried, nor
+is a failed authentication, unless it failed because the connection did (the server
+closed during the handshake: a coordinator going down or still starting)."""
+
+
+_CAUGHT: tuple[type[BaseException], ...] = (*RETRYABLE, AuthenticationFailed)
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether ``retrying`` tries again after ``exc``."""
+    if isinstance(exc, AuthenticationFailed):
+        return isinstance(exc.__cause__, RETRYABLE)
+    return isinstance(exc, RETRYABLE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +133,9 @@ async def retrying(
             if attempt > 1 and on_duplicate is not None:
                 return on_duplicate()
             raise
-        except RETRYABLE as exc:
+        except _CAUGHT as exc:
+            if not retryable(exc):
+                raise
             now = clock()
             started = now if started is None else started
             if backoff.give_up_after is not None and now - started >= backoff.give_up_after:
