@@ -170,3 +170,16 @@ async def test_a_delay_pipe_keeps_order_and_never_holds_more_than_its_cap() -> N
     assert got == b"abcdefghijkl" + b"m" * 25 + b"n"
     # one read larger than the cap passes alone; otherwise the cap holds
     assert all(p <= 10 or p == 25 for p in peaks)
+
+
+async def test_reads_sized_by_the_room_left_fill_a_pipe_to_its_cap_exactly() -> None:
+    pipe = DelayPipe(delay=60.0, cap=100_000)  # nothing leaves during the test
+    source = bytes(1_000_000)
+    offset = 0
+    while pipe.held < pipe.cap:
+        room = await pipe.room()
+        assert room == pipe.cap - pipe.held
+        take = min(64 * 1024, room)  # what the relay reads: 64 KiB or the room left
+        await pipe.put(source[offset : offset + take])
+        offset += take
+    assert pipe.held == pipe.cap == offset
