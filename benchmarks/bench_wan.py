@@ -45,7 +45,8 @@ except ImportError:  # run as a file
     from benchmarks.__main__ import ratio_line
 
 MiB = 1024 * 1024
-TS_PORT, RAW_PORT = 7000, 7001
+TS_PORT, RAW_PORT, FLOWER_PORT = 7000, 7001, 7010
+FLOWER_SCRIPT = Path(__file__).resolve().with_name("_flower_wan.py")
 KEY = b"bench-wan-key"
 
 
@@ -154,8 +155,53 @@ def timed(
     return began, max(f.result(timeout=600) for f in futures) - began
 
 
+# ── Flower, in its own interpreter ───────────────────────────────────────────
+def flower_rounds(
+    lab: Lab, python: str, scenario: Scenario, reps: int, nbytes: int, port: int
+) -> list[float]:
+    """``reps`` Flower 1.42 FedAvg rounds (gRPC) on the same hosts and links; their times."""
+    coord, peers = lab.hosts["coord"], [h for n, h in lab.hosts.items() if n.startswith("peer")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # flwr's own numpy
+    script = str(FLOWER_SCRIPT)
+    server = coord.popen(
+        [python, script, "server", coord.address, str(port), str(len(peers)), str(reps),
+         str(nbytes)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    wait_listening(server, 120, "Flower server")
+    target = (coord.address, port)
+    if scenario.rtt:
+        relay = lab.relay(target, rtt=scenario.rtt, mbit=scenario.peer_mbit or 1000.0)
+        target = (relay.address, relay.port)
+    clients = [
+        host.popen([python, script, "client", target[0], str(target[1]), str(nbytes), str(i)],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        for i, host in enumerate(peers)
+    ]  # fmt: skip
+    assert server.stdout is not None
+    times = []
+    try:
+        for line in server.stdout:
+            if line.startswith("ROUND "):
+                times.append(float(line.split()[1]))
+                if len(times) == reps:
+                    break
+    finally:
+        for proc in (*clients, server):
+            Host.kill(proc)
+    if len(times) < reps:
+        raise RuntimeError(f"Flower ran {len(times)} of {reps} rounds")
+    return times
+
+
 # ── one scenario ─────────────────────────────────────────────────────────────
-def run_scenario(lab: Lab, scenario: Scenario, reps: int, nbytes: int, first_round: int) -> float:
+def run_scenario(
+    lab: Lab,
+    scenario: Scenario,
+    reps: int,
+    nbytes: int,
+    first_round: int,
+    flower: str | None = None,
+) -> float:
     coord, peers = lab.hosts["coord"], [h for n, h in lab.hosts.items() if n.startswith("peer")]
     coord.shape(scenario.coordinator_mbit)
     for host in peers:
@@ -201,6 +247,14 @@ def run_scenario(lab: Lab, scenario: Scenario, reps: int, nbytes: int, first_rou
     for k, name in enumerate(names):
         print(f"    {name:<22} {_spread([p[k] for p in phases])} s")
     print(f"  ratio       {_spread(ratios)} -> {ratio:.3f}x (goal <= {scenario.goal}x)")
+    if flower is not None:
+        port = FLOWER_PORT + first_round  # a fresh port per scenario
+        flowers = flower_rounds(lab, flower, scenario, reps, nbytes, port)
+        against = statistics.median(flowers) / statistics.median(raws)
+        print(f"  Flower 1.42 {_spread(flowers)} s (FedAvg over gRPC, own rounds)")
+        print(f"  Flower / raw (medians) {against:.3f}x")
+        name = f"wan_{scenario.name.replace('-', '_')}_flower_vs_raw"
+        print(ratio_line(name, against))
     if lab.relays:
         print(f"  relays' CPU time so far: {relay_cpu:.2f} s (they must not be the bottleneck)")
     print(ratio_line(f"wan_{scenario.name.replace('-', '_')}_vs_raw", ratio, "<=", scenario.goal))
@@ -224,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=8)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--only", choices=[s.name for s in SCENARIOS], default=None)
+    parser.add_argument(
+        "--flower-python",
+        default=os.environ.get("TENSORSWAP_FLWR_PYTHON"),
+        metavar="PYTHON",
+        help="an interpreter with flwr==1.42.0 (its own venv): Flower beside tensorswap "
+        "(default $TENSORSWAP_FLWR_PYTHON; none: Flower is not run)",
+    )
     parser.add_argument("--raw-server", nargs=4, metavar=("ADDR", "PORT", "PEERS", "BYTES"),
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args(argv)
@@ -258,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         for k, scenario in enumerate(SCENARIOS):
             if args.only and scenario.name != args.only:
                 continue
-            ratio = run_scenario(lab, scenario, reps, nbytes, first_round=1 + 100 * k)
+            ratio = run_scenario(
+                lab, scenario, reps, nbytes, first_round=1 + 100 * k, flower=args.flower_python
+            )
             if ratio > scenario.goal:
                 missed.append(scenario.name)
     if missed:
