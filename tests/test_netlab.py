@@ -81,13 +81,21 @@ def test_a_partition_is_silent_and_heals(lab: Lab) -> None:
         assert dial(a, b.address, port)[0] == a.address
 
 
-def test_a_process_runs_inside_its_host(lab: Lab) -> None:
-    host = lab.add_host("a")
+def root_view() -> tuple[list[str], list[str]]:
+    """The root namespace's lab-range addresses and routes."""
+    show = [subprocess.run(["ip", "-o", "-4", *what], capture_output=True, text=True).stdout
+            for what in (["addr"], ["route"])]  # fmt: skip
+    addrs, routes = ([line for line in out.splitlines() if "198.18." in line] for out in show)
+    return addrs, routes
+
+
+def test_a_process_runs_inside_its_host_and_the_root_namespace_is_untouched(lab: Lab) -> None:
+    before = root_view()
+    host = lab.add_host("a", mbit=10)
     proc = host.popen(["ip", "-o", "-4", "addr", "show"], stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=30)
     assert f"{host.address}/15" in out and "eth0" in out
-    assert "198.18." not in subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True,
-                                           text=True).stdout  # fmt: skip
+    assert root_view() == before
 
 
 def test_close_kills_processes_and_deletes_namespaces_even_when_the_body_fails() -> None:
