@@ -1,5 +1,6 @@
-"""A pull asks for the manifests below what it requests (Get ``manifests``): an update's whole
-chunk list arrives in one round trip; old servers and lying servers are handled."""
+"""A pull asks for the manifests below what it requests (Get ``manifests``), or for the whole
+closure but what it holds (Get ``closure``): an update's chunk list, or all of it, in one
+round trip; old servers and lying servers are handled."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ async def test_a_pull_of_an_update_takes_two_gets_its_manifests_then_its_chunks(
 async def test_a_server_that_ignores_the_flag_is_pulled_level_by_level(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_server_handlers, "linked_manifests", lambda store, cids: [])
+    monkeypatch.setattr(_server_handlers, "linked_blocks", lambda *args: [])
     src, root, _ = an_update(2.0)
     back = MemoryStore()
     async with client_of(BlockServer(src)) as (client, gets):
@@ -83,7 +84,7 @@ async def test_a_manifest_sent_unasked_and_unlinked_is_refused(
 ) -> None:
     src, root, _ = an_update(3.0)
     stranger = put_update(src, ModelUpdate({"x": np.zeros(4, np.float32)}, 1))
-    monkeypatch.setattr(_server_handlers, "linked_manifests", lambda store, cids: [stranger])
+    monkeypatch.setattr(_server_handlers, "linked_blocks", lambda *args: [stranger])
     async with client_of(BlockServer(src)) as (client, _):
         with pytest.raises(ProtocolViolation, match="not asked for"):
             await client.pull(root, MemoryStore())
@@ -97,3 +98,44 @@ async def test_blocks_the_puller_holds_are_not_fetched_again() -> None:
     async with client_of(BlockServer(src)) as (client, _):
         pulled = await client.pull(root, back)
     assert pulled.fetched == len(manifest_closure(src, root)) - 2
+
+
+async def test_a_pull_given_what_it_holds_is_one_get_and_skips_those() -> None:
+    src, root, update = an_update(5.0)
+    closure = manifest_closure(src, root)
+    chunks = [cid for cid in closure if cid.codec.name == "RAW"]
+    back = MemoryStore()
+    for cid in chunks[:2]:  # as if this peer had submitted blocks the result shares
+        back.put_verified(cid, src.get(cid))
+    async with client_of(BlockServer(src)) as (client, gets):
+        pulled = await client.pull(root, back, have=chunks[:2])
+    assert len(gets) == 1 and gets[0].closure
+    assert pulled.fetched == len(closure) - 2
+    got = get_update(back, root)
+    np.testing.assert_array_equal(got.tensors["t1"], update.tensors["t1"])
+
+
+async def test_a_wrong_have_costs_a_round_trip_not_a_wrong_result() -> None:
+    src, root, update = an_update(6.0)
+    chunk = next(cid for cid in manifest_closure(src, root) if cid.codec.name == "RAW")
+    back = MemoryStore()  # claims to hold a chunk it does not
+    async with client_of(BlockServer(src)) as (client, gets):
+        pulled = await client.pull(root, back, have=[chunk])
+    assert pulled.fetched == len(manifest_closure(src, root))
+    assert len(gets) >= 2 and not gets[-1].closure
+    got = get_update(back, root)
+    for name, values in update.tensors.items():
+        np.testing.assert_array_equal(got.tensors[name], values)
+
+
+async def test_a_chunk_sent_unasked_and_unlinked_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    src, root, _ = an_update(7.0)
+    other, other_root, _ = an_update(8.0)
+    stranger = next(c for c in manifest_closure(other, other_root) if c.codec.name == "RAW")
+    src.put_verified(stranger, other.get(stranger))
+    monkeypatch.setattr(_server_handlers, "linked_blocks", lambda *args: [stranger])
+    async with client_of(BlockServer(src)) as (client, _):
+        with pytest.raises(ProtocolViolation, match="not asked for"):
+            await client.pull(root, MemoryStore(), have=[])

@@ -49,20 +49,28 @@ class FetchPath(ClientBase):
             return missing
 
     async def _get(
-        self, cids: Sequence[Cid], into: BlockStore, *, manifests: bool = False
+        self,
+        cids: Sequence[Cid],
+        into: BlockStore,
+        *,
+        manifests: bool = False,
+        have: Sequence[Cid] | None = None,
     ) -> tuple[list[Cid], int, int]:
-        """Get ``cids``; with ``manifests``, also accept the manifests they link to (the
-        server sends them after the requested blocks when it knows the flag). Returns the
-        CIDs the server lacks, and the bytes and blocks received."""
+        """Get ``cids``; with ``manifests``, also accept the manifests they link to, and
+        with ``have`` (Get ``closure``) every block they link to, except ``have`` (the server
+        sends them after the requested blocks when it knows the flags). Returns the CIDs the
+        server lacks, and the bytes and blocks received."""
         missing: list[Cid] = []
         unique = list(dict.fromkeys(cids))  # each block asked for (and accepted) once
         sink = BlockSink(into)
-        below = _Below() if manifests else None
+        closure = have is not None
+        below = _Below(chunks=closure) if manifests or closure else None
+        held = wire_cids(list(dict.fromkeys(have or ()))[:_CIDS_PER_MESSAGE])
         try:
             for start in range(0, len(unique), _CIDS_PER_MESSAGE):
                 batch = unique[start : start + _CIDS_PER_MESSAGE]
                 wanted = set(batch)  # asked for and not received yet
-                get = Get(cids=wire_cids(batch), manifests=manifests)
+                get = Get(cids=wire_cids(batch), manifests=manifests, closure=closure, have=held)
                 await self.conn.send_message(get, self._next_stream())
                 while True:
                     frame = await self.conn.receive_frame(defer_block_crc=True)
@@ -86,12 +94,19 @@ class FetchPath(ClientBase):
             await sink.close()
         return missing, sink.nbytes, sink.blocks
 
-    async def pull(self, root: Cid, into: BlockStore) -> PullResult:
+    async def pull(
+        self, root: Cid, into: BlockStore, *, have: Sequence[Cid] | None = None
+    ) -> PullResult:
         """Fetch whatever ``into`` lacks of the closure of ``root``, level by level.
 
         Each Get asks for the manifests below the requested ones too: a server that sends
         them (Get ``manifests``) makes a pull of an update two round trips (its manifests,
-        then the chunks lacking), whatever its depth.
+        then the chunks lacking), whatever its depth. With ``have`` (the blocks of the
+        closure ``into`` may already hold, e.g. those of an update this peer submitted),
+        the first Get asks for the whole closure but those (Get ``closure``): one round
+        trip, at the price of resending any block ``into`` holds that ``have`` omits.
+        Either way, what did not come is asked for level by level, so the result is the
+        same.
 
         Raises RemoteError (code ``not_found``) if the server lacks a block of the closure.
         """
@@ -103,7 +118,10 @@ class FetchPath(ClientBase):
                 blocks += len(frontier)
                 lacking = await asyncio.to_thread(into.missing, frontier)
                 if lacking:
-                    absent, nbytes, count = await self._get(lacking, into, manifests=True)
+                    absent, nbytes, count = await self._get(
+                        lacking, into, manifests=True, have=have
+                    )
+                    have = None  # only the first Get asks for the closure
                     if absent:
                         msg = f"server lacks {len(absent)} blocks of {root}, first {absent[0]}"
                         raise RemoteError("not_found", msg, self.conn.peer)
@@ -114,11 +132,12 @@ class FetchPath(ClientBase):
 
 
 class _Below:
-    """The manifests a Get with ``manifests`` may bring unasked: those linked from a
-    manifest received in it, each once. A block is checked (CRC32C, hash) before its links
-    are trusted."""
+    """The blocks a Get with ``manifests`` (or ``closure``: ``chunks``) may bring unasked:
+    manifests (and chunks) linked from a manifest received in it, each once. A manifest is
+    checked (CRC32C, hash) before its links are trusted."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunks: bool = False) -> None:
+        self.chunks = chunks
         self.allowed: set[Cid] = set()
         self.received: set[Cid] = set()
 
@@ -132,10 +151,13 @@ class _Below:
         except HashMismatch as exc:
             raise BlockHashMismatch(block.cid, exc.actual) from exc
         links = decode_manifest(block.data, block.cid).links()
-        self.allowed.update(c for c in links if c.codec is Multicodec.TENSORSWAP_MANIFEST)
+        if self.chunks:
+            self.allowed.update(links)
+        else:
+            self.allowed.update(c for c in links if c.codec is Multicodec.TENSORSWAP_MANIFEST)
 
     def accept(self, block: BlockFrame) -> bool:
-        """Whether an unrequested ``block`` is a linked manifest not received yet."""
+        """Whether an unrequested ``block`` is a linked one not received yet."""
         cid = block.cid
         if cid not in self.allowed or cid in self.received:
             return False

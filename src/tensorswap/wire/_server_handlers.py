@@ -79,8 +79,16 @@ class ServerHandlers:
                 )
 
     async def _answer_get(
-        self, conn: FrameConnection, cids: list[Cid], stream_id: int, *, manifests: bool = False
+        self,
+        conn: FrameConnection,
+        cids: list[Cid],
+        stream_id: int,
+        *,
+        below: str = "",
+        have: list[Cid] | None = None,
     ) -> None:
+        """The requested blocks, then Got; with ``below`` "manifests" or "closure" (Get's
+        flags), the blocks linked below them first (unlisted in Got), except ``have``."""
         missing: list[Cid] = []
 
         def load(cid: Cid) -> PreparedBlock | None:
@@ -99,8 +107,9 @@ class ServerHandlers:
                     await conn.send_prepared(block)
                     self.stats.blocks_served += 1
                 index += 1
-        if manifests:  # the manifests below the requested ones, unlisted in Got
-            linked = await asyncio.to_thread(linked_manifests, self.store, cids)
+        if below:
+            chunks, skip = below == "closure", set(have or ())
+            linked = await asyncio.to_thread(linked_blocks, self.store, cids, chunks, skip)
             async with contextlib.aclosing(prefetched(linked, load, 2)) as blocks:
                 async for block in blocks:
                     if block is not None:
@@ -109,11 +118,13 @@ class ServerHandlers:
         await conn.send_message(Got(missing=wire_cids(missing)), stream_id)
 
 
-def linked_manifests(store: BlockStore, cids: list[Cid]) -> list[Cid]:
-    """The manifests that manifests among ``cids`` link to, recursively: parents before
-    children, each once, none of ``cids``. A manifest the store lacks (or cannot read) is
-    listed but its links are not followed."""
-    seen = set(cids)
+def linked_blocks(
+    store: BlockStore, cids: list[Cid], chunks: bool = False, skip: set[Cid] | None = None
+) -> list[Cid]:
+    """The blocks that manifests among ``cids`` link to, recursively: manifests only, or
+    chunks too with ``chunks``; parents before children, each once, none of ``cids`` or
+    ``skip``. A manifest the store lacks (or cannot read) is listed but not followed."""
+    seen = set(cids) | (skip or set())
     order: list[Cid] = []
     frontier = [cid for cid in dict.fromkeys(cids) if cid.codec is Multicodec.TENSORSWAP_MANIFEST]
     while frontier:
@@ -124,9 +135,12 @@ def linked_manifests(store: BlockStore, cids: list[Cid]) -> list[Cid]:
             except StoreError:
                 continue
             for link in links:
-                if link.codec is Multicodec.TENSORSWAP_MANIFEST and link not in seen:
-                    seen.add(link)
-                    order.append(link)
+                manifest = link.codec is Multicodec.TENSORSWAP_MANIFEST
+                if link in seen or not (manifest or chunks):
+                    continue
+                seen.add(link)
+                order.append(link)
+                if manifest:
                     below.append(link)
         frontier = below
     return order

@@ -300,7 +300,9 @@ class BlockServer(ServerHandlers):
                         self.on_root(root)
             elif isinstance(message, Get):
                 cids = parse_cids(message.cids, "Get")
-                await self._answer_get(conn, cids, stream_id, manifests=message.manifests)
+                below = "closure" if message.closure else "manifests" if message.manifests else ""
+                have = parse_cids(message.have, "Get have") if message.closure else []
+                await self._answer_get(conn, cids, stream_id, below=below, have=have)
             elif isinstance(message, Request):
                 await sink.drain()
                 reply = await self._answer_request(message, conn.peer, stream_id)
