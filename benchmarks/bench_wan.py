@@ -119,21 +119,19 @@ async def ts_peer(
     rid: RoundId,
     values: np.ndarray,
     start: threading.Barrier,
-    marks: list[tuple[float, float, float]],
+    marks: list[tuple[float, float]],
 ) -> float:
     """Connect, wait for the start, submit, wait for the aggregate and fetch it; end time.
 
-    Appends to ``marks`` when its submit was answered, its wait, and its fetch ended."""
+    Appends to ``marks`` when its submit was answered and when its fetch ended."""
     async with await RoundClient.connect(*target, peer=name, key=KEY) as client:
         start.wait()
         await client.submit(rid, {"w": values}, 1)
         submitted = time.perf_counter()
-        cid = await client.result(rid, timeout=300)
-        known = time.perf_counter()
-        result = await client.fetch(cid)
-        assert result.tensors["w"].nbytes == values.nbytes
+        result = await client.fetch_result(rid, timeout=300)  # the wait, then one Get
+        assert result["w"].nbytes == values.nbytes
         end = time.perf_counter()
-    marks.append((submitted, known, end))
+    marks.append((submitted, end))
     return end
 
 
@@ -214,7 +212,7 @@ def run_scenario(
         ts, raw = (ts_relay.address, ts_relay.port), (raw_relay.address, raw_relay.port)
     floats = nbytes // 4
     raws, rounds, ratios = [], [], []
-    phases: list[tuple[float, float, float]] = []
+    phases: list[tuple[float, float]] = []
     for rep in range(reps):
         raws.append(timed(peers, lambda i, host, start: raw_peer(raw, nbytes, start))[1])
         rid = RoundId(first_round + rep, "bench")
@@ -225,7 +223,7 @@ def run_scenario(
         rng = np.random.default_rng(first_round + rep)  # fresh in every round of the run
         fresh = [rng.standard_normal(floats, np.float32) for _ in peers]
 
-        marks: list[tuple[float, float, float]] = []
+        marks: list[tuple[float, float]] = []
 
         def one(
             i: int, host: Host, start: threading.Barrier, rid: RoundId = rid, fresh=fresh,
@@ -235,15 +233,15 @@ def run_scenario(
 
         began, seconds = timed(peers, one)
         rounds.append(seconds)
-        submitted, known = max(m[0] for m in marks), max(m[1] for m in marks)
-        phases.append((submitted - began, known - submitted, began + seconds - known))
+        submitted = max(m[0] for m in marks)
+        phases.append((submitted - began, began + seconds - submitted))
         ratios.append(rounds[-1] / raws[-1])
     ratio = statistics.median(ratios)
     relay_cpu = sum(_cpu_seconds(relay.proc.pid) for relay in lab.relays)
     print(f"{scenario.name}: {len(peers)} peers x {nbytes // MiB} MiB up and down, {reps} rounds")
     print(f"  raw TCP     {_spread(raws)} s")
     print(f"  tensorswap  {_spread(rounds)} s")
-    names = ("last submit answered", "  then result known", "  then last fetch done")
+    names = ("last submit answered", "  then last result fetched")
     for k, name in enumerate(names):
         print(f"    {name:<22} {_spread([p[k] for p in phases])} s")
     print(f"  ratio       {_spread(ratios)} -> {ratio:.3f}x (goal <= {scenario.goal}x)")
