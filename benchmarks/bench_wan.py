@@ -244,7 +244,7 @@ def run_scenario(
     names = ("last submit answered", "  then last result fetched")
     for k, name in enumerate(names):
         print(f"    {name:<22} {_spread([p[k] for p in phases])} s")
-    print(f"  ratio       {_spread(ratios)} -> {ratio:.3f}x (goal <= {scenario.goal}x)")
+    print(f"  ratio       {_spread(ratios)} -> {ratio:.3f}x (goal <= {scenario.goal}x at 8 MiB)")
     if flower is not None:
         port = FLOWER_PORT + first_round  # a fresh port per scenario
         flowers = flower_rounds(lab, flower, scenario, reps, nbytes, port)
@@ -271,7 +271,9 @@ def _spread(values: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 round per scenario, 2 MiB")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 round per scenario, 2 MiB (goals not judged)"
+    )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--mib", type=int, default=8)
     parser.add_argument("--peers", type=int, default=4)
@@ -320,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = run_scenario(
                 lab, scenario, reps, nbytes, first_round=1 + 100 * k, flower=args.flower_python
             )
-            if ratio > scenario.goal:
+            if ratio > scenario.goal and not args.quick:  # goals are for 8 MiB updates
                 missed.append(scenario.name)
     if missed:
         print(f"missed the goal: {missed}")
