@@ -199,6 +199,7 @@ def run_scenario(
     nbytes: int,
     first_round: int,
     flower: str | None = None,
+    judge: bool = True,
 ) -> float:
     coord, peers = lab.hosts["coord"], [h for n, h in lab.hosts.items() if n.startswith("peer")]
     coord.shape(scenario.coordinator_mbit)
@@ -255,7 +256,8 @@ def run_scenario(
         print(ratio_line(name, against))
     if lab.relays:
         print(f"  relays' CPU time so far: {relay_cpu:.2f} s (they must not be the bottleneck)")
-    print(ratio_line(f"wan_{scenario.name.replace('-', '_')}_vs_raw", ratio, "<=", scenario.goal))
+    name = f"wan_{scenario.name.replace('-', '_')}_vs_raw"
+    print(ratio_line(name, ratio, "<=", scenario.goal) if judge else ratio_line(name, ratio))
     return ratio
 
 
@@ -320,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.only and scenario.name != args.only:
                 continue
             ratio = run_scenario(
-                lab, scenario, reps, nbytes, first_round=1 + 100 * k, flower=args.flower_python
-            )
+                lab, scenario, reps, nbytes, first_round=1 + 100 * k,
+                flower=args.flower_python, judge=not args.quick,
+            )  # fmt: skip
             if ratio > scenario.goal and not args.quick:  # goals are for 8 MiB updates
                 missed.append(scenario.name)
     if missed:
