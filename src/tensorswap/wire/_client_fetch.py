@@ -70,6 +70,8 @@ class FetchPath(ClientBase):
             for start in range(0, len(unique), _CIDS_PER_MESSAGE):
                 batch = unique[start : start + _CIDS_PER_MESSAGE]
                 wanted = set(batch)  # asked for and not received yet
+                if below is not None:  # each batch's answer may bring a linked block once
+                    below.received.clear()
                 get = Get(cids=wire_cids(batch), manifests=manifests, closure=closure, have=held)
                 await self.conn.send_message(get, self._next_stream())
                 while True:
