@@ -9,7 +9,10 @@
 2. The coordinator process's peak RSS during those rounds, as a multiple of one update
    (the worst round, from the RSS before the first). Goal <= 3x (FedAvg folds
    contributions as they arrive; blocks are read memory-mapped).
-3. 1,000 peers with tiny updates in one round: contributions per second.
+3. 1,000 peers with tiny updates in one round: contributions per second, durable, as
+   RoundClients (one request per submit) with a transaction per contribution (the path
+   before group commit: the starting figure) and with group commit, and as VirtualClients
+   (batched ``submit_batch`` requests); ratios against the first. Goal >= 3,000/s.
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.__main__ import ratio_line
 from tensorswap.cid import Cid
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.state import Complete, RoundId, RoundSpec
+from tensorswap.rounds.virtual import PeerSubmit, VirtualClients
 from tensorswap.store import ModelUpdate, put_update
 
 MiB = 1024 * 1024
@@ -115,11 +121,12 @@ def raw_transfer_seconds(peers: int, nbytes: int, files: str | None = None) -> f
 class Coordinator:
     """`python -m tensorswap.cli.serve_cmd` on a free port, in a fresh data directory."""
 
-    def __init__(self, data: Path, *extra: str) -> None:
+    def __init__(self, data: Path, *extra: str, src: str | None = None) -> None:
         cmd = [sys.executable, "-m", "tensorswap.cli.serve_cmd", "--listen", "127.0.0.1:0"]
         cmd += ["--data", str(data), "--log-level", "warning", *extra]
+        env = None if src is None else {**os.environ, "PYTHONPATH": src}
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
         )
         assert self.proc.stderr is not None
         while True:
@@ -261,17 +268,109 @@ async def many_peers(port: int, peers: int, connections: int) -> float:
             await client.aclose()
 
 
-def run_tiny(tmp: Path, peers: int, connections: int) -> None:
-    for label, extra in (("durable", ()), ("fast-commit", ("--fast-commit",))):
-        coord = Coordinator(tmp / f"tiny-{label}", *extra)
-        try:
-            seconds = asyncio.run(many_peers(coord.port, peers, connections))
-        finally:
-            coord.stop()
-        print(
-            f"{peers} peers, tiny updates ({label}, {connections} connections): "
-            f"{seconds:.2f} s, {peers / seconds:.0f} contributions/s"
+async def many_virtual(port: int, peers: int, connections: int, batch: int | None) -> float:
+    """``peers`` virtual peers over ``connections`` connections (one of them for the wait):
+    ``batch`` None submits each peer on its own at once (coalesced), else ``submit_many``
+    in requests of ``batch`` items."""
+    pool = await VirtualClients.connect("127.0.0.1", port, connections=connections)
+    rid = RoundId(3, "bench")
+    try:
+        await pool.clients[0].start_round(rid, RoundSpec(peers))
+        items = [
+            PeerSubmit(f"peer-{i}", {"w": np.full(16, float(i % 20), np.float32)}, 1)
+            for i in range(peers)
+        ]
+        start = time.perf_counter()
+        if batch is None:
+            who = [pool.peer(item.peer) for item in items]
+            outcomes = await asyncio.gather(
+                *(p.submit(rid, item.update, 1) for p, item in zip(who, items, strict=True))
+            )
+        else:
+            outcomes = list(await pool.submit_many(rid, items, batch=batch))
+        assert not any(isinstance(o, Exception) for o in outcomes), outcomes[:3]
+        assert isinstance(await pool.wait(rid, timeout=600), Complete)
+        return time.perf_counter() - start
+    finally:
+        await pool.aclose()
+
+
+def run_tiny(
+    tmp: Path, peers: int, connections: int, before_src: str | None = None, reps: int = 3
+) -> bool:
+    """Tiny contributions per second, durable (synchronous=FULL) unless marked, every
+    answer after its contribution committed; ratios against the first row: with
+    ``before_src`` (the ``src`` of a checkout before this work) a coordinator run from it,
+    else this coordinator with a transaction per contribution."""
+    rows: list[tuple[str, float, float]] = []
+    Config = tuple[str, tuple[str, ...], Callable[[int], Awaitable[float]]]
+    configs: list[Config] = []
+    if before_src is not None:
+        configs.append(
+            (
+                f"RoundClient x {connections}, coordinator from {before_src} (before)",
+                ("--src", before_src),
+                lambda port: many_peers(port, peers, connections),
+            )
         )
+    configs += [
+        (
+            f"RoundClient x {connections}, a transaction per submit (no group commit)",
+            ("--no-group-commit",),
+            lambda port: many_peers(port, peers, connections),
+        ),
+        (
+            f"RoundClient x {connections}, group commit",
+            (),
+            lambda port: many_peers(port, peers, connections),
+        ),
+        (
+            f"RoundClient x {connections}, group commit, fast-commit (not durable)",
+            ("--fast-commit",),
+            lambda port: many_peers(port, peers, connections),
+        ),
+        (
+            "VirtualClients, each peer's submit on its own (coalesced), 3 connections",
+            (),
+            lambda port: many_virtual(port, peers, 3, None),
+        ),
+        (
+            "VirtualClients.submit_many, batches of 1000, 2 connections",
+            (),
+            lambda port: many_virtual(port, peers, 2, 1000),
+        ),
+        (
+            "the same, --sync-blocks (blocks flushed before each commit)",
+            ("--sync-blocks",),
+            lambda port: many_virtual(port, peers, 2, 1000),
+        ),
+        (
+            f"RoundClient x {connections}, group commit, --sync-blocks",
+            ("--sync-blocks",),
+            lambda port: many_peers(port, peers, connections),
+        ),
+    ]
+    for i, (label, extra, run) in enumerate(configs):
+        src = extra[1] if extra[:1] == ("--src",) else None
+        rates = []
+        for rep in range(reps):
+            coord = Coordinator(tmp / f"tiny-{i}-{rep}", *(() if src else extra), src=src)
+            try:
+                rates.append(peers / asyncio.run(run(coord.port)))
+            finally:
+                coord.stop()
+        rows.append((label, max(rates), statistics.median(rates)))
+    base = rows[0][1]
+    print(
+        f"{peers} peers, tiny updates (16 float32), one round, contributions per second "
+        f"(best and median of {reps}; ratio of the bests):"
+    )
+    for label, rate, median in rows:
+        print(f"  {rate:7.0f}/s (median {median:5.0f})  {rate / base:5.2f}x  {label}")
+    best = max(rate for label, rate, _ in rows if "not durable" not in label)
+    print(f"  best durable: {best:.0f}/s, {best / base:.2f}x the first row (goal >= 3000/s)")
+    print(ratio_line("tiny_durable_vs_before", best / base))
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="8 x 4 MiB, 100 peers")
     parser.add_argument("--part", choices=["all", "big", "tiny"], default="all")
     parser.add_argument("--reps", type=int, default=5, help="rounds of the big part")
+    parser.add_argument(
+        "--before-src",
+        metavar="DIR",
+        help="tiny part: also run a coordinator from this src directory (a checkout before "
+        "group commit) as the baseline row",
+    )
     args = parser.parse_args(argv)
     peers, size = 8, (4 if args.quick else 64) * MiB
     tiny_peers, connections = (100, 10) if args.quick else (1000, 50)
@@ -287,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.part in ("all", "big"):
             ok = run_big(Path(tmp), peers, size, 2 if args.quick else args.reps)
         if args.part in ("all", "tiny"):
-            run_tiny(Path(tmp), tiny_peers, connections)
+            run_tiny(Path(tmp), tiny_peers, connections, args.before_src, 1 if args.quick else 3)
     print(f"cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}")
     return 0 if ok else 1
 

@@ -212,13 +212,20 @@ def test_a_dp_run_clips_noises_and_journals_epsilon_per_version(tmp_path: Path) 
         noise: list[np.ndarray] = []
         for version in (1, 2, 3):
             before = manager.run("dp")
-            assert len(_play(coord, manager, "dp")) == 3
+            played = _play(coord, manager, "dp")
+            assert len(played) == 3
             after = manager.wait_version("dp", version, timeout=60)
             manager.drain()
             status = coord.status(RoundId(before.round, "dp"))
             assert isinstance(status, Complete)
-            mean = get_update(coord.store, Cid.parse(status.cid)).tensors["w"]
-            assert float(np.linalg.norm(mean)) <= 0.5 + 1e-5  # the clipped mean (unweighted)
+            # the round is Complete with its noised aggregate: the clean one is never named
+            assert status.cid == manager.privacy.steps("dp")[-1].noised_cid
+            clipped = [
+                clip_update(get_update(coord.store, _delta(coord, p, 1.0)).tensors, 0.5)[0]["w"]
+                for p in played
+            ]
+            mean = np.mean(clipped, axis=0)  # the clipped mean (unweighted)
+            assert float(np.linalg.norm(mean)) <= 0.5 + 1e-5
             old = get_update(coord.store, Cid.parse(before.global_cid)).tensors["w"]
             new = get_update(coord.store, Cid.parse(after.global_cid)).tensors["w"]
             moved = new - old

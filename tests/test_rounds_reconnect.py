@@ -13,9 +13,15 @@ import pytest
 from helpers.net import running
 from tensorswap.rounds import Backoff, Coordinator, RoundClient, RoundServer, retrying
 from tensorswap.rounds.errors import DuplicateContribution, RoundNotFound
+from tensorswap.rounds.reconnect import retryable
 from tensorswap.rounds.state import RoundId, RoundSpec
 from tensorswap.transport import ConnectionFailed, PeerTimeout, UnexpectedEof
-from tensorswap.wire.errors import AuthenticationFailed
+from tensorswap.wire.errors import (
+    AuthenticationFailed,
+    ProtocolViolation,
+    RemoteError,
+    RemoteOverBudget,
+)
 
 
 class FakeClient:
@@ -118,6 +124,19 @@ async def test_a_handshake_cut_by_the_connection_is_retried_a_wrong_key_is_not()
     with pytest.raises(AuthenticationFailed, match="proof"):
         await retrying(script.connect, _ok, NO_JITTER, sleep=clock.sleep, clock=clock)
     assert clock.waits == [0.5]
+
+
+@pytest.mark.parametrize(
+    ("error", "again"),
+    [
+        (RemoteError("timeout", "idle too long"), True),
+        (RemoteError("busy", "at its cap"), True),
+        (RemoteOverBudget("over_budget", "a 9 GiB block"), False),
+        (ProtocolViolation("Want names CIDs that were not offered"), False),
+    ],
+)
+def test_which_remote_and_protocol_failures_are_retried(error: Exception, again: bool) -> None:
+    assert retryable(error) is again
 
 
 async def test_refusals_of_the_coordinator_are_not_retried() -> None:

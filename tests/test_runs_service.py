@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tensorswap.cid import Cid
-from tensorswap.rounds import Coordinator, FakeClock
+from tensorswap.rounds import Coordinator, FakeClock, RoundId
 from tensorswap.rounds.server import RoundServer
 from tensorswap.runs import NotSelected, RunManager, RunMode, RunSpec, StaleContribution
 from tensorswap.runs.client import RunClient
@@ -116,3 +116,65 @@ async def test_refusals_arrive_typed(served: tuple[RoundServer, RunManager]) -> 
     finally:
         await a.aclose()
         await b.aclose()
+
+
+async def test_a_driver_long_polls_for_the_next_version(
+    served: tuple[RoundServer, RunManager],
+) -> None:
+    server, _ = served
+    driver, peer = await _client(server, "driver"), await _client(server, "p0")
+    try:
+        await peer.register({"num_samples": 10})
+        await driver.create_run("follow", RunSpec(rounds=1, seed=2), ModelUpdate(_model(0.0)))
+        assert [v.version for v in await driver.versions("follow", wait=5)] == [0]
+        assert await driver.versions("follow", since=1, wait=0) == []  # none yet, no wait
+        waiting = asyncio.create_task(driver.versions("follow", since=1, wait=20))
+        task = await peer.next_task("follow", timeout=20)
+        assert task is not None and not waiting.done()
+        await peer.submit(task, {k: v + 3 for k, v in _model(0.0).items()}, num_samples=10)
+        got = await asyncio.wait_for(waiting, 20)
+        assert [v.version for v in got] == [1] and got[0].participants == ["p0"]
+        # the run is finished: a wait for a version that will never come returns at once
+        assert await asyncio.wait_for(driver.versions("follow", since=2, wait=20), 5) == []
+    finally:
+        await driver.aclose()
+        await peer.aclose()
+
+
+async def test_an_async_delta_joins_the_buffer_open_when_it_arrives(
+    served: tuple[RoundServer, RunManager],
+) -> None:
+    """FedBuff: a delta whose task named a buffer that has filled meanwhile joins the next
+    one (scaled by its staleness), and a peer's second delta waits for a buffer without it."""
+    server, runs = served
+    names = ("a", "b", "c", "d")
+    clients = {n: await _client(server, n) for n in names}
+    try:
+        for client in clients.values():
+            await client.register({"num_samples": 1})
+        spec = RunSpec(mode=RunMode.ASYNC, buffer=2, max_staleness=4, staleness="constant")
+        await clients["a"].create_run("fb", spec, ModelUpdate(_model(0.0)))
+        tasks = {n: await clients[n].next_task("fb", timeout=10) for n in ("a", "b", "c")}
+        assert all(t is not None and t.round_id.round == 1 for t in tasks.values())
+        one = {k: np.ones_like(v) for k, v in _model(0.0).items()}
+        for n in ("a", "b"):
+            task = tasks[n]
+            assert task is not None
+            await clients[n].submit(task, one, num_samples=1)
+        runs.wait_version("fb", 1, timeout=30)
+        late = tasks["c"]
+        assert late is not None
+        await clients["c"].submit(late, one, num_samples=1)  # buffer 1 is full: into buffer 2
+        again = asyncio.create_task(clients["c"].submit(late, one, num_samples=1))
+        task_d = await clients["d"].next_task("fb", timeout=10)
+        assert task_d is not None and task_d.version == 1 and not again.done()
+        await clients["d"].submit(task_d, one, num_samples=1)
+        await asyncio.wait_for(again, 30)  # buffer 2 filled: c's second delta is in buffer 3
+        runs.drain()
+        versions = runs.versions("fb")
+        assert versions[2].participants == ("c", "d") and versions[2].staleness == (1, 0)
+        current = runs.coordinator.info(RoundId(3, "fb"))
+        assert current is not None and current.peers == ("c",)
+    finally:
+        for client in clients.values():
+            await client.aclose()

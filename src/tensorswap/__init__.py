@@ -132,6 +132,7 @@ from tensorswap.rounds import (
     InvalidUpdate,
     JournalDamaged,
     JournalMissing,
+    PeerNotAuthorised,
     RoundAlreadyTerminal,
     RoundClient,
     RoundClosed,
@@ -144,6 +145,7 @@ from tensorswap.rounds import (
     RoundTimeout,
     UnknownUpdate,
     UpdateMismatch,
+    VirtualClients,
 )
 from tensorswap.store import (
     BlockStore,
@@ -285,6 +287,7 @@ __all__ = [
     "NonFinitePolicy",
     "NonFiniteValues",
     "OverBudget",
+    "PeerNotAuthorised",
     "PeerTimeout",
     "ProtocolViolation",
     "RemoteError",
@@ -333,6 +336,7 @@ __all__ = [
     "UpdateManifest",
     "UpdateMismatch",
     "ValueColumnNotFloat32",
+    "VirtualClients",
     "WireError",
     "WireLimits",
     "__version__",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 from dataclasses import dataclass
 from enum import IntEnum
@@ -36,6 +37,7 @@ MULTITHREAD_HASH_BYTES = 256 * 1024
 
 _MAX_VARINT_BYTES = 9  # the multiformats unsigned-varint spec caps varints at 9 bytes (63 bits)
 _MULTIBASE_BASE32 = "b"  # multibase prefix: rfc4648 base32, lower-case, no padding
+_CACHED = 16384  # CIDs whose string form and parse are remembered (a few MiB at most)
 _B32_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyz234567")
 _B32_BAD_LENGTHS = frozenset({1, 3, 6})  # len % 8 that no byte string encodes to
 
@@ -150,6 +152,14 @@ def decode_varint(data: bytes, offset: int = 0) -> tuple[int, int]:
     raise ValueError("varint longer than 9 bytes")
 
 
+@functools.lru_cache(maxsize=_CACHED)
+def _text_of(codec: int, hash: int, digest: bytes) -> str:
+    """The base32 string form (cached: servers name the same blocks again and again)."""
+    raw = encode_varint(CID_VERSION) + encode_varint(codec) + encode_varint(hash)
+    raw += encode_varint(len(digest)) + digest
+    return _MULTIBASE_BASE32 + base64.b32encode(raw).decode("ascii").rstrip("=").lower()
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Cid:
     """A CIDv1: ``<varint 1><varint codec><varint hash code><varint digest length><digest>``.
@@ -205,6 +215,8 @@ class Cid:
         Raises InvalidCid for a wrong multibase, bad base32, CIDv0, a version other than 1,
         a bad varint, an unknown codec or hash code, a wrong digest length or trailing bytes.
         """
+        if cls is Cid and isinstance(value, str | bytes):
+            return _parse_cached(value)  # type: ignore[return-value]
         if isinstance(value, str):
             return cls._parse_binary(_base32_decode(value), value)
         if isinstance(value, bytes | bytearray | memoryview):
@@ -256,8 +268,7 @@ class Cid:
         return self.to_bytes()
 
     def __str__(self) -> str:
-        text = base64.b32encode(self.to_bytes()).decode("ascii").rstrip("=").lower()
-        return _MULTIBASE_BASE32 + text
+        return _text_of(self.codec, self.hash, self.digest)
 
     def __repr__(self) -> str:
         return f"Cid({str(self)!r})"
@@ -271,6 +282,14 @@ class Cid:
         actual = hash_digest(data, self.hash)
         if actual != self.digest:
             raise HashMismatch(self, Cid(self.codec, self.hash, actual), context)
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _parse_cached(value: str | bytes) -> Cid:
+    """``Cid.parse`` of an immutable value, cached (a failure is not: it raises each time)."""
+    if isinstance(value, str):
+        return Cid._parse_binary(_base32_decode(value), value)
+    return Cid._parse_binary(value, value)
 
 
 def _base32_decode(text: str) -> bytes:

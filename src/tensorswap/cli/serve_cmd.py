@@ -10,9 +10,11 @@ import signal
 import ssl as ssl_module
 import sys
 import threading
+from typing import Any
 
 import click
 
+from tensorswap.cli._region import RegionArgs, open_tier, region_args, region_options
 from tensorswap.cli._util import (
     BYTES,
     SECONDS,
@@ -21,6 +23,8 @@ from tensorswap.cli._util import (
     read_key,
     server_tls,
 )
+from tensorswap.region.runs_proxy import RunsProxy
+from tensorswap.rounds.batch import PeerKeys
 from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
 from tensorswap.rounds.server import RoundServer
 from tensorswap.runs.manager import RunManager
@@ -79,6 +83,10 @@ async def _run(
     reset: bool = False,
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     inactive_after: float = DEFAULT_INACTIVE_AFTER,
+    region: RegionArgs | None = None,
+    group_commit: bool = True,
+    peer_keys: str | None = None,
+    sync_blocks: bool = False,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -86,19 +94,27 @@ async def _run(
     if sys.platform != "win32" and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-    coordinator = await asyncio.to_thread(
-        Coordinator.open,
-        data,
+    opened: dict[str, Any] = dict(
         durable=durable,
         reset=reset,
         keep_rounds=keep_rounds,
         gc_grace=gc_grace,
+        group_commit=group_commit,
+        sync_blocks=sync_blocks,
     )
+    tier = None
+    if region is not None:  # a regional coordinator: runs live at the top
+        tier = await asyncio.to_thread(open_tier, data, region, timeouts, **opened)
+        assert tier.coordinator is not None
+        coordinator = tier.coordinator
+    else:
+        coordinator = await asyncio.to_thread(Coordinator.open, data, **opened)
     runs: RunManager | None = None
     try:
-        runs = await asyncio.to_thread(
-            RunManager.open, coordinator, durable=durable, inactive_after=inactive_after
-        )
+        if tier is None:
+            runs = await asyncio.to_thread(
+                RunManager.open, coordinator, durable=durable, inactive_after=inactive_after
+            )
         server = RoundServer(
             coordinator,
             key=key,
@@ -106,15 +122,21 @@ async def _run(
             max_wait=max_wait,
             max_connections=max_connections,
             max_inflight_bytes=max_inflight_bytes,
+            peer_keys=None if peer_keys is None else PeerKeys.load(peer_keys),
         )
-        RunService(runs, server)
+        if runs is not None:
+            RunService(runs, server)
+        elif tier is not None:
+            RunsProxy(tier.link, server)  # runs live at the top: relayed there
         async with await server.start(host, port, ssl=ssl):
             active = coordinator.tracker.active_count()
             click.echo(f"listening on {host}:{server.port}", err=True)
-            click.echo(
-                f"data in {data}; {active} active round(s) and {len(runs.runs())} run(s) restored",
-                err=True,
-            )
+            restored = "" if runs is None else f" and {len(runs.runs())} run(s)"
+            click.echo(f"data in {data}; {active} active round(s){restored} restored", err=True)
+            if tier is not None and region is not None:
+                await tier.start()
+                up = f"{region.host}:{region.port}"
+                click.echo(f"region {region.name}: rounds finish upstream at {up}", err=True)
             if keep_rounds is not None:
                 click.echo(
                     f"keeping the newest {keep_rounds} round number(s); older rounds and "
@@ -125,7 +147,11 @@ async def _run(
     finally:
         if runs is not None:
             await asyncio.to_thread(runs.close)
-        await asyncio.to_thread(coordinator.close)
+        if tier is not None:
+            await tier.aclose()
+            await asyncio.to_thread(tier.close)
+        else:
+            await asyncio.to_thread(coordinator.close)
 
 
 @click.command("serve")
@@ -213,6 +239,25 @@ async def _run(
     help="Seconds without a heartbeat (or any request) after which a peer registered for "
     "runs counts as inactive and is no longer sampled.",
 )
+@region_options
+@click.option(
+    "--peer-keys",
+    type=click.Path(exists=True, dir_okay=False),
+    help="File of '<peer> <hex key>' lines: every contribution must then prove its peer's own "
+    "key (submit_batch proofs, see docs/scale.md); plain submits are refused.",
+)
+@click.option(
+    "--sync-blocks",
+    is_flag=True,
+    help="Flush received blocks to disk (syncfs) before each journal commit that names them, "
+    "so an accepted contribution's blocks survive a power loss too (once per group commit).",
+)
+@click.option(
+    "--no-group-commit",
+    is_flag=True,
+    help="Journal each contribution in a transaction of its own (the behaviour before group "
+    "commit; for comparison).",
+)
 @click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
@@ -235,7 +280,15 @@ def serve(
     reset: bool,
     max_inflight_bytes: int,
     inactive_after: float,
+    peer_keys: str | None,
+    sync_blocks: bool,
+    no_group_commit: bool,
     log_level: str,
+    upstream: str | None,
+    region: str | None,
+    upstream_key_file: str | None,
+    upstream_tls_ca: str | None,
+    upstream_patience: float,
 ) -> None:
     """Run a coordinator: rounds (start, submit, status, wait), federated runs (register,
     tasks, a global model across rounds) and blocks on one port.
@@ -247,6 +300,9 @@ def serve(
     """
     host, port = parse_host_port(listen)
     secret = resolve_key(key, key_file)
+    tier = region_args(
+        upstream, region, upstream_key_file, upstream_tls_ca, upstream_patience, secret
+    )
     if tls_key and not tls_cert:
         raise click.UsageError("--tls-key needs --tls-cert")
     ssl = server_tls(tls_cert, tls_key) if tls_cert else None
@@ -273,6 +329,10 @@ def serve(
             reset,
             max_inflight_bytes,
             inactive_after,
+            tier,
+            group_commit=not no_group_commit,
+            peer_keys=peer_keys,
+            sync_blocks=sync_blocks,
         )
     )
 

@@ -16,8 +16,9 @@ from tensorswap.cli._util import SECONDS, client_tls, parse_host_port
 from tensorswap.cli.run_cmd import render_runs, run_json
 from tensorswap.cli.serve_cmd import resolve_key
 from tensorswap.rounds.client import RoundClient, ServerStatus
+from tensorswap.rounds.paging import MAX_PAGE, PageAnswer, page_peers, page_rounds
 from tensorswap.rounds.protocol import RoundRow
-from tensorswap.rounds.state import Aggregating, Complete, Failed
+from tensorswap.rounds.state import Aggregating, Complete, Failed, RoundId
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.messages import RunRow
 from tensorswap.wire import ProtocolViolation
@@ -29,19 +30,58 @@ _PEERS_SHOWN = 6
 
 
 async def _fetch(
-    host: str, port: int, key: bytes | None, ssl: ssl_module.SSLContext | None, timeout: float
+    host: str,
+    port: int,
+    key: bytes | None,
+    ssl: ssl_module.SSLContext | None,
+    timeout: float,
+    page: tuple[int, int] | None = None,
 ) -> tuple[ServerStatus, list[RunRow]]:
     timeouts = Timeouts(connect=timeout, handshake=timeout, read=timeout)
     client = await RoundClient.connect(
         host, port, peer="tensorswap-status", key=key, ssl=ssl, timeouts=timeouts
     )
     async with client:
-        report = await client.server_status()
+        if page is None:
+            report = await client.server_status()
+        else:  # one page of rounds, a few peer names each (received counts them all)
+            start, limit = page
+            got = await page_rounds(client, start, limit, peers=_PEERS_SHOWN, stats=True)
+            omitted = got.total - len(got.rounds)
+            report = ServerStatus(got.rounds, dict(got.stats), omitted)
         try:
             runs = await RunClient(client).runs()
         except ProtocolViolation:  # a coordinator that runs no federations
             runs = []
         return report, runs
+
+
+def _round_id(text: str) -> RoundId:
+    number, _, initiator = text.partition("-")
+    try:
+        return RoundId(int(number), initiator)
+    except (TypeError, ValueError) as exc:
+        raise click.BadParameter(
+            f"expected ROUND-INITIATOR (e.g. 3-lead), got {text!r}", param_hint="--peers-of"
+        ) from exc
+
+
+async def _peers(
+    host: str,
+    port: int,
+    key: bytes | None,
+    ssl: ssl_module.SSLContext | None,
+    timeout: float,
+    rid: RoundId,
+    start: int,
+    limit: int,
+) -> PageAnswer:
+    timeouts = Timeouts(connect=timeout, handshake=timeout, read=timeout)
+    client = await RoundClient.connect(
+        host, port, peer="tensorswap-status", key=key, ssl=ssl, timeouts=timeouts
+    )
+    async with client:
+        return await page_peers(client, rid, start, limit)
 
 
 def to_json(report: ServerStatus) -> dict[str, object]:
@@ -105,7 +145,8 @@ def render(report: ServerStatus, console: Console, now: float | None = None) -> 
     table.columns[0].no_wrap = True
     for row in report.rounds:
         shown = ", ".join(row.peers[:_PEERS_SHOWN])
-        more = f" +{len(row.peers) - _PEERS_SHOWN}" if len(row.peers) > _PEERS_SHOWN else ""
+        rest = max(row.received, len(row.peers)) - min(len(row.peers), _PEERS_SHOWN)
+        more = f" +{rest}" if rest > 0 else ""
         table.add_row(
             f"{row.round}-{row.initiator}",
             _status_text(row),
@@ -115,8 +156,8 @@ def render(report: ServerStatus, console: Console, now: float | None = None) -> 
             _size(row.nbytes),
             _deadline(row, now),
         )
-    if report.omitted:  # the answer had to fit the message limit: live and newest rounds first
-        table.caption = f"{report.omitted} older round(s) not shown"
+    if report.omitted:  # a page, or an answer cut to fit the message limit
+        table.caption = f"{report.omitted} other round(s) not shown"
     console.print(table)
     stats = report.stats
     counters = Table(title="coordinator", title_justify="left", show_header=False)
@@ -145,6 +186,18 @@ def render(report: ServerStatus, console: Console, now: float | None = None) -> 
 @click.option("--tls", is_flag=True, help="Use TLS (system CAs unless --tls-ca).")
 @click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA/cert to trust.")
 @click.option("--timeout", type=SECONDS, default=10.0, show_default=True, help="Seconds to wait.")
+@click.option(
+    "--limit",
+    type=click.IntRange(1, MAX_PAGE),
+    default=None,
+    help="Page through rounds: show this many (from --start), each with its first few peers.",
+)
+@click.option("--start", type=click.IntRange(min=0), default=0, help="First round of the page.")
+@click.option(
+    "--peers-of",
+    metavar="ROUND-INITIATOR",
+    help="List that round's peers in acceptance order instead (--start, --limit: a page).",
+)
 def status(
     address: str,
     as_json: bool,
@@ -153,13 +206,32 @@ def status(
     tls: bool,
     tls_ca: str | None,
     timeout: float,
+    limit: int | None,
+    start: int,
+    peers_of: str | None,
 ) -> None:
     """Show the coordinator at HOST:PORT: its runs (version, global model, optimizer,
-    participants), its rounds (status, peers, contributions, bytes) and counters."""
+    participants), its rounds (status, peers, contributions, bytes) and counters.
+
+    With --limit, one page of rounds (a large coordinator answers in well under a second);
+    with --peers-of, one page of a round's peers."""
     host, port = parse_host_port(address)
     secret = resolve_key(key, key_file)
     ssl = client_tls(tls_ca) if tls or tls_ca else None
-    report, runs = asyncio.run(_fetch(host, port, secret, ssl, timeout))
+    if peers_of is not None:
+        rid = _round_id(peers_of)
+        page = asyncio.run(_peers(host, port, secret, ssl, timeout, rid, start, limit or 1000))
+        if as_json:
+            data = {"round": peers_of, "peers": page.peers, "total": page.total}
+            click.echo(json.dumps({**data, "next": page.next}, indent=2, sort_keys=True))
+        else:
+            for name in page.peers:
+                click.echo(name)
+            more = f"; next page: --start {page.next}" if page.next is not None else ""
+            click.echo(f"# {len(page.peers)} of {page.total} peer(s) from {start}{more}", err=True)
+        return
+    paged = None if limit is None else (start, limit)
+    report, runs = asyncio.run(_fetch(host, port, secret, ssl, timeout, paged))
     if as_json:
         data = to_json(report)
         data["runs"] = [run_json(row) for row in runs]

@@ -33,6 +33,39 @@ class DemoConfig:
     quorum: int | None = None
     freeze_first_layer: bool = False
     max_fragment_bytes: int | None = None  # p2p: the DWE size cap (None: 8 MiB)
+    # A federated run (`tensorswap run`) instead of independent rounds: any of these.
+    mode: str | None = None  # "sync" or "async" (None: "sync" when another run option is set)
+    server_opt: str | None = None  # the run's server optimizer (None: fedavg)
+    sample: int | None = None  # peers sampled per round (sync), None: all
+    slow_peer: int | None = None  # this peer's training takes slow_factor times as long
+    slow_factor: float = 5.0
+    buffer: int | None = None  # async: contributions per version (None: half the peers)
+    max_staleness: int = 8
+    # Differential privacy (a sync run): the clipping norm C (None: no DP), noise multiplier z
+    dp_clip: float | None = None
+    dp_noise: float = 1.0
+    dp_delta: float = 1e-5
+    dp_max_epsilon: float | None = None
+
+    @property
+    def federated(self) -> bool:
+        """Whether the demo runs as a federated run on the coordinator (`demo.run_driver`)."""
+        return (
+            self.mode is not None
+            or self.server_opt is not None
+            or self.sample is not None
+            or self.slow_peer is not None
+            or self.dp_clip is not None
+        )
+
+    @property
+    def run_mode(self) -> str:
+        return self.mode or "sync"
+
+    def run_buffer(self) -> int:
+        """Async: contributions per version: ``--buffer``, else half the peers (at least 1),
+        so the fast peers make versions without waiting for a slow one."""
+        return self.buffer if self.buffer is not None else max(1, self.peers // 2)
 
     def round_quorum(self, alive: int) -> int:
         """Contributions a round needs at its deadline: ``--quorum``, else all but one peer
@@ -50,6 +83,32 @@ def check_config(cfg: DemoConfig) -> None:
         raise DemoError("--max-fragment-bytes applies to the p2p topology (DWE fragments)")
     if cfg.aggregator in ("krum", "multi_krum") and cfg.peers < 3:
         raise DemoError(f"{cfg.aggregator} needs at least 3 peers")
+    if cfg.federated:
+        _check_run_options(cfg)
+
+
+def _check_run_options(cfg: DemoConfig) -> None:
+    if cfg.topology != "star":
+        raise DemoError(
+            "--mode, --server-opt, --sample, --slow-peer and --dp-* run on the star topology"
+        )
+    if cfg.compression != "none":
+        raise DemoError("--compression applies to the per-round demo, not to a federated run")
+    if cfg.freeze_first_layer:
+        raise DemoError("--freeze-first-layer applies to the per-round demo")
+    if cfg.sample is not None and not 1 <= cfg.sample <= cfg.peers:
+        raise DemoError(f"--sample {cfg.sample} must be in [1, --peers {cfg.peers}]")
+    if cfg.slow_peer is not None and not 0 <= cfg.slow_peer < cfg.peers:
+        raise DemoError(f"--slow-peer {cfg.slow_peer} must be a peer index in [0, {cfg.peers})")
+    if cfg.dp_clip is not None and cfg.run_mode == "async":
+        raise DemoError("--dp-clip applies to --mode sync (DP-FedAvg rounds)")
+    if cfg.run_mode == "async":
+        if cfg.sample is not None:
+            raise DemoError("--sample applies to --mode sync (an async run takes any peer)")
+        if cfg.kill_peer is not None:
+            raise DemoError("--kill-peer applies to --mode sync (async has no round barrier)")
+        if cfg.aggregator not in ("fedavg", "mean"):
+            raise DemoError("an async run folds deltas as they come: --aggregator fedavg or mean")
 
 
 def config_json(cfg: DemoConfig) -> dict[str, Any]:

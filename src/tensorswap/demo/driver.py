@@ -34,7 +34,15 @@ from tensorswap.demo.fleet import Peer as Peer
 from tensorswap.demo.output import ProgressUi, finish, fmt_bytes, plot_report
 from tensorswap.demo.report import DemoReport, RoundReport, row_json, summarise
 
-__all__ = ["DemoConfig", "DemoError", "DemoReport", "RoundReport", "plot_report", "run_demo"]
+__all__ = [
+    "DemoConfig",
+    "DemoError",
+    "DemoReport",
+    "RoundReport",
+    "check_config",
+    "plot_report",
+    "run_demo",
+]
 
 
 @dataclass
@@ -64,7 +72,13 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoRepor
         await _start_peers(run)
         report = await _await_ready(run)
         await _link(run)
-        await _run_rounds(run, report)
+        if cfg.federated:
+            from tensorswap.demo.run_driver import run_federation
+
+            run.initiator = f"demo-{secrets.token_hex(3)}"
+            await run_federation(run, report)
+        else:
+            await _run_rounds(run, report)
         report.seconds = time.perf_counter() - start
         await _record_coordinator(run, report)
         return finish(cfg, report, console)
@@ -90,10 +104,12 @@ async def _start_peers(run: _Run) -> None:
     cfg = run.cfg
     args = _peer_args(cfg, run.coordinator)
     for i in range(cfg.peers):
-        await run.fleet.start_peer(i, args)
+        slow = ["--slow-factor", str(cfg.slow_factor)] if cfg.slow_peer == i else []
+        await run.fleet.start_peer(i, [*args, *slow])
+    what = f"a {cfg.run_mode} federated run" if cfg.federated else f"compression {cfg.compression}"
     run.console.print(
-        f"started {cfg.peers} peers ({cfg.topology}, {cfg.aggregator}, compression "
-        f"{cfg.compression}, {cfg.local_epochs} local epochs); loading data and models..."
+        f"started {cfg.peers} peers ({cfg.topology}, {cfg.aggregator}, {what}, "
+        f"{cfg.local_epochs} local epochs); loading data and models..."
     )
 
 
@@ -284,6 +300,7 @@ async def _star_outcome(client: Any, initiator: str, report: RoundReport) -> Non
     for row in status.rounds:
         if row.round == report.round and row.initiator == initiator:
             status = row.status.to_status()  # a RoundStatus
+            report.participants = list(row.peers)
             if status.name == "Complete":
                 report.ok = True
                 report.aggregate = str(status.cid)

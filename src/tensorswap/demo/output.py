@@ -28,12 +28,12 @@ def fmt_bytes(n: float) -> str:
 class ProgressUi:
     """Rich progress: one bar over the rounds, with the current round's figures."""
 
-    def __init__(self, console: Console, rounds: int) -> None:
+    def __init__(self, console: Console, rounds: int, unit: str = "rounds") -> None:
         self.console = console
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
-            TextColumn("{task.completed}/{task.total} rounds"),
+            TextColumn("{task.completed}/{task.total} " + unit),
             TextColumn("peers {task.fields[done]}"),
             TextColumn("acc {task.fields[acc]}"),
             TextColumn("sent {task.fields[sent]}"),
@@ -59,6 +59,21 @@ class ProgressUi:
             f"{r.seconds:.1f}s  {r.outcome}"
         )
 
+    def version_done(self, v: Any, total: int, *, mode: str) -> None:
+        """A federated run's new version (a `demo.run_driver.VersionReport`)."""
+        self.progress.advance(self.task)
+        self.update(acc=f"{v.accuracy:.3f}")
+        who = ", ".join(
+            f"{p}(+{s})" if s else p
+            for p, s in zip(v.participants, v.staleness or [0] * len(v.participants), strict=False)
+        )
+        eps = "" if v.epsilon is None else f"  ε {v.epsilon:.2f}"
+        self.console.print(
+            f"[green]✓[/green] version {v.version:>2}/{total}  acc {v.accuracy:.3f}  "
+            f"{v.elapsed_s:6.1f}s{eps}  {'buffer' if mode == 'async' else 'round'} {v.round}: "
+            f"{who}" + (f"  ({v.killed} killed)" if v.killed else "")
+        )
+
     def note(self, text: str) -> None:
         self.console.print(text)
 
@@ -67,10 +82,18 @@ def finish(cfg: DemoConfig, report: DemoReport, console: Console) -> DemoReport:
     """Write demo.png and summary.json into ``cfg.out``, print the table and the totals."""
     out = cfg.out
     plot = out / "demo.png"
-    plot_report(report, plot)
-    report.plot = str(plot)
     summary = out / "summary.json"
-    report.summary = str(summary)
+    report.plot, report.summary = str(plot), str(summary)
+    if report.versions:
+        from tensorswap.demo.run_output import plot_runs, run_table
+
+        plot_runs([report], plot)
+        summary.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        run_table(cfg, report, console)
+        console.print(f"plot: {plot}")
+        console.print(f"summary: {summary}")
+        return report
+    plot_report(report, plot)
     summary.write_text(json.dumps(report.to_json(), indent=2) + "\n")
 
     table = Table(title=f"tensorswap demo: {cfg.peers} peers, {cfg.topology}, {cfg.aggregator}")

@@ -6,10 +6,12 @@ model. The driver (`tensorswap.demo.driver`) sends it commands on stdin, one JSO
     {"cmd": "peers", "endpoints": {"peer-0": "127.0.0.1:40001", ...}}   # p2p only
     {"cmd": "round", "round": 3, "initiator": "demo-1a2b", "deadline_s": 20.0,
      "expect": ["peer-0", "peer-1", ...]}                     # one round
+    {"cmd": "run", "run": "demo-1a2b"}                        # a whole federated run
     {"cmd": "stop"}                                           # (or end of input)
 
 and reads its reports on stdout, one JSON object a line (never pickle): ``ready``,
-``trained``, ``submitted``, ``round`` and ``error`` events (see `docs/demo.md`). Logs and
+``trained``, ``submitted``, ``round``, ``contributed``, ``refused``, ``run_done`` and
+``error`` events (see `docs/demo.md`). Logs and
 tracebacks go to stderr.
 
 Star topology: the peer trains locally, submits its update to the coordinator's round
@@ -46,6 +48,7 @@ from tensorswap.demo.inbox import DeltaInbox
 from tensorswap.demo.local import PeerState as PeerState
 from tensorswap.demo.local import build_state, emit, fail
 from tensorswap.demo.peer_rounds import p2p_round, star_round
+from tensorswap.demo.peer_run import run_tasks
 
 __all__ = ["COMPRESSIONS", "DeltaInbox", "main"]
 
@@ -102,6 +105,8 @@ async def run_star(args: argparse.Namespace) -> int:
         while (cmd := await _next(reader)) is not None and cmd.get("cmd") != "stop":
             if cmd.get("cmd") == "round":
                 await star_round(state, client, cmd)
+            elif cmd.get("cmd") == "run":
+                await run_tasks(state, client, cmd)
     return 0
 
 
@@ -169,7 +174,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=MAX_DWE_FRAGMENT_BYTES,
         help="p2p: the DWE size cap (8 MiB); a larger delta is sent in several parts",
     )
+    parser.add_argument(
+        "--slow-factor",
+        type=float,
+        default=1.0,
+        help="runs: train this many times slower (wait after each local training)",
+    )
     args = parser.parse_args(argv)
+    if not (1.0 <= args.slow_factor <= 1000.0):
+        parser.error("--slow-factor must be in [1, 1000]")
     if not MIN_FRAGMENT_BYTES <= args.max_fragment_bytes <= 2**32 - 1:
         parser.error(f"--max-fragment-bytes must be in [{MIN_FRAGMENT_BYTES}, 2**32 - 1]")
     if not 0 <= args.index < args.peers:

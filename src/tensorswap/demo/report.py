@@ -28,6 +28,7 @@ class RoundReport:
     how: str = ""  # the outcome in a few words, for the table
     killed: str | None = None
     aggregate: str | None = None
+    participants: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -41,9 +42,15 @@ class DemoReport:
     coordinator: dict[str, Any] | None = None
     plot: str = ""
     summary: str = ""
+    versions: list[Any] = field(default_factory=list)
+    """A federated run's versions (`demo.run_driver.VersionReport`); empty otherwise."""
+    run: dict[str, Any] | None = None
+    """A federated run: its name, spec and the peers' totals."""
 
     @property
     def final_accuracy(self) -> float:
+        if self.versions:
+            return float(self.versions[-1].accuracy)
         return self.rounds[-1].accuracy if self.rounds else self.initial_accuracy
 
     def to_json(self) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Rounds: the coordinator's state machine, deadlines and quorum, persisted in SQLite."""
 
+from tensorswap.rounds.batch import PeerKeys, submit_proof
 from tensorswap.rounds.blocking import BlockingRoundClient
 from tensorswap.rounds.client import RoundClient, ServerStatus, SubmitResult
 from tensorswap.rounds.coordinator import Coordinator, CoordinatorStats
@@ -11,6 +12,7 @@ from tensorswap.rounds.errors import (
     InvalidUpdate,
     JournalDamaged,
     JournalMissing,
+    PeerNotAuthorised,
     RoundAlreadyTerminal,
     RoundClosed,
     RoundFailed,
@@ -19,6 +21,7 @@ from tensorswap.rounds.errors import (
     UnknownUpdate,
     UpdateMismatch,
 )
+from tensorswap.rounds.paging import page_peers, page_rounds
 from tensorswap.rounds.persist import RoundDatabase
 from tensorswap.rounds.reconnect import Backoff, retrying
 from tensorswap.rounds.server import RoundServer, TrafficStats
@@ -36,6 +39,7 @@ from tensorswap.rounds.state import (
     RoundStatus,
     RoundTracker,
 )
+from tensorswap.rounds.virtual import PeerSubmit, VirtualClients, VirtualPeer
 
 __all__ = [
     "Aggregating",
@@ -56,6 +60,9 @@ __all__ = [
     "JournalDamaged",
     "JournalMissing",
     "LayerSpec",
+    "PeerKeys",
+    "PeerNotAuthorised",
+    "PeerSubmit",
     "Pending",
     "RoundAlreadyTerminal",
     "RoundClient",
@@ -76,6 +83,11 @@ __all__ = [
     "TrafficStats",
     "UnknownUpdate",
     "UpdateMismatch",
+    "VirtualClients",
+    "VirtualPeer",
     "expiry_verdict",
+    "page_peers",
+    "page_rounds",
     "retrying",
+    "submit_proof",
 ]

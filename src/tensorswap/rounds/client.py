@@ -159,16 +159,23 @@ class RoundClient:
         (one of its copies failed its hash check and was quarantined), the blocks it lacks are
         pushed once more and the submit repeated.
         """
+        small = is_small(update)  # then encoding and listing it cost less than thread hops
         if isinstance(update, Cid):
             cid = update
         else:
             if not isinstance(update, ModelUpdate):
                 update = ModelUpdate(dict(update), num_samples)
-            cid = await asyncio.to_thread(put_update, self.store, update)
+            if small:
+                cid = put_update(self.store, update)
+            else:
+                cid = await asyncio.to_thread(put_update, self.store, update)
         call = SubmitRequest.of(round_id, self.peer, cid)
         async with self._lock:
             start, wire_start = time.perf_counter(), self.blocks.transport.bytes_sent
-            closure = await asyncio.to_thread(_children_first, self.store, cid)
+            if small and not isinstance(update, Cid):
+                closure = _children_first(self.store, cid)
+            else:
+                closure = await asyncio.to_thread(_children_first, self.store, cid)
             lacking = await self.blocks.missing(closure)
             sent = await self.blocks.put_blocks(self.store, lacking, compression=compression)
             sent_blocks = len(lacking)
@@ -203,6 +210,14 @@ class RoundClient:
         rid = round_id
         answer = await self._call(StatusRequest(round=rid.round, initiator=rid.initiator))
         return _status(answer)
+
+    async def round_row(self, round_id: RoundId) -> RoundRow:
+        """The coordinator's row for one round: its strategy, quorum, peers, deadline."""
+        rid = round_id
+        answer = await self._call(StatusRequest(round=rid.round, initiator=rid.initiator))
+        if not answer.rounds:
+            raise ProtocolViolation("the coordinator's answer lacks the round's row")
+        return answer.rounds[0]
 
     async def server_status(self) -> ServerStatus:
         """Every round with its peers and bytes, and the coordinator's counters."""
@@ -293,6 +308,23 @@ class RoundClient:
         if answer.error is not None:
             raise_remote(answer.error, self.blocks.conn.peer)
         return answer
+
+
+SMALL_UPDATE = 64 * 1024
+"""Updates of at most this many bytes of values are stored and listed on the event loop."""
+
+
+def is_small(update: ModelUpdate | Mapping[str, Any] | Cid) -> bool:
+    """Whether ``update`` holds at most SMALL_UPDATE bytes of values (a CID: unknown, no)."""
+    if isinstance(update, Cid):
+        return False
+    tensors = update.tensors if isinstance(update, ModelUpdate) else update
+    total = 0
+    for value in tensors.values():
+        total += int(getattr(value, "nbytes", SMALL_UPDATE + 1))
+        if total > SMALL_UPDATE:
+            return False
+    return True
 
 
 def _children_first(store: BlockStore, root: Cid) -> list[Cid]:

@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -27,10 +27,10 @@ from tensorswap.rounds.deadline import (
 )
 from tensorswap.rounds.errors import RoundFailed
 from tensorswap.rounds.fold import RoundWork
+from tensorswap.rounds.intake import intake
 from tensorswap.rounds.persist import RoundDatabase, open_journal
 from tensorswap.rounds.retention import DEFAULT_GC_GRACE, Retention, RetentionWorker
 from tensorswap.rounds.retry import RetryPolicy, RetrySchedule
-from tensorswap.rounds.screen import check_layout, screen
 from tensorswap.rounds.state import (
     Complete,
     Contribution,
@@ -41,7 +41,7 @@ from tensorswap.rounds.state import (
     RoundTracker,
 )
 from tensorswap.rounds.stats import CoordinatorStats
-from tensorswap.rounds.updates import aggregator_spec, inspect_update, parse_update_cid
+from tensorswap.rounds.updates import aggregator_spec
 from tensorswap.store import BlockStore, DirectoryStore
 
 __all__ = ["DEFAULT_GC_GRACE", "STORE_DIRNAME", "Coordinator", "CoordinatorStats", "Retention"]
@@ -96,6 +96,7 @@ class Coordinator:
         keep_rounds: int | None = None,
         gc_grace: float = DEFAULT_GC_GRACE,
         retry: RetryPolicy | None = None,
+        finish: Callable[[RoundId, Cid], None] | None = None,
     ) -> None:
         self.store = store
         self.journal = journal
@@ -121,9 +122,16 @@ class Coordinator:
             grace=gc_grace,
         )
         self._retries = RetrySchedule(retry)
+        self.finish = finish  # a regional tier: it calls complete_round / fail_round later
         self.admission: Callable[[RoundId, str, float], None] | None = None
         """Called as ``admission(round_id, peer, scale)`` before a submit is screened; what
         it raises refuses the submit (a run checks that the peer was sampled)."""
+        self.release: Callable[[RoundId, Cid], Cid] | None = None
+        """Called as ``release(round_id, aggregate)`` once a round's aggregate is stored,
+        before Complete names anything: the CID it returns is what Complete names (a
+        differentially private run releases the noised aggregate, so the clean one is never
+        published). What it raises is treated as an aggregation failure (retried when
+        transient). Must be idempotent: a restart may call it again for the same round."""
         self._work: dict[RoundId, RoundWork] = {}
         self._closed = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-aggregate")
@@ -144,17 +152,28 @@ class Coordinator:
         *,
         durable: bool = True,
         reset: bool = False,
+        group_commit: bool = True,
+        sync_blocks: bool = False,
         **kwargs: object,
     ) -> Coordinator:
         """A coordinator over ``<dir>/rounds.sqlite3`` and a directory store in ``<dir>/blocks``.
 
         Both are created if missing, reopened otherwise, and closed by ``close``. A lost or
         damaged journal is refused, and ``reset`` starts a fresh one: see ``open_journal``.
+        ``sync_blocks`` flushes the store (``DirectoryStore.sync``) before each journal
+        commit: with ``durable``, accepted blocks survive a power loss too.
         """
         root = Path(data_dir)
         store = DirectoryStore(root / STORE_DIRNAME, trust_own_writes=True)
         try:
-            journal = open_journal(root, store, durable=durable, reset=reset)
+            journal = open_journal(
+                root,
+                store,
+                durable=durable,
+                reset=reset,
+                group_commit=group_commit,
+                before_commit=store.sync if sync_blocks else None,
+            )
         except BaseException:
             store.close()
             raise
@@ -206,45 +225,31 @@ class Coordinator:
     def _submit(
         self, round_id: RoundId, peer: str, update_cid: Cid | str, scale: float
     ) -> RoundStatus:
-        key = round_id.as_key()
-        try:
-            if self.admission is not None:
-                self.admission(round_id, peer, scale)
-            info = self.tracker.check_submit(round_id, peer)
-            cid = parse_update_cid(update_cid, key, peer)
-            facts = inspect_update(self.store, cid, key, peer, verify=self._verify)
-            check_layout(info, facts.layout, peer)
-            spec = aggregator_spec(info.spec)
-            work = self._work_for(round_id)
+        (outcome,) = self._submit_many(round_id, [(peer, update_cid, scale)])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def submit_many(
+        self, round_id: RoundId, items: Sequence[tuple[str, Cid | str]]
+    ) -> list[RoundStatus | Exception]:
+        """``submit`` for each ``(peer, update_cid)`` (scale 1), screened in order and
+        journaled in one transaction: per item the new status, or the error that refused it
+        (a refused one leaves no trace). Each is durable when this returns."""
+        with self._gc_lock.shared():
+            return self._submit_many(round_id, [(p, c, 1.0) for p, c in items])
+
+    def _submit_many(
+        self, round_id: RoundId, items: Sequence[tuple[str, Cid | str, float]]
+    ) -> list[RoundStatus | Exception]:
+        work = self._work_for(round_id)
+        outcomes, accepted, nbytes = intake(self, work, round_id, items)
+        self._count(contributions=accepted, contribution_bytes=nbytes)
+        if self.tracker.is_ready(round_id):
             with work.lock:
-                self.tracker.check_submit(round_id, peer)
-                folded = screen(self.store, work, spec, facts, key, peer, scale)
-                contribution = Contribution(
-                    round_id,
-                    peer,
-                    str(facts.cid),
-                    facts.num_samples,
-                    facts.nbytes,
-                    self.clock.now(),
-                    scale,
-                )
-                try:
-                    status = self.tracker.submit(contribution, layout=facts.layout)
-                except BaseException:
-                    if folded:  # the sums hold an unaccepted update: rebuild them at the end
-                        work.reset()
-                    raise
-                if folded:
-                    work.folded.add(peer)
                 if self.tracker.is_ready(round_id):
                     self._begin(round_id)
-        except Exception as exc:
-            self._count(rejected=1)
-            log.info("round %s: contribution from %r refused: %s", key, peer, exc)
-            raise
-        self._count(contributions=1, contribution_bytes=facts.nbytes)
-        log.debug("round %s: %s contributed %d bytes -> %s", key, peer, facts.nbytes, status)
-        return status
+        return outcomes
 
     def check_deadlines(self) -> list[RoundId]:
         """Handle every round whose deadline has passed, and queue the retries that are due;
@@ -260,6 +265,7 @@ class Coordinator:
             # shared first, as in submit: the round's collection never runs between the
             # verdict and the status it records
             with self._gc_lock.shared(), work.lock:
+                self.tracker.settle(rid)  # no contribution between its check and its record
                 current = self.tracker.info(rid)
                 if current is None or not due_rounds([current], self.clock.now()):
                     continue
@@ -351,14 +357,17 @@ class Coordinator:
                     self._work_for(round_id),
                     lambda peer, reason: self._drop(round_id, peer, reason),
                 )
+                if self.release is not None:
+                    cid = self.release(round_id, cid)
                 seconds = time.perf_counter() - started
                 with self._lock:  # counted before Complete wakes anyone who then reads them
                     self._counters["last_aggregation_seconds"] = seconds
                 self._count(rounds_completed=1, aggregation_seconds=seconds)
-                self._retention.schedule()  # queued before Complete wakes anyone; runs after
-                self._retention.mark_ended(round_id)
                 try:
-                    self.tracker.mark_complete(round_id, str(cid))
+                    if self.finish is not None:  # the round stays Aggregating meanwhile
+                        self.finish(round_id, cid)
+                    else:
+                        self.complete_round(round_id, cid)
                 except BaseException:
                     self._count(rounds_completed=-1, aggregation_seconds=-seconds)
                     raise
@@ -371,6 +380,17 @@ class Coordinator:
             self._forget(round_id)
             self._retries.forget(round_id)
         log.info("round %s complete in %.3f s: %s", round_id, seconds, cid)
+
+    def complete_round(self, round_id: RoundId, cid: Cid | str) -> None:
+        """Mark the round Complete(cid) (RoundAlreadyTerminal if it has ended)."""
+        with self._gc_lock.shared():  # no collection between the caller's store and this
+            self._retention.schedule()  # queued before Complete wakes anyone; runs after
+            self._retention.mark_ended(round_id)
+            self.tracker.mark_complete(round_id, str(cid))
+
+    def fail_round(self, round_id: RoundId, reason: str) -> None:
+        """Mark the round Failed(reason), unless it has ended already."""
+        self._fail(round_id, reason)
 
     def _retry_later(self, info: RoundInfo, exc: Exception) -> bool:
         """Schedule another attempt after a transient failure; False when it is not one, or

@@ -7,6 +7,7 @@
     ├── RoundAlreadyTerminal    (also RuntimeError) the round is Complete or Failed
     ├── RoundClosed             (also RuntimeError) the round takes no more contributions
     ├── DuplicateContribution   (also ValueError) this peer already contributed to this round
+    ├── PeerNotAuthorised       (also PermissionError) no valid proof of the peer's own key
     ├── UnknownUpdate           (also LookupError) the update CID is not in the store
     ├── UpdateMismatch          (also ValueError) layer names, dtypes or shapes differ
     ├── InvalidUpdate           (also ValueError) the update's values cannot be aggregated
@@ -31,6 +32,7 @@ __all__ = [
     "InvalidUpdate",
     "JournalDamaged",
     "JournalMissing",
+    "PeerNotAuthorised",
     "RoundAlreadyTerminal",
     "RoundClosed",
     "RoundFailed",
@@ -83,6 +85,17 @@ class DuplicateContribution(RoundsError, ValueError):
         self.key = key
         self.peer = peer
         super().__init__(f"peer {peer!r} already contributed to round {key}")
+
+
+class PeerNotAuthorised(RoundsError, PermissionError):
+    """The coordinator holds per-peer keys and this submit does not prove the peer's key
+    (no proof, a wrong one, or a peer without a key): the connection may not act for it."""
+
+    def __init__(self, key: str, peer: str, detail: str) -> None:
+        self.key = key
+        self.peer = peer
+        self.detail = detail
+        super().__init__(f"submit for peer {peer!r} to round {key} refused: {detail}")
 
 
 class UnknownUpdate(RoundsError, LookupError):

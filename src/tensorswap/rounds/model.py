@@ -280,10 +280,12 @@ class RoundInfo:
     dropped: tuple[tuple[str, str], ...] = ()
     """Accepted contributions left out of the aggregate, as ``(peer, reason)``: a block of
     theirs failed its hash check (quarantined) or vanished from the store."""
+    peer_count: int | None = None
+    """How many peers contributed, when ``peers`` lists only the first of them (a page)."""
 
     @property
     def received(self) -> int:
-        return len(self.peers)
+        return len(self.peers) if self.peer_count is None else self.peer_count
 
     @property
     def dropped_peers(self) -> frozenset[str]:

@@ -8,13 +8,14 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 from tensorswap.errors import RoundsError
+from tensorswap.rounds._group import GroupCommit, Write
 from tensorswap.rounds._sqlite import transaction
 from tensorswap.rounds.errors import JournalDamaged, JournalMissing
 from tensorswap.rounds.state import (
@@ -96,6 +97,13 @@ class RoundDatabase:
     perhaps not the machine losing power. Safe to share between threads: a lock serializes
     every use of the one connection. Round numbers are stored as SQLite integers, so rounds
     above 2**63-1 are refused here.
+
+    Group commit (``group_commit=True``, the default): writes from threads that call at the
+    same time share one transaction, so one fsync covers them all (``rounds._group``); each
+    call still returns only once its own write has committed, and writes commit in the
+    order they were made. ``add_contributions`` queues several at once. ``before_commit``
+    runs before each transaction (a coordinator flushes its block store there, so the blocks
+    a contribution names are on disk before the journal records it).
     """
 
     def __init__(
@@ -104,6 +112,8 @@ class RoundDatabase:
         *,
         durable: bool = True,
         store_with_blocks: str | None = None,
+        group_commit: bool = True,
+        before_commit: Callable[[], None] | None = None,
     ) -> None:
         """Open (or create) the journal at ``path``; a damaged one is refused (JournalDamaged).
 
@@ -113,6 +123,7 @@ class RoundDatabase:
         """
         self.path = Path(path)
         self._lock = threading.Lock()
+        self._group = GroupCommit(self._transaction, grouped=group_commit, before=before_commit)
         if store_with_blocks is not None and not self.path.exists():
             raise JournalMissing(self.path, "missing", store_with_blocks)
         try:
@@ -164,19 +175,40 @@ class RoundDatabase:
                 raise JournalMissing(self.path, "empty", store_with_blocks)
 
     @classmethod
-    def in_dir(cls, data_dir: str | os.PathLike[str], *, durable: bool = True) -> RoundDatabase:
+    def in_dir(
+        cls, data_dir: str | os.PathLike[str], *, durable: bool = True, group_commit: bool = True
+    ) -> RoundDatabase:
         """The database ``<data_dir>/rounds.sqlite3`` (created if missing)."""
-        return cls(Path(data_dir) / DB_FILENAME, durable=durable)
+        return cls(Path(data_dir) / DB_FILENAME, durable=durable, group_commit=group_commit)
 
     def _transaction(self) -> AbstractContextManager[sqlite3.Connection]:
         return transaction(
             self._conn, self._lock, lambda exc: RoundsError(f"round database {self.path}: {exc}")
         )
 
+    def _write(self, write: Write) -> None:
+        """Run ``write`` in a (group) transaction; it has committed when this returns."""
+        self._group.write(self._translated(write))
+
+    def _translated(self, write: Write) -> Write:
+        def run(db: sqlite3.Connection) -> None:
+            try:
+                write(db)
+            except sqlite3.Error as exc:
+                raise RoundsError(f"round database {self.path}: {exc}") from exc
+
+        return run
+
+    @property
+    def commits(self) -> tuple[int, int]:
+        """(transactions committed or tried, writes they held) so far."""
+        return self._group.commits, self._group.writes
+
     # ── RoundJournal ─────────────────────────────────────────────────────────
     def insert_round(self, info: RoundInfo) -> None:
         spec = info.spec
-        with self._transaction() as db:
+
+        def write(db: sqlite3.Connection) -> None:
             db.execute(
                 "INSERT INTO rounds (round, initiator, expected, quorum, timeout_s, strategy,"
                 " params, spec_layout, layout, status, result_cid, reason, created_at, deadline)"
@@ -197,14 +229,36 @@ class RoundDatabase:
                 ),
             )
 
+        self._write(write)
+
     def add_contribution(
         self, contribution: Contribution, status: RoundStatus, layout: Layout | None
     ) -> None:
+        (error,) = self.add_contributions([(contribution, status, layout)])
+        if error is not None:
+            raise error
+
+    def add_contributions(
+        self, items: Sequence[tuple[Contribution, RoundStatus, Layout | None]]
+    ) -> list[BaseException | None]:
+        """Journal each ``(contribution, status, layout)`` (as ``add_contribution``), all
+        queued at once; per item the error that refused it, None for those committed.
+
+        The round's status column moves to ``status`` only while it is Pending or
+        Collecting: a contribution committed after the round ended never undoes that.
+        """
+        return self._group.write_many([self._translated(self._contribution(*i)) for i in items])
+
+    def _contribution(
+        self, contribution: Contribution, status: RoundStatus, layout: Layout | None
+    ) -> Write:
         rid = contribution.round_id
         key = (_round_number(rid), rid.initiator)
         # Acceptance order: the tracker passes Collecting(received) with this one counted.
         seq = status.received - 1 if isinstance(status, Collecting) else 0
-        with self._transaction() as db:
+        name, cid, reason = _status_columns(status)
+
+        def write(db: sqlite3.Connection) -> None:
             db.execute(
                 "INSERT INTO contributions (round, initiator, peer, seq, update_cid,"
                 " num_samples, nbytes, submitted_at, scale) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -219,29 +273,39 @@ class RoundDatabase:
                     contribution.scale,
                 ),
             )
-            self._update_status(db, rid, status)
+            db.execute(
+                "UPDATE rounds SET status = ?, result_cid = ?, reason = ?"
+                " WHERE round = ? AND initiator = ? AND status IN (?, ?)",
+                (name, cid, reason, *key, Pending.name, Collecting.name),
+            )
             if layout is not None:
                 db.execute(
                     "UPDATE rounds SET layout = ? WHERE round = ? AND initiator = ?",
                     (_layout_json(layout), *key),
                 )
 
+        return write
+
     def set_status(self, round_id: RoundId, status: RoundStatus) -> None:
-        with self._transaction() as db:
-            self._update_status(db, round_id, status)
+        self._write(lambda db: self._update_status(db, round_id, status))
 
     def delete_rounds(self, round_ids: Iterable[RoundId]) -> None:
         rows = [(_round_number(rid), rid.initiator) for rid in round_ids]
-        with self._transaction() as db:
-            db.executemany("DELETE FROM rounds WHERE round = ? AND initiator = ?", rows)
+        self._write(
+            lambda db: db.executemany(
+                "DELETE FROM rounds WHERE round = ? AND initiator = ?", rows
+            ).close()
+        )
 
     def drop_contribution(self, round_id: RoundId, peer: str, reason: str) -> None:
-        with self._transaction() as db:
-            db.execute(
+        row = (_round_number(round_id), round_id.initiator, peer, reason)
+        self._write(
+            lambda db: db.execute(
                 "INSERT OR REPLACE INTO dropped (round, initiator, peer, reason)"
                 " VALUES (?, ?, ?, ?)",
-                (_round_number(round_id), round_id.initiator, peer, reason),
-            )
+                row,
+            ).close()
+        )
 
     def load(self) -> list[tuple[RoundInfo, list[Contribution]]]:
         """Every round with its contributions in acceptance order."""
@@ -356,6 +420,8 @@ def open_journal(
     *,
     durable: bool = True,
     reset: bool = False,
+    group_commit: bool = True,
+    before_commit: Callable[[], None] | None = None,
 ) -> RoundDatabase:
     """The journal ``<data_dir>/rounds.sqlite3`` of a coordinator whose blocks are ``store``.
 
@@ -370,10 +436,18 @@ def open_journal(
         aside = _set_aside(path)
         where = f"the old one is kept as {aside}" if aside else "there was none"
         log.warning("starting a fresh round journal %s on request (reset): %s", path, where)
-        return RoundDatabase(path, durable=durable)
+        return RoundDatabase(
+            path, durable=durable, group_commit=group_commit, before_commit=before_commit
+        )
     holds_blocks = next(iter(store), None) is not None
     name = str(getattr(store, "root", store))
-    return RoundDatabase(path, durable=durable, store_with_blocks=name if holds_blocks else None)
+    return RoundDatabase(
+        path,
+        durable=durable,
+        store_with_blocks=name if holds_blocks else None,
+        group_commit=group_commit,
+        before_commit=before_commit,
+    )
 
 
 def _set_aside(path: Path) -> Path | None:

@@ -25,37 +25,47 @@ from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.errors import DuplicateContribution
 from tensorswap.wire.errors import (
     AuthenticationFailed,
-    ProtocolViolation,
+    BlockHashMismatch,
+    ChecksumMismatch,
+    IncompleteStream,
     RemoteError,
     StreamEnded,
     TransportError,
 )
 
-__all__ = ["RETRYABLE", "Backoff", "retryable", "retrying"]
+__all__ = ["RETRYABLE", "RETRYABLE_CODES", "Backoff", "retryable", "retrying"]
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 RETRYABLE: tuple[type[BaseException], ...] = (
-    TransportError,
+    TransportError,  # refused, busy, reset, timed out, closed mid-frame
+    OSError,
     StreamEnded,
-    ProtocolViolation,
-    RemoteError,
+    IncompleteStream,
+    ChecksumMismatch,  # bytes damaged on the way: a resend may arrive whole
+    BlockHashMismatch,
 )
-"""Failures of the connection, not of the request: a fresh connection may succeed. The
-coordinator's own refusals (RoundsError leaves such as RoundNotFound) are not retried, nor
-is a failed authentication, unless it failed because the connection did (the server
-closed during the handshake: a coordinator going down or still starting)."""
+"""Failures of the connection, not of the request: a fresh connection may succeed (the
+same set as ``region.link.TRANSIENT``). Also retried: an ``ERROR`` frame whose code says
+the server gave up on this connection for now (``RETRYABLE_CODES``), and a failed
+authentication caused by the connection closing mid-handshake (a coordinator going down
+or still starting). Never retried: the coordinator's refusals (RoundsError leaves such as
+RoundNotFound), a wrong key, a protocol violation, a block too large for the server."""
 
+RETRYABLE_CODES = frozenset({"timeout", "busy", "store_error"})
+"""ERROR codes after which the same request may succeed on a new connection."""
 
-_CAUGHT: tuple[type[BaseException], ...] = (*RETRYABLE, AuthenticationFailed)
+_CAUGHT: tuple[type[BaseException], ...] = (*RETRYABLE, AuthenticationFailed, RemoteError)
 
 
 def retryable(exc: BaseException) -> bool:
     """Whether ``retrying`` tries again after ``exc``."""
     if isinstance(exc, AuthenticationFailed):
         return isinstance(exc.__cause__, RETRYABLE)
+    if isinstance(exc, RemoteError):
+        return exc.code in RETRYABLE_CODES
     return isinstance(exc, RETRYABLE)
 
 
@@ -106,7 +116,7 @@ async def retrying(
     rng: random.Random | None = None,
 ) -> T:
     """``operation(client)`` on a client from ``connect()``, again on a new one after a
-    RETRYABLE failure (of the connect or of the operation), with ``backoff`` between tries.
+    ``retryable`` failure (of the connect or of the operation), with ``backoff`` between tries.
 
     Each attempt's client is closed before the next (aborted after a failure).
     ``on_retry(attempt, error, wait)`` is called before each wait. A DuplicateContribution

@@ -7,14 +7,29 @@ import logging
 import math
 import ssl as ssl_module
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Self, assert_never
+from typing import Any, Self, assert_never
 
 import msgspec
 
+from tensorswap.cid import Cid
 from tensorswap.errors import TensorSwapError
+from tensorswap.rounds.batch import (
+    BatchAnswer,
+    BatchSubmitRequest,
+    ItemResult,
+    PeerKeys,
+    refusal,
+)
 from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.errors import RoundNotFound, RoundTimeout
+from tensorswap.rounds.errors import PeerNotAuthorised, RoundNotFound, RoundTimeout
+from tensorswap.rounds.paging import (
+    PageAnswer,
+    PeersPageRequest,
+    RoundsPageRequest,
+    next_start,
+)
 from tensorswap.rounds.protocol import (
     APP,
     CompleteWire,
@@ -26,7 +41,6 @@ from tensorswap.rounds.protocol import (
     StatusRequest,
     SubmitRequest,
     WaitRequest,
-    decode_call,
     encode_answer,
     error_info,
     row_of,
@@ -96,6 +110,7 @@ class RoundServer:
         max_wait: float = 300.0,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        peer_keys: Mapping[str, bytes] | None = None,
     ) -> None:
         if not (isinstance(max_wait, int | float) and math.isfinite(max_wait) and max_wait > 0):
             raise ValueError(f"max_wait must be a finite number of seconds > 0, got {max_wait!r}")
@@ -116,6 +131,12 @@ class RoundServer:
         """The longest one ``wait`` request waits (seconds)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[RoundId, set[asyncio.Event]] = {}
+        self._intake: dict[RoundId, list[tuple[str, Cid, asyncio.Future[Any]]]] = {}
+        self._intaking: set[RoundId] = set()
+        self._intake_tasks: set[asyncio.Task[None]] = set()
+        self.peer_keys = None if peer_keys is None else PeerKeys(peer_keys)
+        """Per-peer keys: when set, every contribution must prove its peer's key
+        (``rounds.batch``); the plain ``submit`` op is refused."""
         coordinator.subscribe(self._on_change)
 
     # ── lifecycle: the block server's ───────────────────────────────────────
@@ -137,8 +158,11 @@ class RoundServer:
         await self.blocks.handle(transport)
 
     async def aclose(self) -> None:
-        """Stop listening and cancel the connections being served."""
+        """Stop listening and cancel the connections being served; submits already handed
+        to the coordinator finish (they are journaled or refused, as if answered)."""
         await self.blocks.aclose()
+        if self._intake_tasks:
+            await asyncio.gather(*self._intake_tasks, return_exceptions=True)
 
     async def __aenter__(self) -> Self:
         return self
@@ -198,7 +222,17 @@ class RoundServer:
     # ── rounds requests ──────────────────────────────────────────────────────
     async def _on_request(self, request: AppRequest) -> bytes:
         self._loop = asyncio.get_running_loop()
-        answer = await self._call(decode_call(request.body))
+        call = _decode_any(request.body)
+        if isinstance(call, BatchSubmitRequest):
+            return _encoder.encode(await self._submit_batch(call))
+        if isinstance(call, RoundsPageRequest | PeersPageRequest):
+            return _encoder.encode(self._page(call))
+        if isinstance(call, SubmitRequest) and self.peer_keys is not None:
+            refused = PeerNotAuthorised(
+                call.round_id.as_key(), call.peer, "this coordinator takes only proven submits"
+            )
+            return encode_answer(RoundAnswer(error=error_info(refused)))
+        answer = await self._call(call)
         body = encode_answer(answer)
         if len(body) > self._reply_budget and answer.rounds:
             body = encode_answer(self._trimmed(answer))
@@ -244,8 +278,7 @@ class RoundServer:
                     wired = None if current is None else status_to_wire(current)
                     return RoundAnswer(started=started, status=wired)
                 case SubmitRequest():
-                    rid, peer, update = request.round_id, request.peer, request.cid
-                    status = await asyncio.to_thread(coord.submit, rid, peer, update)
+                    status = await self._submit(request.round_id, request.peer, request.cid)
                     return RoundAnswer(status=status_to_wire(status))
                 case WaitRequest():
                     status = await self._wait(request.round_id, request.timeout)
@@ -262,6 +295,76 @@ class RoundServer:
             raise
         except TensorSwapError as exc:
             return RoundAnswer(error=error_info(exc))
+
+    async def _submit(self, rid: RoundId, peer: str, cid: Cid) -> RoundStatus:
+        """``coordinator.submit``, batched with the submits other connections make meanwhile:
+        one worker thread per round screens them in order and journals them in one
+        transaction (``submit_many``); each answer still waits for its own commit."""
+        future: asyncio.Future[RoundStatus | Exception] = asyncio.get_running_loop().create_future()
+        queue = self._intake.setdefault(rid, [])
+        queue.append((peer, cid, future))
+        if rid not in self._intaking:
+            self._intaking.add(rid)
+            task = asyncio.ensure_future(self._drain_intake(rid))
+            self._intake_tasks.add(task)
+            task.add_done_callback(self._intake_tasks.discard)
+        outcome = await future
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def _drain_intake(self, rid: RoundId) -> None:
+        try:
+            while queue := self._intake.pop(rid, None):
+                pairs = [(peer, cid) for peer, cid, _ in queue]
+                try:
+                    outcomes = await asyncio.to_thread(self.coordinator.submit_many, rid, pairs)
+                except Exception as exc:  # a bug: every waiter hears of it
+                    outcomes = [exc] * len(queue)
+                for (_, _, future), outcome in zip(queue, outcomes, strict=True):
+                    if not future.done():
+                        future.set_result(outcome)
+        finally:
+            self._intaking.discard(rid)
+
+    async def _submit_batch(self, call: BatchSubmitRequest) -> BatchAnswer:
+        """Check each item's proof (with per-peer keys), then submit the rest together."""
+        rid = call.round_id
+        results: list[ItemResult | None] = [None] * len(call.items)
+        todo: list[tuple[int, str, Cid]] = []
+        for index, item in enumerate(call.items):
+            try:
+                if self.peer_keys is not None:
+                    self.peer_keys.check(rid, item.peer, item.cid, item.proof)
+            except PeerNotAuthorised as exc:
+                results[index] = refusal(exc)
+                continue
+            todo.append((index, item.peer, item.cid))
+        if todo:
+            pairs = [(peer, cid) for _, peer, cid in todo]
+            outcomes = await asyncio.to_thread(self.coordinator.submit_many, rid, pairs)
+            for (index, _, _), outcome in zip(todo, outcomes, strict=True):
+                if isinstance(outcome, TensorSwapError):
+                    results[index] = refusal(outcome)
+                elif isinstance(outcome, Exception):
+                    raise outcome
+                else:
+                    results[index] = ItemResult(status=status_to_wire(outcome))
+        return BatchAnswer(results=[r for r in results if r is not None])
+
+    def _page(self, call: RoundsPageRequest | PeersPageRequest) -> PageAnswer:
+        tracker = self.coordinator.tracker
+        if isinstance(call, RoundsPageRequest):
+            infos, total = tracker.page(call.start, call.limit, call.peers)
+            rows = [row_of(info) for info in infos]
+            stats = self._stats() if call.stats else {}
+            after = next_start(call.start, len(rows), total)
+            return PageAnswer(rounds=rows, total=total, next=after, stats=stats)
+        try:
+            names, total = tracker.peers_page(call.round_id, call.start, call.limit)
+        except RoundNotFound as exc:
+            return PageAnswer(error=error_info(exc))
+        return PageAnswer(peers=names, total=total, next=next_start(call.start, len(names), total))
 
     async def _wait(self, rid: RoundId, timeout: float | None) -> RoundStatus:
         """The round's status once terminal; RoundTimeout after ``timeout`` (checked finite
@@ -328,6 +431,30 @@ _ONE_ROW_OVERHEAD = len(encode_answer(RoundAnswer(rounds=[])))
 """What an answer holding nothing but an empty ``rounds`` list encodes to."""
 _LIST_HEADER = 5
 """The most a msgpack array header takes."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_any_decoder = msgspec.msgpack.Decoder(
+    StartRequest
+    | SubmitRequest
+    | StatusRequest
+    | WaitRequest
+    | BatchSubmitRequest
+    | RoundsPageRequest
+    | PeersPageRequest
+)
+
+
+def _decode_any(
+    body: bytes,
+) -> RoundRequest | BatchSubmitRequest | RoundsPageRequest | PeersPageRequest:
+    """A rounds request of any op (``decode_call``'s checks, and the batch and page ops)."""
+    try:
+        return _any_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolViolation(f"bad rounds request: {exc}") from exc
+    except RecursionError:
+        raise ProtocolViolation("bad rounds request: nested too deeply") from None
 
 
 def _is_terminal(row: RoundRow) -> bool:

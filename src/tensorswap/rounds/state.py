@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple, Protocol
 
 from tensorswap.rounds.errors import (
     DuplicateContribution,
@@ -49,6 +50,7 @@ __all__ = [
     "RoundSpec",
     "RoundStatus",
     "RoundTracker",
+    "Ticket",
     "layout_mismatch",
     "status_from_dict",
 ]
@@ -71,6 +73,10 @@ class RoundJournal(Protocol):
         self, contribution: Contribution, status: RoundStatus, layout: Layout | None
     ) -> None: ...
 
+    def add_contributions(
+        self, items: Sequence[tuple[Contribution, RoundStatus, Layout | None]]
+    ) -> list[BaseException | None]: ...
+
     def set_status(self, round_id: RoundId, status: RoundStatus) -> None: ...
 
     def delete_rounds(self, round_ids: Iterable[RoundId]) -> None: ...
@@ -86,7 +92,9 @@ class _Round:
         "dropped",
         "id",
         "layout",
+        "layout_durable",
         "nbytes",
+        "pending",
         "spec",
         "status",
     )
@@ -101,26 +109,42 @@ class _Round:
         self.contributions: dict[str, Contribution] = {c.peer: c for c in contributions}
         self.nbytes = sum(c.nbytes for c in self.contributions.values())
         self.dropped: dict[str, str] = dict(info.dropped)
+        # contributions accepted but not yet journaled: counted against the round's size
+        # and for duplicates, not yet visible (received, peers, contributions)
+        self.pending: dict[str, Contribution] = {}
+        self.layout_durable = info.layout is not None
 
     def add(self, contribution: Contribution) -> None:
         self.contributions[contribution.peer] = contribution
         self.nbytes += contribution.nbytes
 
-    def snapshot(self) -> RoundInfo:
+    def snapshot(self, peers: int | None = None) -> RoundInfo:
+        """The round as a RoundInfo; with ``peers``, only that many of its peers listed."""
+        names = self.contributions if peers is None else itertools.islice(self.contributions, peers)
         return RoundInfo(
             self.id,
             self.spec,
             self.status,
-            tuple(self.contributions),
+            tuple(names),
             self.nbytes,
             self.created_at,
             self.deadline,
             self.layout,
             tuple(self.dropped.items()),
+            None if peers is None else len(self.contributions),
         )
 
 
 Listener = Callable[[RoundId, RoundStatus], None]
+
+
+class Ticket(NamedTuple):
+    """A contribution whose place in its round is held (``RoundTracker.reserve``)."""
+
+    entry: _Round
+    status: RoundStatus
+    layout: Layout | None
+    contribution: Contribution
 
 
 # ── the state machine ────────────────────────────────────────────────────────
@@ -188,41 +212,114 @@ class RoundTracker:
         """Raise what ``submit`` would raise for this peer now; the round's snapshot otherwise.
 
         Lets a caller refuse early, before validating a large update; ``submit`` checks again.
+        The snapshot lists no peers (``received`` still counts them).
         """
         with self._lock:
             entry = self._get(round_id)
             self._check_open(entry, peer)
-            return entry.snapshot()
+            return entry.snapshot(peers=0)  # O(1): a full round's peers are not copied
 
     def submit(self, contribution: Contribution, *, layout: Layout | None = None) -> RoundStatus:
         """Accept a contribution and return the new status (Collecting).
 
         Raises RoundNotFound, RoundAlreadyTerminal, RoundClosed, DuplicateContribution, or
         UpdateMismatch when ``layout`` (the update's layers) differs from the round's; the
-        first accepted layout becomes the round's when its spec fixed none.
+        first accepted layout becomes the round's when its spec fixed none. The journal
+        write happens outside the tracker's lock, so contributions submitted by several
+        threads at once share one journal transaction (group commit); each is visible
+        (counted, listed, notified) only once it is durable.
         """
-        key = contribution.round_id
+        (outcome,) = self.submit_many([(contribution, layout)])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def submit_many(
+        self, items: Sequence[tuple[Contribution, Layout | None]]
+    ) -> list[RoundStatus | BaseException]:
+        """``submit`` for each ``(contribution, layout)`` in order, journaled together: per
+        item the new status, or the error that refused it (nothing recorded for it)."""
+        outcomes: list[RoundStatus | BaseException] = []
+        tickets: list[Ticket] = []
+        for contribution, layout in items:
+            try:
+                tickets.append(self.reserve(contribution, layout))
+                outcomes.append(Pending())
+            except Exception as exc:
+                outcomes.append(exc)
+        recorded = iter(self.record(tickets))
+        return [next(recorded) if isinstance(o, Pending) else o for o in outcomes]
+
+    def reserve(self, contribution: Contribution, layout: Layout | None = None) -> Ticket:
+        """Check a contribution as ``submit`` does and hold its place in the round (it counts
+        against the round's size and for duplicates, but is not yet visible); ``record`` it
+        next (always: a reserved place is only given back by ``record``)."""
         with self._lock:
-            entry = self._get(key)
-            self._check_open(entry, contribution.peer)
-            new_layout = None
-            if layout is not None:
-                layout = tuple(layout)
-                if entry.layout is None:
-                    new_layout = layout
-                else:
-                    detail = layout_mismatch(entry.layout, layout)
-                    if detail is not None:
-                        raise UpdateMismatch(key.as_key(), contribution.peer, detail)
-            status = Collecting(len(entry.contributions) + 1, entry.spec.expected_peers)
-            if self._journal is not None:
-                self._journal.add_contribution(contribution, status, new_layout)
-            entry.add(contribution)
-            entry.status = status
-            if new_layout is not None:
-                entry.layout = new_layout
-        self._notify(key, status)
-        return status
+            return Ticket(*self._reserve(contribution, layout), contribution)
+
+    def record(self, tickets: Sequence[Ticket]) -> list[RoundStatus | BaseException]:
+        """Journal the reserved contributions (one group commit), then make each visible;
+        per ticket the new status, or the journal's error (that one is given back)."""
+        errors: list[BaseException | None] = [None] * len(tickets)
+        if self._journal is not None and tickets:
+            try:
+                errors = self._journal.add_contributions(
+                    [(t.contribution, t.status, t.layout) for t in tickets]
+                )
+            except Exception as exc:
+                errors = [exc] * len(tickets)
+        outcomes: list[RoundStatus | BaseException] = []
+        changed: list[tuple[RoundId, RoundStatus]] = []
+        with self._lock:
+            for ticket, error in zip(tickets, errors, strict=True):
+                entry, contribution = ticket.entry, ticket.contribution
+                del entry.pending[contribution.peer]
+                if error is not None:
+                    if not entry.layout_durable and not entry.contributions and not entry.pending:
+                        entry.layout = entry.spec.layout
+                    outcomes.append(error)
+                    continue
+                entry.add(contribution)
+                if ticket.layout is not None:
+                    entry.layout_durable = True
+                if isinstance(entry.status, Pending | Collecting):
+                    entry.status = Collecting(len(entry.contributions), entry.spec.expected_peers)
+                outcomes.append(entry.status)
+                changed.append((entry.id, entry.status))
+            self._changed.notify_all()
+        for rid, status in changed:
+            self._notify(rid, status)
+        return outcomes
+
+    def _reserve(
+        self, contribution: Contribution, layout: Layout | None
+    ) -> tuple[_Round, RoundStatus, Layout | None]:
+        """Check a contribution and hold its place (``pending``); the status to journal and
+        the layout to journal with it (the round's first). Caller holds the lock."""
+        key = contribution.round_id
+        entry = self._get(key)
+        self._check_open(entry, contribution.peer)
+        new_layout = None
+        if layout is not None:
+            layout = tuple(layout)
+            if entry.layout is None:
+                entry.layout = layout  # held now; undone if its write fails
+            else:
+                detail = layout_mismatch(entry.layout, layout)
+                if detail is not None:
+                    raise UpdateMismatch(key.as_key(), contribution.peer, detail)
+            if not entry.layout_durable:
+                new_layout = entry.layout
+        seq = len(entry.contributions) + len(entry.pending)
+        entry.pending[contribution.peer] = contribution
+        return entry, Collecting(seq + 1, entry.spec.expected_peers), new_layout
+
+    def settle(self, round_id: RoundId) -> None:
+        """Wait until no contribution to the round is between its check and its journal
+        write (a deadline's verdict then counts every contribution that will be kept)."""
+        with self._changed:
+            while (entry := self._rounds.get(round_id)) is not None and entry.pending:
+                self._changed.wait()
 
     def begin_aggregation(self, round_id: RoundId) -> bool:
         """Move a Pending or Collecting round to Aggregating; False if it is not in one of those.
@@ -319,6 +416,22 @@ class RoundTracker:
         with self._lock:
             return [self._rounds[rid].snapshot() for rid in sorted(self._rounds)]
 
+    def page(self, start: int, limit: int, peers: int) -> tuple[list[RoundInfo], int]:
+        """Rounds ``start`` to ``start + limit`` in round order, each listing at most ``peers``
+        of its peers (``received`` still counts them all), and how many rounds there are."""
+        with self._lock:
+            ids = sorted(self._rounds)
+            chosen = ids[start : start + limit]
+            return [self._rounds[rid].snapshot(peers) for rid in chosen], len(ids)
+
+    def peers_page(self, round_id: RoundId, start: int, limit: int) -> tuple[list[str], int]:
+        """The round's peers ``start`` to ``start + limit`` in acceptance order, and how many
+        it has; RoundNotFound for an unknown round."""
+        with self._lock:
+            entry = self._get(round_id)
+            names = list(itertools.islice(entry.contributions, start, start + limit))
+            return names, len(entry.contributions)
+
     def contributions(self, round_id: RoundId) -> list[Contribution]:
         """The round's accepted contributions in acceptance order (empty if no such round)."""
         with self._lock:
@@ -364,9 +477,10 @@ class RoundTracker:
         key = entry.id.as_key()
         if entry.status.is_terminal:
             raise RoundAlreadyTerminal(key, entry.status.name)
-        if peer in entry.contributions:
+        if peer in entry.contributions or peer in entry.pending:
             raise DuplicateContribution(key, peer)
-        received, expected = len(entry.contributions), entry.spec.expected_peers
+        received = len(entry.contributions) + len(entry.pending)
+        expected = entry.spec.expected_peers
         if isinstance(entry.status, Aggregating) or received >= expected:
             raise RoundClosed(key, entry.status.name, received, expected)
 

@@ -2,6 +2,7 @@
 sampling, server optimizers, asynchronous buffered aggregation)."""
 
 from tensorswap.runs.errors import (
+    BufferBusy,
     InvalidRunSpec,
     NotRegistered,
     NotSelected,
@@ -17,6 +18,7 @@ from tensorswap.runs.registry import ClientRegistry
 from tensorswap.runs.sampling import sample_peers
 
 __all__ = [
+    "BufferBusy",
     "ClientInfo",
     "ClientRegistry",
     "InvalidRunSpec",

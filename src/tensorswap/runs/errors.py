@@ -16,6 +16,7 @@ from __future__ import annotations
 from tensorswap.errors import RoundsError
 
 __all__ = [
+    "BufferBusy",
     "InvalidRunSpec",
     "NotRegistered",
     "NotSelected",
@@ -73,6 +74,23 @@ class NotSelected(RunsError):
         super().__init__(
             f"peer {peer!r} was not selected for round {round} of run {run!r} "
             f"({selected} peer(s) were); wait for a task that names you"
+        )
+
+
+class BufferBusy(RunsError):
+    """An asynchronous run has no buffer open to this peer's contribution right now: the
+    current one is being stepped into a version, or already holds this peer's delta. The
+    runs service waits for the next buffer and retries by itself; an in-process caller
+    waits for the run's next change and submits again."""
+
+    def __init__(self, run: str, round: int, peer: str) -> None:
+        self.run = run
+        self.round = round
+        self.peer = peer
+        super().__init__(
+            f"run {run!r}: buffer {round} takes no contribution from peer {peer!r} now "
+            "(full, being stepped, or holding its delta already); submit again when the "
+            "next buffer opens"
         )
 
 

@@ -13,14 +13,24 @@ from tensorswap.cid import Cid
 from tensorswap.privacy.errors import PrivacyBudgetExhausted
 from tensorswap.privacy.run import RunPrivacy, is_private
 from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.errors import RoundAlreadyTerminal, RoundClosed
+from tensorswap.rounds.model import Contribution
 from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec, RoundStatus
 from tensorswap.rounds.updates import inspect_update
-from tensorswap.runs.deadlines import auto_deadline, run_history
-from tensorswap.runs.errors import InvalidRunSpec, NotSelected, RunExists, RunNotFound, RunsError
+from tensorswap.runs.deadlines import journaled_deadline
+from tensorswap.runs.errors import (
+    BufferBusy,
+    InvalidRunSpec,
+    NotSelected,
+    RunExists,
+    RunNotFound,
+    RunsError,
+)
 from tensorswap.runs.journal import RunDatabase
 from tensorswap.runs.model import MAX_RUN_NAME, RunInfo, RunMode, RunSpec, VersionRecord
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER, ClientRegistry
 from tensorswap.runs.sampling import sample_peers
+from tensorswap.runs.secure import SECURE_ONLY, RunSecurity, is_secure
 from tensorswap.runs.step import apply_step, check_policies, check_staleness
 
 __all__ = ["RunManager", "Task"]
@@ -42,6 +52,8 @@ class Task:
     """A DP run's clipping side (``server`` or ``client``): submit the delta; "" otherwise."""
     clip: float | None = None
     """A DP run's clipping norm for this round (client-side clipping: clip to it)."""
+    secagg: bool = False
+    """A secure run: submit runs SecAgg+ with the coordinator (the delta, masked)."""
 
 
 class RunManager:
@@ -80,12 +92,14 @@ class RunManager:
         self._changed = threading.Condition(self._lock)
         self._runs: dict[str, RunInfo] = {r.name: r for r in journal.load_runs()}
         self.privacy = RunPrivacy(journal)
+        self.secure = RunSecurity(coordinator, journal, self._release, self._notify)
         self._listeners: list[Callable[[str], None]] = []
         self._closed = False
         self._owns_journal = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-runs")
         self._local = threading.local()
         coordinator.admission = self._admit
+        coordinator.release = self._release
         coordinator.subscribe(self._on_round)
         coordinator.add_root_source(self.roots)
         registry.subscribe(self._on_registration)
@@ -188,11 +202,12 @@ class RunManager:
             return None
         if info.spec.mode is RunMode.SYNC and peer not in info.selected:
             return None
-        if is_private(info.spec):
-            clip = self.privacy.clip_for(info, info.round)
-            dp = info.spec.dp_clipping
-            return Task(name, rid, info.version, info.global_cid, info.spec.mode, dp, clip)
-        return Task(name, rid, info.version, info.global_cid, info.spec.mode)
+        if (secure := is_secure(info.spec)) and not self.secure.awaits(rid, peer):
+            return None
+        private = is_private(info.spec)
+        dp = info.spec.dp_clipping if private else ""
+        clip = self.privacy.clip_for(info, info.round) if private else None
+        return Task(name, rid, info.version, info.global_cid, info.spec.mode, dp, clip, secure)
 
     def submit(
         self,
@@ -204,8 +219,10 @@ class RunManager:
         clipped: bool | None = None,
     ) -> RoundStatus:
         """Submit a peer's update to a round of a run: checked against the sample (sync) or
-        its staleness (async: ``trained_on`` is the version it trained from), then handed
-        to the coordinator. Raises NotSelected, StaleContribution, or what the coordinator
+        its staleness (async: ``trained_on`` is the version it trained from; the delta joins
+        the buffer open now, whatever ``round_id`` says, or BufferBusy when none is open to
+        it), then handed to the coordinator. Raises NotSelected, StaleContribution, or what
+        the coordinator
         refuses. (A sync run's peers may also submit through the coordinator itself, e.g.
         ``RoundClient.submit``: the same check runs there.) A DP run takes the delta from
         version ``trained_on`` (the current one) and ``clipped``, the peer's clip bit with
@@ -213,13 +230,11 @@ class RunManager:
         self.registry.seen(peer)
         info = self.run(round_id.initiator)
         scale = 1.0
+        if is_secure(info.spec):
+            raise RunsError(SECURE_ONLY.format(info.name))
         if info.spec.mode is RunMode.ASYNC:
-            scale = check_staleness(info, peer, trained_on)
-            if round_id.round != info.round:
-                raise NotSelected(info.name, round_id.round, peer, 0)
-            assert trained_on is not None  # check_staleness refuses None
-            self.journal.note_trained_on(info.name, round_id.round, peer, trained_on)
-        elif is_private(info.spec):
+            return self._submit_async(info, peer, update, trained_on)
+        if is_private(info.spec):
             cid = update if isinstance(update, Cid) else Cid.parse(update)
             scale = self.privacy.admit(
                 self.store, info, round_id.round, peer, cid, trained_on, clipped
@@ -230,12 +245,45 @@ class RunManager:
         finally:
             self._local.via_manager = False
 
+    def _submit_async(
+        self, info: RunInfo, peer: str, update: Cid | str, trained_on: int | None
+    ) -> RoundStatus:
+        """Into the buffer open now, whatever round the peer's task named (FedBuff: a delta
+        joins the current buffer, scaled by its staleness); BufferBusy when none is open
+        to this peer (the service then waits for the next one)."""
+        scale = check_staleness(info, peer, trained_on)
+        assert trained_on is not None  # check_staleness refuses None
+        rid = RoundId(info.round, info.name)
+        if not self.buffer_open(info.name, peer):
+            raise BufferBusy(info.name, info.round, peer)
+        self.journal.note_trained_on(info.name, rid.round, peer, trained_on)
+        self._local.via_manager = True
+        try:
+            return self.coordinator.submit(rid, peer, update, scale=scale)
+        except (RoundClosed, RoundAlreadyTerminal):
+            raise BufferBusy(info.name, info.round, peer) from None  # filled meanwhile
+        finally:
+            self._local.via_manager = False
+
+    def buffer_open(self, name: str, peer: str) -> bool:
+        """Whether an asynchronous run's current buffer would take ``peer``'s delta now
+        (also True when the run is finished or not asynchronous: nothing to wait for)."""
+        info = self.run(name)
+        if info.finished or info.spec.mode is not RunMode.ASYNC:
+            return True
+        current = self.coordinator.info(RoundId(info.round, name)) if info.round else None
+        if current is None or current.status.is_terminal or peer in current.peers:
+            return False
+        return current.status.name != "Aggregating"  # Pending or Collecting
+
     def _admit(self, round_id: RoundId, peer: str, scale: float) -> None:
         """The coordinator's admission check for the rounds of runs."""
         with self._lock:
             info = self._runs.get(round_id.initiator)
         if info is None:
             return
+        if is_secure(info.spec):  # RunSecurity completes the round with the unmasked sum
+            raise RunsError(SECURE_ONLY.format(info.name))
         if info.spec.mode is RunMode.SYNC:
             if round_id.round != info.round or peer not in info.selected:
                 raise NotSelected(info.name, round_id.round, peer, len(info.selected))
@@ -286,6 +334,7 @@ class RunManager:
                 return
             status = current.status
             if not status.is_terminal:
+                self.secure.resume(info)  # a secure round a restart cut short fails cleanly
                 return  # collecting or aggregating: the coordinator goes on by itself
             if isinstance(status, Complete) and info.version < self._version_of_round(info):
                 info = self._step(info, status)
@@ -303,17 +352,33 @@ class RunManager:
             return versions[-1].version
         return info.version + 1
 
-    def _step(self, info: RunInfo, status: Complete) -> RunInfo:
-        rid = RoundId(info.round, info.name)
+    def _kept(self, rid: RoundId) -> list[Contribution]:
+        """The round's contributions less those dropped when it aggregated (secure: survivors)."""
+        if is_secure(self.run(rid.initiator).spec):
+            return self.secure.contributions(rid)
         round_info = self.coordinator.info(rid)
         left_out = round_info.dropped_peers if round_info is not None else frozenset()
-        contributions = [c for c in self.coordinator.contributions(rid) if c.peer not in left_out]
+        return [c for c in self.coordinator.contributions(rid) if c.peer not in left_out]
+
+    def _release(self, rid: RoundId, aggregate: Cid) -> Cid:
+        """The coordinator's release hook: a DP run's round is Complete with its noised
+        aggregate (journaled first, drawn once), never the clean mean of clipped deltas."""
+        with self._lock:
+            info = self._runs.get(rid.initiator)
+        if info is None or not is_private(info.spec) or rid.round != info.round:
+            return aggregate
+        return self.privacy.noised_aggregate(self.store, info, aggregate, self._kept(rid))
+
+    def _step(self, info: RunInfo, status: Complete) -> RunInfo:
+        rid = RoundId(info.round, info.name)
+        contributions = self._kept(rid)
         trained_on = self.journal.trained_on(info.name, info.round)
         aggregate = Cid.parse(status.cid)
         private = is_private(info.spec)
-        if private:  # the noised aggregate, journaled before the optimizer sees it
+        if private:  # the noised aggregate (released already, or a round that ended before)
             aggregate = self.privacy.noised_aggregate(self.store, info, aggregate, contributions)
-        record = apply_step(self.store, info, aggregate, contributions, trained_on, delta=private)
+        delta = private or is_secure(info.spec)
+        record = apply_step(self.store, info, aggregate, contributions, trained_on, delta=delta)
         finished = info.spec.rounds is not None and record.version >= info.spec.rounds
         self.journal.add_version(info.name, record, finished)
         new = replace(
@@ -373,37 +438,28 @@ class RunManager:
         if isinstance(timeout_s, str):  # "auto"
             info = self._auto_deadline(info, spec.quorum_of(expected))
             timeout_s = info.deadline_s
+        quorum = spec.quorum_of(expected) if spec.mode is RunMode.SYNC else expected
+        if secure := is_secure(spec):  # RunSecurity completes it and owns the deadlines
+            timeout_s = None
         round_spec = RoundSpec(
             expected,
-            quorum=spec.quorum_of(expected) if spec.mode is RunMode.SYNC else expected,
+            quorum=quorum,
             timeout_s=timeout_s,
-            strategy="mean" if is_private(spec) else spec.strategy,
+            strategy="mean" if is_private(spec) or secure else spec.strategy,
             params=spec.params,
             layout=facts.layout,
         )
         self.coordinator.start_round(RoundId(info.round, info.name), round_spec)
+        if secure:
+            self.secure.open(info, facts.layout)
         log.info("run %s: round %d started, %s", info.name, info.round, info.selected or "open")
         self._notify(info.name)
 
     def _auto_deadline(self, info: RunInfo, quorum: int) -> RunInfo:
-        """The deadline of round ``info.round`` of an auto run: the one journaled for it (a
-        restart), else computed from the earlier rounds' arrivals and journaled first."""
-        known = self.journal.deadline(info.name, info.round)
-        if known is None:
-            spec = info.spec
-            history = run_history(self.coordinator, info.name, info.round, spec.deadline_window)
-            chosen = auto_deadline(
-                history,
-                quorum,
-                k=spec.deadline_k,
-                floor=spec.deadline_floor_s,
-                cap=spec.deadline_cap_s,
-                initial=spec.deadline_initial_s,
-            )
-            known = (chosen.seconds, chosen.reason)
-            self.journal.set_deadline(info.name, info.round, *known)
-        log.info("run %s: round %d deadline %.3f s, %s", info.name, info.round, *known)
-        info = replace(info, deadline_s=known[0], deadline_reason=known[1])
+        """Round ``info.round``'s deadline (``journaled_deadline``), in the run's snapshot."""
+        seconds, reason = journaled_deadline(self.journal, self.coordinator, info, quorum)
+        log.info("run %s: round %d deadline %.3f s, %s", info.name, info.round, seconds, reason)
+        info = replace(info, deadline_s=seconds, deadline_reason=reason)
         with self._lock:
             self._runs[info.name] = info
         return info
@@ -444,6 +500,7 @@ class RunManager:
                 return
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.secure.close()
         if self._owns_journal:
             self.journal.close()
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 
@@ -12,7 +14,8 @@ from tensorswap.errors import TensorSwapError
 from tensorswap.rounds.messages import status_to_wire
 from tensorswap.rounds.protocol import error_info
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.runs.errors import BufferBusy
 from tensorswap.runs.manager import RunManager, Task
 from tensorswap.runs.messages import (
     APP,
@@ -25,6 +28,7 @@ from tensorswap.runs.messages import (
     RunRequest,
     RunRow,
     RunsRequest,
+    SecAggRequest,
     TaskRequest,
     TaskWire,
     VersionRow,
@@ -32,12 +36,13 @@ from tensorswap.runs.messages import (
     decode_request,
     encode,
 )
-from tensorswap.runs.model import RunInfo, RunSpec
+from tensorswap.runs.model import RunInfo, RunSpec, VersionRecord
 from tensorswap.wire import AppRequest, ProtocolViolation
 
 __all__ = ["RunService", "row_of", "task_wire"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def row_of(manager: RunManager, info: RunInfo) -> RunRow:
@@ -61,6 +66,7 @@ def row_of(manager: RunManager, info: RunInfo) -> RunRow:
         epsilon=manager.privacy.spent(info),
         dp_delta=info.spec.dp_delta if info.spec.dp_clip is not None else None,
         stop_reason=manager.privacy.stop_reason(info.name),
+        secagg=info.spec.secagg,
     )
 
 
@@ -73,6 +79,7 @@ def task_wire(task: Task) -> TaskWire:
         task.mode.value,
         task.dp,
         task.clip,
+        task.secagg,
     )
 
 
@@ -128,61 +135,119 @@ class RunService:
                 rows = [row_of(manager, info) for info in infos]
                 return RunAnswer(runs=rows, clients=len(registry), active=len(registry.active()))
             case VersionsRequest():
-                records = await asyncio.to_thread(manager.versions, call.run)
-                picked = [r for r in records if r.version >= call.since][:MAX_VERSIONS]
-                history = [
-                    VersionRow(
-                        r.version,
-                        r.global_cid,
-                        r.state_cid,
-                        r.round,
-                        list(r.participants),
-                        list(r.staleness),
-                        r.at,
-                    )
-                    for r in picked
-                ]
-                return RunAnswer(versions=history)
+                return RunAnswer(versions=await self._versions(call))
             case TaskRequest():
                 task = await self._task(call)
                 return RunAnswer(task=None if task is None else task_wire(task))
             case ContributeRequest():
-                rid = RoundId(call.round, call.run)
-                status = await asyncio.to_thread(
+                return RunAnswer(status=status_to_wire(await self._contribute(call)))
+            case SecAggRequest():
+                return await self._secagg(call)
+        raise ProtocolViolation(f"unknown runs request {type(call).__name__}")
+
+    async def _contribute(self, call: ContributeRequest) -> RoundStatus:
+        """Submit; an asynchronous run's delta that finds no buffer open to it waits here
+        (no thread) for the next one, up to the server's ``max_wait``."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.server.max_wait
+        manager = self.manager
+        while True:
+            try:
+                return await asyncio.to_thread(
                     manager.submit,
-                    rid,
+                    RoundId(call.round, call.run),
                     call.peer,
                     Cid.parse(call.update),
                     trained_on=call.trained_on,
                     clipped=call.clipped,
                 )
-                return RunAnswer(status=status_to_wire(status))
-        raise ProtocolViolation(f"unknown runs request {type(call).__name__}")
+            except BufferBusy:
+                left = until - loop.time()
+                if left <= 0:
+                    raise
+
+                def opened() -> tuple[bool, None]:
+                    return manager.buffer_open(call.run, call.peer), None
+
+                await self._wait(call.run, left, opened)
 
     async def _task(self, call: TaskRequest) -> Task | None:
-        limit = (
-            self.server.max_wait
-            if call.timeout is None
-            else min(call.timeout, self.server.max_wait)
-        )
+        def probe() -> tuple[bool, Task | None]:
+            task = self.manager.task(call.run, call.peer)
+            return task is not None or self.manager.run(call.run).finished, task
+
+        return await self._wait(call.run, call.timeout, probe)
+
+    async def _secagg(self, call: SecAggRequest) -> RunAnswer:
+        """Post the peer's SecAgg+ message, then answer its next server message (waiting
+        for its phase to close, up to the timeout)."""
+        from tensorswap.privacy.secagg.protocol import MaskedInput, UnmaskResponse, decode
+
+        manager = self.manager
+        manager.registry.seen(call.peer)
+        rid = RoundId(call.round, call.run)
+        session = manager.secure.session_for(manager.run(call.run), rid, call.peer)
+        if call.message:
+            message = decode(call.message)
+            if isinstance(message, MaskedInput):
+                message = await asyncio.to_thread(
+                    manager.secure.masked_input, rid, message, call.block
+                )
+            await asyncio.to_thread(session.post, call.peer, message)
+            if isinstance(message, UnmaskResponse):  # the peer's last step
+                status = manager.coordinator.status(rid)
+                return RunAnswer(status=None if status is None else status_to_wire(status))
+        elif call.after == 0:
+            index, setup = await asyncio.to_thread(session.setup, call.peer)
+            return RunAnswer(secagg=setup, secagg_peer=index)
+
+        def probe() -> tuple[bool, bytes | None]:
+            got = session.message_for(call.peer, call.after)
+            return got is not None, got
+
+        return RunAnswer(secagg=await self._wait(call.run, call.timeout, probe))
+
+    async def _versions(self, call: VersionsRequest) -> list[VersionRow]:
+        if call.wait is not None:
+
+            def made() -> tuple[bool, None]:
+                info = self.manager.run(call.run)
+                return info.version >= call.since or info.finished, None
+
+            await self._wait(call.run, call.wait, made)
+
+        def read() -> list[VersionRow]:
+            records = self.manager.versions(call.run)
+            spent = {s.round: s.epsilon for s in self.manager.privacy.steps(call.run)}
+            picked = [r for r in records if r.version >= call.since][:MAX_VERSIONS]
+            return [_version_row(r, spent.get(r.round) if r.version else None) for r in picked]
+
+        return await asyncio.to_thread(read)
+
+    async def _wait(
+        self, run: str, timeout: float | None, probe: Callable[[], tuple[bool, _T]]
+    ) -> _T | None:
+        """``probe()``'s value once it says done, probed again at each change of ``run``;
+        None after ``timeout`` (the server's ``max_wait`` at most). No thread waits."""
+        limit = self.server.max_wait if timeout is None else min(timeout, self.server.max_wait)
         event = asyncio.Event()
-        self._waiters.setdefault(call.run, set()).add(event)
+        self._waiters.setdefault(run, set()).add(event)
         try:
             async with asyncio.timeout(limit):
                 while True:
                     event.clear()
-                    task = self.manager.task(call.run, call.peer)
-                    if task is not None or self.manager.run(call.run).finished:
-                        return task
+                    done, value = probe()
+                    if done:
+                        return value
                     await event.wait()
         except TimeoutError:
             return None
         finally:
-            waiting = self._waiters.get(call.run)
+            waiting = self._waiters.get(run)
             if waiting is not None:
                 waiting.discard(event)
                 if not waiting:
-                    del self._waiters[call.run]
+                    del self._waiters[run]
 
     def _on_change(self, run: str) -> None:
         loop = self._loop
@@ -192,3 +257,16 @@ class RunService:
     def _wake(self, run: str) -> None:
         for event in self._waiters.get(run, ()):
             event.set()
+
+
+def _version_row(r: VersionRecord, epsilon: float | None) -> VersionRow:
+    return VersionRow(
+        r.version,
+        r.global_cid,
+        r.state_cid,
+        r.round,
+        list(r.participants),
+        list(r.staleness),
+        r.at,
+        epsilon,
+    )

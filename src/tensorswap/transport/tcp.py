@@ -29,6 +29,10 @@ _WRITE_SLICE = 256 * 1024
 _CLOSE_FLUSH_SECONDS = 10.0
 
 
+_COALESCE_BYTES = 64 * 1024
+"""Parts of one send totalling at most this are written together (one system call)."""
+
+
 class TcpTransport(Transport):
     """A TCP (optionally TLS) connection, copy-free on the hot paths.
 
@@ -97,6 +101,18 @@ class TcpTransport(Transport):
 
     async def send(self, *parts: Buffer) -> None:
         self._check_open()
+        if len(parts) > 1:
+            views = [byte_view(part) for part in parts]
+            total = sum(view.nbytes for view in views)
+            if total <= _COALESCE_BYTES:  # a frame header and a small payload: one write
+                self._transport.writelines(views)
+                self.bytes_sent += total
+                await self._protocol.drain()
+                if self._protocol.lost:
+                    raise ConnectionFailed(
+                        self.peer, describe(self._protocol.error, "connection lost")
+                    )
+                return
         for part in parts:
             view = byte_view(part)
             if self._can_direct and view.nbytes >= DIRECT_SEND_BYTES:

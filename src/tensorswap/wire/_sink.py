@@ -13,7 +13,10 @@ from tensorswap.wire._budget import Reservation
 from tensorswap.wire.connection import BlockFrame
 from tensorswap.wire.errors import BlockHashMismatch
 
-__all__ = ["BlockSink"]
+__all__ = ["SMALL_BLOCK", "BlockSink"]
+
+SMALL_BLOCK = 16 * 1024
+"""Blocks up to this size arriving with none queued are stored on the event loop itself."""
 
 
 class BlockSink:
@@ -60,7 +63,22 @@ class BlockSink:
             while len(self._pending) >= self.depth:
                 await self._settle_oldest()
             loop = asyncio.get_running_loop()
-            future = loop.run_in_executor(self._pool, self._put, block)
+            if not self._pending and block.data.nbytes <= SMALL_BLOCK:
+                # nothing queued before it, and checking and writing it costs less than a
+                # thread hop: stored here and now, still in arrival order
+                future: asyncio.Future[int] = loop.create_future()
+                try:
+                    nbytes = self._put(block)
+                except Exception as exc:
+                    future.set_exception(exc)
+                else:
+                    if reservation is not None:
+                        reservation.release()
+                    self.blocks += 1
+                    self.nbytes += nbytes
+                    return
+            else:
+                future = loop.run_in_executor(self._pool, self._put, block)
         except BaseException:
             if reservation is not None:
                 reservation.release()

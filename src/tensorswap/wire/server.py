@@ -53,6 +53,9 @@ __all__ = [
 
 logger = logging.getLogger("tensorswap.wire")
 
+_INLINE_OFFER = 16
+"""Offers of at most this many CIDs are answered on the event loop (stat + touch each)."""
+
 
 class BlockServer(ServerHandlers):
     """Serves ``store`` to clients: they learn what it lacks, send blocks, commit roots, fetch.
@@ -280,7 +283,10 @@ class BlockServer(ServerHandlers):
             message, stream_id = received
             if isinstance(message, Offer):
                 offered = parse_cids(message.cids, "Offer")
-                lacking = await asyncio.to_thread(_missing_and_touch, self.store, offered)
+                if len(offered) <= _INLINE_OFFER:  # a few stat calls: no thread hop
+                    lacking = _missing_and_touch(self.store, offered)
+                else:
+                    lacking = await asyncio.to_thread(_missing_and_touch, self.store, offered)
                 queued = sink.queued  # arrived and being stored: not wanted again
                 lacking = [cid for cid in lacking if cid not in queued]
                 await conn.send_message(Want(cids=wire_cids(lacking)), stream_id)

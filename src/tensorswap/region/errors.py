@@ -1,0 +1,50 @@
+"""The regional tier's errors, under ``RegionError`` (a branch of ``RoundsError``).
+
+::
+
+    RegionError
+    ├── UpstreamIncompatible   the upstream round aggregates in a way regional partials
+    │                          do not compose with (anything but plain FedAvg)
+    └── UpstreamUnavailable    the upstream coordinator stayed unreachable past the patience
+"""
+
+from __future__ import annotations
+
+from tensorswap.errors import RoundsError
+
+__all__ = ["RegionError", "UpstreamIncompatible", "UpstreamUnavailable"]
+
+
+class RegionError(RoundsError):
+    """A regional coordinator could not forward a round to, or finish it from, its upstream."""
+
+
+class UpstreamIncompatible(RegionError):
+    """The upstream round's strategy does not compose with regional partial aggregates.
+
+    A region submits its partial aggregate weighted by its peers' summed num_samples (by its
+    peer count for ``mean``); only an upstream FedAvg without clipping turns those into the
+    flat result, so any other upstream strategy is refused rather than silently wrong.
+    """
+
+    def __init__(self, round_key: str, strategy: str, detail: str = "") -> None:
+        self.round_key = round_key
+        self.strategy = strategy
+        extra = f" ({detail})" if detail else ""
+        super().__init__(
+            f"upstream round {round_key} aggregates with {strategy!r}{extra}: a regional tier "
+            "composes only under an upstream 'fedavg' (start the upper round with fedavg)"
+        )
+
+
+class UpstreamUnavailable(RegionError, ConnectionError):
+    """The upstream coordinator could not be reached (or kept failing) for ``waited`` s."""
+
+    def __init__(self, upstream: str, what: str, waited: float, last: str) -> None:
+        self.upstream = upstream
+        self.what = what
+        self.waited = waited
+        self.last = last
+        super().__init__(
+            f"upstream {upstream} unreachable for {waited:.1f} s while {what}: last error {last}"
+        )

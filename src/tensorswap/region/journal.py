@@ -1,0 +1,146 @@
+"""RegionJournal: what a regional coordinator told its upstream, per round, in SQLite (WAL).
+
+It lives in the coordinator's ``rounds.sqlite3`` beside the rounds tables (its own
+connection, as the runs journal does). One row per round the region forwards: the partial
+aggregate it submits upstream (by CID) and how far it got, so a region killed at any point
+resumes without submitting twice or recomputing a different partial.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import sqlite3
+import threading
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tensorswap.cid import Cid
+from tensorswap.region.errors import RegionError
+from tensorswap.rounds._sqlite import transaction
+from tensorswap.rounds.state import RoundId
+
+__all__ = ["Forward", "ForwardState", "RegionJournal"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS region_forwards (
+    round      INTEGER NOT NULL,
+    initiator  TEXT    NOT NULL,
+    partial    TEXT    NOT NULL,
+    state      TEXT    NOT NULL,
+    global_cid TEXT,
+    PRIMARY KEY (round, initiator)
+);
+"""
+
+
+class ForwardState(enum.Enum):
+    """How far a round's upstream submission got."""
+
+    PARTIAL = "partial"
+    """The partial aggregate is stored and named; not yet accepted upstream."""
+    SUBMITTED = "submitted"
+    """The upstream accepted it (durably): only the global result is left to fetch."""
+    LATE = "late"
+    """The upstream round had closed without it: the region still serves the global result."""
+    RESULT = "result"
+    """The upstream round completed with ``global_cid``: fetch it (if not done) and finish."""
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """One round's row: the partial submitted upstream and its state."""
+
+    round_id: RoundId
+    partial: str
+    state: ForwardState
+    global_cid: str | None = None
+
+
+class RegionJournal:
+    """The region's journal; every write commits before it returns (see ``RoundDatabase``)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, durable: bool = True) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        try:
+            self._conn = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=30.0
+            )
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            self._conn.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise RegionError(f"cannot open the region journal in {self.path}: {exc}") from exc
+
+    def _transaction(self) -> AbstractContextManager[sqlite3.Connection]:
+        return transaction(
+            self._conn, self._lock, lambda exc: RegionError(f"region journal {self.path}: {exc}")
+        )
+
+    def get(self, round_id: RoundId) -> Forward | None:
+        """The round's row, or None if the region has not forwarded it."""
+        with self._lock:
+            try:
+                row = self._conn.execute(
+                    "SELECT partial, state, global_cid FROM region_forwards"
+                    " WHERE round = ? AND initiator = ?",
+                    (round_id.round, round_id.initiator),
+                ).fetchone()
+            except sqlite3.Error as exc:
+                raise RegionError(f"cannot read the region journal {self.path}: {exc}") from exc
+        if row is None:
+            return None
+        partial, state, global_cid = row
+        try:
+            return Forward(round_id, str(partial), ForwardState(state), global_cid)
+        except ValueError as exc:
+            raise RegionError(f"region journal {self.path}: round {round_id}: {exc}") from exc
+
+    def record_partial(self, round_id: RoundId, partial: Cid) -> Forward:
+        """Name the partial aggregate of the round (replacing one whose blocks were lost)."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO region_forwards VALUES (?, ?, ?, ?, NULL)",
+                (round_id.round, round_id.initiator, str(partial), ForwardState.PARTIAL.value),
+            )
+        return Forward(round_id, str(partial), ForwardState.PARTIAL)
+
+    def set_state(
+        self, round_id: RoundId, state: ForwardState, global_cid: Cid | None = None
+    ) -> None:
+        """Move the round's row to ``state`` (with the global result's CID for RESULT)."""
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE region_forwards SET state = ?, global_cid = ?"
+                " WHERE round = ? AND initiator = ?",
+                (
+                    state.value,
+                    None if global_cid is None else str(global_cid),
+                    round_id.round,
+                    round_id.initiator,
+                ),
+            )
+
+    def forget(self, keep: set[RoundId]) -> int:
+        """Delete the rows of rounds not in ``keep`` (the coordinator collected them)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT round, initiator FROM region_forwards").fetchall()
+        doomed = [(r, i) for r, i in rows if RoundId(int(r), str(i)) not in keep]
+        if doomed:
+            with self._transaction() as db:
+                db.executemany(
+                    "DELETE FROM region_forwards WHERE round = ? AND initiator = ?", doomed
+                )
+        return len(doomed)
+
+    def roots(self) -> list[Cid]:
+        """The partials and global results named here (kept through collections)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT partial, global_cid FROM region_forwards").fetchall()
+        return [Cid.parse(c) for row in rows for c in row if c]
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()

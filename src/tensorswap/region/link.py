@@ -1,0 +1,290 @@
+"""UpstreamLink: a regional coordinator's RoundClient of the tier above, reconnected with
+backoff; it counts every byte it moves."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl as ssl_module
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+from tensorswap.cid import Cid
+from tensorswap.errors import RoundsError, TransportError
+from tensorswap.region.errors import UpstreamUnavailable
+from tensorswap.rounds.client import RoundClient, SubmitResult
+from tensorswap.rounds.errors import RoundNotFound
+from tensorswap.rounds.messages import RoundRow
+from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.store import BlockStore
+from tensorswap.wire import Timeouts, WireLimits
+from tensorswap.wire.errors import (
+    AuthenticationFailed,
+    BlockHashMismatch,
+    ChecksumMismatch,
+    IncompleteStream,
+    ProtocolViolation,
+    RemoteError,
+    StreamEnded,
+)
+
+__all__ = ["Backoff", "LinkTraffic", "UpstreamLink"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TRANSIENT: tuple[type[BaseException], ...] = (
+    TransportError,  # refused, busy, reset, timed out, closed mid-frame
+    OSError,
+    StreamEnded,
+    IncompleteStream,
+    ChecksumMismatch,
+    BlockHashMismatch,
+)
+"""Failures after which the link connects again and repeats the request (a submit then
+sends only the blocks the upstream still lacks)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Reconnection delays: ``first`` s, times ``factor`` after each failure, at most ``cap``;
+    an operation gives up (UpstreamUnavailable) after failing for ``patience`` s in a row."""
+
+    first: float = 0.1
+    factor: float = 2.0
+    cap: float = 5.0
+    patience: float = 900.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.first <= self.cap and self.factor >= 1 and self.patience >= 0):
+            raise ValueError(f"bad backoff {self}: need 0 < first <= cap, factor >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkTraffic:
+    """Bytes the link sent and received over all its connections, and connections made."""
+
+    bytes_sent: int
+    bytes_received: int
+    connections: int
+
+
+class UpstreamLink:
+    """Connections to the coordinator above, as the peer ``region``, over the region's store.
+
+    Each operation leases a connection of its own (a long ``wait`` on one round never holds
+    up another round's submit), made on demand and kept for reuse. An operation that fails
+    with a transient error (``TRANSIENT``) closes its connection and is repeated on a new
+    one after a backoff; it raises UpstreamUnavailable once it has failed for
+    ``backoff.patience`` seconds in a row. Refusals from the upstream (a RoundsError) and
+    authentication or protocol failures are raised at once.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        region: str,
+        store: BlockStore | None = None,
+        key: bytes | None = None,
+        ssl: ssl_module.SSLContext | None = None,
+        timeouts: Timeouts | None = None,
+        limits: WireLimits | None = None,
+        backoff: Backoff | None = None,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    ) -> None:
+        if not region:
+            raise ValueError("a region needs a non-empty name (its peer name upstream)")
+        self.host, self.port, self.region = host, port, region
+        self.store: BlockStore | None = store
+        """Where submitted updates are read from and results pulled into (the region's)."""
+        self._key, self._ssl, self._timeouts, self._limits = key, ssl, timeouts, limits
+        self.backoff = backoff or Backoff()
+        self._sleep = sleep
+        self._idle: list[RoundClient] = []
+        self._busy: set[RoundClient] = set()
+        self._fetching: dict[Cid, asyncio.Future[None]] = {}
+        self._sent = self._received = self._connections = 0
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def traffic(self) -> LinkTraffic:
+        """Bytes over every connection so far, live ones included (the transports' counts)."""
+        live = [*self._idle, *self._busy]
+        sent = self._sent + sum(c.blocks.transport.bytes_sent for c in live)
+        received = self._received + sum(c.blocks.transport.bytes_received for c in live)
+        return LinkTraffic(sent, received, self._connections)
+
+    # ── operations ───────────────────────────────────────────────────────────
+    async def round_row(self, round_id: RoundId, *, until_started: bool = False) -> RoundRow:
+        """The upstream's row for the round; with ``until_started``, RoundNotFound counts as
+        transient (the upper round may be started after the region's)."""
+        again = (RoundNotFound,) if until_started else ()
+        what = f"reading upstream round {round_id}"
+        return await self._retrying(what, lambda c: c.round_row(round_id), again)
+
+    async def submit(self, round_id: RoundId, update: Cid) -> SubmitResult:
+        """Push what the upstream lacks of ``update`` (from the region's store) and submit it."""
+        what = f"submitting round {round_id}"
+        return await self._retrying(what, lambda c: c.submit(round_id, update))
+
+    async def wait(self, round_id: RoundId) -> RoundStatus:
+        """The upstream round's terminal status (as long as it takes)."""
+        what = f"waiting for upstream round {round_id}"
+        return await self._retrying(what, lambda c: c.wait(round_id))
+
+    async def fetch(self, cid: Cid) -> None:
+        """Pull what the region's store lacks of ``cid`` from the upstream; callers asking
+        for the same CID meanwhile share that one transfer (each update comes down once)."""
+        running = self._fetching.get(cid)
+        if running is None:
+
+            async def pull(client: RoundClient) -> None:
+                await client.blocks.pull(cid, client.store)
+
+            running = asyncio.ensure_future(self._retrying(f"fetching {cid}", pull))
+            self._fetching[cid] = running
+            running.add_done_callback(lambda done: self._fetched(cid, done))
+        await asyncio.shield(running)  # a cancelled caller leaves it to the others
+
+    async def relay(
+        self,
+        app: str,
+        body: bytes,
+        *,
+        push: Cid | None = None,
+        timeout: float | None = None,
+        once: bool = False,
+    ) -> bytes:
+        """Send the request ``body`` for ``app`` upstream and return the reply body, after
+        pushing what the upstream lacks of ``push`` (from the region's store). ``timeout``
+        bounds the wait for the reply (None: the wire's read timeout); ``once``: a transient
+        failure raises UpstreamUnavailable at once, without retrying. Not idempotent by
+        itself: a request repeated after a broken connection may be answered with a
+        refusal (a duplicate), which the reply then carries."""
+
+        async def call(client: RoundClient) -> bytes:
+            if push is not None:
+                await client.blocks.push(client.store, push)
+            return await client.blocks.request(app, body, timeout=timeout or "read")
+
+        patience = 0.0 if once else None
+        return await self._retrying(f"relaying a {app!r} request", call, patience=patience)
+
+    def _fetched(self, cid: Cid, done: asyncio.Future[None]) -> None:
+        self._fetching.pop(cid, None)
+        if not done.cancelled():
+            done.exception()  # retrieved here too: its callers may all have gone
+
+    async def aclose(self) -> None:
+        """Close every connection (operations in progress fail with a transport error)."""
+        self._closed = True
+        for client in [*self._idle, *self._busy]:
+            await self._discard(client)
+
+    # ── internals ────────────────────────────────────────────────────────────
+    async def _retrying(
+        self,
+        what: str,
+        op: Callable[[RoundClient], Awaitable[T]],
+        again: tuple[type[BaseException], ...] = (),
+        *,
+        patience: float | None = None,
+    ) -> T:
+        delay, failing_since = self.backoff.first, None
+        patience = self.backoff.patience if patience is None else patience
+        retried: tuple[type[BaseException], ...] = (*TRANSIENT, *again, RemoteError)
+        while True:
+            try:
+                async with self._lease() as client:
+                    return await op(client)
+            except (AuthenticationFailed, ProtocolViolation):
+                raise
+            except retried as exc:
+                if isinstance(exc, RemoteError) and exc.code not in _RETRIED_CODES:
+                    raise
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if self._closed or now - failing_since >= patience:
+                    waited = now - failing_since
+                    raise UpstreamUnavailable(self.address, what, waited, str(exc)) from exc
+                log.info(
+                    "upstream %s: %s failed (%s); again in %.2fs", self.address, what, exc, delay
+                )
+                await self._sleep(delay)
+                delay = min(self.backoff.cap, delay * self.backoff.factor)
+
+    @asynccontextmanager
+    async def _lease(self) -> AsyncIterator[RoundClient]:
+        if self._closed:
+            raise UpstreamUnavailable(self.address, "closing", 0.0, "the link is closed")
+        client = self._idle.pop() if self._idle else await self._connect()
+        self._busy.add(client)
+        try:
+            yield client
+        except BaseException as exc:
+            self._busy.discard(client)
+            if isinstance(exc, Exception) and _keeps_connection(exc):
+                self._idle.append(client)  # a refusal: the connection is still in sync
+            else:
+                await self._discard(client)
+            raise
+        self._busy.discard(client)
+        if self._closed:
+            await self._discard(client)
+        else:
+            self._idle.append(client)
+
+    async def _connect(self) -> RoundClient:
+        if self.store is None:
+            raise RuntimeError("the upstream link has no store yet (RegionalTier.attach sets it)")
+        client = await RoundClient.connect(
+            self.host,
+            self.port,
+            peer=self.region,
+            key=self._key,
+            ssl=self._ssl,
+            store=self.store,
+            limits=self._limits,
+            timeouts=self._timeouts,
+        )
+        self._connections += 1
+        return client
+
+    async def _discard(self, client: RoundClient) -> None:
+        self._idle = [c for c in self._idle if c is not client]
+        self._busy.discard(client)
+        transport = client.blocks.transport
+        self._sent += transport.bytes_sent
+        self._received += transport.bytes_received
+        try:
+            await client.aclose()
+        except Exception as exc:  # closing a broken connection: nothing left to do
+            log.debug("upstream %s: close failed: %s", self.address, exc)
+
+
+_RETRIED_CODES = frozenset(
+    {
+        "busy",
+        "over_budget",
+        "timeout",
+        "store_error",
+        "internal",
+        "checksum_mismatch",
+        "block_hash_mismatch",
+    }
+)
+"""RemoteError codes worth another attempt (the upstream was overloaded or hit a fault)."""
+
+
+def _keeps_connection(exc: Exception) -> bool:
+    """Whether the connection stays usable after ``exc`` (the upstream answered a refusal)."""
+    return isinstance(exc, RoundsError)

@@ -1,0 +1,151 @@
+"""RunsProxy: a regional coordinator relays its peers' runs requests to the top coordinator,
+where runs, sampling and the server optimizer live, and forwards each global model."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from tensorswap.cid import Cid
+from tensorswap.errors import TensorSwapError
+from tensorswap.region.link import UpstreamLink
+from tensorswap.rounds.protocol import APP as ROUNDS_APP
+from tensorswap.rounds.protocol import (
+    RoundAnswer,
+    StatusRequest,
+    SubmitRequest,
+    WaitRequest,
+    decode_call,
+    encode_answer,
+    error_info,
+)
+from tensorswap.rounds.server import RoundServer
+from tensorswap.rounds.state import RoundId
+from tensorswap.runs.messages import APP as RUNS_APP
+from tensorswap.runs.messages import (
+    ContributeRequest,
+    CreateRunRequest,
+    RunAnswer,
+    RunsRequest,
+    TaskRequest,
+    decode_answer,
+    decode_request,
+    encode,
+)
+from tensorswap.wire import AppRequest, ProtocolViolation
+
+__all__ = ["RunsProxy"]
+
+log = logging.getLogger(__name__)
+
+
+class RunsProxy:
+    """The ``"runs"`` app of a regional coordinator, relayed through ``link``.
+
+    Guarantees:
+
+    - Every runs request of a peer (register, heartbeat, create, runs, versions, task,
+      contribute) is checked as the top would check it, then relayed to the top under the
+      peer's own name, and the top's answer (or refusal) comes back unchanged: the top's
+      registry, sampling, deadlines, DP and server optimizer decide everything.
+    - Blocks a request names (a new run's initial model, a contributed update), which the
+      peer pushed to the region, are pushed upstream first (only what the top lacks).
+    - A task's global model, and the current one of a run asked for by name, is pulled into
+      the region's store before the answer goes back, once per version per region: the
+      region's peers fetch it from the region (``RunClient.fetch_model``).
+    - The rounds of a run live at the top: a rounds request (submit, wait, status) naming a
+      round the region does not hold, whose initiator is a run at the top, is relayed too.
+      Each such contribution travels upstream on its own: runs' contributions are not
+      folded regionally (plain rounds are; see ``RegionalTier``).
+    """
+
+    def __init__(self, link: UpstreamLink, server: RoundServer) -> None:
+        self.link = link
+        self.server = server
+        self._local_rounds = server.blocks.handlers[ROUNDS_APP]
+        self._runs: set[str] = set()  # names the top answered for: their rounds are the top's
+        server.blocks.handlers[RUNS_APP] = self._on_runs
+        server.blocks.handlers[ROUNDS_APP] = self._on_rounds
+
+    # ── the runs app ─────────────────────────────────────────────────────────
+    async def _on_runs(self, request: AppRequest) -> bytes:
+        try:
+            call = decode_request(request.body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolViolation(f"bad runs request: {exc}") from exc
+        except RecursionError:
+            raise ProtocolViolation("bad runs request: nested too deeply") from None
+        push: Cid | None = None
+        timeout: float | None = None
+        match call:
+            case CreateRunRequest():
+                push = Cid.parse(call.initial)
+            case ContributeRequest():
+                push = Cid.parse(call.update)
+            case TaskRequest():  # a long poll: the top's own max_wait ends it
+                asked = self.server.max_wait if call.timeout is None else call.timeout
+                timeout = min(asked, self.server.max_wait) + self._read_timeout()
+        try:
+            reply = await self.link.relay(RUNS_APP, encode(call), push=push, timeout=timeout)
+            answer = decode_answer(reply)
+            await self._forward_models(call, answer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return encode(RunAnswer(error=error_info(ProtocolViolation(f"upstream: {exc}"))))
+        except TensorSwapError as exc:
+            return encode(RunAnswer(error=error_info(exc)))
+        return reply
+
+    async def _forward_models(self, call: object, answer: RunAnswer) -> None:
+        if answer.error is not None:
+            return
+        wanted: list[str] = []
+        if answer.task is not None:
+            self._runs.add(answer.task.run)
+            wanted.append(answer.task.global_cid)
+        if isinstance(call, RunsRequest) and call.run:
+            for row in answer.runs or []:
+                self._runs.add(row.name)
+                wanted.append(row.global_cid)
+        for cid in wanted:
+            await self.link.fetch(Cid.parse(cid))  # only the blocks the region lacks
+
+    # ── the rounds app: a run's rounds are the top's ─────────────────────────
+    async def _on_rounds(self, request: AppRequest) -> bytes:
+        call = decode_call(request.body)
+        match call:
+            case SubmitRequest() | WaitRequest() | StatusRequest(all=False):
+                rid = RoundId(call.round, call.initiator)
+            case _:
+                return await self._local_rounds(request)
+        if self.server.coordinator.info(rid) is not None or not await self._is_run(rid):
+            return await self._local_rounds(request)
+        push = Cid.parse(call.update) if isinstance(call, SubmitRequest) else None
+        timeout = None
+        if isinstance(call, WaitRequest):
+            asked = self.server.max_wait if call.timeout is None else call.timeout
+            timeout = min(asked, self.server.max_wait) + self._read_timeout()
+        try:
+            return await self.link.relay(ROUNDS_APP, request.body, push=push, timeout=timeout)
+        except TensorSwapError as exc:
+            return encode_answer(RoundAnswer(error=error_info(exc)))
+
+    async def _is_run(self, rid: RoundId) -> bool:
+        """Whether the top holds a run named ``rid.initiator`` (remembered once seen)."""
+        if rid.initiator in self._runs:
+            return True
+        body = encode(RunsRequest(peer=self.link.region, run=rid.initiator))
+        try:
+            # one attempt: a peer's submit to a round not started here must not wait out
+            # the link's patience when the upstream is down
+            answer = decode_answer(await self.link.relay(RUNS_APP, body, once=True))
+        except (TensorSwapError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.debug("round %s: no run upstream (%s)", rid, exc)
+            return False
+        if answer.error is None and answer.runs:
+            self._runs.add(rid.initiator)
+            return True
+        return False
+
+    def _read_timeout(self) -> float:
+        return self.server.timeouts.read or 60.0

@@ -1,0 +1,94 @@
+"""Intake: submitted contributions screened, reserved and journaled (group commit)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from tensorswap.cid import Cid
+from tensorswap.errors import RoundsError
+from tensorswap.rounds.fold import RoundWork
+from tensorswap.rounds.screen import check_layout, screen
+from tensorswap.rounds.state import Contribution, RoundId, RoundStatus, Ticket
+from tensorswap.rounds.updates import aggregator_spec, inspect_update, parse_update_cid
+
+if TYPE_CHECKING:
+    from tensorswap.rounds.coordinator import Coordinator
+
+__all__ = ["intake"]
+
+log = logging.getLogger("tensorswap.rounds.coordinator")
+
+
+def intake(
+    coordinator: Coordinator,
+    work: RoundWork,
+    round_id: RoundId,
+    items: Sequence[tuple[str, Cid | str, float]],
+) -> tuple[list[RoundStatus | Exception], int, int]:
+    """Screen each ``(peer, update_cid, scale)`` item, fold it (streaming kinds) and reserve
+    its place under ``work.lock``, one at a time; then journal every reserved one at once,
+    outside the lock, so submits from other threads share the transaction (group commit).
+
+    Per item the round's status once durable, or the error that refused it (a refused item
+    leaves no trace; sums that held it are rebuilt at the end); and how many were accepted,
+    with their bytes. Each refusal is counted (``rejected``) and logged.
+    """
+    tracker, store, admission = coordinator.tracker, coordinator.store, coordinator.admission
+    verify, now = coordinator._verify, coordinator.clock.now
+
+    def refused(key: str, peer: str, exc: BaseException) -> None:
+        coordinator._count(rejected=1)
+        log.info("round %s: contribution from %r refused: %s", key, peer, exc)
+
+    key = round_id.as_key()
+    outcomes: list[RoundStatus | Exception] = []
+    tickets: list[tuple[int, Ticket, bool]] = []
+    for peer, update_cid, scale in items:
+        try:
+            if admission is not None:
+                admission(round_id, peer, scale)
+            info = tracker.check_submit(round_id, peer)
+            cid = parse_update_cid(update_cid, key, peer)
+            facts = inspect_update(store, cid, key, peer, verify=verify)
+            check_layout(info, facts.layout, peer)
+            spec = aggregator_spec(info.spec)
+            with work.lock:
+                tracker.check_submit(round_id, peer)
+                folded = screen(store, work, spec, facts, key, peer, scale)
+                contribution = Contribution(
+                    round_id, peer, str(facts.cid), facts.num_samples, facts.nbytes, now(), scale
+                )
+                try:
+                    ticket = tracker.reserve(contribution, facts.layout)
+                except BaseException:
+                    if folded:  # the sums hold an unaccepted update: rebuild them
+                        work.reset()
+                    raise
+                if folded:
+                    work.folded.add(peer)
+        except Exception as exc:
+            refused(key, peer, exc)
+            outcomes.append(exc)
+            continue
+        tickets.append((len(outcomes), ticket, folded))
+        outcomes.append(ticket.status)
+    if not tickets:
+        return outcomes, 0, 0
+    results = tracker.record([t for _, t, _ in tickets])
+    accepted = nbytes = 0
+    for (index, ticket, folded), result in zip(tickets, results, strict=True):
+        peer = ticket.contribution.peer
+        if isinstance(result, BaseException):
+            if folded:  # the sums hold an unrecorded update: rebuild them at the end
+                with work.lock:
+                    work.reset()
+            refused(key, peer, result)
+            outcomes[index] = result if isinstance(result, Exception) else RoundsError(str(result))
+            continue
+        outcomes[index] = result
+        accepted += 1
+        nbytes += ticket.contribution.nbytes
+        log.debug("round %s: %s contributed -> %s", key, peer, result)
+    return outcomes, accepted, nbytes
