@@ -171,6 +171,26 @@ SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "n
     metavar="T",
     help="SecAgg+: survivors needed to unmask a round [default: SecAgg+'s for its size].",
 )
+@click.option(
+    "--netlab",
+    is_flag=True,
+    help="Run the coordinator and each peer on a host of its own (Linux network namespaces, "
+    "root only) over shaped links: watch the system on a slow network.",
+)
+@click.option(
+    "--link-mbit",
+    default=20.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="--netlab: each host's link rate, both ways.",
+)
+@click.option(
+    "--rtt-ms",
+    default=40.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="--netlab: round-trip time the peers see to the coordinator (0: none).",
+)
 def demo(
     peers: int,
     rounds: int,
@@ -199,6 +219,9 @@ def demo(
     dp_max_epsilon: float | None,
     secagg: bool,
     secagg_threshold: int | None,
+    netlab: bool,
+    link_mbit: float,
+    rtt_ms: float,
 ) -> int:
     """Train an MLP on digits federatedly across peer processes, with progress and a plot.
 
@@ -247,6 +270,9 @@ def demo(
         dp_max_epsilon=dp_max_epsilon,
         secagg=secagg,
         secagg_threshold=secagg_threshold,
+        netlab=netlab,
+        link_mbit=link_mbit,
+        rtt_ms=rtt_ms,
     )
     try:
         check_config(cfg)
@@ -254,7 +280,12 @@ def demo(
         raise click.UsageError(str(exc)) from exc
     console = Console()
     try:
-        report = asyncio.run(run_demo(cfg, console))
+        if cfg.netlab:
+            from tensorswap.demo.netlab import run_in_lab
+
+            report = run_in_lab(cfg, console)
+        else:
+            report = asyncio.run(run_demo(cfg, console))
     except DemoError as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:

@@ -49,6 +49,10 @@ class DemoConfig:
     # Secure aggregation (SecAgg+, a sync run): the coordinator learns only the round's sum
     secagg: bool = False
     secagg_threshold: int | None = None
+    # --netlab: every process on a host of its own (network namespaces), over shaped links
+    netlab: bool = False
+    link_mbit: float = 20.0
+    rtt_ms: float = 40.0
 
     @property
     def federated(self) -> bool:
@@ -87,6 +91,10 @@ def check_config(cfg: DemoConfig) -> None:
         raise DemoError("--max-fragment-bytes applies to the p2p topology (DWE fragments)")
     if cfg.aggregator in ("krum", "multi_krum") and cfg.peers < 3:
         raise DemoError(f"{cfg.aggregator} needs at least 3 peers")
+    if cfg.netlab and cfg.topology != "star":
+        raise DemoError("--netlab runs the star topology (peers dial the coordinator)")
+    if cfg.netlab and not (cfg.link_mbit > 0 and cfg.rtt_ms >= 0):
+        raise DemoError("--link-mbit must be > 0 and --rtt-ms >= 0")
     if cfg.secagg_threshold is not None and not cfg.secagg:
         raise DemoError("--secagg-threshold needs --secagg")
     if cfg.federated:
