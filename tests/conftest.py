@@ -17,6 +17,7 @@ from hypothesis import settings
 from helpers.net import CertFiles, IpcEndpoints, Pair, make_cert, tcp_pair
 from helpers.serve import Server
 from helpers.store import STORE_KINDS, make_store
+from tensorswap.netlab import Lab, NamespacesUnavailable
 from tensorswap.store import BlockStore
 
 # Deterministic tests (a CI run must not find a new example a developer's run never saw);
@@ -64,3 +65,15 @@ def servers() -> Iterator[list[Server]]:
     yield started
     for server in started:
         server.kill()
+
+
+@pytest.fixture
+def lab() -> Iterator[Lab]:
+    """A network lab (namespaces on a bridge), torn down after the test; skipped where
+    namespaces cannot be made (not root, no iproute2), with the reason."""
+    try:
+        made = Lab()
+    except NamespacesUnavailable as exc:
+        pytest.skip(exc.reason)
+    with made:
+        yield made

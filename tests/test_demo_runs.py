@@ -113,6 +113,29 @@ def test_a_dp_run_reports_epsilon_per_version_and_stops_at_its_budget(tmp_path: 
     assert "ε" in text
 
 
+@pytest.mark.slow
+def test_secure_aggregation_learns_and_composes_with_dp(tmp_path: Path) -> None:
+    cfg = DemoConfig(peers=3, rounds=3, local_epochs=1, secagg=True, out=tmp_path / "sa")
+    report, text = _run(cfg)
+    assert len(report.versions) == 3 and "SecAgg+" in text
+    assert all(len(v.participants) == 3 for v in report.versions)
+    assert report.final_accuracy > report.initial_accuracy + 0.3
+    assert RunSpec.from_json((report.run or {})["spec"]).secagg
+    both = DemoConfig(
+        peers=3,
+        rounds=2,
+        local_epochs=1,
+        secagg=True,
+        dp_clip=2.0,
+        dp_noise=0.3,
+        out=tmp_path / "both",
+    )
+    report, text = _run(both)
+    spec = RunSpec.from_json((report.run or {})["spec"])
+    assert spec.secagg and spec.dp_clipping == "client"
+    assert len(report.versions) == 2 and all(v.epsilon is not None for v in report.versions)
+
+
 def test_run_options_become_the_runs_spec() -> None:
     spec = run_spec(DemoConfig(peers=8, sample=4, server_opt="fedadam", rounds=5, seed=3))
     assert (spec.mode, spec.per_round, spec.min_clients, spec.optimizer) == (
@@ -139,6 +162,10 @@ def test_run_options_become_the_runs_spec() -> None:
         ({"mode": "async", "kill_peer": 1}, "--kill-peer"),
         ({"mode": "async", "aggregator": "median"}, "fedavg or mean"),
         ({"mode": "async", "dp_clip": 1.0}, "--dp-clip applies to --mode sync"),
+        ({"mode": "async", "secagg": True}, "--secagg applies to --mode sync"),
+        ({"secagg_threshold": 3}, "needs --secagg"),
+        ({"secagg": True, "secagg_threshold": 5}, "--secagg-threshold 5"),
+        ({"secagg": True, "sample": 1}, "at least 2 peers"),
     ],
 )
 def test_run_options_that_do_not_go_together_are_refused(

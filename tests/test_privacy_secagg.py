@@ -39,6 +39,7 @@ from tensorswap.privacy.secagg import (
     TooFewShares,
     TooFewSurvivors,
     UnknownParticipant,
+    crypto,
     decode,
     encode,
     make_config,
@@ -495,3 +496,23 @@ def test_every_secagg_error_is_a_tensorswap_error() -> None:
     assert issubclass(SecAggError, TensorSwapError)
     for cls in (TooFewSurvivors, ConflictingUnmaskRequest, ShareDecryptionFailed, NotEnoughShares):
         assert issubclass(cls, SecAggError)
+
+
+@pytest.mark.parametrize("length", [1, 7, crypto.MASK_CHUNK, 2 * crypto.MASK_CHUNK + 3])
+def test_apply_masks_streams_the_same_words_as_expand_mask(length: int) -> None:
+    rng = np.random.default_rng(length)
+    base = rng.integers(0, 1 << 32, length, dtype=np.uint64).astype(np.uint32)
+    seeds = [(bytes([i]) * 32, 1 if i % 2 else -1) for i in range(4)]
+    want = base.copy()
+    for seed, sign in seeds:
+        if sign > 0:
+            want += crypto.expand_mask(seed, length)
+        else:
+            want -= crypto.expand_mask(seed, length)
+    got = base.copy()
+    crypto.apply_masks(got, seeds)
+    np.testing.assert_array_equal(got, want)
+    fill, words = crypto.mask_stream(seeds[0][0]), np.empty(length, np.uint32)
+    fill(words[: length // 2])
+    fill(words[length // 2 :])
+    np.testing.assert_array_equal(words, crypto.expand_mask(seeds[0][0], length))

@@ -143,7 +143,7 @@ async def test_an_upstream_gone_for_good_fails_the_round_after_the_patience(
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    patient = Backoff(first=0.01, cap=0.02, patience=0.2)
+    patient = Backoff(first=0.01, cap=0.02, give_up_after=0.2)
     async with region(tmp_path, "region-0", port, patient) as rg:
         answers = await region_round(rg, [0, 1])
     for status, _ in answers:
@@ -164,8 +164,8 @@ async def until(check: object, *, limit: int = 3000) -> None:
 
 
 def test_backoff_is_checked() -> None:
-    with pytest.raises(ValueError, match="backoff"):
-        Backoff(first=0)
+    with pytest.raises(ValueError, match="factor"):
+        Backoff(factor=0.5)
     assert FAST.cap >= FAST.first
 
 

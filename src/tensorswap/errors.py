@@ -26,6 +26,8 @@
     ├── RoundsError                (rounds: leaves in tensorswap.rounds.errors)
     ├── DeltaError                 (delta: leaves next to their raisers in tensorswap.delta)
     ├── FlowError                  (flow: leaves in tensorswap.flow.errors)
+    ├── NetlabError                (netlab: the network lab of namespaces; leaves in
+    │                              tensorswap.netlab.errors)
     ├── TensorNamesMismatch        (torch) (also ValueError) named tensors disagree on names
     ├── HostPortError              (also ValueError) text that is not HOST:PORT (misuse)
     └── DemoError                  (demo) (also RuntimeError) the demo could not run
@@ -219,6 +221,10 @@ class FlowError(TensorSwapError):
     """Encoding, validating or exchanging a typed training message failed."""
 
 
+class NetlabError(TensorSwapError):
+    """The network lab (namespaces, links, shaping, relays) could not be built or driven."""
+
+
 __all__ = [
     "AggregateShapeMismatch",
     "AggregationError",
@@ -234,6 +240,7 @@ __all__ = [
     "InvalidCid",
     "InvalidMagic",
     "MalformedBlock",
+    "NetlabError",
     "NonFiniteValues",
     "RoundsError",
     "ShapeMismatch",

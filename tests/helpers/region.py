@@ -18,7 +18,7 @@ from tensorswap.rounds.server import RoundServer
 from tensorswap.rounds.state import Complete, RoundId, RoundSpec, RoundStatus
 
 RID = RoundId(1, "lead")
-FAST = Backoff(first=0.01, cap=0.05, patience=30.0)
+FAST = Backoff(first=0.01, cap=0.05, give_up_after=30.0)
 GROUPS = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 """Three regions of four peers (peer i sends values(i) with 10 + i samples)."""
 SIZE = 64 * 1024  # float32 values per peer update (256 KiB, one chunk)

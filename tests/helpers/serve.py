@@ -6,23 +6,35 @@ import select
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 SECRET = "restart-test-secret"
 """The key every test server is started with."""
 
 
 class Server:
-    """A `tensorswap serve` child process on a free loopback port."""
+    """A `tensorswap serve` child process on a free loopback port.
 
-    def __init__(self, data: Path, *extra: str) -> None:
-        self.proc = subprocess.Popen(
+    ``listen`` and ``popen`` place it elsewhere: a network-lab host passes its address and
+    ``Host.popen`` (the process then runs inside that host's namespace).
+    """
+
+    def __init__(
+        self,
+        data: Path,
+        *extra: str,
+        listen: str = "127.0.0.1:0",
+        popen: Callable[..., subprocess.Popen[Any]] = subprocess.Popen,
+    ) -> None:
+        self.proc = popen(
             [
                 sys.executable,
                 "-m",
                 "tensorswap.cli.serve_cmd",
                 "--listen",
-                "127.0.0.1:0",
+                listen,
                 "--data",
                 str(data),
                 "--key",

@@ -110,6 +110,6 @@ def open_tier(
         key=args.key,
         ssl=client_tls(args.tls_ca) if args.tls_ca else None,
         timeouts=timeouts,
-        backoff=Backoff(patience=args.patience),
+        backoff=Backoff(first=0.1, give_up_after=args.patience),
     )
     return RegionalTier.open(data, link, durable=durable, **kwargs)

@@ -157,6 +157,40 @@ SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "n
     metavar="E",
     help="Stop the run before a round would take epsilon past E.",
 )
+@click.option(
+    "--secagg",
+    is_flag=True,
+    help="Secure aggregation (SecAgg+, a sync run): the coordinator learns only the sum of "
+    "each round's updates, never one peer's.",
+)
+@click.option(
+    "--secagg-threshold",
+    "secagg_threshold",
+    type=click.IntRange(2),
+    default=None,
+    metavar="T",
+    help="SecAgg+: survivors needed to unmask a round [default: SecAgg+'s for its size].",
+)
+@click.option(
+    "--netlab",
+    is_flag=True,
+    help="Run the coordinator and each peer on a host of its own (Linux network namespaces, "
+    "root only) over shaped links: watch the system on a slow network.",
+)
+@click.option(
+    "--link-mbit",
+    default=20.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="--netlab: each host's link rate, both ways.",
+)
+@click.option(
+    "--rtt-ms",
+    default=40.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="--netlab: round-trip time the peers see to the coordinator (0: none).",
+)
 def demo(
     peers: int,
     rounds: int,
@@ -183,6 +217,11 @@ def demo(
     dp_noise: float,
     dp_delta: float,
     dp_max_epsilon: float | None,
+    secagg: bool,
+    secagg_threshold: int | None,
+    netlab: bool,
+    link_mbit: float,
+    rtt_ms: float,
 ) -> int:
     """Train an MLP on digits federatedly across peer processes, with progress and a plot.
 
@@ -191,11 +230,11 @@ def demo(
     evaluate. Prints each round, a summary table, and writes demo.png and summary.json to
     OUT.
 
-    With --mode, --server-opt, --sample, --slow-peer or --dp-clip the demo is one federated
-    run on the coordinator instead: the peers long-poll for tasks, the coordinator samples them and
-    steps the global model with the server optimizer (sync), or folds deltas as they come
-    and makes a version every --buffer of them (async); the plot shows accuracy against
-    wall-clock time.
+    With --mode, --server-opt, --sample, --slow-peer, --dp-clip or --secagg the demo is one
+    federated run on the coordinator instead: the peers long-poll for tasks, the coordinator
+    samples them and steps the global model with the server optimizer (sync), or folds deltas
+    as they come and makes a version every --buffer of them (async); the plot shows accuracy
+    against wall-clock time.
     """
     from tensorswap.demo.driver import DemoConfig, DemoError, check_config, run_demo
 
@@ -229,6 +268,11 @@ def demo(
         dp_noise=dp_noise,
         dp_delta=dp_delta,
         dp_max_epsilon=dp_max_epsilon,
+        secagg=secagg,
+        secagg_threshold=secagg_threshold,
+        netlab=netlab,
+        link_mbit=link_mbit,
+        rtt_ms=rtt_ms,
     )
     try:
         check_config(cfg)
@@ -236,7 +280,12 @@ def demo(
         raise click.UsageError(str(exc)) from exc
     console = Console()
     try:
-        report = asyncio.run(run_demo(cfg, console))
+        if cfg.netlab:
+            from tensorswap.demo.netlab import run_in_lab
+
+            report = run_in_lab(cfg, console)
+        else:
+            report = asyncio.run(run_demo(cfg, console))
     except DemoError as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ from tensorswap.cli.send_cmd import load_tensors
 from tensorswap.cli.serve_cmd import resolve_key
 from tensorswap.codec import TensorBlock
 from tensorswap.runs.client import RunClient
+from tensorswap.runs.errors import InvalidRunSpec
 from tensorswap.runs.messages import RunRow
 from tensorswap.runs.model import AUTO, RunMode, RunSpec, Staleness
 from tensorswap.store import ModelUpdate
@@ -100,6 +101,7 @@ def run_json(row: RunRow) -> dict[str, object]:
         "epsilon": row.epsilon,
         "dp_delta": row.dp_delta,
         "stop_reason": row.stop_reason,
+        "secagg": row.secagg,
     }
 
 
@@ -118,7 +120,7 @@ def render_runs(rows: Sequence[RunRow], console: Console) -> None:
         if private:
             extra = ["-" if row.epsilon is None else f"{row.epsilon:.3g} (δ={row.dp_delta:g})"]
         table.add_row(
-            row.name + (state if row.finished else ""),
+            row.name + (" (secagg)" if row.secagg else "") + (state if row.finished else ""),
             row.mode,
             str(row.version),
             str(row.round),
@@ -315,6 +317,33 @@ def run() -> None:
     is_flag=True,
     help="DP: adapt C to a quantile of the update norms (Andrew et al.).",
 )
+@click.option(
+    "--secagg",
+    is_flag=True,
+    help="Secure aggregation (SecAgg+): the coordinator learns only the sum of the deltas.",
+)
+@click.option(
+    "--secagg-threshold",
+    type=click.IntRange(min=2),
+    help="SecAgg+: shares needed to unmask a peer (t; default: SecAgg+'s for the sample).",
+)
+@click.option(
+    "--secagg-clip",
+    type=click.FloatRange(min=0, min_open=True),
+    help="SecAgg+: clip each delta coordinate to [-r, r] (default: --dp-clip, else 1.0).",
+)
+@click.option(
+    "--secagg-bits",
+    type=click.IntRange(1, 31),
+    help="SecAgg+: bits per coordinate (default: the most the sample size allows).",
+)
+@click.option(
+    "--secagg-phase-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="SecAgg+: seconds each phase after the first waits for the peers.",
+)
 @_with_common
 def create(
     address: str,
@@ -344,6 +373,11 @@ def create(
     dp_max_epsilon: float | None,
     dp_clipping: str,
     dp_adaptive: bool,
+    secagg: bool,
+    secagg_threshold: int | None,
+    secagg_clip: float | None,
+    secagg_bits: int | None,
+    secagg_phase_timeout: float,
     key: str | None,
     key_file: str | None,
     tls_ca: str | None,
@@ -355,32 +389,40 @@ def create(
     submit; the coordinator aggregates each round, applies the server optimizer and starts the
     next. Creating the same run again with the same spec and model is a no-op.
     """
-    spec = RunSpec(
-        mode=RunMode(mode),
-        per_round=per_round,
-        fraction=fraction,
-        min_clients=min_clients,
-        quorum=quorum,
-        round_timeout_s=round_timeout,
-        deadline_floor_s=deadline_floor,
-        deadline_cap_s=deadline_cap,
-        deadline_k=deadline_k,
-        strategy=strategy,
-        params=_options(params),
-        optimizer=optimizer,
-        optimizer_params=_numbers(opts),
-        seed=seed,
-        rounds=rounds,
-        buffer=buffer,
-        max_staleness=max_staleness,
-        staleness=Staleness(staleness),
-        dp_clip=dp_clip,
-        dp_noise=dp_noise,
-        dp_delta=dp_delta,
-        dp_max_epsilon=dp_max_epsilon,
-        dp_clipping=dp_clipping,
-        dp_adaptive=dp_adaptive,
-    )
+    try:
+        spec = RunSpec(
+            mode=RunMode(mode),
+            per_round=per_round,
+            fraction=fraction,
+            min_clients=min_clients,
+            quorum=quorum,
+            round_timeout_s=round_timeout,
+            deadline_floor_s=deadline_floor,
+            deadline_cap_s=deadline_cap,
+            deadline_k=deadline_k,
+            strategy=strategy,
+            params=_options(params),
+            optimizer=optimizer,
+            optimizer_params=_numbers(opts),
+            seed=seed,
+            rounds=rounds,
+            buffer=buffer,
+            max_staleness=max_staleness,
+            staleness=Staleness(staleness),
+            dp_clip=dp_clip,
+            dp_noise=dp_noise,
+            dp_delta=dp_delta,
+            dp_max_epsilon=dp_max_epsilon,
+            dp_clipping=dp_clipping,
+            dp_adaptive=dp_adaptive,
+            secagg=secagg,
+            secagg_threshold=secagg_threshold,
+            secagg_clip=secagg_clip,
+            secagg_bits=secagg_bits,
+            secagg_phase_timeout_s=secagg_phase_timeout,
+        )
+    except InvalidRunSpec as exc:
+        raise click.UsageError(str(exc)) from exc
     loaded = load_tensors(initial)
     update = (
         ModelUpdate({loaded.name: loaded.values}) if isinstance(loaded, TensorBlock) else loaded

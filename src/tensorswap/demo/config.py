@@ -46,6 +46,13 @@ class DemoConfig:
     dp_noise: float = 1.0
     dp_delta: float = 1e-5
     dp_max_epsilon: float | None = None
+    # Secure aggregation (SecAgg+, a sync run): the coordinator learns only the round's sum
+    secagg: bool = False
+    secagg_threshold: int | None = None
+    # --netlab: every process on a host of its own (network namespaces), over shaped links
+    netlab: bool = False
+    link_mbit: float = 20.0
+    rtt_ms: float = 40.0
 
     @property
     def federated(self) -> bool:
@@ -56,6 +63,7 @@ class DemoConfig:
             or self.sample is not None
             or self.slow_peer is not None
             or self.dp_clip is not None
+            or self.secagg
         )
 
     @property
@@ -83,6 +91,12 @@ def check_config(cfg: DemoConfig) -> None:
         raise DemoError("--max-fragment-bytes applies to the p2p topology (DWE fragments)")
     if cfg.aggregator in ("krum", "multi_krum") and cfg.peers < 3:
         raise DemoError(f"{cfg.aggregator} needs at least 3 peers")
+    if cfg.netlab and cfg.topology != "star":
+        raise DemoError("--netlab runs the star topology (peers dial the coordinator)")
+    if cfg.netlab and not (cfg.link_mbit > 0 and cfg.rtt_ms >= 0):
+        raise DemoError("--link-mbit must be > 0 and --rtt-ms >= 0")
+    if cfg.secagg_threshold is not None and not cfg.secagg:
+        raise DemoError("--secagg-threshold needs --secagg")
     if cfg.federated:
         _check_run_options(cfg)
 
@@ -90,7 +104,8 @@ def check_config(cfg: DemoConfig) -> None:
 def _check_run_options(cfg: DemoConfig) -> None:
     if cfg.topology != "star":
         raise DemoError(
-            "--mode, --server-opt, --sample, --slow-peer and --dp-* run on the star topology"
+            "--mode, --server-opt, --sample, --slow-peer, --dp-* and --secagg run on the star "
+            "topology"
         )
     if cfg.compression != "none":
         raise DemoError("--compression applies to the per-round demo, not to a federated run")
@@ -102,6 +117,19 @@ def _check_run_options(cfg: DemoConfig) -> None:
         raise DemoError(f"--slow-peer {cfg.slow_peer} must be a peer index in [0, {cfg.peers})")
     if cfg.dp_clip is not None and cfg.run_mode == "async":
         raise DemoError("--dp-clip applies to --mode sync (DP-FedAvg rounds)")
+    if cfg.secagg:
+        sampled = cfg.sample or cfg.peers
+        if cfg.run_mode == "async":
+            raise DemoError("--secagg applies to --mode sync (sampled rounds)")
+        if sampled < 2:
+            raise DemoError("--secagg needs at least 2 peers a round (a sum of one is one)")
+        if cfg.secagg_threshold is not None and not 2 <= cfg.secagg_threshold <= sampled:
+            raise DemoError(
+                f"--secagg-threshold {cfg.secagg_threshold} must be in [2, {sampled}] "
+                "(the peers sampled per round)"
+            )
+        if cfg.kill_peer is not None and cfg.secagg_threshold is None and sampled < 3:
+            raise DemoError("--kill-peer with --secagg needs at least 3 peers a round")
     if cfg.run_mode == "async":
         if cfg.sample is not None:
             raise DemoError("--sample applies to --mode sync (an async run takes any peer)")

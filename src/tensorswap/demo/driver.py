@@ -57,15 +57,20 @@ class _Run:
     coordinator_at: tuple[str, int] | None = None
     client: Any = None  # the driver's RoundClient (star)
     initiator: str = ""  # names this run's rounds on the coordinator
+    placement: Any = None  # --netlab: the hosts of the processes (`demo.netlab.Placement`)
 
 
-async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoReport:
-    """Run the whole demo; the report (also in ``cfg.out/summary.json``)."""
+async def run_demo(
+    cfg: DemoConfig, console: Console | None = None, placement: Any = None
+) -> DemoReport:
+    """Run the whole demo; the report (also in ``cfg.out/summary.json``). ``placement``
+    (`demo.netlab.Placement`) puts the processes on the hosts of a network lab
+    (`demo.netlab.run_in_lab` builds it for ``--netlab``)."""
     console = console or Console()
     check_config(cfg)
     cfg.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    run = _Run(cfg, console, Fleet(cfg.out))
+    run = _Run(cfg, console, Fleet(cfg.out), placement=placement)
     try:
         if cfg.topology == "star":
             await _start_coordinator(run)
@@ -95,17 +100,24 @@ async def _start_coordinator(run: _Run) -> None:
     else:
         data = run.cfg.data
         data.mkdir(parents=True, exist_ok=True)
-    run.coordinator_at = host, port = await run.fleet.start_coordinator(data)
+    where = run.placement
+    if where is None:
+        run.coordinator_at = host, port = await run.fleet.start_coordinator(data)
+    else:
+        run.coordinator_at = host, port = await run.fleet.start_coordinator(
+            data, listen=where.coordinator_listen, wrap=where.coordinator_wrap
+        )
     run.coordinator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     run.console.print(f"coordinator listening on {run.coordinator} (data in {data})")
 
 
 async def _start_peers(run: _Run) -> None:
-    cfg = run.cfg
-    args = _peer_args(cfg, run.coordinator)
+    cfg, where = run.cfg, run.placement
+    args = _peer_args(cfg, run.coordinator if where is None else where.peer_target)
     for i in range(cfg.peers):
         slow = ["--slow-factor", str(cfg.slow_factor)] if cfg.slow_peer == i else []
-        await run.fleet.start_peer(i, [*args, *slow])
+        wrap = () if where is None else where.peer_wraps[i]
+        await run.fleet.start_peer(i, [*args, *slow], wrap)
     what = f"a {cfg.run_mode} federated run" if cfg.federated else f"compression {cfg.compression}"
     run.console.print(
         f"started {cfg.peers} peers ({cfg.topology}, {cfg.aggregator}, {what}, "

@@ -10,7 +10,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -62,15 +62,19 @@ class Fleet:
         self.env = child_env()
 
     # coordinator
-    async def start_coordinator(self, data: Path) -> tuple[str, int]:
+    async def start_coordinator(
+        self, data: Path, *, listen: str = "127.0.0.1:0", wrap: Sequence[str] = ()
+    ) -> tuple[str, int]:
+        """`tensorswap serve` on ``listen``, its argv after ``wrap`` (e.g. `ip netns exec NS`)."""
         log_path = self.out / "coordinator.log"
         self._coord_log = open(log_path, "wb")  # noqa: SIM115 - closed in aclose
         self.coordinator = await asyncio.create_subprocess_exec(
+            *wrap,
             sys.executable,
             "-m",
             "tensorswap.cli.serve_cmd",
             "--listen",
-            "127.0.0.1:0",
+            listen,
             "--data",
             str(data),
             "--fast-commit",
@@ -94,9 +98,10 @@ class Fleet:
         raise DemoError("the coordinator did not start: " + (" | ".join(tail) or "no output"))
 
     # peers
-    async def start_peer(self, index: int, args: list[str]) -> Peer:
+    async def start_peer(self, index: int, args: list[str], wrap: Sequence[str] = ()) -> Peer:
         log = open(self.out / f"peer-{index}.log", "wb")  # noqa: SIM115 - closed in aclose
         proc = await asyncio.create_subprocess_exec(
+            *wrap,
             sys.executable,
             "-m",
             "tensorswap.demo.peer",

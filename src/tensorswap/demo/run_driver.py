@@ -97,14 +97,20 @@ def run_spec(cfg: DemoConfig) -> Any:
 
 
 def _dp_options(cfg: DemoConfig) -> dict[str, Any]:
-    if cfg.dp_clip is None:
-        return {}
-    return {
-        "dp_clip": cfg.dp_clip,
-        "dp_noise": cfg.dp_noise,
-        "dp_delta": cfg.dp_delta,
-        "dp_max_epsilon": cfg.dp_max_epsilon,
-    }
+    """The run's privacy options: DP-FedAvg (clipped on the peers when the run is also
+    secure: the coordinator never sees one delta) and SecAgg+."""
+    options: dict[str, Any] = {}
+    if cfg.secagg:
+        options.update(secagg=True, secagg_threshold=cfg.secagg_threshold)
+    if cfg.dp_clip is not None:
+        options.update(
+            dp_clip=cfg.dp_clip,
+            dp_noise=cfg.dp_noise,
+            dp_delta=cfg.dp_delta,
+            dp_max_epsilon=cfg.dp_max_epsilon,
+            dp_clipping="client" if cfg.secagg else "server",
+        )
+    return options
 
 
 class _Evaluator:
@@ -163,6 +169,7 @@ async def run_federation(run: _Run, report: DemoReport) -> None:
             if cfg.dp_clip is not None
             else ""
         )
+        + ("; secure aggregation (SecAgg+)" if cfg.secagg else "")
     )
     for peer in run.fleet.peers:
         await run.fleet.send(peer, {"cmd": "run", "run": name})

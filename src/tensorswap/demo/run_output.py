@@ -31,6 +31,8 @@ def label_of(report: DemoReport) -> str:
         text += f", peer-{cfg['slow_peer']} {cfg.get('slow_factor', 5):g}x slower"
     if cfg.get("dp_clip") is not None:
         text += f", DP z={cfg.get('dp_noise')}"
+    if cfg.get("secagg"):
+        text += ", SecAgg+"
     return text
 
 

@@ -8,7 +8,13 @@ from typing import Any
 
 from tensorswap.runs.errors import InvalidRunSpec
 
-__all__ = ["CLIPPING_MODES", "DP_STRATEGIES", "check_dp_options", "default_count_stddev"]
+__all__ = [
+    "CLIPPING_MODES",
+    "DP_STRATEGIES",
+    "check_dp_options",
+    "check_secagg_options",
+    "default_count_stddev",
+]
 
 CLIPPING_MODES = ("server", "client")
 """``server``: the coordinator clips each update; ``client``: the peer clips, the coordinator
@@ -89,3 +95,63 @@ def check_dp_options(spec: Any) -> None:
                 f"clipped count (stddev {count:.4g}); it needs dp_noise < 2 x that stddev: "
                 f"raise dp_clipped_count_stddev (or min_clients) or lower dp_noise"
             )
+
+
+def _int_at_least(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidRunSpec(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def check_secagg_options(spec: Any) -> None:
+    """InvalidRunSpec unless the spec's ``secagg*`` options work together (a RunSpec).
+
+    Secure aggregation needs a sync run of at least 2 sampled peers, a numeric (or no)
+    round deadline, and with DP client-side fixed clipping: the coordinator never sees one
+    delta, so it can neither clip one nor count the clipped ones."""
+    if not isinstance(spec.secagg, bool):
+        raise InvalidRunSpec(f"secagg must be true or false, got {spec.secagg!r}")
+    if not spec.secagg:
+        given = [
+            name
+            for name, default in (
+                ("secagg_threshold", None),
+                ("secagg_clip", None),
+                ("secagg_bits", None),
+            )
+            if getattr(spec, name) != default
+        ]
+        if given:
+            raise InvalidRunSpec(f"{', '.join(given)} need secagg")
+        return
+    if spec.mode.value != "sync":
+        raise InvalidRunSpec("secure aggregation needs a sync run (sampled rounds)")
+    if spec.min_clients < 2:
+        raise InvalidRunSpec("secure aggregation needs min_clients >= 2 (a sum of one is one)")
+    if spec.round_timeout_s == "auto":
+        raise InvalidRunSpec("secure aggregation takes a round deadline in seconds, not 'auto'")
+    if spec.secagg_threshold is not None:
+        _int_at_least("secagg_threshold", spec.secagg_threshold, 2)
+    if spec.secagg_clip is not None:
+        _finite("secagg_clip", spec.secagg_clip, 0.0)
+    if (
+        spec.secagg_bits is not None
+        and not 1 <= _int_at_least("secagg_bits", spec.secagg_bits, 1) <= 31
+    ):
+        raise InvalidRunSpec(f"secagg_bits must be in 1..31, got {spec.secagg_bits!r}")
+    weight = _int_at_least("secagg_max_weight", spec.secagg_max_weight, 1)
+    if weight >= 1 << 31:
+        raise InvalidRunSpec(f"secagg_max_weight must be below 2^31, got {weight}")
+    _finite("secagg_phase_timeout_s", spec.secagg_phase_timeout_s, 0.0)
+    if spec.strategy not in DP_STRATEGIES:
+        raise InvalidRunSpec(
+            f"a secure run sums the peers' deltas (FedAvg-weighted by num_samples); strategy "
+            f"{spec.strategy!r} is not one of {list(DP_STRATEGIES)}"
+        )
+    if spec.params:
+        raise InvalidRunSpec("a secure run sums the peers' deltas: it takes no strategy params")
+    if spec.dp_clip is not None and (spec.dp_clipping != "client" or spec.dp_adaptive):
+        raise InvalidRunSpec(
+            "secure aggregation with DP needs dp_clipping='client' and fixed clipping: the "
+            "coordinator sees only the sum, so it can neither clip a delta nor count clipped ones"
+        )

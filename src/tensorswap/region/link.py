@@ -13,55 +13,35 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from tensorswap.cid import Cid
-from tensorswap.errors import RoundsError, TransportError
+from tensorswap.errors import RoundsError
 from tensorswap.region.errors import UpstreamUnavailable
 from tensorswap.rounds.client import RoundClient, SubmitResult
 from tensorswap.rounds.errors import RoundNotFound
 from tensorswap.rounds.messages import RoundRow
+from tensorswap.rounds.reconnect import RETRYABLE, RETRYABLE_CODES, Backoff
 from tensorswap.rounds.state import RoundId, RoundStatus
 from tensorswap.store import BlockStore
 from tensorswap.wire import Timeouts, WireLimits
 from tensorswap.wire.errors import (
     AuthenticationFailed,
-    BlockHashMismatch,
-    ChecksumMismatch,
-    IncompleteStream,
     ProtocolViolation,
     RemoteError,
-    StreamEnded,
 )
 
-__all__ = ["Backoff", "LinkTraffic", "UpstreamLink"]
+__all__ = ["DEFAULT_BACKOFF", "Backoff", "LinkTraffic", "UpstreamLink"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-TRANSIENT: tuple[type[BaseException], ...] = (
-    TransportError,  # refused, busy, reset, timed out, closed mid-frame
-    OSError,
-    StreamEnded,
-    IncompleteStream,
-    ChecksumMismatch,
-    BlockHashMismatch,
-)
+TRANSIENT = RETRYABLE
 """Failures after which the link connects again and repeats the request (a submit then
-sends only the blocks the upstream still lacks)."""
+sends only the blocks the upstream still lacks): the rounds clients' own set
+(``rounds.reconnect.RETRYABLE``)."""
 
-
-@dataclass(frozen=True, slots=True)
-class Backoff:
-    """Reconnection delays: ``first`` s, times ``factor`` after each failure, at most ``cap``;
-    an operation gives up (UpstreamUnavailable) after failing for ``patience`` s in a row."""
-
-    first: float = 0.1
-    factor: float = 2.0
-    cap: float = 5.0
-    patience: float = 900.0
-
-    def __post_init__(self) -> None:
-        if not (0 < self.first <= self.cap and self.factor >= 1 and self.patience >= 0):
-            raise ValueError(f"bad backoff {self}: need 0 < first <= cap, factor >= 1")
+DEFAULT_BACKOFF = Backoff(first=0.1, give_up_after=900.0)
+"""The link's reconnection delays: 0.1 s doubling to 5 s, jittered; an operation gives up
+(UpstreamUnavailable) after failing for 15 minutes in a row (``--upstream-patience``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +84,7 @@ class UpstreamLink:
         self.store: BlockStore | None = store
         """Where submitted updates are read from and results pulled into (the region's)."""
         self._key, self._ssl, self._timeouts, self._limits = key, ssl, timeouts, limits
-        self.backoff = backoff or Backoff()
+        self.backoff = backoff or DEFAULT_BACKOFF
         self._sleep = sleep
         self._idle: list[RoundClient] = []
         self._busy: set[RoundClient] = set()
@@ -199,8 +179,10 @@ class UpstreamLink:
         *,
         patience: float | None = None,
     ) -> T:
-        delay, failing_since = self.backoff.first, None
-        patience = self.backoff.patience if patience is None else patience
+        delays, failing_since = self.backoff.delays(), None
+        if patience is None:
+            given = self.backoff.give_up_after
+            patience = float("inf") if given is None else given
         retried: tuple[type[BaseException], ...] = (*TRANSIENT, *again, RemoteError)
         while True:
             try:
@@ -211,7 +193,7 @@ class UpstreamLink:
             except retried as exc:
                 if isinstance(exc, RemoteError) and exc.code not in _RETRIED_CODES:
                     raise
-                now = time.monotonic()
+                now, delay = time.monotonic(), next(delays)
                 failing_since = now if failing_since is None else failing_since
                 if self._closed or now - failing_since >= patience:
                     waited = now - failing_since
@@ -220,7 +202,6 @@ class UpstreamLink:
                     "upstream %s: %s failed (%s); again in %.2fs", self.address, what, exc, delay
                 )
                 await self._sleep(delay)
-                delay = min(self.backoff.cap, delay * self.backoff.factor)
 
     @asynccontextmanager
     async def _lease(self) -> AsyncIterator[RoundClient]:
@@ -271,17 +252,7 @@ class UpstreamLink:
             log.debug("upstream %s: close failed: %s", self.address, exc)
 
 
-_RETRIED_CODES = frozenset(
-    {
-        "busy",
-        "over_budget",
-        "timeout",
-        "store_error",
-        "internal",
-        "checksum_mismatch",
-        "block_hash_mismatch",
-    }
-)
+_RETRIED_CODES = RETRYABLE_CODES | {"internal", "checksum_mismatch", "block_hash_mismatch"}
 """RemoteError codes worth another attempt (the upstream was overloaded or hit a fault)."""
 
 

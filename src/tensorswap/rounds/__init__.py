@@ -23,6 +23,7 @@ from tensorswap.rounds.errors import (
 )
 from tensorswap.rounds.paging import page_peers, page_rounds
 from tensorswap.rounds.persist import RoundDatabase
+from tensorswap.rounds.reconnect import Backoff, retrying
 from tensorswap.rounds.server import RoundServer, TrafficStats
 from tensorswap.rounds.state import (
     Aggregating,
@@ -42,6 +43,7 @@ from tensorswap.rounds.virtual import PeerSubmit, VirtualClients, VirtualPeer
 
 __all__ = [
     "Aggregating",
+    "Backoff",
     "BlockingRoundClient",
     "Clock",
     "Collecting",
@@ -86,5 +88,6 @@ __all__ = [
     "expiry_verdict",
     "page_peers",
     "page_rounds",
+    "retrying",
     "submit_proof",
 ]

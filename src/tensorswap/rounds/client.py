@@ -6,7 +6,8 @@ import asyncio
 import math
 import ssl as ssl_module
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
@@ -50,6 +51,8 @@ from tensorswap.wire.frames import CompressionChoice
 
 __all__ = ["RoundClient", "ServerStatus", "SubmitResult"]
 
+_SUBMITS_REMEMBERED = 8
+
 
 @dataclass(frozen=True, slots=True)
 class SubmitResult:
@@ -91,6 +94,10 @@ class RoundClient:
         self.peer = peer
         self.store = store if store is not None else MemoryStore()
         self._lock = asyncio.Lock()  # one request (push + rounds call) at a time
+        # the blocks of what this client submitted to recent rounds: a result shares only
+        # those with the store (a chunk equal in every contribution), so a fetch of the
+        # result asks for everything else at once
+        self._submitted: OrderedDict[RoundId, list[Cid]] = OrderedDict()
 
     @classmethod
     async def connect(
@@ -185,6 +192,9 @@ class RoundClient:
                 sent += await self.blocks.put_blocks(self.store, lacking, compression=compression)
                 sent_blocks += len(lacking)
                 answer = await self._call(call, locked=True)
+            self._submitted[round_id] = closure
+            while len(self._submitted) > _SUBMITS_REMEMBERED:
+                self._submitted.popitem(last=False)
             push = PushResult(
                 roots=(cid,),
                 offered=len(closure),
@@ -251,17 +261,27 @@ class RoundClient:
             return Cid.parse(status.cid)
         raise RoundFailed(round_id.as_key(), getattr(status, "reason", status.name))
 
-    async def fetch(self, cid: Cid) -> ModelUpdate:
-        """Pull the update ``cid`` into this client's store (only blocks it lacks) and load it."""
+    async def fetch(self, cid: Cid, *, have: Sequence[Cid] | None = None) -> ModelUpdate:
+        """Pull the update ``cid`` into this client's store (only blocks it lacks) and load it.
+
+        ``have``: blocks of it the store may hold; then everything else is asked for in one
+        round trip (``BlockClient.pull``), else level by level.
+        """
         async with self._lock:
-            await self.blocks.pull(cid, self.store)
+            await self.blocks.pull(cid, self.store, have=have)
         return await asyncio.to_thread(get_update, self.store, cid)
 
     async def fetch_result(
         self, round_id: RoundId, timeout: float | None = None
     ) -> dict[str, np.ndarray]:
-        """Wait for the round, fetch its aggregate, return the named arrays."""
-        update = await self.fetch(await self.result(round_id, timeout))
+        """Wait for the round, fetch its aggregate, return the named arrays.
+
+        After a submit to that round on this client, the aggregate is fetched in one round
+        trip: all its blocks but those of the update submitted (a chunk equal in every
+        contribution, a frozen layer, is the one kind it shares with them).
+        """
+        cid = await self.result(round_id, timeout)
+        update = await self.fetch(cid, have=self._submitted.get(round_id))
         return dict(update.tensors)
 
     # ── one request ──────────────────────────────────────────────────────────

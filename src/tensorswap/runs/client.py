@@ -53,6 +53,9 @@ class RunClient:
 
     def __init__(self, rounds: RoundClient) -> None:
         self.rounds = rounds
+        self.secagg_quantized: np.ndarray | None = None
+        """This peer's last quantized input to a secure round, before masking (its own
+        data, kept for audits and tests; it never leaves the peer)."""
 
     @classmethod
     async def connect(cls, host: str, port: int, **kwargs: Any) -> Self:
@@ -129,7 +132,8 @@ class RunClient:
             if answer.task is not None:
                 t = answer.task
                 rid = RoundId(t.round, t.run)
-                return Task(t.run, rid, t.version, t.global_cid, RunMode(t.mode), t.dp, t.clip)
+                mode = RunMode(t.mode)
+                return Task(t.run, rid, t.version, t.global_cid, mode, t.dp, t.clip, t.secagg)
             if left is not None and left <= 0:
                 return None
             if (await self.run(run)).finished:
@@ -148,7 +152,15 @@ class RunClient:
 
         In a differentially private run ``update`` is the new model too: the delta from the
         task's model is computed here (and clipped to the task's norm with client-side
-        clipping) and contributed with the clip bit."""
+        clipping) and contributed with the clip bit.
+
+        In a secure run (``task.secagg``) this runs SecAgg+ with the coordinator: the delta is
+        quantized and masked here, and only the masked vector leaves the peer (see
+        ``runs.secure_peer``); the coordinator learns the sum of the round's deltas only."""
+        if task.secagg:
+            from tensorswap.runs.secure_peer import secure_submit
+
+            return await secure_submit(self, task, update, num_samples)
         clipped: bool | None = None
         if task.dp:
             update, clipped = await self._dp_delta(task, update, num_samples)

@@ -41,6 +41,8 @@ from tensorswap.rounds.state import RoundId
 
 if TYPE_CHECKING:
     from tensorswap.rounds.coordinator import Coordinator
+    from tensorswap.runs.journal import RunDatabase
+    from tensorswap.runs.model import RunInfo
 
 __all__ = [
     "BACKOFF",
@@ -48,6 +50,7 @@ __all__ = [
     "Deadline",
     "RoundArrivals",
     "auto_deadline",
+    "journaled_deadline",
     "run_history",
 ]
 
@@ -171,3 +174,26 @@ def run_history(coordinator: Coordinator, run: str, round: int, window: int) -> 
         used = None if info.deadline is None else info.deadline - info.created_at
         out.append(RoundArrivals(delays, info.spec.expected_peers, used if used else None))
     return out
+
+
+def journaled_deadline(
+    journal: RunDatabase, coordinator: Coordinator, info: RunInfo, quorum: int
+) -> tuple[float, str]:
+    """The deadline (seconds, reason) of round ``info.round`` of an auto run: the one
+    journaled for it (a restart), else computed from the earlier rounds' arrivals and
+    journaled first."""
+    known = journal.deadline(info.name, info.round)
+    if known is None:
+        spec = info.spec
+        history = run_history(coordinator, info.name, info.round, spec.deadline_window)
+        chosen = auto_deadline(
+            history,
+            quorum,
+            k=spec.deadline_k,
+            floor=spec.deadline_floor_s,
+            cap=spec.deadline_cap_s,
+            initial=spec.deadline_initial_s,
+        )
+        known = (chosen.seconds, chosen.reason)
+        journal.set_deadline(info.name, info.round, *known)
+    return known

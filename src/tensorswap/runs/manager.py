@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from tensorswap.cid import Cid
 from tensorswap.privacy.errors import PrivacyBudgetExhausted
@@ -17,40 +17,31 @@ from tensorswap.rounds.errors import RoundAlreadyTerminal, RoundClosed
 from tensorswap.rounds.model import Contribution
 from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec, RoundStatus
 from tensorswap.rounds.updates import inspect_update
-from tensorswap.runs.deadlines import auto_deadline, run_history
+from tensorswap.runs.deadlines import journaled_deadline
 from tensorswap.runs.errors import (
     BufferBusy,
-    InvalidRunSpec,
     NotSelected,
     RunExists,
     RunNotFound,
     RunsError,
 )
 from tensorswap.runs.journal import RunDatabase
-from tensorswap.runs.model import MAX_RUN_NAME, RunInfo, RunMode, RunSpec, VersionRecord
+from tensorswap.runs.model import (
+    RunInfo,
+    RunMode,
+    RunSpec,
+    Task,
+    VersionRecord,
+    check_run_name,
+)
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER, ClientRegistry
 from tensorswap.runs.sampling import sample_peers
+from tensorswap.runs.secure import SECURE_ONLY, RunSecurity, is_secure
 from tensorswap.runs.step import apply_step, check_policies, check_staleness
 
 __all__ = ["RunManager", "Task"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Task:
-    """What a peer is asked to do: train from ``global_cid`` (version ``version``) and submit
-    to ``round_id``; in an asynchronous run, submit the delta tagged with ``version``."""
-
-    run: str
-    round_id: RoundId
-    version: int
-    global_cid: str
-    mode: RunMode
-    dp: str = ""
-    """A DP run's clipping side (``server`` or ``client``): submit the delta; "" otherwise."""
-    clip: float | None = None
-    """A DP run's clipping norm for this round (client-side clipping: clip to it)."""
 
 
 class RunManager:
@@ -89,6 +80,7 @@ class RunManager:
         self._changed = threading.Condition(self._lock)
         self._runs: dict[str, RunInfo] = {r.name: r for r in journal.load_runs()}
         self.privacy = RunPrivacy(journal)
+        self.secure = RunSecurity(coordinator, journal, self._release, self._notify)
         self._listeners: list[Callable[[str], None]] = []
         self._closed = False
         self._owns_journal = False
@@ -131,7 +123,7 @@ class RunManager:
         Idempotent: the same name, spec and initial model return the run as it is;
         RunExists for the same name with another spec or model.
         """
-        _check_name(name)
+        check_run_name(name)
         check_policies(spec)
         cid = initial if isinstance(initial, Cid) else Cid.parse(initial)
         facts = inspect_update(self.store, cid, name, "run", verify=True)
@@ -198,11 +190,12 @@ class RunManager:
             return None
         if info.spec.mode is RunMode.SYNC and peer not in info.selected:
             return None
-        if is_private(info.spec):
-            clip = self.privacy.clip_for(info, info.round)
-            dp = info.spec.dp_clipping
-            return Task(name, rid, info.version, info.global_cid, info.spec.mode, dp, clip)
-        return Task(name, rid, info.version, info.global_cid, info.spec.mode)
+        if (secure := is_secure(info.spec)) and not self.secure.awaits(rid, peer):
+            return None
+        private = is_private(info.spec)
+        dp = info.spec.dp_clipping if private else ""
+        clip = self.privacy.clip_for(info, info.round) if private else None
+        return Task(name, rid, info.version, info.global_cid, info.spec.mode, dp, clip, secure)
 
     def submit(
         self,
@@ -225,6 +218,8 @@ class RunManager:
         self.registry.seen(peer)
         info = self.run(round_id.initiator)
         scale = 1.0
+        if is_secure(info.spec):
+            raise RunsError(SECURE_ONLY.format(info.name))
         if info.spec.mode is RunMode.ASYNC:
             return self._submit_async(info, peer, update, trained_on)
         if is_private(info.spec):
@@ -275,6 +270,8 @@ class RunManager:
             info = self._runs.get(round_id.initiator)
         if info is None:
             return
+        if is_secure(info.spec):  # RunSecurity completes the round with the unmasked sum
+            raise RunsError(SECURE_ONLY.format(info.name))
         if info.spec.mode is RunMode.SYNC:
             if round_id.round != info.round or peer not in info.selected:
                 raise NotSelected(info.name, round_id.round, peer, len(info.selected))
@@ -325,6 +322,7 @@ class RunManager:
                 return
             status = current.status
             if not status.is_terminal:
+                self.secure.resume(info)  # a secure round a restart cut short fails cleanly
                 return  # collecting or aggregating: the coordinator goes on by itself
             if isinstance(status, Complete) and info.version < self._version_of_round(info):
                 info = self._step(info, status)
@@ -343,7 +341,9 @@ class RunManager:
         return info.version + 1
 
     def _kept(self, rid: RoundId) -> list[Contribution]:
-        """The round's contributions less those dropped (unreadable) when it aggregated."""
+        """The round's contributions less those dropped when it aggregated (secure: survivors)."""
+        if is_secure(self.run(rid.initiator).spec):
+            return self.secure.contributions(rid)
         round_info = self.coordinator.info(rid)
         left_out = round_info.dropped_peers if round_info is not None else frozenset()
         return [c for c in self.coordinator.contributions(rid) if c.peer not in left_out]
@@ -365,7 +365,8 @@ class RunManager:
         private = is_private(info.spec)
         if private:  # the noised aggregate (released already, or a round that ended before)
             aggregate = self.privacy.noised_aggregate(self.store, info, aggregate, contributions)
-        record = apply_step(self.store, info, aggregate, contributions, trained_on, delta=private)
+        delta = private or is_secure(info.spec)
+        record = apply_step(self.store, info, aggregate, contributions, trained_on, delta=delta)
         finished = info.spec.rounds is not None and record.version >= info.spec.rounds
         self.journal.add_version(info.name, record, finished)
         new = replace(
@@ -425,37 +426,28 @@ class RunManager:
         if isinstance(timeout_s, str):  # "auto"
             info = self._auto_deadline(info, spec.quorum_of(expected))
             timeout_s = info.deadline_s
+        quorum = spec.quorum_of(expected) if spec.mode is RunMode.SYNC else expected
+        if secure := is_secure(spec):  # RunSecurity completes it and owns the deadlines
+            timeout_s = None
         round_spec = RoundSpec(
             expected,
-            quorum=spec.quorum_of(expected) if spec.mode is RunMode.SYNC else expected,
+            quorum=quorum,
             timeout_s=timeout_s,
-            strategy="mean" if is_private(spec) else spec.strategy,
+            strategy="mean" if is_private(spec) or secure else spec.strategy,
             params=spec.params,
             layout=facts.layout,
         )
         self.coordinator.start_round(RoundId(info.round, info.name), round_spec)
+        if secure:
+            self.secure.open(info, facts.layout)
         log.info("run %s: round %d started, %s", info.name, info.round, info.selected or "open")
         self._notify(info.name)
 
     def _auto_deadline(self, info: RunInfo, quorum: int) -> RunInfo:
-        """The deadline of round ``info.round`` of an auto run: the one journaled for it (a
-        restart), else computed from the earlier rounds' arrivals and journaled first."""
-        known = self.journal.deadline(info.name, info.round)
-        if known is None:
-            spec = info.spec
-            history = run_history(self.coordinator, info.name, info.round, spec.deadline_window)
-            chosen = auto_deadline(
-                history,
-                quorum,
-                k=spec.deadline_k,
-                floor=spec.deadline_floor_s,
-                cap=spec.deadline_cap_s,
-                initial=spec.deadline_initial_s,
-            )
-            known = (chosen.seconds, chosen.reason)
-            self.journal.set_deadline(info.name, info.round, *known)
-        log.info("run %s: round %d deadline %.3f s, %s", info.name, info.round, *known)
-        info = replace(info, deadline_s=known[0], deadline_reason=known[1])
+        """Round ``info.round``'s deadline (``journaled_deadline``), in the run's snapshot."""
+        seconds, reason = journaled_deadline(self.journal, self.coordinator, info, quorum)
+        log.info("run %s: round %d deadline %.3f s, %s", info.name, info.round, seconds, reason)
+        info = replace(info, deadline_s=seconds, deadline_reason=reason)
         with self._lock:
             self._runs[info.name] = info
         return info
@@ -496,6 +488,7 @@ class RunManager:
                 return
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.secure.close()
         if self._owns_journal:
             self.journal.close()
 
@@ -503,12 +496,3 @@ class RunManager:
 def _waiting(info: RunInfo) -> bool:
     """A sync run whose next round waits for peers (no round in flight)."""
     return info.spec.mode is RunMode.SYNC and not info.selected
-
-
-def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not name or len(name.encode()) > MAX_RUN_NAME:
-        raise InvalidRunSpec(f"a run name is 1..{MAX_RUN_NAME} bytes, got {name!r:.80}")
-    try:
-        RoundId(1, name)
-    except ValueError as exc:
-        raise InvalidRunSpec(f"run name {name!r}: {exc}") from None

@@ -29,6 +29,7 @@ __all__ = [
     "RunRequest",
     "RunRow",
     "RunsRequest",
+    "SecAggRequest",
     "TaskRequest",
     "TaskWire",
     "VersionRow",
@@ -151,6 +152,41 @@ class VersionsRequest(_RunRequest, frozen=True, tag="versions"):
             raise ValueError(f"a versions wait must be finite and >= 0, got {self.wait!r}")
 
 
+MAX_SECAGG_MESSAGE = 1 << 20
+"""The longest SecAgg+ message a ``secagg`` request carries inline (the masked vector, the
+only large one, travels as a pushed block)."""
+
+SECAGG_MESSAGES = 4
+"""Server messages a peer receives in a secure round: setup, keys, shares, unmask request."""
+
+
+class SecAggRequest(_RunRequest, frozen=True, tag="secagg"):
+    """A SecAgg+ step of ``peer`` in round ``round`` of secure run ``run``. ``message`` (a
+    msgpack SecAgg+ message, b"" for none) is the peer's answer to the current phase; the
+    answer is the peer's server message number ``after`` (it holds ``after`` already: 0
+    asks for the setup), or none when the phase is still open after ``timeout`` (ask
+    again). A masked input's vector is the raw block ``block``, pushed before."""
+
+    run: str
+    round: int
+    after: int
+    message: bytes = b""
+    block: bytes | None = None
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        _name("a peer name", self.peer)
+        _name("a run name", self.run)
+        if self.round < 1 or not 0 <= self.after <= SECAGG_MESSAGES:
+            raise ValueError(f"round must be >= 1 and after in 0..{SECAGG_MESSAGES}")
+        if len(self.message) > MAX_SECAGG_MESSAGE:
+            raise ValueError(f"a secagg message is at most {MAX_SECAGG_MESSAGE} bytes")
+        if self.block is not None:
+            _cid("the masked vector", self.block)
+        if self.timeout is not None and not (math.isfinite(self.timeout) and self.timeout >= 0):
+            raise ValueError(f"a secagg timeout must be finite and >= 0, got {self.timeout!r}")
+
+
 MAX_VERSIONS = 256
 """The most versions one ``versions`` answer lists (ask again from the last one + 1)."""
 
@@ -162,6 +198,7 @@ RunRequest = (
     | TaskRequest
     | ContributeRequest
     | VersionsRequest
+    | SecAggRequest
 )
 
 
@@ -202,6 +239,8 @@ class RunRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defa
     dp_delta: float | None = None
     stop_reason: str = ""
     """Why a run finished early (its privacy budget), "" otherwise."""
+    secagg: bool = False
+    """Whether the run aggregates securely (SecAgg+)."""
 
 
 class TaskWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -214,6 +253,7 @@ class TaskWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     mode: str
     dp: str = ""
     clip: float | None = None
+    secagg: bool = False
 
 
 class RunAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
@@ -226,6 +266,10 @@ class RunAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_d
     clients: int | None = None
     active: int | None = None
     versions: list[VersionRow] | None = None
+    secagg: bytes | None = None
+    """A SecAgg+ server message for the asking peer (msgpack)."""
+    secagg_peer: int | None = None
+    """The asking peer's participant number in the secure round (with its setup)."""
 
 
 _encoder = msgspec.msgpack.Encoder()

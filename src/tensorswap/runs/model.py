@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from types import MappingProxyType
 
-from tensorswap.privacy.params import check_dp_options
+from tensorswap.privacy.params import check_dp_options, check_secagg_options
+from tensorswap.rounds.model import RoundId
 from tensorswap.runs.errors import InvalidRunSpec
 
 __all__ = [
@@ -20,7 +21,9 @@ __all__ = [
     "RunMode",
     "RunSpec",
     "Staleness",
+    "Task",
     "VersionRecord",
+    "check_run_name",
 ]
 
 AUTO = "auto"
@@ -73,6 +76,14 @@ class RunSpec:
     None: no DP), ``dp_noise`` (the noise multiplier z), ``dp_delta``, ``dp_max_epsilon``,
     ``dp_clipping`` (``server`` or ``client``), ``dp_adaptive`` with
     ``dp_target_clipped_quantile``, ``dp_clip_norm_lr``, ``dp_clipped_count_stddev``.
+
+    Secure aggregation (sync runs; docs/privacy-secagg.md): ``secagg`` (SecAgg+: the
+    coordinator learns only the sum of the sampled peers' deltas), ``secagg_threshold`` (t;
+    None: SecAgg+'s default for the round's size), ``secagg_clip`` (each coordinate of a
+    delta is clipped to ``[-r, r]``; None: ``dp_clip`` in a DP run, else 1.0),
+    ``secagg_bits`` (None: the most the sample size allows), ``secagg_max_weight`` (the
+    largest num_samples; a DP run weighs every peer 1), ``secagg_phase_timeout_s`` (each
+    phase after the first closes when all answered or after this long).
     """
 
     mode: RunMode = RunMode.SYNC
@@ -105,6 +116,12 @@ class RunSpec:
     dp_target_clipped_quantile: float = 0.5
     dp_clip_norm_lr: float = 0.2
     dp_clipped_count_stddev: float | None = None
+    secagg: bool = False
+    secagg_threshold: int | None = None
+    secagg_clip: float | None = None
+    secagg_bits: int | None = None
+    secagg_max_weight: int = 1 << 16
+    secagg_phase_timeout_s: float = 30.0
 
     @property
     def auto_deadline(self) -> bool:
@@ -151,6 +168,7 @@ class RunSpec:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InvalidRunSpec(f"seed must be an int >= 0, got {self.seed!r}")
         check_dp_options(self)
+        check_secagg_options(self)
 
     def _check_deadline_policy(self) -> None:
         floor, cap, k = self.deadline_floor_s, self.deadline_cap_s, self.deadline_k
@@ -258,3 +276,31 @@ class ClientInfo:
     facts: Mapping[str, Param]
     registered_at: float
     last_seen: float
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """What a peer is asked to do: train from ``global_cid`` (version ``version``) and submit
+    to ``round_id``; in an asynchronous run, submit the delta tagged with ``version``."""
+
+    run: str
+    round_id: RoundId
+    version: int
+    global_cid: str
+    mode: RunMode
+    dp: str = ""
+    """A DP run's clipping side (``server`` or ``client``): submit the delta; "" otherwise."""
+    clip: float | None = None
+    """A DP run's clipping norm for this round (client-side clipping: clip to it)."""
+    secagg: bool = False
+    """A secure run: submit runs SecAgg+ with the coordinator (the delta, masked)."""
+
+
+def check_run_name(name: str) -> None:
+    """InvalidRunSpec unless ``name`` can name a run (and its rounds ``RoundId(n, name)``)."""
+    if not isinstance(name, str) or not name or len(name.encode()) > MAX_RUN_NAME:
+        raise InvalidRunSpec(f"a run name is 1..{MAX_RUN_NAME} bytes, got {name!r:.80}")
+    try:
+        RoundId(1, name)
+    except ValueError as exc:
+        raise InvalidRunSpec(f"run name {name!r}: {exc}") from None

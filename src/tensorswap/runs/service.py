@@ -28,6 +28,7 @@ from tensorswap.runs.messages import (
     RunRequest,
     RunRow,
     RunsRequest,
+    SecAggRequest,
     TaskRequest,
     TaskWire,
     VersionRow,
@@ -65,6 +66,7 @@ def row_of(manager: RunManager, info: RunInfo) -> RunRow:
         epsilon=manager.privacy.spent(info),
         dp_delta=info.spec.dp_delta if info.spec.dp_clip is not None else None,
         stop_reason=manager.privacy.stop_reason(info.name),
+        secagg=info.spec.secagg,
     )
 
 
@@ -77,6 +79,7 @@ def task_wire(task: Task) -> TaskWire:
         task.mode.value,
         task.dp,
         task.clip,
+        task.secagg,
     )
 
 
@@ -138,6 +141,8 @@ class RunService:
                 return RunAnswer(task=None if task is None else task_wire(task))
             case ContributeRequest():
                 return RunAnswer(status=status_to_wire(await self._contribute(call)))
+            case SecAggRequest():
+                return await self._secagg(call)
         raise ProtocolViolation(f"unknown runs request {type(call).__name__}")
 
     async def _contribute(self, call: ContributeRequest) -> RoundStatus:
@@ -172,6 +177,35 @@ class RunService:
             return task is not None or self.manager.run(call.run).finished, task
 
         return await self._wait(call.run, call.timeout, probe)
+
+    async def _secagg(self, call: SecAggRequest) -> RunAnswer:
+        """Post the peer's SecAgg+ message, then answer its next server message (waiting
+        for its phase to close, up to the timeout)."""
+        from tensorswap.privacy.secagg.protocol import MaskedInput, UnmaskResponse, decode
+
+        manager = self.manager
+        manager.registry.seen(call.peer)
+        rid = RoundId(call.round, call.run)
+        session = manager.secure.session_for(manager.run(call.run), rid, call.peer)
+        if call.message:
+            message = decode(call.message)
+            if isinstance(message, MaskedInput):
+                message = await asyncio.to_thread(
+                    manager.secure.masked_input, rid, message, call.block
+                )
+            await asyncio.to_thread(session.post, call.peer, message)
+            if isinstance(message, UnmaskResponse):  # the peer's last step
+                status = manager.coordinator.status(rid)
+                return RunAnswer(status=None if status is None else status_to_wire(status))
+        elif call.after == 0:
+            index, setup = await asyncio.to_thread(session.setup, call.peer)
+            return RunAnswer(secagg=setup, secagg_peer=index)
+
+        def probe() -> tuple[bool, bytes | None]:
+            got = session.message_for(call.peer, call.after)
+            return got is not None, got
+
+        return RunAnswer(secagg=await self._wait(call.run, call.timeout, probe))
 
     async def _versions(self, call: VersionsRequest) -> list[VersionRow]:
         if call.wait is not None:

@@ -36,6 +36,34 @@ def check_policies(spec: RunSpec) -> None:
         from tensorswap.privacy.accountant import check_available
 
         check_available()  # AccountantUnavailable now, not at the first step
+    if spec.secagg:
+        _check_secagg(spec)
+
+
+def _check_secagg(spec: RunSpec) -> None:
+    """InvalidRunSpec without ``cryptography``, or (with ``per_round``) when the SecAgg+
+    parameters cannot serve a round of that size."""
+    try:
+        from tensorswap.privacy.secagg.errors import SecAggError
+        from tensorswap.privacy.secagg.protocol import make_config
+        from tensorswap.runs.secure import secagg_weight
+    except ModuleNotFoundError as exc:
+        raise InvalidRunSpec(
+            f"secure aggregation needs the privacy extra (pip install tensorswap[privacy]): {exc}"
+        ) from exc
+    if spec.per_round is None:
+        return  # the sample size is known per round: a round that cannot run fails
+    try:
+        make_config(
+            range(spec.per_round),
+            1,
+            threshold=spec.secagg_threshold,
+            bits=spec.secagg_bits,
+            clip=spec.secagg_clip or spec.dp_clip or 1.0,
+            max_weight=secagg_weight(spec),
+        )
+    except SecAggError as exc:
+        raise InvalidRunSpec(f"run spec: {exc}") from exc
 
 
 def check_staleness(info: RunInfo, peer: str, trained_on: int | None) -> float:

@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tensorswap.cid import Cid, Multicodec
+from tensorswap.errors import HashMismatch
 from tensorswap.store.base import BlockStore
-from tensorswap.store.manifest import read_manifest
+from tensorswap.store.manifest import decode_manifest, read_manifest
 from tensorswap.wire._client_base import _CIDS_PER_MESSAGE, ClientBase
 from tensorswap.wire._sink import BlockSink
-from tensorswap.wire.errors import ProtocolViolation, RemoteError
+from tensorswap.wire.connection import BlockFrame
+from tensorswap.wire.errors import BlockHashMismatch, ProtocolViolation, RemoteError
 from tensorswap.wire.frames import FrameKind
 from tensorswap.wire.messages import Get, Got, parse_cids, wire_cids
 
@@ -43,18 +45,35 @@ class FetchPath(ClientBase):
         blocks it did not send.
         """
         async with self._lock:
-            missing, _ = await self._get(cids, into)
+            missing, _, _ = await self._get(cids, into)
             return missing
 
-    async def _get(self, cids: Sequence[Cid], into: BlockStore) -> tuple[list[Cid], int]:
+    async def _get(
+        self,
+        cids: Sequence[Cid],
+        into: BlockStore,
+        *,
+        manifests: bool = False,
+        have: Sequence[Cid] | None = None,
+    ) -> tuple[list[Cid], int, int]:
+        """Get ``cids``; with ``manifests``, also accept the manifests they link to, and
+        with ``have`` (Get ``closure``) every block they link to, except ``have`` (the server
+        sends them after the requested blocks when it knows the flags). Returns the CIDs the
+        server lacks, and the bytes and blocks received."""
         missing: list[Cid] = []
         unique = list(dict.fromkeys(cids))  # each block asked for (and accepted) once
         sink = BlockSink(into)
+        closure = have is not None
+        below = _Below(chunks=closure) if manifests or closure else None
+        held = wire_cids(list(dict.fromkeys(have or ()))[:_CIDS_PER_MESSAGE])
         try:
             for start in range(0, len(unique), _CIDS_PER_MESSAGE):
                 batch = unique[start : start + _CIDS_PER_MESSAGE]
                 wanted = set(batch)  # asked for and not received yet
-                await self.conn.send_message(Get(cids=wire_cids(batch)), self._next_stream())
+                if below is not None:  # each batch's answer may bring a linked block once
+                    below.received.clear()
+                get = Get(cids=wire_cids(batch), manifests=manifests, closure=closure, have=held)
+                await self.conn.send_message(get, self._next_stream())
                 while True:
                     frame = await self.conn.receive_frame(defer_block_crc=True)
                     if frame.header.kind is not FrameKind.BLOCK:
@@ -63,19 +82,33 @@ class FetchPath(ClientBase):
                         missing.extend(_check_got(parse_cids(got.missing, "Got"), wanted))
                         break
                     block = self.conn.parse_block(frame)
-                    if block.cid not in wanted:
+                    if block.cid in wanted:
+                        wanted.discard(block.cid)
+                        if below is not None:
+                            below.learn(block)
+                    elif below is None or not below.accept(block):
                         block.check_crc()  # a corrupted CID is a checksum mismatch
                         again = "again" if block.cid in batch else "not asked for"
                         raise ProtocolViolation(f"server sent block {block.cid} {again}")
-                    wanted.discard(block.cid)
                     await sink.submit(block)
             await sink.drain()
         finally:
             await sink.close()
-        return missing, sink.nbytes
+        return missing, sink.nbytes, sink.blocks
 
-    async def pull(self, root: Cid, into: BlockStore) -> PullResult:
+    async def pull(
+        self, root: Cid, into: BlockStore, *, have: Sequence[Cid] | None = None
+    ) -> PullResult:
         """Fetch whatever ``into`` lacks of the closure of ``root``, level by level.
+
+        Each Get asks for the manifests below the requested ones too: a server that sends
+        them (Get ``manifests``) makes a pull of an update two round trips (its manifests,
+        then the chunks lacking), whatever its depth. With ``have`` (the blocks of the
+        closure ``into`` may already hold, e.g. those of an update this peer submitted),
+        the first Get asks for the whole closure but those (Get ``closure``): one round
+        trip, at the price of resending any block ``into`` holds that ``have`` omits.
+        Either way, what did not come is asked for level by level, so the result is the
+        same.
 
         Raises RemoteError (code ``not_found``) if the server lacks a block of the closure.
         """
@@ -87,14 +120,52 @@ class FetchPath(ClientBase):
                 blocks += len(frontier)
                 lacking = await asyncio.to_thread(into.missing, frontier)
                 if lacking:
-                    absent, nbytes = await self._get(lacking, into)
+                    absent, nbytes, count = await self._get(
+                        lacking, into, manifests=True, have=have
+                    )
+                    have = None  # only the first Get asks for the closure
                     if absent:
                         msg = f"server lacks {len(absent)} blocks of {root}, first {absent[0]}"
                         raise RemoteError("not_found", msg, self.conn.peer)
-                    fetched += len(lacking)
+                    fetched += count
                     fetched_bytes += nbytes
                 frontier = await asyncio.to_thread(_links, into, frontier)
         return PullResult(root, blocks, fetched, fetched_bytes, time.perf_counter() - start)
+
+
+class _Below:
+    """The blocks a Get with ``manifests`` (or ``closure``: ``chunks``) may bring unasked:
+    manifests (and chunks) linked from a manifest received in it, each once. A manifest is
+    checked (CRC32C, hash) before its links are trusted."""
+
+    def __init__(self, chunks: bool = False) -> None:
+        self.chunks = chunks
+        self.allowed: set[Cid] = set()
+        self.received: set[Cid] = set()
+
+    def learn(self, block: BlockFrame) -> None:
+        """Note the links of ``block`` if it is a manifest (it is checked first)."""
+        if block.cid.codec is not Multicodec.TENSORSWAP_MANIFEST:
+            return
+        block.check_crc()
+        try:
+            block.cid.verify(block.data, "a manifest received")
+        except HashMismatch as exc:
+            raise BlockHashMismatch(block.cid, exc.actual) from exc
+        links = decode_manifest(block.data, block.cid).links()
+        if self.chunks:
+            self.allowed.update(links)
+        else:
+            self.allowed.update(c for c in links if c.codec is Multicodec.TENSORSWAP_MANIFEST)
+
+    def accept(self, block: BlockFrame) -> bool:
+        """Whether an unrequested ``block`` is a linked one not received yet."""
+        cid = block.cid
+        if cid not in self.allowed or cid in self.received:
+            return False
+        self.received.add(cid)
+        self.learn(block)
+        return True
 
 
 def _check_got(missing: list[Cid], unanswered: set[Cid]) -> list[Cid]:

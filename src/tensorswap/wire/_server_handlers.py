@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tensorswap.cid import Cid
-from tensorswap.errors import BlockNotFound
+from tensorswap.cid import Cid, Multicodec
+from tensorswap.errors import BlockNotFound, StoreError
 from tensorswap.store.base import BlockStore
-from tensorswap.store.manifest import manifest_closure
+from tensorswap.store.manifest import manifest_closure, read_manifest
 from tensorswap.wire._pipeline import prefetched
 from tensorswap.wire.connection import FrameConnection, PreparedBlock, prepare_block
 from tensorswap.wire.errors import ProtocolViolation
@@ -77,7 +78,17 @@ class ServerHandlers:
                     f"committed root {root} lacks {len(lacking)} blocks, first {lacking[0]}"
                 )
 
-    async def _answer_get(self, conn: FrameConnection, cids: list[Cid], stream_id: int) -> None:
+    async def _answer_get(
+        self,
+        conn: FrameConnection,
+        cids: list[Cid],
+        stream_id: int,
+        *,
+        below: str = "",
+        have: list[Cid] | None = None,
+    ) -> None:
+        """The requested blocks, then Got; with ``below`` "manifests" or "closure" (Get's
+        flags), the blocks linked below them first (unlisted in Got), except ``have``."""
         missing: list[Cid] = []
 
         def load(cid: Cid) -> PreparedBlock | None:
@@ -96,4 +107,40 @@ class ServerHandlers:
                     await conn.send_prepared(block)
                     self.stats.blocks_served += 1
                 index += 1
+        if below:
+            chunks, skip = below == "closure", set(have or ())
+            linked = await asyncio.to_thread(linked_blocks, self.store, cids, chunks, skip)
+            async with contextlib.aclosing(prefetched(linked, load, 2)) as blocks:
+                async for block in blocks:
+                    if block is not None:
+                        await conn.send_prepared(block)
+                        self.stats.blocks_served += 1
         await conn.send_message(Got(missing=wire_cids(missing)), stream_id)
+
+
+def linked_blocks(
+    store: BlockStore, cids: list[Cid], chunks: bool = False, skip: set[Cid] | None = None
+) -> list[Cid]:
+    """The blocks that manifests among ``cids`` link to, recursively: manifests only, or
+    chunks too with ``chunks``; parents before children, each once, none of ``cids`` or
+    ``skip``. A manifest the store lacks (or cannot read) is listed but not followed."""
+    seen = set(cids) | (skip or set())
+    order: list[Cid] = []
+    frontier = [cid for cid in dict.fromkeys(cids) if cid.codec is Multicodec.TENSORSWAP_MANIFEST]
+    while frontier:
+        below: list[Cid] = []
+        for cid in frontier:
+            try:
+                links = read_manifest(store, cid).links()
+            except StoreError:
+                continue
+            for link in links:
+                manifest = link.codec is Multicodec.TENSORSWAP_MANIFEST
+                if link in seen or not (manifest or chunks):
+                    continue
+                seen.add(link)
+                order.append(link)
+                if manifest:
+                    below.append(link)
+        frontier = below
+    return order

@@ -104,9 +104,20 @@ class Committed(_Base, frozen=True):
 
 
 class Get(_Base, frozen=True):
-    """Client -> server: send these blocks (BLOCK frames, in this order, then Got)."""
+    """Client -> server: send these blocks (BLOCK frames, in this order, then Got).
+
+    ``manifests``: after them, also every manifest they link to, recursively, that the
+    server holds (not chunks; parents before children; not listed in Got), so that a pull
+    learns a whole update's chunk list in one round trip. ``closure``: every block they
+    link to, chunks too, except those named in ``have`` (blocks the client holds): a pull
+    in one round trip. A server that predates the fields ignores them and sends only what
+    was asked; the pull then goes on level by level.
+    """
 
     cids: list[bytes]
+    manifests: bool = False
+    closure: bool = False
+    have: list[bytes] = msgspec.field(default_factory=list)
 
 
 class Got(_Base, frozen=True):

@@ -305,7 +305,10 @@ class BlockServer(ServerHandlers):
                     for root in roots:
                         self.on_root(root)
             elif isinstance(message, Get):
-                await self._answer_get(conn, parse_cids(message.cids, "Get"), stream_id)
+                cids = parse_cids(message.cids, "Get")
+                below = "closure" if message.closure else "manifests" if message.manifests else ""
+                have = parse_cids(message.have, "Get have") if message.closure else []
+                await self._answer_get(conn, cids, stream_id, below=below, have=have)
             elif isinstance(message, Request):
                 await sink.drain()
                 reply = await self._answer_request(message, conn.peer, stream_id)

@@ -3,8 +3,9 @@
 A protocol library: pure client and server state machines (``SecAggClient``,
 ``SecAggServer``) exchanging msgspec messages, over Shamir sharing (``shamir``), stochastic
 quantization (``quantize``), a sparse neighbour graph (``graph``) and primitives from the
-``cryptography`` package (``crypto``; install the ``privacy`` extra). Not yet wired into
-``RoundClient`` or the coordinator: see docs/privacy-secagg.md.
+``cryptography`` package (``crypto``; install the ``privacy`` extra). ``coordinator`` runs
+the server side of one run round by peer name, with phase deadlines; ``runs.secure`` and
+``runs.secure_peer`` wire it into runs: see docs/privacy-secagg.md.
 """
 
 from tensorswap.privacy.secagg.client import ClientPhase, SecAggClient
@@ -17,11 +18,13 @@ from tensorswap.privacy.secagg.errors import (
     MalformedShare,
     NotEnoughShares,
     OutOfPhase,
+    PeerDropped,
     QuantizationError,
     ReconstructionMismatch,
     ReplayedMessage,
     SecAggConfigError,
     SecAggError,
+    SecureRoundFailed,
     ShamirError,
     ShareDecryptionFailed,
     ShareMisaddressed,
@@ -43,6 +46,7 @@ __all__ = [
     "MalformedShare",
     "NotEnoughShares",
     "OutOfPhase",
+    "PeerDropped",
     "QuantizationError",
     "Quantizer",
     "ReconstructionMismatch",
@@ -53,6 +57,7 @@ __all__ = [
     "SecAggError",
     "SecAggResult",
     "SecAggServer",
+    "SecureRoundFailed",
     "ServerPhase",
     "ShamirError",
     "ShareDecryptionFailed",

@@ -53,11 +53,14 @@ def seed_commitment(round_id: bytes, peer: int, seed: bytes) -> bytes:
     ).digest()
 
 
+def self_mask_key(seed: bytes, round_id: bytes) -> bytes:
+    """The PRG key of the self mask PRG(b) of the self-mask seed ``b``."""
+    return crypto.derive(seed, round_id=round_id, info=crypto.INFO_SELF_MASK)
+
+
 def self_mask(seed: bytes, round_id: bytes, length: int) -> np.ndarray:
     """PRG(b): the self mask of ``length`` words from the self-mask seed."""
-    return crypto.expand_mask(
-        crypto.derive(seed, round_id=round_id, info=crypto.INFO_SELF_MASK), length
-    )
+    return crypto.expand_mask(self_mask_key(seed, round_id), length)
 
 
 def pair_sign(owner: int, other: int) -> int:
@@ -235,28 +238,25 @@ class SecAggClient:
                 raise ShareMisaddressed(route, (source, self.peer_id))
             self._seed_shares[source] = plain.seed_share
             self._key_shares[source] = plain.key_share
-        length = config.dim + 1
         quantized = config.quantizer().quantize(self._update, self._weight, self._rng)
         self.quantized = quantized
-        masked = quantized + self_mask(self._seed, config.round_id, length)
+        masked = quantized.copy()
+        masks = [(self_mask_key(self._seed, config.round_id), 1)]
         for other in sorted(sources):
-            pair = crypto.expand_mask(
-                crypto.agree(
-                    self._mask_sk,
-                    self._keys[other].mask_key,
-                    round_id=config.round_id,
-                    info=crypto.INFO_PAIR_MASK,
-                ),
-                length,
+            key = crypto.agree(
+                self._mask_sk,
+                self._keys[other].mask_key,
+                round_id=config.round_id,
+                info=crypto.INFO_PAIR_MASK,
             )
-            if pair_sign(self.peer_id, other) > 0:
-                masked += pair
-            else:
-                masked -= pair
+            masks.append((key, pair_sign(self.peer_id, other)))
+        crypto.apply_masks(masked, masks)  # y = q + PRG(b) + sum_v +-PRG(s_uv), one pass
         self.mask_partners = frozenset(sources)
         self.phase = ClientPhase.MASKED
         return MaskedInput(
-            round_id=config.round_id, sender=self.peer_id, masked=masked.astype("<u4").tobytes()
+            round_id=config.round_id,
+            sender=self.peer_id,
+            masked=masked.astype("<u4", copy=False).tobytes(),
         )
 
     def _on_unmask(self, message: UnmaskRequest) -> UnmaskResponse:

@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -99,8 +101,67 @@ def decrypt(key: bytes, blob: bytes, *, round_id: bytes, source: int, destinatio
         raise ShareDecryptionFailed(source, destination) from exc
 
 
+_ZEROS = bytes(1 << 20)
+"""The plaintext the keystream is read through, a chunk at a time (read-only, shared)."""
+
+
 def expand_mask(seed: bytes, length: int) -> np.ndarray:
-    """``length`` uniform uint32 words: the ChaCha20 keystream under the 32-byte ``seed``."""
+    """``length`` uniform uint32 words: the ChaCha20 keystream under the 32-byte ``seed``,
+    written straight into the result (no intermediate bytes object)."""
     encryptor = Cipher(algorithms.ChaCha20(seed, _ZERO_NONCE), mode=None).encryptor()
-    stream = encryptor.update(bytes(4 * length))
-    return np.frombuffer(stream, dtype="<u4").astype(np.uint32, copy=False)
+    out = np.empty(length, dtype=np.uint32)
+    raw = out.view(np.uint8)
+    chunk = len(_ZEROS)
+    for at in range(0, raw.size, chunk):
+        piece = raw[at : at + chunk]
+        encryptor.update_into(memoryview(_ZEROS)[: piece.size], piece.data)
+    if sys.byteorder == "big":  # the words are little-endian by definition
+        out.byteswap(inplace=True)
+    return out
+
+
+MASK_CHUNK = 1 << 16
+"""Words per step of ``apply_masks``: the target's chunk and one keystream chunk stay in cache."""
+
+
+def apply_masks(target: np.ndarray, masks: Sequence[tuple[bytes, int]]) -> None:
+    """Add (sign > 0) or subtract (sign < 0) ``expand_mask(seed, len(target))`` for every
+    ``(seed, sign)`` into the uint32 array ``target``, mod 2^32, in place: the same words as
+    ``expand_mask``, streamed a cache-sized chunk at a time (one pass over ``target``, not one
+    per mask)."""
+    if target.dtype != np.uint32 or target.ndim != 1 or not target.flags.c_contiguous:
+        raise TypeError("apply_masks adds into a contiguous 1-D uint32 array")
+    streams = [
+        (Cipher(algorithms.ChaCha20(seed, _ZERO_NONCE), mode=None).encryptor(), sign > 0)
+        for seed, sign in masks
+    ]
+    buffer = np.empty(min(MASK_CHUNK, target.size), dtype=np.uint32)
+    zeros = memoryview(_ZEROS)
+    for at in range(0, target.size, MASK_CHUNK):
+        part = target[at : at + MASK_CHUNK]
+        words = buffer[: part.size]
+        for stream, add in streams:
+            stream.update_into(zeros[: 4 * part.size], words.view(np.uint8).data)
+            if sys.byteorder == "big":
+                words.byteswap(inplace=True)
+            if add:
+                np.add(part, words, out=part)
+            else:
+                np.subtract(part, words, out=part)
+
+
+def mask_stream(seed: bytes) -> Callable[[np.ndarray], None]:
+    """A function filling a uint32 array with the next words of ``expand_mask(seed, ...)``'s
+    stream, call after call (for consumers that go chunk by chunk)."""
+    stream = Cipher(algorithms.ChaCha20(seed, _ZERO_NONCE), mode=None).encryptor()
+    zeros = memoryview(_ZEROS)
+
+    def fill(words: np.ndarray) -> None:
+        raw = words.view(np.uint8)
+        for at in range(0, raw.size, len(_ZEROS)):
+            piece = raw[at : at + len(_ZEROS)]
+            stream.update_into(zeros[: piece.size], piece.data)
+        if sys.byteorder == "big":
+            words.byteswap(inplace=True)
+
+    return fill

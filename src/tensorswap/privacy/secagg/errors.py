@@ -21,7 +21,9 @@
         ├── KeyAdvertRejected          a key broadcast that misrepresents or repeats keys
         ├── TooFewSurvivors            fewer than t peers left: the round fails
         ├── TooFewShares               fewer than t shares of one peer's secret arrived
-        └── ReconstructionMismatch     a reconstructed secret fails its commitment
+        ├── ReconstructionMismatch     a reconstructed secret fails its commitment
+        ├── PeerDropped                a peer asks for a phase it was dropped from
+        └── SecureRoundFailed          a run's secure round failed (its reason, typed)
 """
 
 from __future__ import annotations
@@ -210,3 +212,39 @@ class ReconstructionMismatch(SecAggError):
             f"the reconstructed {secret} of peer {owner} does not match its commitment; "
             "a share was corrupted"
         )
+
+
+class PeerDropped(SecAggError):
+    """A peer asked for the next message of a phase it was dropped from (it did not answer
+    the previous one before that phase closed)."""
+
+    def __init__(self, peer: str, phase: str) -> None:
+        self.peer = peer
+        self.phase = phase
+        super().__init__(
+            f"peer {peer!r} was dropped from the secure round before phase {phase!r}: it did "
+            f"not answer in time; wait for the next task"
+        )
+
+
+class SecureRoundFailed(SecAggError):
+    """A run's secure round failed (too few survivors, a restart, a config the sample
+    cannot run); ``reason`` says why. The run starts a new round with a new sample."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(f"secure round {key} failed: {reason}")
+
+
+def _register_remote() -> None:
+    """Let rounds and runs clients raise these leaves when a coordinator reports them (a
+    secure run's refusals come back over the wire typed)."""
+    from tensorswap.rounds.protocol import REMOTE_TYPES
+
+    for name, obj in list(globals().items()):
+        if isinstance(obj, type) and issubclass(obj, SecAggError):
+            REMOTE_TYPES.setdefault(name, obj)
+
+
+_register_remote()

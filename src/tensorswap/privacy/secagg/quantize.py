@@ -91,12 +91,29 @@ class Quantizer:
             raise QuantizationError(f"the weight must be an integer, got {weight!r}")
         if not 1 <= int(weight) <= self.max_weight:
             raise QuantizationError(f"weight {weight} is outside 1..{self.max_weight}")
-        clipped = np.clip(update.astype(np.float64), -self.clip, self.clip)
-        z = (clipped * (int(weight) / self.max_weight) + self.clip) / self.step
-        floor = np.floor(z)
-        rounded = floor + (rng.random(z.shape) < (z - floor))
+        # z = (clip(x) * w / M + r) / step in float64 (2^31 levels need > 24 bits); stochastic
+        # rounding as floor(z + u), u uniform in [0, 1): up with probability frac(z). u: 32-bit
+        # words of a ChaCha20 stream keyed from ``rng`` (4x numpy's draw). Chunk by chunk, so
+        # the float64 temporaries stay in cache.
+        from tensorswap.privacy.secagg.crypto import MASK_CHUNK, mask_stream
+
+        fill = mask_stream(rng.bytes(32))
+        scale, offset = (int(weight) / self.max_weight) / self.step, self.clip / self.step
+        n = min(MASK_CHUNK, update.size)
+        z, u, words = np.empty(n), np.empty(n), np.empty(n, dtype=np.uint32)
         out = np.empty(update.size + 1, dtype=np.uint32)
-        out[:-1] = np.clip(rounded, 0, self.levels).astype(np.uint32)
+        for at in range(0, update.size, MASK_CHUNK):
+            part = update[at : at + MASK_CHUNK]
+            zz, uu, ww = z[: part.size], u[: part.size], words[: part.size]
+            np.clip(part, -self.clip, self.clip, out=zz)
+            zz *= scale
+            fill(ww)
+            np.multiply(ww, 2.0**-32, out=uu)
+            uu += offset
+            zz += uu
+            np.floor(zz, out=zz)  # >= 0 here, so the cast below is exact
+            np.clip(zz, 0, self.levels, out=zz)
+            out[at : at + part.size] = zz
         out[-1] = int(weight)
         return out
 

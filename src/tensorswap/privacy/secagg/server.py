@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tensorswap.privacy.secagg import crypto
-from tensorswap.privacy.secagg.client import pair_sign, seed_commitment, self_mask
+from tensorswap.privacy.secagg.client import pair_sign, seed_commitment, self_mask_key
 from tensorswap.privacy.secagg.errors import (
     ForeignRound,
     KeyAdvertRejected,
@@ -161,7 +161,7 @@ class SecAggServer:
                 f"peer {sender}'s masked vector has {len(masked)} bytes, "
                 f"{4 * (self.config.dim + 1)} expected"
             )
-        self._masked[sender] = np.frombuffer(masked, dtype="<u4").astype(np.uint32)
+        self._masked[sender] = np.frombuffer(masked, dtype="<u4").astype(np.uint32, copy=False)
 
     def _take_response(self, sender: int, response: UnmaskResponse) -> None:
         self._refuse_replay(self._responses, sender)  # type: ignore[arg-type]
@@ -258,12 +258,13 @@ class SecAggServer:
         rid, length = config.round_id, config.dim + 1
         total = np.zeros(length, dtype=np.uint32)
         for peer in self._survivors:
-            total += self._masked[peer]
+            np.add(total, self._masked[peer], out=total)
+        masks: list[tuple[bytes, int]] = []  # what to take back out, then one pass over total
         for peer in self._survivors:
             seed = self._rebuild(peer, "seed_shares", "self-mask seed")
             if seed_commitment(rid, peer, seed) != self._keys[peer].seed_commitment:
                 raise ReconstructionMismatch(peer, "self-mask seed")
-            total -= self_mask(seed, rid, length)
+            masks.append((self_mask_key(seed, rid), -1))
         for gone in self._dropped:
             secret_key = self._rebuild(gone, "key_shares", "mask key")
             if crypto.public_key_of(secret_key) != self._keys[gone].mask_key:
@@ -272,12 +273,9 @@ class SecAggServer:
                 seed = crypto.agree(
                     secret_key, self._keys[peer].mask_key, round_id=rid, info=crypto.INFO_PAIR_MASK
                 )
-                pair = crypto.expand_mask(seed, length)
                 # The survivor added (or subtracted) this mask; take it back out.
-                if pair_sign(peer, gone) > 0:
-                    total -= pair
-                else:
-                    total += pair
+                masks.append((seed, -pair_sign(peer, gone)))
+        crypto.apply_masks(total, masks)
         mean = config.quantizer().weighted_mean(total, len(self._survivors))
         return SecAggResult(
             survivors=self._survivors,

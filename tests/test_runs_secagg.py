@@ -1,0 +1,378 @@
+"""Secure runs over the wire: peers run SecAgg+ inside ``RunClient.submit``; the coordinator
+learns the sum only (exactly the sum of the quantized inputs), survives dropouts, refuses
+tampered and replayed messages with typed errors, and keeps no block that is one update."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cryptography")
+
+from tensorswap.cid import Cid
+from tensorswap.privacy.secagg import (
+    MalformedSecAggMessage,
+    Quantizer,
+    ReplayedMessage,
+    SecureRoundFailed,
+    ShareDecryptionFailed,
+    UnknownParticipant,
+    decode,
+    encode,
+)
+from tensorswap.privacy.secagg import client as secagg_client
+from tensorswap.privacy.secagg.protocol import KeysAdvert, PeerKeys, SharesUpload
+from tensorswap.privacy.secagg.quantize import max_bits
+from tensorswap.rounds import Coordinator, FakeClock
+from tensorswap.rounds.server import RoundServer
+from tensorswap.rounds.state import Complete, Failed, RoundId
+from tensorswap.runs import InvalidRunSpec, RunManager, RunSpec
+from tensorswap.runs.client import RunClient
+from tensorswap.runs.errors import RunsError
+from tensorswap.runs.manager import Task
+from tensorswap.runs.messages import SecAggRequest
+from tensorswap.runs.service import RunService
+from tensorswap.store import DirectoryStore, ModelUpdate, get_update
+from tensorswap.store.manifest import UpdateManifest, read_manifest
+
+KEY = b"secagg-service-key"
+TIMEOUT = 30.0
+
+
+def _model() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"w": rng.standard_normal((8, 4)).astype(np.float32), "b": np.zeros(4, np.float32)}
+
+
+def _delta(i: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(100 + i)
+    return {
+        "w": (rng.uniform(-0.5, 0.5, (8, 4))).astype(np.float32),
+        "b": rng.uniform(-0.5, 0.5, 4).astype(np.float32),
+    }
+
+
+class Served:
+    def __init__(self, server: RoundServer, manager: RunManager, clock: FakeClock) -> None:
+        self.server, self.manager, self.clock = server, manager, clock
+
+    async def client(self, name: str) -> RunClient:
+        client = await RunClient.connect("127.0.0.1", self.server.port, peer=name, key=KEY)
+        await client.register({"num_samples": 10})
+        return client
+
+    async def advance_until(
+        self, ready: asyncio.Future[object], absent: set[str], seconds: float
+    ) -> None:
+        """Until ``ready``: whenever the open secure phase waits only for peers in ``absent``
+        (they will never answer), move the fake clock past its deadline."""
+        while not ready.done():
+            await asyncio.sleep(0.02)
+            for session in list(self.manager.secure._sessions._sessions.values()):  # type: ignore[union-attr]
+                waiting = {session.names[i] for i in session._expected - session._answered}
+                if waiting and waiting <= absent and session.deadline is not None:
+                    self.clock.advance(seconds)
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[Served]:
+    clock = FakeClock()
+    coord = Coordinator.open(tmp_path, clock=clock, durable=False)
+    runs = RunManager.open(coord, durable=False)
+    server = RoundServer(coord, key=KEY, max_wait=30)
+    RunService(runs, server)
+    try:
+        await server.start("127.0.0.1", 0)
+        yield Served(server, runs, clock)
+    finally:
+        await server.aclose()
+        runs.close()
+        coord.close()
+
+
+async def _task(client: RunClient, run: str = "fl") -> Task:
+    task = await client.next_task(run, timeout=TIMEOUT)
+    assert task is not None and task.secagg
+    return task
+
+
+async def _train(client: RunClient, i: int, run: str = "fl") -> object:
+    task = await _task(client, run)
+    model = await client.fetch_model(task)
+    delta = _delta(i)
+    return await client.submit(task, {k: model[k] + delta[k] for k in model}, num_samples=10 + i)
+
+
+def _secagg_row(manager: RunManager, run: str, round: int) -> tuple[str, ...]:
+    row = manager.secure._row(run, round)
+    assert row is not None
+    return row  # type: ignore[return-value]
+
+
+async def _aggregate(manager: RunManager, run: str, round: int) -> dict[str, np.ndarray]:
+    info = await asyncio.to_thread(manager.wait_version, run, 1, TIMEOUT)
+    assert info.version == 1
+    phase, _, _, cid, _ = _secagg_row(manager, run, round)
+    assert phase == "done" and cid
+    return dict(get_update(manager.store, Cid.parse(cid)).tensors)
+
+
+async def test_the_unmasked_sum_is_exactly_the_sum_of_the_quantized_inputs(
+    served: Served,
+) -> None:
+    peers = [await served.client(f"p{i}") for i in range(4)]
+    try:
+        spec = RunSpec(per_round=4, min_clients=4, rounds=1, secagg=True, secagg_clip=0.5)
+        await peers[0].create_run("fl", spec, ModelUpdate(_model()))
+        await asyncio.gather(*(_train(p, i) for i, p in enumerate(peers)))
+        mean = await _aggregate(served.manager, "fl", 1)
+        quantized = [p.secagg_quantized for p in peers]
+        assert all(q is not None for q in quantized)
+        total = np.sum(np.stack(quantized).astype(np.uint64), axis=0).astype(np.uint32)
+        assert int(total[-1]) == sum(10 + i for i in range(4))  # the weights, in the sum
+        expected = Quantizer(0.5, max_bits(4), 1 << 16).weighted_mean(total, 4)
+        got = np.concatenate([mean["w"].ravel(), mean["b"].ravel()])
+        np.testing.assert_array_equal(got, expected)  # bit for bit: the sum is exact
+        # and it is FedAvg of the deltas, within the quantization bound
+        weights = np.array([10 + i for i in range(4)], np.float64)
+        plain = sum(w * _delta(i)["w"].astype(np.float64) for i, w in enumerate(weights))
+        np.testing.assert_allclose(mean["w"], plain / weights.sum(), atol=1e-3)
+        final = await peers[0].run("fl")
+        assert final.finished and sorted(final.participants) == ["p0", "p1", "p2", "p3"]
+        model = (await peers[0].rounds.fetch(Cid.parse(final.global_cid))).tensors
+        np.testing.assert_allclose(model["w"], _model()["w"] + mean["w"], rtol=0, atol=1e-6)
+    finally:
+        for p in peers:
+            await p.aclose()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_two_of_eight_peers_drop_around_the_masked_input(
+    served: Served, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """``before``: 2 vanish after the share phase (no masked input): the sum is the 6
+    survivors'. ``after``: 2 vanish after sending it: all 8 are in the sum, unmasked from the
+    6 that answer the unmask request."""
+    gone = {"p3", "p6"}
+    ids: dict[int, str] = {}
+    target = "_on_shares" if when == "before" else "_on_unmask"
+    original = getattr(secagg_client.SecAggClient, target)
+
+    def vanish(self: secagg_client.SecAggClient, message: object) -> object:
+        if ids.get(self.peer_id) in gone:
+            raise ConnectionResetError("this peer vanished")
+        return original(self, message)
+
+    monkeypatch.setattr(secagg_client.SecAggClient, target, vanish)
+    peers = [await served.client(f"p{i}") for i in range(8)]
+    try:
+        spec = RunSpec(
+            per_round=8, min_clients=8, quorum=0.5, rounds=1, secagg=True,
+            secagg_phase_timeout_s=5.0,
+        )  # fmt: skip
+        await peers[0].create_run("fl", spec, ModelUpdate(_model()))
+        names = sorted(p.peer for p in peers)
+        ids.update(enumerate(names))
+        done = asyncio.gather(*(_train(p, i) for i, p in enumerate(peers)), return_exceptions=True)
+        await served.advance_until(done, gone, 5.0)
+        results = await done
+        failed = {p.peer for p, r in zip(peers, results, strict=True) if isinstance(r, Exception)}
+        assert failed == gone
+        mean = await _aggregate(served.manager, "fl", 1)
+        _, survivors, dropped, _, _ = _secagg_row(served.manager, "fl", 1)
+        counted = [i for i, p in enumerate(peers) if when == "after" or p.peer not in gone]
+        assert json.loads(survivors) == sorted(peers[i].peer for i in counted)
+        assert json.loads(dropped) == ([] if when == "after" else sorted(gone))
+        weights = {i: 10 + i for i in counted}
+        plain = sum(w * _delta(i)["w"].astype(np.float64) for i, w in weights.items())
+        np.testing.assert_allclose(mean["w"], plain / sum(weights.values()), atol=1e-3)
+    finally:
+        for p in peers:
+            await p.aclose()
+
+
+async def test_no_block_in_the_coordinators_store_is_one_peers_update(
+    served: Served, tmp_path: Path
+) -> None:
+    peers = [await served.client(f"p{i}") for i in range(3)]
+    try:
+        spec = RunSpec(per_round=3, min_clients=3, rounds=1, secagg=True)
+        await peers[0].create_run("fl", spec, ModelUpdate(_model()))
+        await asyncio.gather(*(_train(p, i) for i, p in enumerate(peers)))
+        await _aggregate(served.manager, "fl", 1)
+    finally:
+        for p in peers:
+            await p.aclose()
+    store = served.manager.store
+    assert isinstance(store, DirectoryStore)
+    secrets = []
+    for i, peer in enumerate(peers):
+        d = _delta(i)
+        secrets += [d["w"], d["b"], _model()["w"] + d["w"]]
+        assert peer.secagg_quantized is not None
+        secrets.append(peer.secagg_quantized)
+    raw = {bytes(np.ascontiguousarray(s).data) for s in secrets}
+    updates = 0
+    for cid in list(store):
+        data = bytes(store.get(cid))
+        assert data not in raw
+        assert not any(r in data for r in raw)
+        try:
+            manifest = read_manifest(store, cid)
+        except Exception:
+            continue
+        if not isinstance(manifest, UpdateManifest):
+            continue
+        updates += 1
+        for values in get_update(store, cid).tensors.values():
+            for secret in secrets:
+                if np.shape(values) == np.shape(secret):
+                    assert not np.allclose(values, secret, atol=1e-4)
+    assert updates >= 3  # the initial model, the unmasked mean, the new version (at least)
+
+
+async def test_replayed_forged_and_malformed_messages_are_refused_typed(
+    served: Served,
+) -> None:
+    peers = [await served.client(f"p{i}") for i in range(3)]
+    try:
+        spec = RunSpec(per_round=3, min_clients=3, rounds=1, secagg=True)
+        await peers[0].create_run("fl", spec, ModelUpdate(_model()))
+        me = peers[0]
+        task = await _task(me)
+
+        def call(after: int, message: bytes = b"", timeout: float | None = None) -> SecAggRequest:
+            return SecAggRequest(
+                peer=me.peer, run="fl", round=task.round_id.round, after=after,
+                message=message, timeout=timeout,
+            )  # fmt: skip
+
+        answer = await me._call(call(0))
+        setup = decode(answer.secagg or b"")
+        rid, index = setup.config.round_id, answer.secagg_peer  # type: ignore[union-attr]
+        client = secagg_client.SecAggClient(index or 0, np.zeros(36, np.float32), 1)
+        advert = client.handle(setup)
+        assert isinstance(advert, KeysAdvert)
+        other = (index or 0) + 1
+        forged = KeysAdvert(round_id=rid, sender=other, keys=advert.keys)
+        with pytest.raises(UnknownParticipant):  # speaking for another peer
+            await me._call(call(1, encode(forged)), long=True)
+        foreign = KeysAdvert(round_id=b"x" * 16, sender=index or 0, keys=advert.keys)
+        from tensorswap.privacy.secagg import ForeignRound
+
+        with pytest.raises(ForeignRound):
+            await me._call(call(1, encode(foreign)), long=True)
+        with pytest.raises(MalformedSecAggMessage):
+            await me._call(call(1, b"\x93garbage"), long=True)
+        first = await me._call(call(1, encode(advert), timeout=0.0), long=True)
+        assert first.secagg is None  # the phase waits for the two others
+        with pytest.raises(ReplayedMessage):
+            await me._call(call(1, encode(advert)), long=True)
+        bad_keys = PeerKeys(b"\x01" * 32, b"\x02" * 32, advert.keys.seed_commitment)
+        with pytest.raises(ReplayedMessage):  # a second advert, other keys: still a replay
+            await me._call(call(1, encode(KeysAdvert(rid, index or 0, bad_keys))), long=True)
+        # a plain contribution to a secure run is refused: it would show the update
+        with pytest.raises(RunsError, match="securely"):
+            await me.rounds.submit(task.round_id, ModelUpdate(_model()), 1)
+        # the two others join; the phase closes; this peer's share upload to a stranger fails
+        others = asyncio.gather(*(_train(p, i) for i, p in enumerate(peers[1:], 1)))
+        keys = decode((await me._call(call(1), long=True)).secagg or b"")
+        shares = client.handle(keys)
+        assert isinstance(shares, SharesUpload)
+        stranger = SharesUpload(rid, index or 0, {**shares.ciphertexts, 99: b"x"})
+        with pytest.raises(UnknownParticipant):
+            await me._call(call(2, encode(stranger)), long=True)
+        # a tampered ciphertext: its recipients refuse it (the AEAD), typed, in their submit
+        tampered = {d: c[:-1] + bytes([c[-1] ^ 1]) for d, c in shares.ciphertexts.items()}
+        upload = encode(SharesUpload(rid, index or 0, tampered))
+        await me._call(call(2, upload, timeout=0.0), long=True)
+        with pytest.raises(ShareDecryptionFailed):
+            await others
+    finally:
+        for p in peers:
+            await p.aclose()
+
+
+async def test_a_round_below_threshold_fails_typed_and_a_new_round_follows(
+    served: Served,
+) -> None:
+    peers = [await served.client(f"p{i}") for i in range(3)]
+    try:
+        spec = RunSpec(
+            per_round=3, min_clients=3, rounds=1, secagg=True, round_timeout_s=10.0,
+        )  # fmt: skip
+        await peers[0].create_run("fl", spec, ModelUpdate(_model()))
+        lone = asyncio.ensure_future(_train(peers[0], 0))
+        await served.advance_until(lone, {"p1", "p2"}, 10.0)
+        with pytest.raises(SecureRoundFailed, match="TooFewSurvivors"):
+            await lone
+        status = served.manager.coordinator.status(RoundId(1, "fl"))
+        assert isinstance(status, Failed) and "secure aggregation" in status.reason
+        await asyncio.to_thread(served.manager.drain, TIMEOUT)
+        assert (await peers[0].run("fl")).round == 2  # a new round, a new sample
+        await asyncio.gather(*(_train(p, i) for i, p in enumerate(peers)))
+        info = await asyncio.to_thread(served.manager.wait_version, "fl", 1, TIMEOUT)
+        assert info.version == 1
+        assert isinstance(served.manager.coordinator.status(RoundId(2, "fl")), Complete)
+    finally:
+        for p in peers:
+            await p.aclose()
+
+
+def test_secure_specs_are_checked() -> None:
+    with pytest.raises(InvalidRunSpec, match="min_clients"):
+        RunSpec(secagg=True)
+    with pytest.raises(InvalidRunSpec, match="need secagg"):
+        RunSpec(secagg_threshold=3)
+    with pytest.raises(InvalidRunSpec, match="dp_clipping='client'"):
+        RunSpec(min_clients=2, secagg=True, dp_clip=1.0)
+    with pytest.raises(InvalidRunSpec, match="auto"):
+        RunSpec(min_clients=2, secagg=True, round_timeout_s="auto")
+    RunSpec(min_clients=2, secagg=True, dp_clip=1.0, dp_clipping="client", dp_noise=0.5)
+    from tensorswap.runs.step import check_policies
+
+    with pytest.raises(InvalidRunSpec, match="threshold"):
+        check_policies(RunSpec(per_round=8, min_clients=2, secagg=True, secagg_threshold=2))
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.8])
+async def test_secure_and_differentially_private_clip_before_masking(
+    served: Served, noise: float
+) -> None:
+    """Client-side clipping before masking (every peer weighs 1): the unmasked sum is the mean
+    of the clipped deltas; with noise the coordinator adds it to that sum, and ε is spent."""
+    peers = [await served.client(f"p{i}") for i in range(3)]
+    try:
+        spec = RunSpec(
+            per_round=3, min_clients=3, rounds=1, secagg=True, dp_clip=0.5,
+            dp_clipping="client", dp_noise=noise,
+        )  # fmt: skip
+        await peers[0].create_run("fl", spec, ModelUpdate(_model()))
+        await asyncio.gather(*(_train(p, i) for i, p in enumerate(peers)))
+        mean = await _aggregate(served.manager, "fl", 1)
+        clipped = []
+        for i in range(3):
+            d = np.concatenate([_delta(i)["w"].ravel(), _delta(i)["b"].ravel()])
+            clipped.append(d * min(1.0, 0.5 / float(np.linalg.norm(d))))
+        want = np.mean(clipped, axis=0)
+        got = np.concatenate([mean["w"].ravel(), mean["b"].ravel()])
+        np.testing.assert_allclose(got, want, atol=1e-6)  # weights 1: the plain mean
+        row = await peers[0].run("fl")
+        steps = served.manager.privacy.steps("fl")
+        assert len(steps) == 1 and steps[0].contributors == 3
+        final = (await peers[0].rounds.fetch(Cid.parse(row.global_cid))).tensors
+        moved = np.concatenate([(final[k] - _model()[k]).ravel() for k in ("w", "b")])
+        if noise == 0:
+            np.testing.assert_allclose(moved, want, atol=1e-6)
+            assert row.epsilon is not None
+        else:
+            assert not np.allclose(moved, want, atol=1e-3)  # noised
+            assert row.epsilon is not None and 0 < row.epsilon < float("inf")
+    finally:
+        for p in peers:
+            await p.aclose()
