@@ -10,9 +10,10 @@
    (the worst round, from the RSS before the first). Goal <= 3x (FedAvg folds
    contributions as they arrive; blocks are read memory-mapped).
 3. 1,000 peers with tiny updates in one round: contributions per second, durable, as
-   RoundClients (one request per submit) with a transaction per contribution (the path
-   before group commit: the starting figure) and with group commit, and as VirtualClients
-   (batched ``submit_batch`` requests); ratios against the first. Goal >= 3,000/s.
+   RoundClients (one peer per submit: offer + push + submit, or one inline submit request
+   carrying the blocks) with and without group commit, and as VirtualClients (batched
+   ``submit_batch`` requests); ratios against the first row (a coordinator from before,
+   with ``--before-src``), and inline against offer + push + submit. Goal >= 3,000/s.
 """
 
 from __future__ import annotations
@@ -245,11 +246,15 @@ def run_big(tmp: Path, peers: int, size: int, reps: int) -> bool:
 
 
 # ── 3: many peers, tiny updates ──────────────────────────────────────────────
-async def many_peers(port: int, peers: int, connections: int) -> float:
+async def many_peers(port: int, peers: int, connections: int, inline: bool = True) -> float:
+    """``peers`` RoundClient submits over ``connections`` connections, one request each
+    (``inline``: the blocks ride in the submit) or offer, push and submit (not ``inline``)."""
     rid = RoundId(2, "bench")
     clients = [
         await RoundClient.connect("127.0.0.1", port, peer=f"c{i}") for i in range(connections)
     ]
+    for client in clients:
+        client.inline = inline
     try:
         await clients[0].start_round(rid, RoundSpec(peers))
         per = peers // connections
@@ -315,17 +320,22 @@ def run_tiny(
         )
     configs += [
         (
-            f"RoundClient x {connections}, a transaction per submit (no group commit)",
+            f"RoundClient x {connections}, offer + push + submit, group commit",
+            (),
+            lambda port: many_peers(port, peers, connections, inline=False),
+        ),
+        (
+            f"RoundClient x {connections}, inline submit (one request), no group commit",
             ("--no-group-commit",),
             lambda port: many_peers(port, peers, connections),
         ),
         (
-            f"RoundClient x {connections}, group commit",
+            f"RoundClient x {connections}, inline submit (one request), group commit",
             (),
             lambda port: many_peers(port, peers, connections),
         ),
         (
-            f"RoundClient x {connections}, group commit, fast-commit (not durable)",
+            f"RoundClient x {connections}, inline submit, fast-commit (not durable)",
             ("--fast-commit",),
             lambda port: many_peers(port, peers, connections),
         ),
@@ -345,7 +355,7 @@ def run_tiny(
             lambda port: many_virtual(port, peers, 2, 1000),
         ),
         (
-            f"RoundClient x {connections}, group commit, --sync-blocks",
+            f"RoundClient x {connections}, inline submit, --sync-blocks",
             ("--sync-blocks",),
             lambda port: many_peers(port, peers, connections),
         ),
@@ -370,6 +380,10 @@ def run_tiny(
     best = max(rate for label, rate, _ in rows if "not durable" not in label)
     print(f"  best durable: {best:.0f}/s, {best / base:.2f}x the first row (goal >= 3000/s)")
     print(ratio_line("tiny_durable_vs_before", best / base))
+    plain = next(rate for label, rate, _ in rows if "offer + push" in label)
+    inline = next(rate for label, rate, _ in rows if "inline submit (one request), group" in label)
+    print(f"  one request per submit: inline {inline:.0f}/s vs offer + push + submit {plain:.0f}/s")
+    print(ratio_line("tiny_roundclient_inline_vs_plain", inline / plain))
     return True
 
 
