@@ -140,6 +140,11 @@ class Coordinator:
                 self.port = int(line.rsplit(":", 1)[1])
                 return
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the coordinator process has used so far."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def memory(self) -> tuple[int, int]:
         """(VmRSS, VmHWM) in bytes."""
         fields = {}
@@ -308,6 +313,7 @@ def run_tiny(
     ``before_src`` (the ``src`` of a checkout before this work) a coordinator run from it,
     else this coordinator with a transaction per contribution."""
     rows: list[tuple[str, float, float]] = []
+    costs: list[tuple[float, float]] = []
     Config = tuple[str, tuple[str, ...], Callable[[int], Awaitable[float]]]
     configs: list[Config] = []
     if before_src is not None:
@@ -360,30 +366,47 @@ def run_tiny(
             lambda port: many_peers(port, peers, connections),
         ),
     ]
-    for i, (label, extra, run) in enumerate(configs):
-        src = extra[1] if extra[:1] == ("--src",) else None
-        rates = []
-        for rep in range(reps):
+    rates: list[list[float]] = [[] for _ in configs]
+    cpus: list[list[tuple[float, float]]] = [[] for _ in configs]
+    for rep in range(reps):  # rows take turns, so that the machine's load hits them alike
+        for i, (_label, extra, run) in enumerate(configs):
+            src = extra[1] if extra[:1] == ("--src",) else None
             coord = Coordinator(tmp / f"tiny-{i}-{rep}", *(() if src else extra), src=src)
             try:
-                rates.append(peers / asyncio.run(run(coord.port)))
+                served, mine = coord.cpu_seconds(), time.process_time()
+                rates[i].append(peers / asyncio.run(run(coord.port)))
+                cpus[i].append((coord.cpu_seconds() - served, time.process_time() - mine))
             finally:
                 coord.stop()
-        rows.append((label, max(rates), statistics.median(rates)))
+    for (label, _, _), got, cpu in zip(configs, rates, cpus, strict=True):
+        rows.append((label, max(got), statistics.median(got)))
+        server_us = statistics.median(c[0] for c in cpu) / peers * 1e6
+        client_us = statistics.median(c[1] for c in cpu) / peers * 1e6
+        costs.append((server_us, client_us))
     base = rows[0][1]
     print(
         f"{peers} peers, tiny updates (16 float32), one round, contributions per second "
-        f"(best and median of {reps}; ratio of the bests):"
+        f"(best and median of {reps}; ratio of the bests), and CPU per contribution "
+        "(medians; coordinator process + this client process, connecting included):"
     )
-    for label, rate, median in rows:
-        print(f"  {rate:7.0f}/s (median {median:5.0f})  {rate / base:5.2f}x  {label}")
+    for (label, rate, median), (server_us, client_us) in zip(rows, costs, strict=True):
+        print(
+            f"  {rate:7.0f}/s (median {median:5.0f})  {rate / base:5.2f}x  "
+            f"cpu {server_us:4.0f} + {client_us:4.0f} us  {label}"
+        )
     best = max(rate for label, rate, _ in rows if "not durable" not in label)
     print(f"  best durable: {best:.0f}/s, {best / base:.2f}x the first row (goal >= 3000/s)")
     print(ratio_line("tiny_durable_vs_before", best / base))
-    plain = next(rate for label, rate, _ in rows if "offer + push" in label)
-    inline = next(rate for label, rate, _ in rows if "inline submit (one request), group" in label)
-    print(f"  one request per submit: inline {inline:.0f}/s vs offer + push + submit {plain:.0f}/s")
-    print(ratio_line("tiny_roundclient_inline_vs_plain", inline / plain))
+    labels = [label for label, _, _ in rows]
+    plain = next(i for i, label in enumerate(labels) if "offer + push" in label)
+    inline = next(i for i, label in enumerate(labels) if "inline submit (one request), g" in label)
+    print(
+        f"  one request per submit: inline {rows[inline][1]:.0f}/s vs offer + push + submit "
+        f"{rows[plain][1]:.0f}/s; CPU per contribution {sum(costs[inline]):.0f} vs "
+        f"{sum(costs[plain]):.0f} us (coordinator {costs[inline][0]:.0f} vs {costs[plain][0]:.0f})"
+    )
+    print(ratio_line("tiny_roundclient_inline_vs_plain", rows[inline][1] / rows[plain][1]))
+    print(ratio_line("tiny_cpu_inline_vs_plain", sum(costs[inline]) / sum(costs[plain]), "<=", 1))
     return True
 
 
