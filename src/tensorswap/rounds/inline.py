@@ -23,29 +23,35 @@ before the answer); the event loop only decodes and answers. The answer is a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from tensorswap.cid import Cid
-from tensorswap.errors import HashMismatch, InvalidCid
+from tensorswap.errors import HashMismatch, InvalidCid, TensorSwapError
 from tensorswap.rounds.batch import PROOF_BYTES
 from tensorswap.rounds.messages import MAX_NAME_BYTES, _Request, utf8_len
-from tensorswap.rounds.model import RoundId
+from tensorswap.rounds.model import RoundId, RoundStatus
 from tensorswap.store import BlockStore
 from tensorswap.wire import ProtocolViolation
 from tensorswap.wire._budget import ByteBudget, Reservation
 from tensorswap.wire.errors import BlockHashMismatch
+
+if TYPE_CHECKING:
+    from tensorswap.rounds.coordinator import Coordinator
 
 __all__ = [
     "APP_INLINE",
     "INLINE_SEND_BYTES",
     "MAX_INLINE_BLOCKS",
     "MAX_INLINE_BYTES",
+    "Blocks",
     "InlineBlock",
     "InlineSubmitRequest",
     "decode_inline",
     "encode_inline",
     "inline_blocks",
+    "intake_batch",
     "put_blocks",
     "reserve_inline",
 ]
@@ -150,7 +156,11 @@ def decode_inline(body: bytes) -> InlineSubmitRequest:
         raise ProtocolViolation("bad inline submit: nested too deeply") from None
 
 
-def inline_blocks(call: InlineSubmitRequest) -> list[tuple[Cid, bytes]]:
+Blocks = list[tuple[Cid, bytes]]
+"""An inline submit's blocks with their CIDs, children first."""
+
+
+def inline_blocks(call: InlineSubmitRequest) -> Blocks:
     """The blocks of ``call`` with their CIDs, in order (checked when it was decoded)."""
     return [(Cid.parse(block.cid), block.data) for block in call.blocks]
 
@@ -172,3 +182,26 @@ def put_blocks(store: BlockStore, blocks: Sequence[tuple[Cid, bytes]]) -> None:
             store.put_verified(cid, data)
         except HashMismatch as exc:
             raise BlockHashMismatch(cid, exc.actual) from exc
+
+
+def intake_batch(
+    coordinator: Coordinator, rid: RoundId, items: list[tuple[str, Cid, Blocks | None]]
+) -> list[RoundStatus | Exception]:
+    """On the round intake's worker thread: store each item's inline blocks (an item whose
+    blocks fail their check gets that failure), then ``submit_many`` the rest, in order;
+    per item its status or the error that refused it."""
+    outcomes: list[RoundStatus | Exception | None] = [None] * len(items)
+    todo: list[int] = []
+    for index, (_, _, blocks) in enumerate(items):
+        try:
+            if blocks:
+                put_blocks(coordinator.store, blocks)
+        except TensorSwapError as exc:
+            outcomes[index] = exc
+            continue
+        todo.append(index)
+    if todo:
+        pairs = [(items[i][0], items[i][1]) for i in todo]
+        for index, outcome in zip(todo, coordinator.submit_many(rid, pairs), strict=True):
+            outcomes[index] = outcome
+    return [o if o is not None else RuntimeError("no outcome") for o in outcomes]

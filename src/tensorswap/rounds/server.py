@@ -26,9 +26,10 @@ from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.errors import PeerNotAuthorised, RoundNotFound, RoundTimeout
 from tensorswap.rounds.inline import (
     APP_INLINE,
+    Blocks,
     decode_inline,
     inline_blocks,
-    put_blocks,
+    intake_batch,
     reserve_inline,
 )
 from tensorswap.rounds.paging import (
@@ -326,7 +327,7 @@ class RoundServer:
             return RoundAnswer(error=error_info(exc))
 
     async def _submit(
-        self, rid: RoundId, peer: str, cid: Cid, blocks: list[tuple[Cid, bytes]] | None = None
+        self, rid: RoundId, peer: str, cid: Cid, blocks: Blocks | None = None
     ) -> RoundStatus:
         """``coordinator.submit``, batched with the submits other connections make meanwhile:
         one worker thread per round stores their inline ``blocks`` (if any), screens them in
@@ -350,7 +351,7 @@ class RoundServer:
             while queue := self._intake.pop(rid, None):
                 items = [(peer, cid, blocks) for peer, cid, blocks, _ in queue]
                 try:
-                    outcomes = await asyncio.to_thread(self._intake_batch, rid, items)
+                    outcomes = await asyncio.to_thread(intake_batch, self.coordinator, rid, items)
                 except Exception as exc:  # a bug: every waiter hears of it
                     outcomes = [exc] * len(queue)
                 for (_, _, _, future), outcome in zip(queue, outcomes, strict=True):
@@ -358,26 +359,6 @@ class RoundServer:
                         future.set_result(outcome)
         finally:
             self._intaking.discard(rid)
-
-    def _intake_batch(
-        self, rid: RoundId, items: list[tuple[str, Cid, list[tuple[Cid, bytes]] | None]]
-    ) -> list[RoundStatus | Exception]:
-        """On the intake's thread: store each item's inline blocks (an item whose blocks fail
-        their check gets that failure), then submit the rest together, in order."""
-        outcomes: list[RoundStatus | Exception | None] = [None] * len(items)
-        todo: list[int] = []
-        for index, (_, _, blocks) in enumerate(items):
-            try:
-                if blocks:
-                    put_blocks(self.store, blocks)
-            except TensorSwapError as exc:
-                outcomes[index] = exc
-                continue
-            todo.append(index)
-        pairs = [(items[i][0], items[i][1]) for i in todo]
-        for index, outcome in zip(todo, self.coordinator.submit_many(rid, pairs), strict=True):
-            outcomes[index] = outcome
-        return [o if o is not None else RuntimeError("no outcome") for o in outcomes]
 
     async def _submit_batch(self, call: BatchSubmitRequest) -> BatchAnswer:
         """Check each item's proof (with per-peer keys), then submit the rest together."""
@@ -477,7 +458,7 @@ class RoundServer:
         return stats
 
 
-_Queued = tuple[str, Cid, list[tuple[Cid, bytes]] | None, asyncio.Future[Any]]
+_Queued = tuple[str, Cid, Blocks | None, asyncio.Future[Any]]
 """A submit waiting for its round's intake: peer, update, inline blocks, its answer."""
 
 _REPLY_OVERHEAD = 1024
