@@ -14,6 +14,8 @@
    carrying the blocks) with and without group commit, and as VirtualClients (batched
    ``submit_batch`` requests); ratios against the first row (a coordinator from before,
    with ``--before-src``), and inline against offer + push + submit. Goal >= 3,000/s.
+4. The CPU one small request costs (``status`` over 8 connections, client and server in
+   one process), against a ``--before-src`` checkout run the same way.
 """
 
 from __future__ import annotations
@@ -410,10 +412,63 @@ def run_tiny(
     return True
 
 
+# ── 4: the cost of one small request ───────────────────────────────────────
+_REQUESTS = """
+import asyncio, sys, tempfile, time
+from pathlib import Path
+from tensorswap.rounds.client import RoundClient
+from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.server import RoundServer
+from tensorswap.rounds.state import RoundId, RoundSpec
+
+async def main(connections, each):
+    with tempfile.TemporaryDirectory() as d, Coordinator.open(Path(d), run_timer=False) as co:
+        async with await RoundServer(co).start() as server:
+            clients = [await RoundClient.connect("127.0.0.1", server.port, peer=f"c{i}")
+                       for i in range(connections)]
+            rid = RoundId(1, "requests")
+            await clients[0].start_round(rid, RoundSpec(2))
+            async def loop(client):
+                for _ in range(each):
+                    await client.status(rid)
+            cpu = time.process_time()
+            await asyncio.gather(*(loop(c) for c in clients))
+            print((time.process_time() - cpu) / (connections * each))
+            for client in clients:
+                await client.aclose()
+
+asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
+"""
+
+
+def request_cpu(src: str | None, connections: int = 8, each: int = 1000) -> float:
+    """CPU seconds per ``status`` request, client and server in one process (``src``: run
+    from that source tree, else this one)."""
+    env = None if src is None else {**os.environ, "PYTHONPATH": src}
+    cmd = [sys.executable, "-c", _REQUESTS, str(connections), str(each)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+def run_requests(before_src: str | None, reps: int = 3) -> None:
+    """One small request's CPU (both sides: the frames, the wire, the event loop)."""
+    mine, before = [], []
+    for _ in range(reps):  # taking turns
+        mine.append(request_cpu(None))
+        if before_src is not None:
+            before.append(request_cpu(before_src))
+    now = statistics.median(mine)
+    print(f"one status request over 8 connections, CPU of both sides: {now * 1e6:.0f} us")
+    if before:
+        then = statistics.median(before)
+        print(f"  a checkout from {before_src}: {then * 1e6:.0f} us (medians of {reps})")
+        print(ratio_line("request_cpu_vs_before", now / then, "<=", 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="8 x 4 MiB, 100 peers")
-    parser.add_argument("--part", choices=["all", "big", "tiny"], default="all")
+    parser.add_argument("--part", choices=["all", "big", "tiny", "requests"], default="all")
     parser.add_argument("--reps", type=int, default=5, help="rounds of the big part")
     parser.add_argument(
         "--before-src",
@@ -430,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
             ok = run_big(Path(tmp), peers, size, 2 if args.quick else args.reps)
         if args.part in ("all", "tiny"):
             run_tiny(Path(tmp), tiny_peers, connections, args.before_src, 1 if args.quick else 3)
+        if args.part in ("all", "requests"):
+            run_requests(args.before_src, 1 if args.quick else 3)
     print(f"cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}")
     return 0 if ok else 1
 
