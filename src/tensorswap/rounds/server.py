@@ -427,7 +427,11 @@ class RoundServer:
                     del self._waiters[rid]
 
     def _on_change(self, rid: RoundId, status: RoundStatus) -> None:
-        """Called by the coordinator from any thread: wake this round's waiters on the loop."""
+        """Called by the coordinator from any thread: wake this round's waiters on the loop
+        once it is terminal (a wait returns only then; a wake per accepted contribution would
+        cost a loop wake-up and a system call each)."""
+        if not status.is_terminal:
+            return
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._wake, rid)
