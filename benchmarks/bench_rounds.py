@@ -10,9 +10,12 @@
    (the worst round, from the RSS before the first). Goal <= 3x (FedAvg folds
    contributions as they arrive; blocks are read memory-mapped).
 3. 1,000 peers with tiny updates in one round: contributions per second, durable, as
-   RoundClients (one request per submit) with a transaction per contribution (the path
-   before group commit: the starting figure) and with group commit, and as VirtualClients
-   (batched ``submit_batch`` requests); ratios against the first. Goal >= 3,000/s.
+   RoundClients (one peer per submit: offer + push + submit, or one inline submit request
+   carrying the blocks) with and without group commit, and as VirtualClients (batched
+   ``submit_batch`` requests); ratios against the first row (a coordinator from before,
+   with ``--before-src``), and inline against offer + push + submit. Goal >= 3,000/s.
+4. The CPU one small request costs (``status`` over 8 connections, client and server in
+   one process), against a ``--before-src`` checkout run the same way.
 """
 
 from __future__ import annotations
@@ -139,6 +142,11 @@ class Coordinator:
                 self.port = int(line.rsplit(":", 1)[1])
                 return
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the coordinator process has used so far."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def memory(self) -> tuple[int, int]:
         """(VmRSS, VmHWM) in bytes."""
         fields = {}
@@ -245,11 +253,15 @@ def run_big(tmp: Path, peers: int, size: int, reps: int) -> bool:
 
 
 # ── 3: many peers, tiny updates ──────────────────────────────────────────────
-async def many_peers(port: int, peers: int, connections: int) -> float:
+async def many_peers(port: int, peers: int, connections: int, inline: bool = True) -> float:
+    """``peers`` RoundClient submits over ``connections`` connections, one request each
+    (``inline``: the blocks ride in the submit) or offer, push and submit (not ``inline``)."""
     rid = RoundId(2, "bench")
     clients = [
         await RoundClient.connect("127.0.0.1", port, peer=f"c{i}") for i in range(connections)
     ]
+    for client in clients:
+        client.inline = inline
     try:
         await clients[0].start_round(rid, RoundSpec(peers))
         per = peers // connections
@@ -303,6 +315,7 @@ def run_tiny(
     ``before_src`` (the ``src`` of a checkout before this work) a coordinator run from it,
     else this coordinator with a transaction per contribution."""
     rows: list[tuple[str, float, float]] = []
+    costs: list[tuple[float, float]] = []
     Config = tuple[str, tuple[str, ...], Callable[[int], Awaitable[float]]]
     configs: list[Config] = []
     if before_src is not None:
@@ -315,17 +328,22 @@ def run_tiny(
         )
     configs += [
         (
-            f"RoundClient x {connections}, a transaction per submit (no group commit)",
+            f"RoundClient x {connections}, offer + push + submit, group commit",
+            (),
+            lambda port: many_peers(port, peers, connections, inline=False),
+        ),
+        (
+            f"RoundClient x {connections}, inline submit (one request), no group commit",
             ("--no-group-commit",),
             lambda port: many_peers(port, peers, connections),
         ),
         (
-            f"RoundClient x {connections}, group commit",
+            f"RoundClient x {connections}, inline submit (one request), group commit",
             (),
             lambda port: many_peers(port, peers, connections),
         ),
         (
-            f"RoundClient x {connections}, group commit, fast-commit (not durable)",
+            f"RoundClient x {connections}, inline submit, fast-commit (not durable)",
             ("--fast-commit",),
             lambda port: many_peers(port, peers, connections),
         ),
@@ -345,38 +363,112 @@ def run_tiny(
             lambda port: many_virtual(port, peers, 2, 1000),
         ),
         (
-            f"RoundClient x {connections}, group commit, --sync-blocks",
+            f"RoundClient x {connections}, inline submit, --sync-blocks",
             ("--sync-blocks",),
             lambda port: many_peers(port, peers, connections),
         ),
     ]
-    for i, (label, extra, run) in enumerate(configs):
-        src = extra[1] if extra[:1] == ("--src",) else None
-        rates = []
-        for rep in range(reps):
+    rates: list[list[float]] = [[] for _ in configs]
+    cpus: list[list[tuple[float, float]]] = [[] for _ in configs]
+    for rep in range(reps):  # rows take turns, so that the machine's load hits them alike
+        for i, (_label, extra, run) in enumerate(configs):
+            src = extra[1] if extra[:1] == ("--src",) else None
             coord = Coordinator(tmp / f"tiny-{i}-{rep}", *(() if src else extra), src=src)
             try:
-                rates.append(peers / asyncio.run(run(coord.port)))
+                served, mine = coord.cpu_seconds(), time.process_time()
+                rates[i].append(peers / asyncio.run(run(coord.port)))
+                cpus[i].append((coord.cpu_seconds() - served, time.process_time() - mine))
             finally:
                 coord.stop()
-        rows.append((label, max(rates), statistics.median(rates)))
+    for (label, _, _), got, cpu in zip(configs, rates, cpus, strict=True):
+        rows.append((label, max(got), statistics.median(got)))
+        server_us = statistics.median(c[0] for c in cpu) / peers * 1e6
+        client_us = statistics.median(c[1] for c in cpu) / peers * 1e6
+        costs.append((server_us, client_us))
     base = rows[0][1]
     print(
         f"{peers} peers, tiny updates (16 float32), one round, contributions per second "
-        f"(best and median of {reps}; ratio of the bests):"
+        f"(best and median of {reps}; ratio of the bests), and CPU per contribution "
+        "(medians; coordinator process + this client process, connecting included):"
     )
-    for label, rate, median in rows:
-        print(f"  {rate:7.0f}/s (median {median:5.0f})  {rate / base:5.2f}x  {label}")
+    for (label, rate, median), (server_us, client_us) in zip(rows, costs, strict=True):
+        print(
+            f"  {rate:7.0f}/s (median {median:5.0f})  {rate / base:5.2f}x  "
+            f"cpu {server_us:4.0f} + {client_us:4.0f} us  {label}"
+        )
     best = max(rate for label, rate, _ in rows if "not durable" not in label)
     print(f"  best durable: {best:.0f}/s, {best / base:.2f}x the first row (goal >= 3000/s)")
     print(ratio_line("tiny_durable_vs_before", best / base))
+    labels = [label for label, _, _ in rows]
+    plain = next(i for i, label in enumerate(labels) if "offer + push" in label)
+    inline = next(i for i, label in enumerate(labels) if "inline submit (one request), g" in label)
+    print(
+        f"  one request per submit: inline {rows[inline][1]:.0f}/s vs offer + push + submit "
+        f"{rows[plain][1]:.0f}/s; CPU per contribution {sum(costs[inline]):.0f} vs "
+        f"{sum(costs[plain]):.0f} us (coordinator {costs[inline][0]:.0f} vs {costs[plain][0]:.0f})"
+    )
+    print(ratio_line("tiny_roundclient_inline_vs_plain", rows[inline][1] / rows[plain][1]))
+    print(ratio_line("tiny_cpu_inline_vs_plain", sum(costs[inline]) / sum(costs[plain]), "<=", 1))
     return True
+
+
+# ── 4: the cost of one small request ───────────────────────────────────────
+_REQUESTS = """
+import asyncio, sys, tempfile, time
+from pathlib import Path
+from tensorswap.rounds.client import RoundClient
+from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.server import RoundServer
+from tensorswap.rounds.state import RoundId, RoundSpec
+
+async def main(connections, each):
+    with tempfile.TemporaryDirectory() as d, Coordinator.open(Path(d), run_timer=False) as co:
+        async with await RoundServer(co).start() as server:
+            clients = [await RoundClient.connect("127.0.0.1", server.port, peer=f"c{i}")
+                       for i in range(connections)]
+            rid = RoundId(1, "requests")
+            await clients[0].start_round(rid, RoundSpec(2))
+            async def loop(client):
+                for _ in range(each):
+                    await client.status(rid)
+            cpu = time.process_time()
+            await asyncio.gather(*(loop(c) for c in clients))
+            print((time.process_time() - cpu) / (connections * each))
+            for client in clients:
+                await client.aclose()
+
+asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
+"""
+
+
+def request_cpu(src: str | None, connections: int = 8, each: int = 1000) -> float:
+    """CPU seconds per ``status`` request, client and server in one process (``src``: run
+    from that source tree, else this one)."""
+    env = None if src is None else {**os.environ, "PYTHONPATH": src}
+    cmd = [sys.executable, "-c", _REQUESTS, str(connections), str(each)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+def run_requests(before_src: str | None, reps: int = 3) -> None:
+    """One small request's CPU (both sides: the frames, the wire, the event loop)."""
+    mine, before = [], []
+    for _ in range(reps):  # taking turns
+        mine.append(request_cpu(None))
+        if before_src is not None:
+            before.append(request_cpu(before_src))
+    now = statistics.median(mine)
+    print(f"one status request over 8 connections, CPU of both sides: {now * 1e6:.0f} us")
+    if before:
+        then = statistics.median(before)
+        print(f"  a checkout from {before_src}: {then * 1e6:.0f} us (medians of {reps})")
+        print(ratio_line("request_cpu_vs_before", now / then, "<=", 1))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="8 x 4 MiB, 100 peers")
-    parser.add_argument("--part", choices=["all", "big", "tiny"], default="all")
+    parser.add_argument("--part", choices=["all", "big", "tiny", "requests"], default="all")
     parser.add_argument("--reps", type=int, default=5, help="rounds of the big part")
     parser.add_argument(
         "--before-src",
@@ -393,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
             ok = run_big(Path(tmp), peers, size, 2 if args.quick else args.reps)
         if args.part in ("all", "tiny"):
             run_tiny(Path(tmp), tiny_peers, connections, args.before_src, 1 if args.quick else 3)
+        if args.part in ("all", "requests"):
+            run_requests(args.before_src, 1 if args.quick else 3)
     print(f"cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}")
     return 0 if ok else 1
 

@@ -1,8 +1,13 @@
 """10,000 clients on one coordinator: status latency and memory per client.
 
-A `tensorswap serve` process; 10,000 peers register for runs (``RunClient.register`` over
-the connections of one VirtualClients, each peer under its own name), then all of them
-contribute a tiny update to one round of 10,001 (so it stays open), batched. Printed:
+A `tensorswap serve` process; 10,000 peers register for runs, each under its own name: half
+with one ``RunClient.register`` request each over the 4 connections of one VirtualClients
+(concurrent registrations are journaled together), half with ``VirtualRuns.register_many``
+(``register_batch`` requests of 1,024); then all of them contribute a tiny update to one
+round of 10,001 (so it stays open), batched. Printed:
+
+- registrations per second both ways (and, with ``--before-src``, one request each to a
+  coordinator from before grouped registrations, in the same run), as ratios;
 
 - the coordinator's RSS growth per registered client and per contribution (goal: a few
   KiB), and its threads before and after (no thread per client);
@@ -29,6 +34,7 @@ from tensorswap.rounds.paging import page_peers, page_rounds
 from tensorswap.rounds.state import Collecting, RoundId, RoundSpec
 from tensorswap.rounds.virtual import PeerSubmit, VirtualClients
 from tensorswap.runs.client import RunClient
+from tensorswap.runs.virtual import VirtualRuns
 
 KiB = 1024
 
@@ -47,22 +53,44 @@ async def _timed(what: str, call: object, rows: list[tuple[str, float]]) -> obje
     return result
 
 
-async def scale(coord: Coordinator, clients: int) -> bool:
+async def register_one_each(pool: VirtualClients, names: list[str]) -> float:
+    """Seconds for ``names`` to register with one ``RunClient.register`` request each, over
+    every connection of ``pool`` at once."""
+    per = len(pool.clients)
+
+    async def register(k: int) -> None:
+        for name in names[k::per]:
+            await RunClient(pool.client_for(name, k)).register({"num_samples": 10})
+
+    start = time.perf_counter()
+    await asyncio.gather(*(register(k) for k in range(per)))
+    return time.perf_counter() - start
+
+
+async def before_registrations(port: int, clients: int) -> float:
+    pool = await VirtualClients.connect("127.0.0.1", port, connections=4)
+    try:
+        return await register_one_each(pool, [f"client-{i:05}" for i in range(clients // 2)])
+    finally:
+        await pool.aclose()
+
+
+async def scale(coord: Coordinator, clients: int, before: float | None = None) -> bool:
     rid = RoundId(1, "scale")
     pool = await VirtualClients.connect("127.0.0.1", coord.port, connections=4)
     try:
         names = [f"client-{i:05}" for i in range(clients)]
         rss0, _ = coord.memory()
         threads0 = _threads(coord.proc.pid)
+        half = clients // 2
+        one_each = await register_one_each(pool, names[:half])
         start = time.perf_counter()
-        per = len(pool.clients)
-
-        async def register(k: int) -> None:
-            for name in names[k::per]:
-                await RunClient(pool.client_for(name, k)).register({"num_samples": 10})
-
-        await asyncio.gather(*(register(k) for k in range(per)))
-        registered = time.perf_counter() - start
+        refused = await VirtualRuns(pool).register_many(
+            {n: {"num_samples": 10} for n in names[half:]}
+        )
+        batched = time.perf_counter() - start
+        assert not any(refused), refused[:3]
+        registered = one_each + batched
         rss1, _ = coord.memory()
         await pool.clients[0].start_round(rid, RoundSpec(clients + 1))
         items = [
@@ -99,10 +127,23 @@ async def scale(coord: Coordinator, clients: int) -> bool:
         await pool.aclose()
     per_client = (rss1 - rss0) / clients
     per_contribution = (rss2 - rss1) / clients
+    half = clients // 2
     print(
         f"{clients} clients: registered in {registered:.2f} s, contributed in {submitted:.2f} s "
         f"({clients / submitted:.0f}/s, batched)"
     )
+    print(
+        f"  registrations: one request each {half / one_each:.0f}/s ({one_each:.2f} s for "
+        f"{half}), register_batch {(clients - half) / batched:.0f}/s ({batched:.2f} s)"
+    )
+    print(ratio_line("scale_register_batch_vs_one_each", one_each / batched))
+    if before is not None:
+        print(
+            f"  before (a transaction per registration): one request each {half / before:.0f}/s"
+            f" ({before:.2f} s for {half})"
+        )
+        print(ratio_line("scale_register_one_each_vs_before", before / one_each))
+        print(ratio_line("scale_register_batch_vs_before", before / batched))
     print(
         f"  coordinator RSS: {rss0 / 2**20:.1f} MiB at start, +{per_client / KiB:.2f} KiB per "
         f"registered client, +{per_contribution / KiB:.2f} KiB per contribution (goal: a few KiB)"
@@ -124,12 +165,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="1,000 clients")
     parser.add_argument("--clients", type=int, default=10_000)
+    parser.add_argument(
+        "--before-src",
+        metavar="DIR",
+        help="also time one-request registrations on a coordinator run from this src "
+        "directory (a checkout before grouped registrations)",
+    )
     args = parser.parse_args(argv)
     clients = 1000 if args.quick else args.clients
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        before = None
+        if args.before_src:
+            old = Coordinator(Path(tmp) / "before", src=args.before_src)
+            try:
+                before = asyncio.run(before_registrations(old.port, clients))
+            finally:
+                old.stop()
         coord = Coordinator(Path(tmp) / "c")
         try:
-            ok = asyncio.run(scale(coord, clients))
+            ok = asyncio.run(scale(coord, clients, before))
         finally:
             coord.stop()
     return 0 if ok else 1

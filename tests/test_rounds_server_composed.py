@@ -9,6 +9,7 @@ import numpy as np
 
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.inline import APP_INLINE
 from tensorswap.rounds.protocol import APP
 from tensorswap.rounds.server import RoundServer
 from tensorswap.rounds.state import Complete, RoundId, RoundSpec, RoundStatus
@@ -33,7 +34,7 @@ def test_the_round_server_composes_a_block_server() -> None:
         server = RoundServer(coordinator, max_connections=5)
         assert not isinstance(server, BlockServer)
         assert isinstance(server.blocks, BlockServer)
-        assert server.blocks.handlers.keys() == {APP}
+        assert server.blocks.handlers.keys() == {APP, APP_INLINE}
         assert server.store is coordinator.store is server.blocks.store
         assert server.stats is server.blocks.stats and server.errors is server.blocks.errors
         assert server.max_connections == server.blocks.max_connections == 5

@@ -94,10 +94,20 @@ async def test_with_peer_keys_each_peer_proves_its_own_key(coord: Coordinator) -
             )
         # the plain submit op carries no proof: refused, and the connection goes on
         async with await RoundClient.connect("127.0.0.1", server.port, peer="p2", key=KEY) as plain:
+            plain.inline = False
             with pytest.raises(PeerNotAuthorised, match="only proven submits"):
                 await plain.submit(RID, tiny(3.0), 1)
             assert await plain.status(RID) == Collecting(2, 4)
-    assert sorted(c.peer for c in coord.contributions(RID)) == ["p0", "p3"]
+        # an inline submit carries the proof of the client's peer_key, when it has one
+        async with await RoundClient.connect("127.0.0.1", server.port, peer="p2", key=KEY) as bare:
+            with pytest.raises(PeerNotAuthorised, match="no proof"):
+                await bare.submit(RID, tiny(3.0), 1)
+        async with await RoundClient.connect(
+            "127.0.0.1", server.port, peer="p2", key=KEY, peer_key=PEER_KEYS["p2"]
+        ) as proven:
+            assert await proven.submit(RID, tiny(3.0), 1) is not None
+            assert await proven.status(RID) == Collecting(3, 4)
+    assert sorted(c.peer for c in coord.contributions(RID)) == ["p0", "p2", "p3"]
 
 
 def test_a_proof_names_one_contribution() -> None:

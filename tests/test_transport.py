@@ -60,6 +60,23 @@ async def test_large_payload_both_ways(pair: Pair) -> None:
         assert await receive_all(a, 1000) == big[:1000]
 
 
+async def test_the_nowait_fast_paths_keep_order_and_counts(pair: Pair) -> None:
+    a, b = pair
+    sent_now = a.send_nowait(b"one", memoryview(b"two"))  # False where there is no fast path
+    if not sent_now:
+        await a.send(b"one", memoryview(b"two"))
+    await a.send(b"three")
+    first = bytearray(3)
+    got = b.receive_nowait(first)  # what was read ahead already, never a wait
+    assert 0 <= got <= 3
+    if got < 3:
+        got += await b.receive_into(memoryview(first)[got:])
+    assert bytes(first) == b"one"
+    assert await receive_all(b, 8) == b"twothree"
+    assert a.bytes_sent == 11 and b.bytes_received == 11
+    assert b.receive_nowait(bytearray(4)) == 0  # nothing left
+
+
 async def test_many_small_reads_after_one_send(pair: Pair) -> None:
     a, b = pair
     payload = bytes(range(200))

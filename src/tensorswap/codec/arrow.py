@@ -144,6 +144,10 @@ def encoded_size(
     return int(sink.size())
 
 
+_SMALL_BLOCK = 64 * 1024
+"""Uncompressed blocks of at most this many value bytes are encoded in one pass."""
+
+
 def _writable(out: Any) -> pa.Buffer:
     try:
         view = memoryview(out)
@@ -207,10 +211,12 @@ def encode_block(
     options an encoding does not know raise TypeError.
     """
     batch = _to_batch(block, encoding, kind, options)
-    if _options(compression).compression is None:
+    if _options(compression).compression is None and block.nbytes > _SMALL_BLOCK:
         buf = pa.allocate_buffer(_stream_size(batch))
         _write(batch, pa.FixedSizeBufferWriter(buf), None)
         return buf
+    # compressed, or small: written once into a growing buffer (for a small block that costs
+    # less than measuring the stream first; the bytes are the same)
     sink = pa.BufferOutputStream()
     _write(batch, sink, compression)
     return sink.getvalue()

@@ -3,6 +3,7 @@ where runs, sampling and the server optimizer live, and forwards each global mod
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import msgspec
@@ -10,6 +11,7 @@ import msgspec
 from tensorswap.cid import Cid
 from tensorswap.errors import TensorSwapError
 from tensorswap.region.link import UpstreamLink
+from tensorswap.rounds.inline import APP_INLINE, decode_inline, inline_blocks, put_blocks
 from tensorswap.rounds.protocol import APP as ROUNDS_APP
 from tensorswap.rounds.protocol import (
     RoundAnswer,
@@ -18,6 +20,7 @@ from tensorswap.rounds.protocol import (
     WaitRequest,
     decode_call,
     encode_answer,
+    encode_call,
     error_info,
 )
 from tensorswap.rounds.server import RoundServer
@@ -67,6 +70,8 @@ class RunsProxy:
         self._runs: set[str] = set()  # names the top answered for: their rounds are the top's
         server.blocks.handlers[RUNS_APP] = self._on_runs
         server.blocks.handlers[ROUNDS_APP] = self._on_rounds
+        self._local_inline = server.blocks.handlers[APP_INLINE]
+        server.blocks.handlers[APP_INLINE] = self._on_inline
 
     # ── the runs app ─────────────────────────────────────────────────────────
     async def _on_runs(self, request: AppRequest) -> bytes:
@@ -127,6 +132,22 @@ class RunsProxy:
             timeout = min(asked, self.server.max_wait) + self._read_timeout()
         try:
             return await self.link.relay(ROUNDS_APP, request.body, push=push, timeout=timeout)
+        except TensorSwapError as exc:
+            return encode_answer(RoundAnswer(error=error_info(exc)))
+
+    async def _on_inline(self, request: AppRequest) -> bytes:
+        """An inline submit to a run's round at the top: its blocks are checked and kept
+        here, and the submit relayed as a plain one (the blocks pushed first)."""
+        call = decode_inline(request.body)
+        rid = call.round_id
+        if self.server.coordinator.info(rid) is not None or not await self._is_run(rid):
+            return await self._local_inline(request)
+        await asyncio.to_thread(put_blocks, self.server.store, inline_blocks(call))
+        submit = SubmitRequest(
+            round=rid.round, initiator=rid.initiator, peer=call.peer, update=call.update
+        )
+        try:
+            return await self.link.relay(ROUNDS_APP, encode_call(submit), push=call.cid)
         except TensorSwapError as exc:
             return encode_answer(RoundAnswer(error=error_info(exc)))
 

@@ -14,7 +14,9 @@ from typing import Any, Literal, Self
 import numpy as np
 
 from tensorswap.cid import Cid
+from tensorswap.rounds.batch import submit_proof
 from tensorswap.rounds.errors import RoundFailed, RoundTimeout, UnknownUpdate
+from tensorswap.rounds.inline import APP_INLINE, INLINE_SEND_BYTES, encode_inline
 from tensorswap.rounds.protocol import (
     APP,
     RoundAnswer,
@@ -87,17 +89,34 @@ class RoundClient:
     is out of sync: close it and connect again; a submit then resends only missing blocks.
     """
 
-    def __init__(self, blocks: BlockClient, peer: str, store: BlockStore | None = None) -> None:
+    def __init__(
+        self,
+        blocks: BlockClient,
+        peer: str,
+        store: BlockStore | None = None,
+        *,
+        peer_key: bytes | None = None,
+    ) -> None:
         if not peer:
             raise ValueError("peer must be a non-empty name")
         self.blocks = blocks
         self.peer = peer
         self.store = store if store is not None else MemoryStore()
+        self.peer_key = peer_key
+        """This peer's own key, for a coordinator with per-peer keys: inline submits then
+        carry its ``submit_proof`` (plain ones cannot, and such a coordinator refuses them)."""
+        self.inline = True
+        """Whether tiny updates go inline with their submit (``rounds.inline``); turned off
+        when the coordinator turns out to predate it."""
         self._lock = asyncio.Lock()  # one request (push + rounds call) at a time
         # the blocks of what this client submitted to recent rounds: a result shares only
         # those with the store (a chunk equal in every contribution), so a fetch of the
         # result asks for everything else at once
         self._submitted: OrderedDict[RoundId, list[Cid]] = OrderedDict()
+        # Updates whose blocks this client sent inline (bounded): submitted again (another
+        # round), they go as a plain submit with no offer; one the coordinator has lost
+        # since is pushed then (its UnknownUpdate answer), as always.
+        self._inlined: OrderedDict[Cid, None] = OrderedDict()
 
     @classmethod
     async def connect(
@@ -112,8 +131,13 @@ class RoundClient:
         store: BlockStore | None = None,
         limits: WireLimits | None = None,
         timeouts: Timeouts | None = None,
+        peer_key: bytes | None = None,
     ) -> Self:
-        """Connect and authenticate; ``store`` (default: in memory) holds updates and results."""
+        """Connect and authenticate; ``store`` (default: in memory) holds updates and results.
+
+        ``key`` is the federation's shared key (the handshake); ``peer_key`` this peer's own,
+        where the coordinator holds per-peer keys (see ``peer_key``).
+        """
         blocks = await BlockClient.connect(
             host,
             port,
@@ -123,7 +147,7 @@ class RoundClient:
             limits=limits,
             timeouts=timeouts,
         )
-        return cls(blocks, peer, store)
+        return cls(blocks, peer, store, peer_key=peer_key)
 
     async def aclose(self) -> None:
         await self.blocks.aclose()
@@ -158,6 +182,10 @@ class RoundClient:
         what the coordinator refused it for. If the coordinator answers that it lacks a block
         (one of its copies failed its hash check and was quarantined), the blocks it lacks are
         pushed once more and the submit repeated.
+
+        An update given as values whose blocks total at most ``INLINE_SEND_BYTES`` goes in
+        one request with its blocks (``rounds.inline``: one round trip, no dedup) unless
+        ``inline`` is off; ``compression`` does not apply to it.
         """
         small = is_small(update)  # then encoding and listing it cost less than thread hops
         if isinstance(update, Cid):
@@ -169,6 +197,14 @@ class RoundClient:
                 cid = put_update(self.store, update)
             else:
                 cid = await asyncio.to_thread(put_update, self.store, update)
+        known = cid in self._inlined  # its blocks went inline before: submit, no offer
+        if small and not isinstance(update, Cid) and self.inline and not known:
+            inlined = await self._submit_inline(round_id, cid)
+            if inlined is not None:
+                self._inlined[cid] = None
+                if len(self._inlined) > _INLINED_KEPT:
+                    self._inlined.popitem(last=False)
+                return inlined
         call = SubmitRequest.of(round_id, self.peer, cid)
         async with self._lock:
             start, wire_start = time.perf_counter(), self.blocks.transport.bytes_sent
@@ -176,7 +212,7 @@ class RoundClient:
                 closure = _children_first(self.store, cid)
             else:
                 closure = await asyncio.to_thread(_children_first, self.store, cid)
-            lacking = await self.blocks.missing(closure)
+            lacking = [] if known else await self.blocks.missing(closure)
             sent = await self.blocks.put_blocks(self.store, lacking, compression=compression)
             sent_blocks = len(lacking)
             # The server stores every block sent before it runs the submit: no separate
@@ -200,6 +236,39 @@ class RoundClient:
                 offered=len(closure),
                 sent_blocks=sent_blocks,
                 sent_bytes=sent,
+                wire_bytes=self.blocks.transport.bytes_sent - wire_start,
+                seconds=time.perf_counter() - start,
+            )
+        return SubmitResult(cid, _status(answer), push)
+
+    async def _submit_inline(self, round_id: RoundId, cid: Cid) -> SubmitResult | None:
+        """Submit ``cid`` with its blocks in one request; None when they are too many bytes
+        or the coordinator predates inline submits (then ``inline`` is turned off)."""
+        closure = _children_first(self.store, cid)
+        blocks = [(c, self.store.get(c, verify=False)) for c in closure]
+        nbytes = sum(data.nbytes for _, data in blocks)
+        if nbytes > INLINE_SEND_BYTES:
+            return None
+        key = self.peer_key
+        proof = b"" if key is None else submit_proof(key, round_id, self.peer, cid)
+        body = encode_inline(round_id, self.peer, cid, blocks, proof)
+        async with self._lock:
+            start, wire_start = time.perf_counter(), self.blocks.transport.bytes_sent
+            try:
+                reply = await self.blocks.request(APP_INLINE, body)
+            except RemoteError as exc:
+                if exc.code != "unsupported":
+                    raise
+                self.inline = False  # a coordinator from before inline submits
+                return None
+            answer = decode_answer(reply)
+            if answer.error is not None:
+                raise_remote(answer.error, self.blocks.conn.peer)
+            push = PushResult(
+                roots=(cid,),
+                offered=len(closure),
+                sent_blocks=len(closure),
+                sent_bytes=nbytes,
                 wire_bytes=self.blocks.transport.bytes_sent - wire_start,
                 seconds=time.perf_counter() - start,
             )
@@ -309,6 +378,8 @@ class RoundClient:
             raise_remote(answer.error, self.blocks.conn.peer)
         return answer
 
+
+_INLINED_KEPT = 1024
 
 SMALL_UPDATE = 64 * 1024
 """Updates of at most this many bytes of values are stored and listed on the event loop."""

@@ -14,7 +14,7 @@ from typing import Any, Self, assert_never
 import msgspec
 
 from tensorswap.cid import Cid
-from tensorswap.errors import TensorSwapError
+from tensorswap.errors import TensorSwapError, WireError
 from tensorswap.rounds.batch import (
     BatchAnswer,
     BatchSubmitRequest,
@@ -24,6 +24,14 @@ from tensorswap.rounds.batch import (
 )
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.errors import PeerNotAuthorised, RoundNotFound, RoundTimeout
+from tensorswap.rounds.inline import (
+    APP_INLINE,
+    Blocks,
+    decode_inline,
+    inline_blocks,
+    intake_batch,
+    reserve_inline,
+)
 from tensorswap.rounds.paging import (
     PageAnswer,
     PeersPageRequest,
@@ -121,7 +129,7 @@ class RoundServer:
             timeouts=timeouts,
             name=name,
             store_depth=store_depth,
-            handlers={APP: self._on_request},
+            handlers={APP: self._on_request, APP_INLINE: self._on_inline},
             max_connections=max_connections,
             max_inflight_bytes=max_inflight_bytes,
         )
@@ -131,7 +139,7 @@ class RoundServer:
         """The longest one ``wait`` request waits (seconds)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[RoundId, set[asyncio.Event]] = {}
-        self._intake: dict[RoundId, list[tuple[str, Cid, asyncio.Future[Any]]]] = {}
+        self._intake: dict[RoundId, list[_Queued]] = {}
         self._intaking: set[RoundId] = set()
         self._intake_tasks: set[asyncio.Task[None]] = set()
         self.peer_keys = None if peer_keys is None else PeerKeys(peer_keys)
@@ -238,6 +246,28 @@ class RoundServer:
             body = encode_answer(self._trimmed(answer))
         return body
 
+    async def _on_inline(self, request: AppRequest) -> bytes:
+        """An inline submit (``rounds.inline``): proof first, then its blocks, then the submit."""
+        self._loop = asyncio.get_running_loop()
+        call = decode_inline(request.body)
+        rid, cid = call.round_id, call.cid
+        if self.peer_keys is not None:
+            try:
+                self.peer_keys.check(rid, call.peer, cid, call.proof)
+            except PeerNotAuthorised as exc:
+                return encode_answer(RoundAnswer(error=error_info(exc)))
+        with await reserve_inline(self.blocks.budget, call):
+            try:
+                status = await self._submit(rid, call.peer, cid, inline_blocks(call))
+            except WireError:  # a block that fails its CID: the connection ends
+                raise
+            except TensorSwapError as exc:
+                return encode_answer(RoundAnswer(error=error_info(exc)))
+        stats = self.blocks.stats
+        stats.blocks_stored += len(call.blocks)
+        stats.bytes_stored += call.nbytes
+        return encode_answer(RoundAnswer(status=status_to_wire(status)))
+
     @property
     def _reply_budget(self) -> int:
         """The largest answer body that fits a REPLY frame within the message limit."""
@@ -296,13 +326,16 @@ class RoundServer:
         except TensorSwapError as exc:
             return RoundAnswer(error=error_info(exc))
 
-    async def _submit(self, rid: RoundId, peer: str, cid: Cid) -> RoundStatus:
+    async def _submit(
+        self, rid: RoundId, peer: str, cid: Cid, blocks: Blocks | None = None
+    ) -> RoundStatus:
         """``coordinator.submit``, batched with the submits other connections make meanwhile:
-        one worker thread per round screens them in order and journals them in one
-        transaction (``submit_many``); each answer still waits for its own commit."""
+        one worker thread per round stores their inline ``blocks`` (if any), screens them in
+        order and journals them in one transaction (``submit_many``); each answer still
+        waits for its own commit."""
         future: asyncio.Future[RoundStatus | Exception] = asyncio.get_running_loop().create_future()
         queue = self._intake.setdefault(rid, [])
-        queue.append((peer, cid, future))
+        queue.append((peer, cid, blocks, future))
         if rid not in self._intaking:
             self._intaking.add(rid)
             task = asyncio.ensure_future(self._drain_intake(rid))
@@ -316,12 +349,12 @@ class RoundServer:
     async def _drain_intake(self, rid: RoundId) -> None:
         try:
             while queue := self._intake.pop(rid, None):
-                pairs = [(peer, cid) for peer, cid, _ in queue]
+                items = [(peer, cid, blocks) for peer, cid, blocks, _ in queue]
                 try:
-                    outcomes = await asyncio.to_thread(self.coordinator.submit_many, rid, pairs)
+                    outcomes = await asyncio.to_thread(intake_batch, self.coordinator, rid, items)
                 except Exception as exc:  # a bug: every waiter hears of it
                     outcomes = [exc] * len(queue)
-                for (_, _, future), outcome in zip(queue, outcomes, strict=True):
+                for (_, _, _, future), outcome in zip(queue, outcomes, strict=True):
                     if not future.done():
                         future.set_result(outcome)
         finally:
@@ -394,7 +427,11 @@ class RoundServer:
                     del self._waiters[rid]
 
     def _on_change(self, rid: RoundId, status: RoundStatus) -> None:
-        """Called by the coordinator from any thread: wake this round's waiters on the loop."""
+        """Called by the coordinator from any thread: wake this round's waiters on the loop
+        once it is terminal (a wait returns only then; a wake per accepted contribution would
+        cost a loop wake-up and a system call each)."""
+        if not status.is_terminal:
+            return
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._wake, rid)
@@ -424,6 +461,9 @@ class RoundServer:
         )
         return stats
 
+
+_Queued = tuple[str, Cid, Blocks | None, asyncio.Future[Any]]
+"""A submit waiting for its round's intake: peer, update, inline blocks, its answer."""
 
 _REPLY_OVERHEAD = 1024
 """Room for the REPLY message around the answer body (app name, field names, lengths)."""

@@ -151,9 +151,11 @@ class VirtualClients:
     def client_for(self, peer: str, index: int = 0) -> RoundClient:
         """A RoundClient named ``peer`` over connection ``index`` (its lock, its store): for
         APIs built on one, e.g. ``RunClient(pool.client_for("site-7")).register(...)``. Its
-        plain submits carry no proof (refused by a coordinator with per-peer keys)."""
+        inline submits carry the proof of ``peer``'s key when the pool holds one; its plain
+        ones carry none (refused by a coordinator with per-peer keys)."""
         base = self.clients[index]
-        view = RoundClient(base.blocks, peer, base.store)
+        view = RoundClient(base.blocks, peer, base.store, peer_key=self.keys.get(peer))
+        view.inline = base.inline
         view._lock = base._lock  # one request at a time on the shared connection
         return view
 

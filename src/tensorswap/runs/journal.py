@@ -12,7 +12,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -251,11 +251,16 @@ class RunDatabase:
 
     # ── clients ──────────────────────────────────────────────────────────────
     def register(self, name: str, facts: Mapping[str, Param], at: float) -> None:
+        self.register_many([(name, facts, at)])
+
+    def register_many(self, rows: Sequence[tuple[str, Mapping[str, Param], float]]) -> None:
+        """Record ``(name, facts, registered_at)`` rows in one transaction (one fsync); a
+        name already registered keeps its time and takes the new facts."""
         with self._transaction() as db:
-            db.execute(
+            db.executemany(
                 "INSERT INTO clients VALUES (?, ?, ?) ON CONFLICT (name) DO UPDATE SET"
                 " facts = excluded.facts",
-                (name, json.dumps(dict(facts), sort_keys=True), at),
+                [(name, json.dumps(dict(facts), sort_keys=True), at) for name, facts, at in rows],
             )
 
     def load_clients(self, now: float) -> list[ClientInfo]:

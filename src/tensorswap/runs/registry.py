@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from tensorswap.rounds.deadline import Clock
 from tensorswap.runs.errors import InvalidRunSpec, NotRegistered
@@ -76,18 +76,48 @@ class ClientRegistry:
 
     def register(self, name: str, facts: Mapping[str, object] | None = None) -> ClientInfo:
         """Register (or re-register, replacing its facts) ``name``; it is seen now."""
-        checked = check_facts(facts or {})
+        (outcome,) = self.register_many([(name, facts)])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def register_many(
+        self, items: Sequence[tuple[str, Mapping[str, object] | None]]
+    ) -> list[ClientInfo | Exception]:
+        """Register each ``(name, facts)`` as ``register`` does, journaled in one transaction
+        (durable when this returns); per item its ClientInfo, or the error that refused it
+        (InvalidRunSpec for bad facts: that item alone; a journal failure: all of them, and
+        none is registered). A name given twice ends with its last facts."""
+        outcomes: list[ClientInfo | Exception | None] = [None] * len(items)
+        checked: list[tuple[int, str, dict[str, Param]]] = []
+        for index, (name, facts) in enumerate(items):
+            try:
+                checked.append((index, name, check_facts(facts or {})))
+            except InvalidRunSpec as exc:
+                outcomes[index] = exc
         now = self._clock.now()
         with self._lock:
-            known = self._clients.get(name)
-            if self._journal is not None and (known is None or dict(known.facts) != checked):
-                self._journal.register(name, checked, now)
-            info = ClientInfo(name, checked, known.registered_at if known else now, now)
-            self._clients[name] = info
-            listeners = list(self._listeners)
+            batch: dict[str, ClientInfo] = {}
+            rows: list[tuple[str, dict[str, Param], float]] = []
+            for index, name, facts in checked:
+                known = batch.get(name) or self._clients.get(name)
+                if known is None or dict(known.facts) != facts:
+                    rows.append((name, facts, now))
+                info = ClientInfo(name, facts, known.registered_at if known else now, now)
+                batch[name] = info
+                outcomes[index] = info
+            if rows and self._journal is not None:
+                try:
+                    self._journal.register_many(rows)
+                except Exception as exc:  # nothing of the batch was kept
+                    for index, _, _ in checked:
+                        outcomes[index] = exc
+                    batch = {}
+            self._clients.update(batch)
+            listeners = list(self._listeners) if batch else []
         for listener in listeners:
             listener()
-        return info
+        return [o if o is not None else RuntimeError("no outcome") for o in outcomes]
 
     def seen(self, name: str) -> ClientInfo:
         """A heartbeat (or any request) from ``name``; NotRegistered if it never registered."""

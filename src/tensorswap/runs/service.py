@@ -15,6 +15,7 @@ from tensorswap.rounds.messages import status_to_wire
 from tensorswap.rounds.protocol import error_info
 from tensorswap.rounds.server import RoundServer
 from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.runs.batch import RunBatches, refuse_unproven
 from tensorswap.runs.errors import BufferBusy
 from tensorswap.runs.manager import RunManager, Task
 from tensorswap.runs.messages import (
@@ -99,6 +100,8 @@ class RunService:
         self._waiters: dict[str, set[asyncio.Event]] = {}
         server.blocks.handlers[APP] = self._on_request
         manager.subscribe(self._on_change)
+        self.batches = RunBatches(self)
+        """The batched ops (``runs.batch``) and the grouped registrations."""
 
     async def _on_request(self, request: AppRequest) -> bytes:
         self._loop = asyncio.get_running_loop()
@@ -119,7 +122,7 @@ class RunService:
         manager, registry = self.manager, self.manager.registry
         match call:
             case RegisterRequest():
-                await asyncio.to_thread(registry.register, call.peer, call.facts)
+                await self.batches.intake.register(call.peer, call.facts)
                 return RunAnswer(clients=len(registry), active=len(registry.active()))
             case HeartbeatRequest():
                 registry.seen(call.peer)
@@ -140,6 +143,7 @@ class RunService:
                 task = await self._task(call)
                 return RunAnswer(task=None if task is None else task_wire(task))
             case ContributeRequest():
+                refuse_unproven(self, call)
                 return RunAnswer(status=status_to_wire(await self._contribute(call)))
             case SecAggRequest():
                 return await self._secagg(call)

@@ -98,6 +98,11 @@ class StreamProtocol(asyncio.BufferedProtocol):
         if self._drainer is not None and not self._drainer.done():
             self._drainer.set_result(None)
 
+    @property
+    def writing_paused(self) -> bool:
+        """asyncio paused writing: the write buffer is above its high-water mark."""
+        return self._writing_paused
+
     # helpers
     def _wake_reader(self) -> None:
         if self._reader is not None and not self._reader.done():

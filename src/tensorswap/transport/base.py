@@ -69,6 +69,18 @@ class Transport(ABC):
         """
         return contextlib.nullcontext()
 
+    def send_nowait(self, *parts: Buffer) -> bool:
+        """Hand ``parts`` over without waiting, where that is possible now: True if done
+        (as ``send`` would have, in order), False if nothing was sent and the caller must
+        ``await send(...)``. A fast path for small frames; by default never taken."""
+        return False
+
+    def receive_nowait(self, buffer: Buffer) -> int:
+        """Copy bytes already received (read ahead) into ``buffer`` without waiting; how
+        many (0 when none, or where the transport has no such fast path). ``receive_into``
+        goes on from there."""
+        return 0
+
     async def receive_exactly(self, buffer: Buffer, what: str = "data") -> None:
         """Fill ``buffer`` completely or raise UnexpectedEof naming ``what``."""
         view = byte_view(buffer)

@@ -133,6 +133,22 @@ class TcpTransport(Transport):
         if self._protocol.lost:
             raise ConnectionFailed(self.peer, describe(self._protocol.error, "connection lost"))
 
+    def send_nowait(self, *parts: Buffer) -> bool:
+        """Small parts (at most ``_COALESCE_BYTES`` in all) go to asyncio's write buffer in
+        one write when writing is not paused (the write buffer is under its high-water
+        mark): no wait, so no timeout scope around it. A send that finds it paused, or
+        larger parts, take ``send``."""
+        protocol = self._protocol
+        if self._closed or protocol.lost or protocol.writing_paused:
+            return False
+        views = [byte_view(part) for part in parts]
+        total = sum(view.nbytes for view in views)
+        if total > _COALESCE_BYTES:
+            return False
+        self._transport.writelines(views)
+        self.bytes_sent += total
+        return True
+
     async def _send_direct(self, sock: socket.socket, view: memoryview) -> None:
         sending = asyncio.ensure_future(asyncio.get_running_loop().sock_sendall(sock, view))
         self._sending = sending
@@ -155,6 +171,13 @@ class TcpTransport(Transport):
         if self._direct is not None:
             self._direct.close()
             self._direct = None
+
+    def receive_nowait(self, buffer: Buffer) -> int:
+        if self._closed:
+            return 0
+        got = self._protocol.take_buffered(byte_view(buffer))
+        self.bytes_received += got
+        return got
 
     async def receive_into(self, buffer: Buffer) -> int:
         if self._closed:

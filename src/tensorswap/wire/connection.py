@@ -236,6 +236,8 @@ class FrameConnection:
         later send then fails at once with ConnectionFailed."""
         if self._send_broken:
             raise ConnectionFailed(self.peer, "an earlier send stopped inside a frame")
+        if self.transport.send_nowait(*parts):  # a small frame handed over: nothing to time
+            return
         seconds = self.timeouts.read
         done = False
         try:
@@ -312,11 +314,15 @@ class FrameConnection:
         loop = asyncio.get_running_loop()
         seconds = self._seconds(timeout)
         deadline = None if seconds is None else loop.time() + seconds
-        try:
-            async with asyncio.timeout_at(deadline):
-                got = await self.transport.receive_into(self._header)
-        except TimeoutError as exc:
-            raise PeerTimeout("a frame header", seconds or 0.0, self.peer) from exc
+        # Bytes already read ahead need no wait, so no timeout scope (a pipelined peer's
+        # frames, a payload that came with its header).
+        got = self.transport.receive_nowait(self._header)
+        if got < HEADER_SIZE:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    got += await self.transport.receive_into(memoryview(self._header)[got:])
+            except TimeoutError as exc:
+                raise PeerTimeout("a frame header", seconds or 0.0, self.peer) from exc
         if got == 0:
             raise StreamEnded(f"connection from {self.peer}")
         if got < HEADER_SIZE:
@@ -346,17 +352,21 @@ class FrameConnection:
         # and recycled: fresh pages cost more than the bytes received into them.
         payload = receive_buffers().take(header.payload_len)
         payload[: len(head)] = head
+        filled = len(head)
+        if filled < header.payload_len:
+            filled += self.transport.receive_nowait(payload[filled:])
         try:
-            async with asyncio.timeout_at(deadline):
-                await self.transport.receive_exactly(payload[len(head) :], what)
+            if filled < header.payload_len:
+                async with asyncio.timeout_at(deadline):
+                    await self.transport.receive_exactly(payload[filled:], what)
         except TimeoutError as exc:
             if whole_frame:
                 what = f"a whole {header.kind.name} frame ({header.payload_len} bytes)"
             raise PeerTimeout(what, seconds or 0.0, self.peer) from exc
         except UnexpectedEof as exc:
-            if not head:
+            if not filled:
                 raise
-            raise UnexpectedEof(what, len(head) + exc.received, header.payload_len) from None
+            raise UnexpectedEof(what, filled + exc.received, header.payload_len) from None
         if defer_block_crc and header.kind is FrameKind.BLOCK:
             return Frame(header, payload, checked=False)
         _check_crc(header, payload)
