@@ -204,6 +204,7 @@ class RoundClient:
                 self._inlined[cid] = None
                 if len(self._inlined) > _INLINED_KEPT:
                     self._inlined.popitem(last=False)
+                self._remember(round_id, _children_first(self.store, cid))
                 return inlined
         call = SubmitRequest.of(round_id, self.peer, cid)
         async with self._lock:
@@ -228,9 +229,7 @@ class RoundClient:
                 sent += await self.blocks.put_blocks(self.store, lacking, compression=compression)
                 sent_blocks += len(lacking)
                 answer = await self._call(call, locked=True)
-            self._submitted[round_id] = closure
-            while len(self._submitted) > _SUBMITS_REMEMBERED:
-                self._submitted.popitem(last=False)
+            self._remember(round_id, closure)
             push = PushResult(
                 roots=(cid,),
                 offered=len(closure),
@@ -329,6 +328,12 @@ class RoundClient:
         if isinstance(status, Complete):
             return Cid.parse(status.cid)
         raise RoundFailed(round_id.as_key(), getattr(status, "reason", status.name))
+
+    def _remember(self, round_id: RoundId, closure: list[Cid]) -> None:
+        """The blocks of what this client submitted to ``round_id`` (a few rounds kept)."""
+        self._submitted[round_id] = closure
+        while len(self._submitted) > _SUBMITS_REMEMBERED:
+            self._submitted.popitem(last=False)
 
     async def fetch(self, cid: Cid, *, have: Sequence[Cid] | None = None) -> ModelUpdate:
         """Pull the update ``cid`` into this client's store (only blocks it lacks) and load it.
