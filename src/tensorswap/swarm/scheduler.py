@@ -1,0 +1,245 @@
+"""SwarmSchedule: one fetch's chunks spread over several sources, each block checked on arrival."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tensorswap.cid import Cid
+from tensorswap.errors import TensorSwapError
+from tensorswap.store.base import BlockStore
+
+__all__ = ["ChunkSource", "SourceReport", "SwarmSchedule"]
+
+log = logging.getLogger("tensorswap.swarm")
+
+
+class ChunkSource(Protocol):
+    """Where chunks come from: the coordinator (``complete``: holds them all) or a peer."""
+
+    name: str
+    complete: bool
+
+    async def have(self, since: int, wait: float) -> tuple[int, list[Cid]] | None:
+        """The chunks held beyond the first ``since`` told (waiting up to ``wait`` s for
+        one), and the count told so far; None if the source does not serve the root."""
+        ...
+
+    async def get(self, cids: list[Cid], into: BlockStore) -> list[Cid]:
+        """Fetch ``cids`` into ``into`` (each CID-checked before it is stored); the ones the
+        source lacks. Raises on a broken connection or a block that fails its check."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(slots=True)
+class SourceReport:
+    """What one source delivered in one fetch, and why it was dropped (if it was)."""
+
+    name: str
+    blocks: int = 0
+    nbytes: int = 0
+    failed: str | None = None
+    lacked: int = 0
+
+
+@dataclass(slots=True)
+class _State:
+    source: ChunkSource
+    report: SourceReport
+    known: set[Cid] = field(default_factory=set)
+    since: int = 0
+
+
+class SwarmSchedule:
+    """Fetch ``chunks`` into ``store`` from several sources at once.
+
+    Each source has one worker with at most ``batch`` chunks in flight (one Get). A peer's
+    worker takes the chunks it is known to hold (rarest among the peers first), learning
+    what it holds by have queries that wait up to ``have_wait`` s for news. The complete
+    source (the coordinator) takes only chunks no peer is known to hold, in this fetcher's
+    order (rotated by ``start``, so fetchers that start together take different chunks
+    first): every chunk a peer can give is one less copy on the coordinator's link.
+
+    A block is stored only after its CID check (the sources' ``get``); a chunk counts as
+    fetched when the store holds it. A source that fails (connection lost, a corrupt block,
+    a have answer it cannot back) is dropped and its chunks go back to the others; one that
+    says it lacks a chunk it announced is just no longer asked for it. ``on_stored`` is
+    called with each batch of chunks stored (the peer's seeder then serves them).
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[Cid],
+        store: BlockStore,
+        *,
+        start: int = 0,
+        batch: int = 2,
+        have_wait: float = 0.25,
+        on_stored: Callable[[list[Cid]], None] | None = None,
+    ) -> None:
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
+        unique = list(dict.fromkeys(chunks))
+        cut = start % len(unique) if unique else 0
+        self.order = unique[cut:] + unique[:cut]
+        self.store = store
+        self.batch = batch
+        self.have_wait = have_wait
+        self.on_stored = on_stored
+        self.needed: set[Cid] = set(store.missing(self.order))
+        self.inflight: set[Cid] = set()
+        self.count: dict[Cid, int] = dict.fromkeys(self.order, 0)  # peers known to hold it
+        self.reports: list[SourceReport] = []
+        self._states: list[_State] = []
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._running = False
+
+    # ── running ──────────────────────────────────────────────────────────────
+    async def run(self, sources: Sequence[ChunkSource]) -> list[SourceReport]:
+        """Fetch until the store holds every chunk, or no source is left; the reports.
+
+        The peers' first have queries are answered before any worker starts, so the
+        coordinator is never asked for a chunk a known peer already holds. Workers still
+        running at the end (a have query waiting) are cancelled; sources are not closed.
+        """
+        states = [self._state(s) for s in sources]
+        await asyncio.gather(*(self._first_have(st) for st in states if not st.source.complete))
+        self._running = True
+        try:
+            for state in states:
+                if state.report.failed is None:
+                    self._spawn(state)
+            while self.needed and self._tasks:
+                changed = self._changed
+                await changed.wait()
+        finally:
+            self._running = False
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        return self.reports
+
+    async def add(self, source: ChunkSource) -> None:
+        """A source found while running (a peer that announced later)."""
+        if not self._running or not self.needed:
+            return
+        state = self._state(source)
+        await self._first_have(state)
+        if state.report.failed is None and self._running:
+            self._spawn(state)
+
+    @property
+    def lacking(self) -> list[Cid]:
+        return [cid for cid in self.order if cid in self.needed]
+
+    # ── workers ──────────────────────────────────────────────────────────────
+    def _state(self, source: ChunkSource) -> _State:
+        state = _State(source, SourceReport(source.name))
+        self.reports.append(state.report)
+        self._states.append(state)
+        return state
+
+    def _spawn(self, state: _State) -> None:
+        task = asyncio.ensure_future(self._work(state))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._signal()
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _first_have(self, state: _State) -> None:
+        try:
+            await self._learn(state, 0.0)
+        except (TensorSwapError, OSError) as exc:
+            self._drop(state, exc)
+
+    async def _work(self, state: _State) -> None:
+        try:
+            while self.needed and state.report.failed is None:
+                pick = self._pick(state)
+                if pick:
+                    await self._fetch(state, pick)
+                elif state.source.complete:
+                    changed = self._changed
+                    await changed.wait()
+                elif not await self._learn(state, self.have_wait):
+                    return
+        except (TensorSwapError, OSError) as exc:
+            self._drop(state, exc)
+
+    def _pick(self, state: _State) -> list[Cid]:
+        free = [c for c in self.order if c in self.needed and c not in self.inflight]
+        if state.source.complete:
+            return [c for c in free if self.count[c] == 0][: self.batch]
+        held = [c for c in free if c in state.known]
+        held.sort(key=self.count.__getitem__)  # stable: rarest first, then this order
+        return held[: self.batch]
+
+    async def _learn(self, state: _State, wait: float) -> bool:
+        """One have query; False if the source does not serve the root (it is dropped)."""
+        if state.source.complete:
+            return True
+        answer = await state.source.have(state.since, wait)
+        if answer is None:
+            self._drop(state, None, "does not serve the root")
+            return False
+        state.since, told = answer
+        fresh = [c for c in told if c in self.count and c not in state.known]
+        for cid in fresh:
+            state.known.add(cid)
+            self.count[cid] += 1
+        if fresh:
+            self._signal()
+        return True
+
+    async def _fetch(self, state: _State, pick: list[Cid]) -> None:
+        self.inflight.update(pick)
+        failure: BaseException | None = None
+        try:
+            await state.source.get(pick, self.store)
+        except (TensorSwapError, OSError) as exc:
+            failure = exc
+        finally:
+            self.inflight.difference_update(pick)
+        absent = set(self.store.missing(pick))  # what the checks let through is held
+        stored = [c for c in pick if c not in absent and c in self.needed]
+        self.needed.difference_update(stored)
+        state.report.blocks += len(stored)
+        with contextlib.suppress(TensorSwapError):
+            state.report.nbytes += sum(self.store.size_of(c) for c in stored)
+        for cid in absent:
+            if cid in state.known:
+                state.known.discard(cid)
+                self.count[cid] -= 1
+        if absent and failure is None:
+            state.report.lacked += len(absent)
+        if stored and self.on_stored is not None:
+            self.on_stored(stored)
+        self._signal()
+        if failure is not None:
+            raise failure
+        if absent and state.source.complete:
+            self._drop(state, None, f"lacks {len(absent)} chunks, first {next(iter(absent))}")
+
+    def _drop(self, state: _State, exc: BaseException | None, why: str = "") -> None:
+        if state.report.failed is not None:
+            return
+        reason = why or f"{type(exc).__name__}: {exc}"
+        state.report.failed = reason
+        log.info("swarm source %s dropped: %s", state.source.name, reason)
+        for cid in state.known:
+            self.count[cid] -= 1
+        state.known.clear()
+        self._signal()
