@@ -87,21 +87,27 @@ class HoldersAnswer(_Base, frozen=True):
 
 
 class HaveQuery(_Base, frozen=True):
-    """Fetcher -> seeder: the chunks of ``root`` held beyond the first ``since`` already told;
-    when there are none yet, wait up to ``wait`` seconds (at most MAX_WAIT) for one."""
+    """Fetcher -> seeder: the chunks of ``root`` held beyond the first ``since`` already told,
+    and the chunks it is fetching from the coordinator (its claims); when there is no news
+    (no chunk beyond ``since``, claims still at version ``claims_seen``), wait up to
+    ``wait`` seconds (at most MAX_WAIT) for some."""
 
     root: bytes
     since: int = 0
     wait: float = 0.0
+    claims_seen: int = 0
 
 
 class HaveAnswer(_Base, frozen=True):
     """Seeder -> fetcher: ``chunks`` held, in the order the seeder got them, from position
-    ``since``; ``version`` is the count told so far. ``serving`` False: not this root."""
+    ``since``; ``version`` is the count told so far. ``claimed``: every chunk it is fetching
+    from the coordinator now, as of ``claims_version``. ``serving`` False: not this root."""
 
     version: int
     chunks: list[bytes] = msgspec.field(default_factory=list)
     serving: bool = True
+    claimed: list[bytes] = msgspec.field(default_factory=list)
+    claims_version: int = 0
 
 
 _call_decoder = msgspec.msgpack.Decoder(TrackerCall)
@@ -145,15 +151,15 @@ def decode_answer(body: bytes, peer: str = "") -> HoldersAnswer:
 
 def decode_have(body: bytes, peer: str = "") -> HaveQuery:
     query = _decode(_have_decoder, body, "have", peer)
-    if query.since < 0 or not query.wait >= 0:  # NaN fails the second test
+    if query.since < 0 or query.claims_seen < 0 or not query.wait >= 0:  # NaN fails this
         raise BadSwarmMessage(f"have since={query.since} wait={query.wait}", peer)
     return query
 
 
 def decode_have_answer(body: bytes, peer: str = "") -> HaveAnswer:
     answer = _decode(_have_answer_decoder, body, "have answer", peer)
-    if answer.version < 0:
-        raise BadSwarmMessage(f"have version {answer.version}", peer)
+    if answer.version < 0 or answer.claims_version < 0:
+        raise BadSwarmMessage(f"have versions {answer.version}, {answer.claims_version}", peer)
     return answer
 
 

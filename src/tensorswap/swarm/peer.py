@@ -36,8 +36,6 @@ __all__ = ["SwarmFetch", "SwarmPeer"]
 
 log = logging.getLogger("tensorswap.swarm")
 
-_GOLDEN = 0.6180339887498949  # spreads any number of start positions over the chunks
-
 
 @dataclass(frozen=True, slots=True)
 class SwarmFetch:
@@ -86,7 +84,7 @@ class SwarmPeer:
         server_ssl: ssl_module.SSLContext | None = None,
         client_ssl: ssl_module.SSLContext | None = None,
         batch: int = 2,
-        refresh: float = 0.25,
+        refresh: float = 0.1,
         have_wait: float = 0.25,
         limits: WireLimits | None = None,
         timeouts: Timeouts | None = None,
@@ -150,21 +148,24 @@ class SwarmPeer:
             self.seeder.holdings.serve(root, manifests)
             self.seeder.holdings.add(root, [c for c in chunks if self.store.has(c)])
         holders = await self._track(coordinator, root, announce=True)
-        on_stored = None
+        on_stored = on_claim = None
         if self.seeder is not None:
             holdings = self.seeder.holdings
 
             def on_stored(cids: list[Cid]) -> None:
                 holdings.add(root, cids)
 
-        position = len(holders or [])
+            def on_claim(cids: list[Cid], claimed: bool) -> None:
+                holdings.claim(root, cids, claimed)
+
         schedule = SwarmSchedule(
             chunks,
             self.store,
-            start=int(len(chunks) * ((position * _GOLDEN) % 1.0)),
+            seed=f"{self.peer}/{root}",
             batch=self.batch,
             have_wait=self.have_wait,
             on_stored=on_stored,
+            on_claim=on_claim,
         )
         coord = BlockSource(coordinator, root, "coordinator", complete=True, owned=False)
         sources: list[ChunkSource] = [coord]

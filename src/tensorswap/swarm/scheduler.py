@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -13,9 +14,20 @@ from tensorswap.cid import Cid
 from tensorswap.errors import TensorSwapError
 from tensorswap.store.base import BlockStore
 
-__all__ = ["ChunkSource", "SourceReport", "SwarmSchedule"]
+__all__ = ["ChunkSource", "HaveNews", "SourceReport", "SwarmSchedule"]
 
 log = logging.getLogger("tensorswap.swarm")
+
+
+@dataclass(frozen=True, slots=True)
+class HaveNews:
+    """A peer's answer to a have query: chunks held beyond those told (``version`` told in
+    all), and every chunk it is fetching from the coordinator now (``claims_version``)."""
+
+    version: int
+    chunks: list[Cid]
+    claimed: frozenset[Cid] = frozenset()
+    claims_version: int = 0
 
 
 class ChunkSource(Protocol):
@@ -24,9 +36,9 @@ class ChunkSource(Protocol):
     name: str
     complete: bool
 
-    async def have(self, since: int, wait: float) -> tuple[int, list[Cid]] | None:
-        """The chunks held beyond the first ``since`` told (waiting up to ``wait`` s for
-        one), and the count told so far; None if the source does not serve the root."""
+    async def have(self, since: int, claims_seen: int, wait: float) -> HaveNews | None:
+        """What the source holds beyond the first ``since`` chunks told, and its claims,
+        waiting up to ``wait`` s for news; None if the source does not serve the root."""
         ...
 
     async def get(self, cids: list[Cid], into: BlockStore) -> list[Cid]:
@@ -53,7 +65,9 @@ class _State:
     source: ChunkSource
     report: SourceReport
     known: set[Cid] = field(default_factory=set)
+    claimed: frozenset[Cid] = frozenset()
     since: int = 0
+    claims_seen: int = 0
 
 
 class SwarmSchedule:
@@ -62,9 +76,13 @@ class SwarmSchedule:
     Each source has one worker with at most ``batch`` chunks in flight (one Get). A peer's
     worker takes the chunks it is known to hold (rarest among the peers first), learning
     what it holds by have queries that wait up to ``have_wait`` s for news. The complete
-    source (the coordinator) takes only chunks no peer is known to hold, in this fetcher's
-    order (rotated by ``start``, so fetchers that start together take different chunks
-    first): every chunk a peer can give is one less copy on the coordinator's link.
+    source (the coordinator) takes only chunks no peer is known to hold or to be fetching
+    from the coordinator (a peer's claims, told by its have answers; ``on_claim`` tells
+    this fetcher's own): every chunk a peer can give is one less copy on the coordinator's
+    link. Among equals, each fetcher
+    takes chunks in an order of its own (shuffled by ``seed``): fetchers that start
+    together, or that run out of chunks only they lack, rarely ask the coordinator for the
+    same chunk at once (walking one order, two of them would collide chunk after chunk).
 
     A block is stored only after its CID check (the sources' ``get``); a chunk counts as
     fetched when the store holds it. A source that fails (connection lost, a corrupt block,
@@ -78,23 +96,25 @@ class SwarmSchedule:
         chunks: Sequence[Cid],
         store: BlockStore,
         *,
-        start: int = 0,
+        seed: int | str = 0,
         batch: int = 2,
         have_wait: float = 0.25,
         on_stored: Callable[[list[Cid]], None] | None = None,
+        on_claim: Callable[[list[Cid], bool], None] | None = None,
     ) -> None:
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")
-        unique = list(dict.fromkeys(chunks))
-        cut = start % len(unique) if unique else 0
-        self.order = unique[cut:] + unique[:cut]
+        self.order = list(dict.fromkeys(chunks))
+        random.Random(str(seed)).shuffle(self.order)
         self.store = store
         self.batch = batch
         self.have_wait = have_wait
         self.on_stored = on_stored
+        self.on_claim = on_claim
         self.needed: set[Cid] = set(store.missing(self.order))
         self.inflight: set[Cid] = set()
         self.count: dict[Cid, int] = dict.fromkeys(self.order, 0)  # peers known to hold it
+        self.claims: dict[Cid, int] = dict.fromkeys(self.order, 0)  # peers fetching it
         self.reports: list[SourceReport] = []
         self._states: list[_State] = []
         self._changed = asyncio.Event()
@@ -182,7 +202,8 @@ class SwarmSchedule:
     def _pick(self, state: _State) -> list[Cid]:
         free = [c for c in self.order if c in self.needed and c not in self.inflight]
         if state.source.complete:
-            return [c for c in free if self.count[c] == 0][: self.batch]
+            claims, count = self.claims, self.count
+            return [c for c in free if count[c] == 0 and claims[c] == 0][: self.batch]
         held = [c for c in free if c in state.known]
         held.sort(key=self.count.__getitem__)  # stable: rarest first, then this order
         return held[: self.batch]
@@ -191,21 +212,36 @@ class SwarmSchedule:
         """One have query; False if the source does not serve the root (it is dropped)."""
         if state.source.complete:
             return True
-        answer = await state.source.have(state.since, wait)
-        if answer is None:
+        news = await state.source.have(state.since, state.claims_seen, wait)
+        if news is None:
             self._drop(state, None, "does not serve the root")
             return False
-        state.since, told = answer
-        fresh = [c for c in told if c in self.count and c not in state.known]
+        state.since = news.version
+        fresh = [c for c in news.chunks if c in self.count and c not in state.known]
         for cid in fresh:
             state.known.add(cid)
             self.count[cid] += 1
-        if fresh:
+        changed = bool(fresh)
+        if news.claims_version != state.claims_seen:
+            self._claims(state, frozenset(c for c in news.claimed if c in self.claims))
+            state.claims_seen = news.claims_version
+            changed = True
+        if changed:
             self._signal()
         return True
 
+    def _claims(self, state: _State, claimed: frozenset[Cid]) -> None:
+        for cid in state.claimed - claimed:
+            self.claims[cid] -= 1
+        for cid in claimed - state.claimed:
+            self.claims[cid] += 1
+        state.claimed = claimed
+
     async def _fetch(self, state: _State, pick: list[Cid]) -> None:
         self.inflight.update(pick)
+        claim = self.on_claim if state.source.complete else None
+        if claim is not None:
+            claim(pick, True)
         failure: BaseException | None = None
         try:
             await state.source.get(pick, self.store)
@@ -213,6 +249,8 @@ class SwarmSchedule:
             failure = exc
         finally:
             self.inflight.difference_update(pick)
+            if claim is not None:
+                claim(pick, False)
         absent = set(self.store.missing(pick))  # what the checks let through is held
         stored = [c for c in pick if c not in absent and c in self.needed]
         self.needed.difference_update(stored)
@@ -242,4 +280,5 @@ class SwarmSchedule:
         for cid in state.known:
             self.count[cid] -= 1
         state.known.clear()
+        self._claims(state, frozenset())
         self._signal()

@@ -27,11 +27,17 @@ __all__ = ["Holdings", "ReadOnlyView", "SwarmSeeder"]
 
 
 class _Root:
-    __slots__ = ("changed", "chunks", "served")
+    __slots__ = ("changed", "chunks", "claimed", "claims_version", "served")
 
     def __init__(self) -> None:
         self.chunks: list[Cid] = []  # in the order they were stored: what have answers tell
         self.served: set[Cid] = set()  # chunks and manifests
+        self.claimed: set[Cid] = set()  # being fetched from the coordinator
+        self.claims_version = 0
+        self.changed = asyncio.Event()
+
+    def wake(self) -> None:
+        self.changed.set()
         self.changed = asyncio.Event()
 
 
@@ -67,8 +73,20 @@ class Holdings:
         if fresh:
             entry.chunks.extend(fresh)
             self._allow(entry, fresh)
-            entry.changed.set()
-            entry.changed = asyncio.Event()
+            entry.wake()
+
+    def claim(self, root: Cid, chunks: Iterable[Cid], claimed: bool) -> None:
+        """Chunks of ``root`` now being fetched from the coordinator (``claimed``), or no
+        longer: other fetchers then leave them to this peer instead of asking for them too."""
+        entry = self._roots.get(root)
+        if entry is None:
+            return
+        if claimed:
+            entry.claimed.update(chunks)
+        else:
+            entry.claimed.difference_update(chunks)
+        entry.claims_version += 1
+        entry.wake()
 
     def forget(self, root: Cid) -> None:
         entry = self._roots.pop(root, None)
@@ -95,12 +113,13 @@ class Holdings:
                 entry.served.add(cid)
                 self._index[cid] = self._index.get(cid, 0) + 1
 
-    async def have(self, root: Cid, since: int, wait: float) -> HaveAnswer:
-        """The chunks told from position ``since`` on, waiting up to ``wait`` s for one."""
+    async def have(self, root: Cid, since: int, wait: float, claims_seen: int = 0) -> HaveAnswer:
+        """The chunks told from position ``since`` on and the claims, waiting up to ``wait``
+        s for news (a chunk beyond ``since``, claims past version ``claims_seen``)."""
         entry = self._roots.get(root)
         if entry is None:
             return HaveAnswer(version=0, serving=False)
-        if len(entry.chunks) <= since and wait > 0:
+        if len(entry.chunks) <= since and entry.claims_version == claims_seen and wait > 0:
             changed = entry.changed
             try:
                 async with asyncio.timeout(min(wait, MAX_WAIT)):
@@ -110,7 +129,12 @@ class Holdings:
             if self._roots.get(root) is not entry:
                 return HaveAnswer(version=0, serving=False)
         told = entry.chunks[since : since + MAX_CIDS_PER_MESSAGE]
-        return HaveAnswer(version=since + len(told), chunks=wire_cids(told))
+        return HaveAnswer(
+            version=since + len(told),
+            chunks=wire_cids(told),
+            claimed=wire_cids(list(entry.claimed)[:MAX_CIDS_PER_MESSAGE]),
+            claims_version=entry.claims_version,
+        )
 
 
 class ReadOnlyView(BlockStore):
@@ -207,4 +231,5 @@ class SwarmSeeder:
     async def _have(self, request: AppRequest) -> bytes:
         query = decode_have(request.body, request.peer)
         root = parse_root(query.root, request.peer)
-        return encode(await self.holdings.have(root, query.since, query.wait))
+        answer = await self.holdings.have(root, query.since, query.wait, query.claims_seen)
+        return encode(answer)

@@ -8,6 +8,7 @@ from tensorswap.cid import Cid
 from tensorswap.store.base import BlockStore
 from tensorswap.swarm.errors import BadSwarmMessage
 from tensorswap.swarm.messages import HAVE_APP, HaveQuery, decode_have_answer, encode
+from tensorswap.swarm.scheduler import HaveNews
 from tensorswap.wire import BlockClient, Timeouts, WireLimits
 
 __all__ = ["BlockSource", "dial_seeder"]
@@ -30,8 +31,8 @@ class BlockSource:
         self.complete = complete
         self.owned = owned
 
-    async def have(self, since: int, wait: float) -> tuple[int, list[Cid]] | None:
-        query = HaveQuery(root=self.root.to_bytes(), since=since, wait=wait)
+    async def have(self, since: int, claims_seen: int, wait: float) -> HaveNews | None:
+        query = HaveQuery(self.root.to_bytes(), since, wait, claims_seen)
         read = self.client.conn.timeouts.read
         body = await self.client.request(
             HAVE_APP, encode(query), timeout=None if read is None else read + wait
@@ -42,7 +43,12 @@ class BlockSource:
         if answer.version != since + len(answer.chunks):
             msg = f"have version {answer.version} after {since} with {len(answer.chunks)} chunks"
             raise BadSwarmMessage(msg, self.client.conn.peer)
-        return answer.version, [Cid.parse(raw) for raw in answer.chunks]
+        return HaveNews(
+            answer.version,
+            [Cid.parse(raw) for raw in answer.chunks],
+            frozenset(Cid.parse(raw) for raw in answer.claimed),
+            answer.claims_version,
+        )
 
     async def get(self, cids: list[Cid], into: BlockStore) -> list[Cid]:
         return await self.client.get_blocks(cids, into)
