@@ -101,6 +101,7 @@ class SwarmSchedule:
         have_wait: float = 0.25,
         on_stored: Callable[[list[Cid]], None] | None = None,
         on_claim: Callable[[list[Cid], bool], None] | None = None,
+        patience: float = 30.0,
     ) -> None:
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")
@@ -111,6 +112,7 @@ class SwarmSchedule:
         self.have_wait = have_wait
         self.on_stored = on_stored
         self.on_claim = on_claim
+        self.patience = patience
         self.needed: set[Cid] = set(store.missing(self.order))
         self.inflight: set[Cid] = set()
         self.count: dict[Cid, int] = dict.fromkeys(self.order, 0)  # peers known to hold it
@@ -120,35 +122,55 @@ class SwarmSchedule:
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._running = False
+        self._pending: list[ChunkSource] = []
+        self._finished = False
 
     # ── running ──────────────────────────────────────────────────────────────
     async def run(self, sources: Sequence[ChunkSource]) -> list[SourceReport]:
         """Fetch until the store holds every chunk, or no source is left; the reports.
 
         The peers' first have queries are answered before any worker starts, so the
-        coordinator is never asked for a chunk a known peer already holds. Workers still
-        running at the end (a have query waiting) are cancelled; sources are not closed.
+        coordinator is never asked for a chunk a known peer already holds. Once no complete
+        source is left (the coordinator failed), the fetch ends when ``patience`` seconds
+        pass without a chunk stored. Workers still running at the end (a have query
+        waiting) are cancelled; sources are not closed.
         """
-        states = [self._state(s) for s in sources]
-        await asyncio.gather(*(self._first_have(st) for st in states if not st.source.complete))
+        states = [self._state(s) for s in [*sources, *self._pending]]
+        self._pending.clear()
         self._running = True
         try:
+            first = [self._first_have(st) for st in states if not st.source.complete]
+            await asyncio.gather(*first)
             for state in states:
                 if state.report.failed is None:
                     self._spawn(state)
             while self.needed and self._tasks:
-                changed = self._changed
-                await changed.wait()
+                changed, before = self._changed, len(self.needed)
+                if any(st.source.complete and st.report.failed is None for st in self._states):
+                    await changed.wait()
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.patience):
+                        while len(self.needed) == before and self._tasks:
+                            changed = self._changed
+                            await changed.wait()
+                if len(self.needed) == before:
+                    break  # no coordinator, and the peers gave nothing for `patience` s
         finally:
             self._running = False
+            self._finished = True
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
         return self.reports
 
     async def add(self, source: ChunkSource) -> None:
-        """A source found while running (a peer that announced later)."""
-        if not self._running or not self.needed:
+        """A source found while running (a peer that announced later); before ``run``, one
+        more for it to start with; after it, nothing."""
+        if self._finished or not self.needed:
+            return
+        if not self._running:
+            self._pending.append(source)
             return
         state = self._state(source)
         await self._first_have(state)
