@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from helpers.net import running
+from helpers.serve import SECRET, Server
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.coordinator import Coordinator
@@ -230,3 +231,27 @@ async def test_fetch_result_of_a_round_through_the_swarm(tmp_path: Path) -> None
                 for client in clients:
                     await client.aclose()
         assert tracker.announces == 3
+
+
+@pytest.mark.slow
+async def test_tensorswap_serve_tracks_holders(tmp_path: Path, servers: list[Server]) -> None:
+    serve = Server(tmp_path / "coordinator")
+    servers.append(serve)
+    key, rid = SECRET.encode(), RoundId(1, "lead")
+    values = np.arange(300_000, dtype=np.float32)
+    connect = RoundClient.connect
+    async with (
+        await connect("127.0.0.1", serve.port, peer="a", key=key) as a,
+        await connect("127.0.0.1", serve.port, peer="b", key=key) as b,
+    ):
+        assert await a.start_round(rid, RoundSpec(2))
+        await a.submit(rid, {"w": values}, 1)
+        await b.submit(rid, {"w": values + 2}, 1)
+        async with (
+            SwarmPeer(a.store, peer="a", key=key) as first,
+            SwarmPeer(MemoryStore(), peer="b", key=key) as second,
+        ):
+            np.testing.assert_allclose((await first.fetch_result(a, rid, 30))["w"], values + 1)
+            cid = await b.result(rid)
+            report = await second.fetch(b.blocks, cid)
+            assert report.from_coordinator == 0 and report.from_peers > values.nbytes // 2
