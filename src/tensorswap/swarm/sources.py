@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import ssl as ssl_module
 
 from tensorswap.cid import Cid
+from tensorswap.errors import TensorSwapError
 from tensorswap.store.base import BlockStore
 from tensorswap.swarm.errors import BadSwarmMessage
 from tensorswap.swarm.messages import HAVE_APP, HaveQuery, decode_have_answer, encode
@@ -54,7 +56,13 @@ class BlockSource:
         return await self.client.get_blocks(cids, into)
 
     async def aclose(self) -> None:
-        if self.owned:
+        """Close a dialled seeder's connection (FIN, not a reset the seeder would log)."""
+        if not self.owned:
+            return
+        try:
+            async with asyncio.timeout(1.0):
+                await self.client.aclose()
+        except (TimeoutError, TensorSwapError, OSError):
             self.client.transport.abort()
 
 
