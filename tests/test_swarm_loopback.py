@@ -255,3 +255,14 @@ async def test_tensorswap_serve_tracks_holders(tmp_path: Path, servers: list[Ser
             cid = await b.result(rid)
             report = await second.fetch(b.blocks, cid)
             assert report.from_coordinator == 0 and report.from_peers > values.nbytes // 2
+
+
+async def test_a_coordinator_without_a_tracker_is_a_plain_source() -> None:
+    store = MemoryStore()
+    root = put_update(store, ModelUpdate(model(), 10), chunk_bytes=CHUNK)
+    async with (
+        running(BlockServer(store, key=KEY)) as server,
+        SwarmPeer(MemoryStore(), peer="p", key=KEY) as peer,
+    ):
+        coordinator_bytes, peer_bytes = await fetch(server, peer, root)
+    assert peer_bytes == 0 and coordinator_bytes >= sum(v.nbytes for v in model().values())

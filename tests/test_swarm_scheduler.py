@@ -92,7 +92,7 @@ def schedule(blocks: dict[Cid, bytes], store: MemoryStore, **kw: object) -> Swar
 async def test_the_coordinator_alone_gives_every_chunk_once() -> None:
     blocks, store = chunks(9), MemoryStore()
     coord = Fake("coordinator", blocks, complete=True)
-    reports = await schedule(blocks, store, batch=2).run([coord])
+    reports = await schedule(blocks, store, batch=2, coordinator_batch=2).run([coord])
     assert sorted(map(str, coord.asked)) == sorted(map(str, blocks))
     assert all(len(batch) <= 2 for batch in coord.gets) and coord.most_busy == 1
     assert reports[0].blocks == 9 and reports[0].nbytes == 9 * 64

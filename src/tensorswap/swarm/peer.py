@@ -84,6 +84,7 @@ class SwarmPeer:
         server_ssl: ssl_module.SSLContext | None = None,
         client_ssl: ssl_module.SSLContext | None = None,
         batch: int = 2,
+        coordinator_batch: int = 1,
         refresh: float = 0.1,
         have_wait: float = 0.25,
         limits: WireLimits | None = None,
@@ -97,6 +98,7 @@ class SwarmPeer:
         self.server_ssl = server_ssl
         self.client_ssl = client_ssl
         self.batch = batch
+        self.coordinator_batch = coordinator_batch
         self.refresh = refresh
         self.have_wait = have_wait
         self.limits = limits
@@ -136,8 +138,9 @@ class SwarmPeer:
 
         The manifests come from the coordinator; the chunks from it and from the holders
         its tracker lists (refreshed every ``refresh`` s while fetching), at most ``batch``
-        per source in flight. A coordinator without a tracker (``unsupported``) makes this a
-        plain pull. SwarmExhausted if chunks remain that no source delivered.
+        per peer in flight (``coordinator_batch`` from the coordinator). A coordinator
+        without a tracker (``unsupported``) makes this a plain pull, chunk by chunk.
+        SwarmExhausted if chunks remain that no source delivered.
         """
         begun = time.perf_counter()
         chunks = await self._manifests(coordinator, root)
@@ -163,6 +166,7 @@ class SwarmPeer:
             self.store,
             seed=f"{self.peer}/{root}",
             batch=self.batch,
+            coordinator_batch=self.coordinator_batch,
             have_wait=self.have_wait,
             on_stored=on_stored,
             on_claim=on_claim,

@@ -73,7 +73,9 @@ class _State:
 class SwarmSchedule:
     """Fetch ``chunks`` into ``store`` from several sources at once.
 
-    Each source has one worker with at most ``batch`` chunks in flight (one Get). A peer's
+    Each source has one worker with at most ``batch`` chunks in flight (one Get; the
+    coordinator ``coordinator_batch``: what it has in flight for one fetcher is what the
+    others may ask it for too, before they learn of the claim). A peer's
     worker takes the chunks it is known to hold (rarest among the peers first), learning
     what it holds by have queries that wait up to ``have_wait`` s for news. The complete
     source (the coordinator) takes only chunks no peer is known to hold or to be fetching
@@ -98,17 +100,19 @@ class SwarmSchedule:
         *,
         seed: int | str = 0,
         batch: int = 2,
+        coordinator_batch: int = 1,
         have_wait: float = 0.25,
         on_stored: Callable[[list[Cid]], None] | None = None,
         on_claim: Callable[[list[Cid], bool], None] | None = None,
         patience: float = 30.0,
     ) -> None:
-        if batch < 1:
-            raise ValueError(f"batch must be at least 1, got {batch}")
+        if batch < 1 or coordinator_batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}, {coordinator_batch}")
         self.order = list(dict.fromkeys(chunks))
         random.Random(str(seed)).shuffle(self.order)
         self.store = store
         self.batch = batch
+        self.coordinator_batch = coordinator_batch
         self.have_wait = have_wait
         self.on_stored = on_stored
         self.on_claim = on_claim
@@ -225,7 +229,8 @@ class SwarmSchedule:
         free = [c for c in self.order if c in self.needed and c not in self.inflight]
         if state.source.complete:
             claims, count = self.claims, self.count
-            return [c for c in free if count[c] == 0 and claims[c] == 0][: self.batch]
+            unclaimed = [c for c in free if count[c] == 0 and claims[c] == 0]
+            return unclaimed[: self.coordinator_batch]
         held = [c for c in free if c in state.known]
         held.sort(key=self.count.__getitem__)  # stable: rarest first, then this order
         return held[: self.batch]
