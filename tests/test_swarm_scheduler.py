@@ -206,3 +206,11 @@ async def test_when_every_source_fails_the_rest_is_reported_lacking() -> None:
 def test_batch_must_be_positive() -> None:
     with pytest.raises(ValueError, match="batch"):
         SwarmSchedule([], MemoryStore(), batch=0)
+
+
+async def test_claims_held_too_long_are_ignored() -> None:
+    blocks, store = chunks(4), MemoryStore()
+    coord = Fake("coordinator", blocks, complete=True)
+    squatter = Fake("squatter", {}, claimed=frozenset(blocks))  # claims all, fetches none
+    await schedule(blocks, store, claim_patience=0.05).run([coord, squatter])
+    assert len(store.missing(blocks)) == 0 and len(coord.asked) == 4

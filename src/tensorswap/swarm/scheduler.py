@@ -105,6 +105,7 @@ class SwarmSchedule:
         on_stored: Callable[[list[Cid]], None] | None = None,
         on_claim: Callable[[list[Cid], bool], None] | None = None,
         patience: float = 30.0,
+        claim_patience: float = 5.0,
     ) -> None:
         if batch < 1 or coordinator_batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}, {coordinator_batch}")
@@ -117,6 +118,8 @@ class SwarmSchedule:
         self.on_stored = on_stored
         self.on_claim = on_claim
         self.patience = patience
+        self.claim_patience = claim_patience
+        self._claimed_at: dict[Cid, float] = {}  # when a chunk's claims went from 0 to more
         self.needed: set[Cid] = set(store.missing(self.order))
         self.inflight: set[Cid] = set()
         self.count: dict[Cid, int] = dict.fromkeys(self.order, 0)  # peers known to hold it
@@ -219,7 +222,10 @@ class SwarmSchedule:
                     await self._fetch(state, pick)
                 elif state.source.complete:
                     changed = self._changed
-                    await changed.wait()
+                    # woken by news, or when the oldest claim runs out of patience
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self._claims_expire()):
+                            await changed.wait()
                 elif not await self._learn(state, self.have_wait):
                     return
         except (TensorSwapError, OSError) as exc:
@@ -228,8 +234,8 @@ class SwarmSchedule:
     def _pick(self, state: _State) -> list[Cid]:
         free = [c for c in self.order if c in self.needed and c not in self.inflight]
         if state.source.complete:
-            claims, count = self.claims, self.count
-            unclaimed = [c for c in free if count[c] == 0 and claims[c] == 0]
+            count, expired = self.count, self._expired()
+            unclaimed = [c for c in free if count[c] == 0 and (c in expired or not self.claims[c])]
             return unclaimed[: self.coordinator_batch]
         held = [c for c in free if c in state.known]
         held.sort(key=self.count.__getitem__)  # stable: rarest first, then this order
@@ -258,11 +264,30 @@ class SwarmSchedule:
         return True
 
     def _claims(self, state: _State, claimed: frozenset[Cid]) -> None:
+        now = asyncio.get_running_loop().time()
         for cid in state.claimed - claimed:
             self.claims[cid] -= 1
+            if not self.claims[cid]:
+                self._claimed_at.pop(cid, None)
         for cid in claimed - state.claimed:
             self.claims[cid] += 1
+            self._claimed_at.setdefault(cid, now)
         state.claimed = claimed
+
+    def _expired(self) -> set[Cid]:
+        """Chunks claimed for longer than ``claim_patience``: a claimer whose coordinator
+        fetch hangs, or a peer that claims what it never fetches, does not hold them back."""
+        if not self._claimed_at:
+            return set()
+        old = asyncio.get_running_loop().time() - self.claim_patience
+        return {cid for cid, since in self._claimed_at.items() if since <= old}
+
+    def _claims_expire(self) -> float | None:
+        """Seconds until the oldest live claim expires (None: no claim)."""
+        if not self._claimed_at:
+            return None
+        first = min(self._claimed_at.values()) + self.claim_patience
+        return max(0.0, first - asyncio.get_running_loop().time())
 
     async def _fetch(self, state: _State, pick: list[Cid]) -> None:
         self.inflight.update(pick)
