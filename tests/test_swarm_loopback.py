@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from helpers.net import running
+from helpers.net import CertFiles, running
 from helpers.serve import SECRET, Server
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.rounds.client import RoundClient
@@ -23,6 +23,7 @@ from tensorswap.swarm import SwarmPeer, SwarmReadOnly, SwarmTracker
 from tensorswap.swarm.messages import TRACKER_APP, HoldersQuery, decode_answer, encode
 from tensorswap.transport import TransportError
 from tensorswap.wire import BlockClient, BlockServer, RemoteError
+from tensorswap.wire.auth import client_ssl_context, server_ssl_context
 from tensorswap.wire.connection import FrameConnection
 
 KEY = b"swarm-test-key"
@@ -266,3 +267,17 @@ async def test_a_coordinator_without_a_tracker_is_a_plain_source() -> None:
     ):
         coordinator_bytes, peer_bytes = await fetch(server, peer, root)
     assert peer_bytes == 0 and coordinator_bytes >= sum(v.nbytes for v in model().values())
+
+
+async def test_seeders_speak_tls_like_the_coordinator(
+    coordinator: tuple[BlockServer, Cid], cert_files: CertFiles
+) -> None:
+    server, root = coordinator
+    cert, key = cert_files
+    tls = {"server_ssl": server_ssl_context(cert, key), "client_ssl": client_ssl_context(cert)}
+    async with (
+        SwarmPeer(MemoryStore(), peer="seed", key=KEY, **tls) as seed,  # type: ignore[arg-type]
+        SwarmPeer(MemoryStore(), peer="next", key=KEY, **tls) as later,  # type: ignore[arg-type]
+    ):
+        await fetch(server, seed, root)
+        assert (await fetch(server, later, root))[0] == 0  # all from the seed, over TLS
