@@ -69,6 +69,10 @@ class SwarmPeer:
     ``client_ssl`` / ``server_ssl`` when set. Serving needs an address other peers can
     reach; behind NAT, a peer nobody can dial is simply not used.
 
+    Holders are dialled in tasks of their own; those connected within ``dial_wait`` s are
+    asked what they hold before the coordinator is asked for anything, the others join when
+    they answer, and one that never does (dead, behind NAT) delays nothing.
+
     ``store`` holds fetched results (pass the RoundClient's, so a submit's blocks count).
     """
 
@@ -87,6 +91,7 @@ class SwarmPeer:
         coordinator_batch: int = 1,
         refresh: float = 0.1,
         have_wait: float = 0.25,
+        dial_wait: float = 0.5,
         limits: WireLimits | None = None,
         timeouts: Timeouts | None = None,
     ) -> None:
@@ -101,6 +106,7 @@ class SwarmPeer:
         self.coordinator_batch = coordinator_batch
         self.refresh = refresh
         self.have_wait = have_wait
+        self.dial_wait = dial_wait
         self.limits = limits
         self.timeouts = timeouts or Timeouts(connect=3.0)
         self.seeder = (
@@ -172,25 +178,22 @@ class SwarmPeer:
             on_claim=on_claim,
         )
         coord = BlockSource(coordinator, root, "coordinator", complete=True, owned=False)
-        sources: list[ChunkSource] = [coord]
-        failures: list[str] = []
-        tried: set[str] = {self.peer}
-        sources += await self._dial(holders or [], root, tried, failures)
+        dialer = _Dialer(self, root, schedule)
+        dialer.dial(holders or [])
+        await dialer.settle(self.dial_wait)  # those answering by then are asked before any
         done = asyncio.Event()
         refresher = None
         if holders is not None and self.refresh > 0:
-            refresher = asyncio.ensure_future(
-                self._refresh(coordinator, root, schedule, sources, tried, failures, done)
-            )
+            refresher = asyncio.ensure_future(self._refresh(coordinator, root, dialer, done))
         try:
-            reports = await schedule.run(sources)
+            reports = await schedule.run([coord])
         finally:
             done.set()
             if refresher is not None:
                 with contextlib.suppress(TensorSwapError, OSError):
                     await refresher
-            for source in sources[1:]:
-                await source.aclose()
+            await dialer.aclose()
+        failures = dialer.failures
         if schedule.needed:
             lacking = schedule.lacking
             why = [f"{r.name}: {r.failed}" for r in reports if r.failed]
@@ -245,40 +248,8 @@ class SwarmPeer:
             log.warning("the tracker refused %s: %s", type(call).__name__, answer.error)
         return answer.holders
 
-    async def _dial(
-        self, holders: list[Holder], root: Cid, tried: set[str], failures: list[str]
-    ) -> list[ChunkSource]:
-        fresh = [h for h in holders if h.peer not in tried]
-        tried.update(h.peer for h in fresh)
-
-        async def one(holder: Holder) -> ChunkSource | None:
-            try:
-                return await dial_seeder(
-                    holder.host,
-                    holder.port,
-                    root,
-                    holder.peer,
-                    key=self.key,
-                    ssl=self.client_ssl,
-                    limits=self.limits,
-                    timeouts=self.timeouts,
-                )
-            except (TensorSwapError, OSError) as exc:
-                failures.append(f"{holder.peer} at {holder.host}:{holder.port}: {exc}")
-                return None
-
-        dialled = await asyncio.gather(*(one(h) for h in fresh))
-        return [s for s in dialled if s is not None]
-
     async def _refresh(
-        self,
-        coordinator: BlockClient,
-        root: Cid,
-        schedule: SwarmSchedule,
-        sources: list[ChunkSource],
-        tried: set[str],
-        failures: list[str],
-        done: asyncio.Event,
+        self, coordinator: BlockClient, root: Cid, dialer: _Dialer, done: asyncio.Event
     ) -> None:
         """Every ``refresh`` s until ``done``: holders that announced since, as new sources."""
         while not done.is_set():
@@ -287,7 +258,54 @@ class SwarmPeer:
                     await done.wait()
             if done.is_set():
                 return
-            holders = await self._track(coordinator, root, announce=False)
-            for source in await self._dial(holders or [], root, tried, failures):
-                sources.append(source)
-                await schedule.add(source)
+            dialer.dial(await self._track(coordinator, root, announce=False) or [])
+
+
+class _Dialer:
+    """One fetch's dials to holders, each in a task of its own: a holder that is slow to
+    answer (or never does, behind NAT) delays nobody; each that connects joins the schedule."""
+
+    def __init__(self, owner: SwarmPeer, root: Cid, schedule: SwarmSchedule) -> None:
+        self.owner, self.root, self.schedule = owner, root, schedule
+        self.tried: set[str] = {owner.peer}
+        self.failures: list[str] = []
+        self.sources: list[ChunkSource] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def dial(self, holders: list[Holder]) -> None:
+        for holder in holders:
+            if holder.peer not in self.tried:
+                self.tried.add(holder.peer)
+                task = asyncio.ensure_future(self._one(holder))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+
+    async def settle(self, timeout: float) -> None:
+        if self.tasks and timeout > 0:
+            await asyncio.wait(set(self.tasks), timeout=timeout)
+
+    async def _one(self, holder: Holder) -> None:
+        owner = self.owner
+        try:
+            source = await dial_seeder(
+                holder.host,
+                holder.port,
+                self.root,
+                holder.peer,
+                key=owner.key,
+                ssl=owner.client_ssl,
+                limits=owner.limits,
+                timeouts=owner.timeouts,
+            )
+        except (TensorSwapError, OSError) as exc:
+            self.failures.append(f"{holder.peer} at {holder.host}:{holder.port}: {exc}")
+            return
+        self.sources.append(source)  # closed by aclose, whatever happens next
+        await self.schedule.add(source)
+
+    async def aclose(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for source in self.sources:
+            await source.aclose()
