@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,30 +78,32 @@ async def coordinator(
 
 
 async def peer(
-    host: Host,
+    address: str,
+    coordinator_address: str,
     name: str,
     root: Cid,
     swarm: bool,
-    start: threading.Barrier,
-    end: threading.Barrier,
+    start: Callable[[], object],
+    end: Callable[[float], object],
 ) -> tuple[float, int]:
-    """Connect (and start a seeder), wait for the start, fetch ``root``; keep serving until
-    every peer is done. (The end time, chunk bytes the coordinator sent this peer.)"""
+    """Connect (and start a seeder), wait for ``start()``, fetch ``root``; keep serving
+    until ``end(when it was done)`` returns. (The end time, chunk bytes the coordinator
+    sent this peer.)"""
     store = MemoryStore()
-    async with await BlockClient.connect(host.lab.hosts["coord"].address, PORT, key=KEY) as c:
-        node = SwarmPeer(store, peer=name, key=KEY, listen=(host.address, 0)) if swarm else None
+    async with await BlockClient.connect(coordinator_address, PORT, key=KEY) as c:
+        node = SwarmPeer(store, peer=name, key=KEY, listen=(address, 0)) if swarm else None
         if node is not None:
             await node.start()
         try:
-            await asyncio.to_thread(start.wait)
+            await asyncio.to_thread(start)
             if node is None:
                 pulled = await c.pull(root, store)
                 from_coordinator = pulled.fetched_bytes
             else:
                 report = await node.fetch(c, root)
                 from_coordinator = report.from_coordinator
-            done = time.perf_counter()
-            await asyncio.to_thread(end.wait)  # the others may still fetch from this one
+            done = time.monotonic()
+            await asyncio.to_thread(end, done)  # the others may still fetch from this one
         finally:
             if node is not None:
                 await node.aclose()
@@ -106,16 +111,105 @@ async def peer(
 
 
 def one_fetch(lab: Lab, box: Coordinator, root: Cid, swarm: bool) -> tuple[float, int]:
-    """Every peer fetches ``root`` at once: (seconds to the last, coordinator bytes out)."""
+    """Every peer (a thread in its host) fetches ``root`` at once: (seconds to the last,
+    coordinator bytes out)."""
     peers = [h for n, h in lab.hosts.items() if n.startswith("peer")]
     start, end = threading.Barrier(len(peers) + 1), threading.Barrier(len(peers))
-    futures = [h.start_async(lambda h=h: peer(h, h.name, root, swarm, start, end)) for h in peers]
+    coord = lab.hosts["coord"].address
+    futures = [
+        h.start_async(
+            lambda h=h: peer(h.address, coord, h.name, root, swarm, start.wait, _wait(end))
+        )
+        for h in peers
+    ]
     assert box.server is not None
     before = box.server.stats.bytes_out
     start.wait()
-    began = time.perf_counter()
+    began = time.monotonic()
     ends = [f.result(timeout=600) for f in futures]
     return max(e for e, _ in ends) - began, box.server.stats.bytes_out - before
+
+
+def _wait(barrier: threading.Barrier) -> Callable[[float], object]:
+    return lambda _done: barrier.wait()
+
+
+def process_fetch(
+    procs: list[subprocess.Popen[str]], box: Coordinator, root: Cid, swarm: bool
+) -> tuple[float, int]:
+    """``one_fetch`` with every peer a process of its own (``--peer-process``): no
+    interpreter lock shared between peers, as in a deployment."""
+    for proc in procs:
+        _say(proc, f"fetch {'swarm' if swarm else 'star'} {root}")
+    for proc in procs:
+        _expect(proc, "ready")
+    assert box.server is not None
+    before = box.server.stats.bytes_out
+    began = time.monotonic()
+    for proc in procs:
+        _say(proc, "go")
+    ends = [float(_expect(proc, "done").split()[1]) for proc in procs]
+    for proc in procs:
+        _say(proc, "end")
+    for proc in procs:
+        _expect(proc, "closed")
+    return max(ends) - began, box.server.stats.bytes_out - before
+
+
+def _say(proc: subprocess.Popen[str], line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def _expect(proc: subprocess.Popen[str], word: str) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith(word):
+        raise RuntimeError(f"a peer process said {line!r}, expected {word!r}")
+    return line
+
+
+def peer_process(address: str, coordinator_address: str, name: str) -> None:
+    """A peer process's loop: ``fetch star|swarm ROOT`` (answers ``ready``), ``go`` (then
+    ``done T``, T on the monotonic clock every process shares), ``end`` (``closed``)."""
+
+    def line() -> str:
+        return sys.stdin.readline().strip()
+
+    while command := line():
+        _, mode, root = command.split()
+
+        def start() -> None:
+            print("ready", flush=True)
+            if line() != "go":
+                raise RuntimeError("expected go")
+
+        def end(done: float) -> None:
+            print(f"done {done}", flush=True)
+            if line() != "end":
+                raise RuntimeError("expected end")
+
+        asyncio.run(
+            peer(address, coordinator_address, name, Cid.parse(root), mode == "swarm",
+                 start, end)
+        )  # fmt: skip
+        print("closed", flush=True)
+
+
+def start_processes(lab: Lab) -> list[subprocess.Popen[str]]:
+    """A ``--peer-process`` in every peer host, talking over its stdin / stdout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    here = str(Path(__file__).resolve().parents[1])
+    coord = lab.hosts["coord"].address
+    procs = []
+    for name, host in lab.hosts.items():
+        if name.startswith("peer"):
+            procs.append(host.python(
+                "-m", "benchmarks.bench_swarm", "--peer-process", host.address, coord, name,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=here,
+            ))  # fmt: skip
+    return procs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-kib", type=int, default=256)
     parser.add_argument("--peers", type=int, default=8)
     parser.add_argument("--mbit", type=float, default=200.0)
+    parser.add_argument(
+        "--threads",
+        action="store_true",
+        help="peers as threads of this process (sharing one interpreter lock), not processes",
+    )
+    parser.add_argument("--peer-process", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.peer_process:
+        peer_process(*args.peer_process)
+        return 0
     reps, mib, npeers = (1, 4, 4) if args.quick else (args.reps, args.mib, args.peers)
     try:
         lab = Lab()
@@ -147,20 +250,30 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError("the coordinator did not start")
         stars: list[tuple[float, int]] = []
         swarms: list[tuple[float, int]] = []
+        procs = [] if args.threads else start_processes(lab)
         try:
             for rep in range(reps):
-                stars.append(one_fetch(lab, box, box.roots[2 * rep], swarm=False))
-                swarms.append(one_fetch(lab, box, box.roots[2 * rep + 1], swarm=True))
+                for k, swarm, into in ((2 * rep, False, stars), (2 * rep + 1, True, swarms)):
+                    root = box.roots[k]
+                    into.append(
+                        one_fetch(lab, box, root, swarm)
+                        if args.threads
+                        else process_fetch(procs, box, root, swarm)
+                    )
         finally:
+            for proc in procs:
+                if proc.stdin is not None:
+                    proc.stdin.close()
             box.stop.set()
             serving.result(timeout=60)
     star_s = statistics.median(s for s, _ in stars)
     swarm_s = statistics.median(s for s, _ in swarms)
     star_b = statistics.median(b for _, b in stars) / nbytes
     swarm_b = statistics.median(b for _, b in swarms) / nbytes
+    how = "threads of one process" if args.threads else "a process each"
     print(
-        f"{npeers} peers fetch {mib} MiB ({args.chunk_kib} KiB chunks) at once; coordinator and "
-        f"peers on {args.mbit:g} Mbit/s links; {reps} reps each"
+        f"{npeers} peers ({how}) fetch {mib} MiB ({args.chunk_kib} KiB chunks) at once; "
+        f"coordinator and peers on {args.mbit:g} Mbit/s links; {reps} reps each"
     )
     for name, runs in (("star ", stars), ("swarm", swarms)):
         times = " ".join(f"{s:.2f}" for s, _ in runs)
