@@ -10,11 +10,12 @@ each in its own host on a 200 Mbit/s link of its own, fetch it at the same momen
   the other peers at once, each block CID-checked.
 
 Both take turns in the same run, each on a model of its own (random float32, so no chunk
-repeats), medians over ``--reps``. Goals (issue 16): coordinator bytes per round <= 2x one
-model (star: 8x), and the swarm's download phase <= 0.4x the star's. The coordinator is a
-``BlockServer`` with the tracker attached, as a RoundServer holds one: a round's result is
-fetched over the same Get path. Needs root (network namespaces); prints why and exits 0
-elsewhere.
+repeats), medians over ``--reps``. Each peer is a process of its own in its host
+(``--threads``: threads of this process, sharing its interpreter lock). Goals (issue 16):
+coordinator bytes per round <= 2x one model (star: 8x), and the swarm's download phase
+<= 0.4x the star's. The coordinator is a ``BlockServer`` with the tracker attached, as a
+RoundServer holds one: a round's result is fetched over the same Get path. Needs root
+(network namespaces); prints why and exits 0 elsewhere.
 """
 
 from __future__ import annotations
