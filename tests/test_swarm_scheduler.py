@@ -34,10 +34,12 @@ class Fake:
         corrupt: bool = False,
         fail_after: int | None = None,
         withhold: frozenset[Cid] = frozenset(),
+        stall: bool = False,
     ) -> None:
         self.name, self.blocks, self.complete = name, dict(blocks), complete
         self.claimed, self.claims_version = claimed, 1 if claimed else 0
         self.corrupt, self.fail_after, self.withhold = corrupt, fail_after, withhold
+        self.stall = stall
         self.gets: list[list[Cid]] = []
         self.busy = self.most_busy = 0
         self.news = asyncio.Event()
@@ -62,6 +64,8 @@ class Fake:
         try:
             await asyncio.sleep(0)
             self.gets.append(list(cids))
+            if self.stall:
+                await asyncio.Event().wait()  # a peer that stopped sending: until cancelled
             if self.fail_after is not None and len(self.gets) > self.fail_after:
                 raise ConnectionFailed(self.name, "gone")
             missing = []
@@ -214,3 +218,27 @@ async def test_claims_held_too_long_are_ignored() -> None:
     squatter = Fake("squatter", {}, claimed=frozenset(blocks))  # claims all, fetches none
     await schedule(blocks, store, claim_patience=0.05).run([coord, squatter])
     assert len(store.missing(blocks)) == 0 and len(coord.asked) == 4
+
+
+async def test_a_stalled_peer_costs_the_straggler_time_not_the_fetch() -> None:
+    blocks, store = chunks(6), MemoryStore()
+    coord = Fake("coordinator", blocks, complete=True)
+    stalled = Fake("stalled", blocks, stall=True)  # holds everything, sends nothing
+    await schedule(blocks, store, straggler=0.05).run([coord, stalled])
+    assert len(store.missing(blocks)) == 0
+    assert len(stalled.gets) == 1  # its first Get never ended; nothing more was asked of it
+    assert len(coord.asked) == 6  # its two in flight as twins, the rest as stranded
+
+
+async def test_a_fast_peer_twins_a_stalled_peers_chunks() -> None:
+    blocks, store = chunks(4), MemoryStore()
+    coord = Fake("coordinator", blocks, complete=True)
+    stalled, fast = Fake("stalled", blocks, stall=True), Fake("fast", {})
+    sched = schedule(blocks, store, straggler=0.05, batch=4)
+    run = asyncio.ensure_future(sched.run([coord, stalled, fast]))
+    while not stalled.gets:
+        await asyncio.sleep(0)
+    fast.give(blocks)  # it holds them too, once the stalled one has them all in flight
+    await run
+    assert len(store.missing(blocks)) == 0 and coord.asked == []
+    assert sorted(map(str, fast.asked)) == sorted(map(str, blocks))

@@ -60,7 +60,7 @@ class SourceReport:
     lacked: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: `in` over lists of states
 class _State:
     source: ChunkSource
     report: SourceReport
@@ -68,6 +68,8 @@ class _State:
     claimed: frozenset[Cid] = frozenset()
     since: int = 0
     claims_seen: int = 0
+    flying: frozenset[Cid] = frozenset()  # this source's Get in flight
+    busy_since: float | None = None
 
 
 class SwarmSchedule:
@@ -85,6 +87,10 @@ class SwarmSchedule:
     takes chunks in an order of its own (shuffled by ``seed``): fetchers that start
     together, or that run out of chunks only they lack, rarely ask the coordinator for the
     same chunk at once (walking one order, two of them would collide chunk after chunk).
+
+    A peer whose Get has run for ``straggler`` s is slow: its chunks in flight may be asked
+    of one more source, and the coordinator may give chunks that only slow peers hold (a
+    peer on a slow link, or one that stalls, costs the fetch that long, not its pace).
 
     A block is stored only after its CID check (the sources' ``get``); a chunk counts as
     fetched when the store holds it. A source that fails (connection lost, a corrupt block,
@@ -106,6 +112,7 @@ class SwarmSchedule:
         on_claim: Callable[[list[Cid], bool], None] | None = None,
         patience: float = 30.0,
         claim_patience: float = 5.0,
+        straggler: float = 2.0,
     ) -> None:
         if batch < 1 or coordinator_batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}, {coordinator_batch}")
@@ -119,9 +126,10 @@ class SwarmSchedule:
         self.on_claim = on_claim
         self.patience = patience
         self.claim_patience = claim_patience
+        self.straggler = straggler
         self._claimed_at: dict[Cid, float] = {}  # when a chunk's claims went from 0 to more
         self.needed: set[Cid] = set(store.missing(self.order))
-        self.inflight: set[Cid] = set()
+        self.inflight: dict[Cid, int] = {}  # sources fetching it now (2: a straggler's twin)
         self.count: dict[Cid, int] = dict.fromkeys(self.order, 0)  # peers known to hold it
         self.claims: dict[Cid, int] = dict.fromkeys(self.order, 0)  # peers fetching it
         self.reports: list[SourceReport] = []
@@ -222,9 +230,10 @@ class SwarmSchedule:
                     await self._fetch(state, pick)
                 elif state.source.complete:
                     changed = self._changed
-                    # woken by news, or when the oldest claim runs out of patience
+                    # woken by news, when the oldest claim runs out of patience, or when a
+                    # peer's Get turns into a straggler's
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(self._claims_expire()):
+                        async with asyncio.timeout(self._next_deadline()):
                             await changed.wait()
                 elif not await self._learn(state, self.have_wait):
                     return
@@ -236,10 +245,52 @@ class SwarmSchedule:
         if state.source.complete:
             count, expired = self.count, self._expired()
             unclaimed = [c for c in free if count[c] == 0 and (c in expired or not self.claims[c])]
+            if not unclaimed:
+                unclaimed = self._stranded(free) or self._twins(state)
             return unclaimed[: self.coordinator_batch]
         held = [c for c in free if c in state.known]
         held.sort(key=self.count.__getitem__)  # stable: rarest first, then this order
-        return held[: self.batch]
+        return held[: self.batch] or self._twins(state)[:1]
+
+    def _slow(self) -> list[_State]:
+        """Peers whose Get in flight has run for ``straggler`` s or more."""
+        late = asyncio.get_running_loop().time() - self.straggler
+        return [
+            st
+            for st in self._states
+            if not st.source.complete and st.busy_since is not None and st.busy_since <= late
+        ]
+
+    def _stranded(self, free: list[Cid]) -> list[Cid]:
+        """Free chunks that only slow peers are known to hold (the coordinator may give them)."""
+        slow = self._slow()
+        if not slow:
+            return []
+        fast = [st for st in self._states if st not in slow and st.report.failed is None]
+        peers = [st for st in fast if not st.source.complete]
+        return [c for c in free if self.count[c] and not any(c in st.known for st in peers)]
+
+    def _twins(self, state: _State) -> list[Cid]:
+        """Chunks in flight at a slow peer only, that ``state``'s source can give too (the
+        coordinator: only those no other peer, not slow, holds)."""
+        slow = self._slow()
+        fast = [
+            st
+            for st in self._states
+            if st not in slow and not st.source.complete and st.report.failed is None
+        ]
+        return [
+            c
+            for st in slow
+            for c in st.flying
+            if self.inflight.get(c) == 1
+            and c in self.needed
+            and (
+                c in state.known
+                if not state.source.complete
+                else not any(c in other.known for other in fast)
+            )
+        ]
 
     async def _learn(self, state: _State, wait: float) -> bool:
         """One have query; False if the source does not serve the root (it is dropped)."""
@@ -282,15 +333,24 @@ class SwarmSchedule:
         old = asyncio.get_running_loop().time() - self.claim_patience
         return {cid for cid, since in self._claimed_at.items() if since <= old}
 
-    def _claims_expire(self) -> float | None:
-        """Seconds until the oldest live claim expires (None: no claim)."""
-        if not self._claimed_at:
+    def _next_deadline(self) -> float | None:
+        """Seconds until the oldest claim expires or a peer's Get turns slow (None: neither)."""
+        times = [t + self.claim_patience for t in self._claimed_at.values()]
+        times += [
+            st.busy_since + self.straggler
+            for st in self._states
+            if st.busy_since is not None and not st.source.complete
+        ]
+        if not times:
             return None
-        first = min(self._claimed_at.values()) + self.claim_patience
-        return max(0.0, first - asyncio.get_running_loop().time())
+        return max(0.0, min(times) - asyncio.get_running_loop().time())
 
     async def _fetch(self, state: _State, pick: list[Cid]) -> None:
-        self.inflight.update(pick)
+        for cid in pick:
+            self.inflight[cid] = self.inflight.get(cid, 0) + 1
+        state.flying, state.busy_since = frozenset(pick), asyncio.get_running_loop().time()
+        if not state.source.complete:
+            self._signal()  # a waiting coordinator worker re-arms its straggler deadline
         claim = self.on_claim if state.source.complete else None
         if claim is not None:
             claim(pick, True)
@@ -300,7 +360,13 @@ class SwarmSchedule:
         except (TensorSwapError, OSError) as exc:
             failure = exc
         finally:
-            self.inflight.difference_update(pick)
+            for cid in pick:
+                left = self.inflight[cid] - 1
+                if left:
+                    self.inflight[cid] = left
+                else:
+                    del self.inflight[cid]
+            state.flying, state.busy_since = frozenset(), None
             if claim is not None:
                 claim(pick, False)
         absent = set(self.store.missing(pick))  # what the checks let through is held
