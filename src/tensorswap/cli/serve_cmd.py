@@ -30,6 +30,7 @@ from tensorswap.rounds.server import RoundServer
 from tensorswap.runs.manager import RunManager
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER
 from tensorswap.runs.service import RunService
+from tensorswap.swarm.tracker import SwarmTracker
 from tensorswap.transport import DEFAULT_MAX_CONNECTIONS
 from tensorswap.wire._budget import DEFAULT_MAX_INFLIGHT_BYTES
 from tensorswap.wire.connection import Timeouts
@@ -124,6 +125,7 @@ async def _run(
             max_inflight_bytes=max_inflight_bytes,
             peer_keys=None if peer_keys is None else PeerKeys.load(peer_keys),
         )
+        SwarmTracker(coordinator.store).attach(server.blocks)  # peers that serve results
         if runs is not None:
             RunService(runs, server)
         elif tier is not None:
