@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tensorswap.cid import Cid
 from tensorswap.region.errors import RegionError
-from tensorswap.rounds._sqlite import transaction
+from tensorswap.rounds._sqlite import open_wal, transaction
 from tensorswap.rounds.state import RoundId
 
 __all__ = ["Forward", "ForwardState", "RegionJournal"]
@@ -65,12 +65,7 @@ class RegionJournal:
         self.path = Path(path)
         self._lock = threading.Lock()
         try:
-            self._conn = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=30.0
-            )
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
-            self._conn.executescript(_SCHEMA)
+            self._conn = open_wal(self.path, durable=durable, schema=_SCHEMA)
         except sqlite3.Error as exc:
             raise RegionError(f"cannot open the region journal in {self.path}: {exc}") from exc
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from tensorswap.rounds._sqlite import transaction
+from tensorswap.rounds._sqlite import open_wal, transaction
 from tensorswap.runs.errors import RunsError
 from tensorswap.runs.model import ClientInfo, Param, RunInfo, RunSpec, VersionRecord
 
@@ -83,13 +83,7 @@ class RunDatabase:
         self.path = Path(path)
         self._lock = threading.Lock()
         try:
-            self._conn = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=30.0
-            )
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
-            self._conn.execute("PRAGMA foreign_keys=ON")
-            self._conn.executescript(_SCHEMA)
+            self._conn = open_wal(self.path, durable=durable, schema=_SCHEMA, foreign_keys=True)
         except sqlite3.Error as exc:
             raise RunsError(f"cannot open the runs journal in {self.path}: {exc}") from exc
 
