@@ -9,6 +9,7 @@ from typing import Any, Literal, Self
 import numpy as np
 
 from tensorswap.cid import Cid
+from tensorswap.errors import BlockNotFound
 from tensorswap.privacy.dp import clip_update
 from tensorswap.rounds.client import RoundClient, SubmitResult
 from tensorswap.rounds.protocol import raise_remote
@@ -32,7 +33,7 @@ from tensorswap.runs.messages import (
     encode,
 )
 from tensorswap.runs.model import RunMode, RunSpec
-from tensorswap.store import ModelUpdate, put_update
+from tensorswap.store import ModelUpdate, get_update, put_update
 from tensorswap.wire import ProtocolViolation, RemoteError
 
 __all__ = ["RunClient"]
@@ -144,6 +145,15 @@ class RunClient:
         update = await self.rounds.fetch(Cid.parse(task.global_cid))
         return dict(update.tensors)
 
+    async def task_model(self, task: Task) -> dict[str, np.ndarray]:
+        """The task's global model from this peer's own store when it is there already (it
+        was verified when it was pulled), else fetched: the base a delta is taken from."""
+        cid = Cid.parse(task.global_cid)
+        try:
+            return dict((await asyncio.to_thread(get_update, self.rounds.store, cid)).tensors)
+        except BlockNotFound:
+            return await self.fetch_model(task)
+
     async def submit(
         self, task: Task, update: ModelUpdate | Mapping[str, Any], num_samples: int = 0
     ) -> RoundStatus:
@@ -186,7 +196,7 @@ class RunClient:
         self, task: Task, update: ModelUpdate | Mapping[str, Any], num_samples: int
     ) -> tuple[ModelUpdate, bool | None]:
         model = update if isinstance(update, ModelUpdate) else ModelUpdate(dict(update))
-        base = await self.fetch_model(task)
+        base = await self.task_model(task)
         delta = {
             k: np.asarray(v) - np.asarray(base[k]).astype(np.asarray(v).dtype)
             for k, v in model.tensors.items()

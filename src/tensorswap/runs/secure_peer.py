@@ -16,11 +16,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from tensorswap.cid import Cid
-from tensorswap.errors import BlockNotFound
 from tensorswap.rounds.state import RoundStatus
 from tensorswap.runs.messages import RunAnswer, SecAggRequest
-from tensorswap.store import ModelUpdate, get_update
+from tensorswap.store import ModelUpdate
 from tensorswap.wire import ProtocolViolation
 
 if TYPE_CHECKING:
@@ -59,16 +57,6 @@ def flatten_delta(
     return out
 
 
-async def _base_model(client: RunClient, task: Task) -> dict[str, np.ndarray]:
-    """The task's global model: from the peer's own store when it is there already (it was
-    verified when it was pulled), else fetched."""
-    cid = Cid.parse(task.global_cid)
-    try:
-        return dict((await asyncio.to_thread(get_update, client.rounds.store, cid)).tensors)
-    except BlockNotFound:
-        return await client.fetch_model(task)
-
-
 async def secure_submit(
     client: RunClient, task: Task, update: ModelUpdate | Mapping[str, Any], num_samples: int
 ) -> RoundStatus:
@@ -89,7 +77,7 @@ async def secure_submit(
     if task.dp == "client" and task.clip is None:
         raise ProtocolViolation("a client-side clipping task lacks its clipping norm")
     clip = task.clip if task.dp == "client" else None
-    base = await _base_model(client, task)
+    base = await client.task_model(task)
     vector = await asyncio.to_thread(flatten_delta, model.tensors, base, clip)
 
     def request(after: int, message: bytes = b"", block: bytes | None = None) -> SecAggRequest:
