@@ -125,7 +125,9 @@ class Quantizer:
         """
         if total.dtype != np.uint32 or total.ndim != 1 or total.size < 1:
             raise QuantizationError("the sum must be a non-empty 1-D uint32 array")
-        values = total[:-1].astype(np.float64) * self.step - peers * self.clip
+        values = total[:-1].astype(np.float64)  # the one model-sized float64 array
+        values *= self.step
+        values -= peers * self.clip
         return values, int(total[-1])
 
     def weighted_mean(self, total: np.ndarray, peers: int) -> np.ndarray:
@@ -133,4 +135,5 @@ class Quantizer:
         values, weight_sum = self.dequantize_sum(total, peers)
         if weight_sum == 0:
             raise QuantizationError("the weights sum to zero")
-        return (values * (self.max_weight / weight_sum)).astype(np.float32)
+        values *= self.max_weight / weight_sum
+        return values.astype(np.float32)
