@@ -11,11 +11,11 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-$(STAMP_CORE): pyproject.toml | $(PY)
+$(STAMP_CORE): pyproject.toml setup.py src/tensorswap/aggregate/server_opt/_fused.c | $(PY)
 	$(PY) -m pip install --quiet -e '.[demo]'
 	touch $@
 
-$(STAMP_DEV): pyproject.toml | $(PY)
+$(STAMP_DEV): pyproject.toml setup.py src/tensorswap/aggregate/server_opt/_fused.c | $(PY)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@ $(STAMP_CORE)
 
@@ -39,3 +39,4 @@ bench: $(STAMP_DEV)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	find src -name '*.so' -delete

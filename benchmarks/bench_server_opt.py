@@ -5,6 +5,8 @@ writes one), timed in the same run, interleaved with the steps, best of `--repea
 reads the model, the aggregate and its state and writes the state and the new model; FedAdam
 (two state arrays) touches seven model-sized arrays, so about 2.3x is the memory-bound floor.
 Steps run on one thread (the default); the fedadam_2threads line splits the step over two.
+FedAdam, FedYogi and FedAdagrad run their fused C kernels where they were built (one pass; the
+same bits); the fedadam_numpy line is the numpy form of the same step, for comparison.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ except ModuleNotFoundError:  # run as a script: python benchmarks/bench_server_o
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmarks.__main__ import ratio_line
 from tensorswap.aggregate import ServerOptimizerKind, server_optimizer
+from tensorswap.aggregate.server_opt import kernels
 
 GOAL = 4.0  # fedadam step <= 4x one numpy pass
 #: A few layers adding up to the model size: 40%, 30%, 20%, 10% of the values.
@@ -64,12 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     # the same step split over two threads (`workers=2`): helps only where a core is idle
     optimizers["fedadam_2threads"] = server_optimizer("fedadam", workers=2)
-    print(f"  {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
+    fused = kernels.FUSED
+    if fused:
+        optimizers["fedadam_numpy"] = server_optimizer("fedadam")
+    form = "fused C kernels" if fused else "numpy kernels (the fused ones were not built)"
+    print(f"  {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}; {form}")
     rounds = dict.fromkeys(optimizers, 0)
 
     def step(kind: str) -> None:
         rounds[kind] += 1
-        optimizers[kind].step(current, aggregate, rounds[kind])
+        kernels.FUSED = fused and kind != "fedadam_numpy"
+        try:
+            optimizers[kind].step(current, aggregate, rounds[kind])
+        finally:
+            kernels.FUSED = fused
 
     for kind in optimizers:  # first step allocates the state; not what is measured
         step(kind)

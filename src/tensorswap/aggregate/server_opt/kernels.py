@@ -5,11 +5,17 @@ one chunk) stay in the L2 cache, so each big array is read or written once per s
 dozen ufunc calls of an Adam-style update run on cached data. Elementwise IEEE operations do
 not depend on where a chunk starts, so the result is the same for any chunk size, and for
 any split of a large model into pieces run on a few threads (numpy releases the GIL in them).
+
+FedAdam, FedYogi and FedAdagrad also have a fused one-pass form in C (`_fused.c`, built at
+install where a compiler is found): the same IEEE operations in the same order, so the same
+bits, with each array read or written once instead of a dozen cached passes. It is used when
+it was built, unless TENSORSWAP_FUSED=0; `FUSED` says which form runs.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +33,14 @@ from tensorswap.aggregate.server_opt.types import (
     Hyper,
     NesterovHyper,
 )
+
+try:
+    from tensorswap.aggregate.server_opt import _fused  # type: ignore[attr-defined]
+except ImportError:  # not built (no compiler at install): the numpy kernels serve
+    _fused = None
+
+#: Whether the fused C kernels run (built, and not turned off with TENSORSWAP_FUSED=0).
+FUSED = _fused is not None and os.environ.get("TENSORSWAP_FUSED", "1") != "0"
 
 #: Values per chunk: 2 scratch buffers + 5 array slices of 256 KiB (float32) fit in L2.
 CHUNK = 1 << 16
@@ -148,6 +162,10 @@ def fedadam(
     eta, tau = dt.type(eta_norm), dt.type(hyper.tau)
     b1s, a1, b2s, a2 = dt.type(b1), dt.type(1.0 - b1), dt.type(b2), dt.type(1.0 - b2)
     m, v = state["m"], state["v"]
+    if FUSED:
+        _fused.adaptive(_fused.ADAM, cur, agg, m, v, out, b1, 1.0 - b1, b2, 1.0 - b2, eta_norm,
+                        hyper.tau)  # fmt: skip
+        return
     for s, e in _spans(cur.size):
         d, t = scratch.get(dt, e - s)
         mm, vv = m[s:e], v[s:e]
@@ -177,6 +195,11 @@ def fedyogi(
     eta, tau = dt.type(hyper.eta), dt.type(hyper.tau)
     b1s, a1, a2 = dt.type(hyper.beta_1), dt.type(1.0 - hyper.beta_1), dt.type(1.0 - hyper.beta_2)
     m, v = state["m"], state["v"]
+    if FUSED:
+        b1, b2 = hyper.beta_1, hyper.beta_2
+        _fused.adaptive(_fused.YOGI, cur, agg, m, v, out, b1, 1.0 - b1, b2, 1.0 - b2, hyper.eta,
+                        hyper.tau)  # fmt: skip
+        return
     for s, e in _spans(cur.size):
         d, t = scratch.get(dt, e - s)
         mm, vv = m[s:e], v[s:e]
@@ -208,6 +231,10 @@ def fedadagrad(
     dt = cur.dtype
     eta, tau = dt.type(hyper.eta), dt.type(hyper.tau)
     v = state["v"]
+    if FUSED:  # m is unused by this rule: v stands in for it
+        _fused.adaptive(_fused.ADAGRAD, cur, agg, v, v, out, 0.0, 1.0, 0.0, 1.0, hyper.eta,
+                        hyper.tau)  # fmt: skip
+        return
     for s, e in _spans(cur.size):
         d, t = scratch.get(dt, e - s)
         vv = v[s:e]
@@ -306,7 +333,9 @@ def run(
         mine = getattr(local, "scratch", None)
         if mine is None:
             mine = local.scratch = Scratch()
-        kernel(hyper, server_round, job.cur, job.agg, job.state, job.out, mine)
+        # numpy's error state is per thread: the caller's `quiet` does not reach this one
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            kernel(hyper, server_round, job.cur, job.agg, job.state, job.out, mine)
 
     with ThreadPoolExecutor(min(workers, len(pieces)), "server-opt") as pool:
         for _ in pool.map(work, pieces):
