@@ -76,9 +76,31 @@ def test_fused_entry_point_refuses_mismatched_buffers() -> None:
         fused.adaptive(fused.ADAM, *[np.zeros(8, np.int32)] * 5, *args)
     with pytest.raises(ValueError, match="unknown rule"):
         fused.adaptive(7, a32, a32, a32, a32, a32, *args)
+    with pytest.raises(ValueError, match="must not overlap"):
+        fused.adaptive(fused.ADAM, a32, a32, a32.copy(), a32.copy(), a32, *args)
+    m = np.zeros(8, np.float32)
+    with pytest.raises(ValueError, match="must not overlap"):
+        fused.adaptive(fused.ADAM, a32, a32.copy(), m, m, np.zeros(8, np.float32), *args)
     read_only = np.zeros(8, np.float32)
     read_only.flags.writeable = False
     with pytest.raises((BufferError, ValueError, TypeError)):
         fused.adaptive(fused.ADAM, a32, a32, read_only, a32, a32, *args)
     with pytest.raises((BufferError, ValueError, TypeError)):  # not contiguous
         fused.adaptive(fused.ADAM, *[np.zeros(16, np.float32)[::2]] * 5, *args)
+
+
+def test_step_piece_refuses_an_out_that_overlaps_an_input() -> None:
+    from tensorswap.aggregate import InvalidServerStepInput
+
+    opt = server_optimizer("fedadam")
+    cur, agg = np.ones(16, np.float32), np.zeros(16, np.float32)
+    state = {"m": np.zeros(16, np.float32), "v": np.zeros(16, np.float32)}
+    with pytest.raises(InvalidServerStepInput, match="must not overlap"):
+        opt.step_piece(1, cur, agg, state, cur)
+    with pytest.raises(InvalidServerStepInput, match="must not overlap"):
+        opt.step_piece(1, cur, agg, {"m": state["m"], "v": state["m"]}, np.empty(16, np.float32))
+    out = np.empty(16, np.float32)
+    opt.step_piece(1, cur, agg, state, out)  # disjoint: fine, and the same as a whole step
+    assert (
+        out.tobytes() == server_optimizer("fedadam").step({"w": cur}, {"w": agg}, 1)["w"].tobytes()
+    )

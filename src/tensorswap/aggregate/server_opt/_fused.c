@@ -136,6 +136,20 @@ static PyObject *fused_adaptive(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
+    /* The loops are compiled with `restrict`: the written buffers (m, v, out) must not overlap
+     * each other or the inputs. FedAdagrad passes v for the m it does not use. */
+    for (int w = 2; w < NBUF; w++) {
+        for (int k = 0; k < NBUF; k++) {
+            if (k == w || (rule == ADAGRAD && ((w == 2 && k == 3) || (w == 3 && k == 2))))
+                continue;
+            const char *a = views[w].buf, *b = views[k].buf;
+            if (views[0].len > 0 && a < b + views[k].len && b < a + views[w].len) {
+                release(views, NBUF);
+                PyErr_SetString(PyExc_ValueError, "the state and out must not overlap any array");
+                return NULL;
+            }
+        }
+    }
     Py_ssize_t n = views[0].len / item;
     Py_BEGIN_ALLOW_THREADS
     if (is32)

@@ -242,7 +242,8 @@ class ServerOptimizer:
         writable state array, zeros before the first step) is updated in place. Every kind's
         rule is elementwise, so pieces stepped one by one give exactly what ``step`` gives
         for the whole tensor. Does not touch this optimizer's own ``state``. All arrays 1-D,
-        the same length; ``out`` and the state in the compute dtype (float32 or float64)."""
+        the same length; ``out`` and the state in the compute dtype (float32 or float64), none of
+        them overlapping another array."""
         if isinstance(server_round, bool) or not isinstance(server_round, int | np.integer):
             raise InvalidServerRound(server_round)
         if server_round < 1:
@@ -255,6 +256,10 @@ class ServerOptimizer:
             raise InvalidServerStepInput("piece", "arrays must be 1-D and of one length")
         if out.dtype != dtype or any(a.dtype != dtype for a in state.values()):
             raise InvalidServerStepInput("piece", f"out and state must be {dtype}")
+        written = [out, *state.values()]
+        for i, w in enumerate(written):
+            if any(np.may_share_memory(w, a) for a in [current, aggregate, *written[i + 1 :]]):
+                raise InvalidServerStepInput("piece", "out and the state must not overlap")
         job = kernels.Job(
             np.ascontiguousarray(current, dtype=dtype),
             np.ascontiguousarray(aggregate, dtype=dtype),
