@@ -216,3 +216,46 @@ def _outcomes_size(outcomes: list[object]) -> int:
     import sys
 
     return sys.getsizeof(outcomes)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        RunSpec(mode="async", buffer=2, rounds=1, seed=3),
+        RunSpec(per_round=2, rounds=1, seed=3, dp_clip=1.0, dp_noise=0.0, dp_clipping="client"),
+    ],
+    ids=["async", "dp-client-clipping"],
+)
+async def test_with_peer_keys_a_run_client_proves_async_and_dp_contributions(
+    keyed: tuple[RoundServer, RunManager, RunService], spec: RunSpec
+) -> None:
+    """Async deltas and DP contributions go through the runs app, not a rounds submit: with a
+    peer key RunClient sends them with its proof (a one-item contribute_batch)."""
+    server, runs, _ = keyed
+    peers = []
+    for name in ("v0", "v1"):
+        client = await RunClient.connect(
+            "127.0.0.1", server.port, peer=name, key=KEY, peer_key=PEER_KEYS[name]
+        )
+        peers.append(client)
+    try:
+        for client in peers:
+            await client.register({"num_samples": 1})
+        await peers[0].create_run("fl", spec, ModelUpdate(_model(0)))
+        impostor = await RunClient.connect("127.0.0.1", server.port, peer="v1", key=KEY)
+        try:
+            for client in peers:
+                task = await client.next_task("fl", timeout=20)
+                assert task is not None
+                if client.peer == "v1":  # the same contribution without v1's key: refused
+                    with pytest.raises(PeerNotAuthorised):
+                        await impostor.submit(task, _model(0.5), num_samples=1)
+                status = await client.submit(task, _model(0.5), num_samples=1)
+                assert isinstance(status, Collecting | Complete)
+        finally:
+            await impostor.aclose()
+        (v1,) = await peers[0].versions("fl", since=1, wait=20)
+        assert sorted(v1.participants) == ["v0", "v1"]
+    finally:
+        for client in peers:
+            await client.aclose()

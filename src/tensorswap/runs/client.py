@@ -11,9 +11,11 @@ import numpy as np
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound
 from tensorswap.privacy.dp import clip_update
+from tensorswap.rounds.batch import submit_proof
 from tensorswap.rounds.client import RoundClient, SubmitResult
 from tensorswap.rounds.protocol import raise_remote
 from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.runs.batch import ContributeBatchRequest, ContributeItem
 from tensorswap.runs.manager import Task
 from tensorswap.runs.messages import (
     APP,
@@ -178,6 +180,8 @@ class RunClient:
             result: SubmitResult = await self.rounds.submit(task.round_id, update, num_samples)
             return result.status
         cid = await self._push(update, num_samples)
+        if self.rounds.peer_key is not None:
+            return await self._contribute_proven(task, cid, clipped)
         call = ContributeRequest(
             peer=self.peer,
             run=task.run,
@@ -192,6 +196,34 @@ class RunClient:
         return answer.status.to_status()
 
     # ── internals ────────────────────────────────────────────────────────────
+    async def _contribute_proven(self, task: Task, cid: Cid, clipped: bool | None) -> RoundStatus:
+        """Contribute ``cid`` with this peer's proof, for a coordinator with per-peer keys: a
+        one-item ``contribute_batch`` (the plain ``contribute`` op carries no proof)."""
+        from tensorswap.runs.virtual import _error_of, _results, request_batch
+
+        rc = self.rounds
+        assert rc.peer_key is not None
+        round_id = RoundId(task.round_id.round, task.run)
+        item = ContributeItem(
+            self.peer,
+            round_id.round,
+            cid.to_bytes(),
+            task.version,
+            clipped,
+            submit_proof(rc.peer_key, round_id, self.peer, cid),
+        )
+        async with rc._lock:
+            answer = await request_batch(
+                rc, ContributeBatchRequest(run=task.run, items=[item]), long=True
+            )
+        (result,) = _results(answer, 1)
+        error = _error_of(result)
+        if error is not None:
+            raise error
+        if result.status is None:
+            raise ProtocolViolation("the coordinator's answer lacks a status")
+        return result.status.to_status()
+
     async def _dp_delta(
         self, task: Task, update: ModelUpdate | Mapping[str, Any], num_samples: int
     ) -> tuple[ModelUpdate, bool | None]:

@@ -193,22 +193,30 @@ class VirtualRuns:
     async def _request(
         self, client: RoundClient, call: RunBatchRequest, *, long: bool
     ) -> RunBatchAnswer:
-        try:
-            body = await client.blocks.request(
-                APP_BATCH, encode_batch(call), timeout=None if long else "read"
-            )
-        except RemoteError as exc:
-            if exc.code == "unsupported":
-                peer = client.blocks.conn.peer
-                raise ProtocolViolation(f"{peer} takes no batched runs requests") from exc
-            raise
-        try:
-            answer = _answer_decoder.decode(body)
-        except msgspec.DecodeError as exc:
-            raise ProtocolViolation(f"bad runs batch answer: {exc}") from exc
-        if answer.error is not None:
-            raise_remote(answer.error, client.blocks.conn.peer)
-        return answer
+        return await request_batch(client, call, long=long)
+
+
+async def request_batch(
+    client: RoundClient, call: RunBatchRequest, *, long: bool
+) -> RunBatchAnswer:
+    """One batched runs request on ``client``'s connection (the caller holds its lock); the
+    whole request's refusal raised, typed; ``long``: no read timeout (a waiting request)."""
+    try:
+        body = await client.blocks.request(
+            APP_BATCH, encode_batch(call), timeout=None if long else "read"
+        )
+    except RemoteError as exc:
+        if exc.code == "unsupported":
+            peer = client.blocks.conn.peer
+            raise ProtocolViolation(f"{peer} takes no batched runs requests") from exc
+        raise
+    try:
+        answer = _answer_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolViolation(f"bad runs batch answer: {exc}") from exc
+    if answer.error is not None:
+        raise_remote(answer.error, client.blocks.conn.peer)
+    return answer
 
 
 def _results(answer: RunBatchAnswer, expected: int) -> list[RunItemResult]:
