@@ -129,7 +129,7 @@ async def _run(
         if runs is not None:
             RunService(runs, server)
         elif tier is not None:
-            RunsProxy(tier.link, server)  # runs live at the top: relayed there
+            RunsProxy(tier.link, server, tier.journal)  # runs live at the top; folded here
         async with await server.start(host, port, ssl=ssl):
             active = coordinator.tracker.active_count()
             click.echo(f"listening on {host}:{server.port}", err=True)
