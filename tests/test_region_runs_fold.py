@@ -4,13 +4,17 @@ and the upstream link carries one model per region per direction per round."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers.region_runs import MODEL_BYTES, RUN, drive, models, tier, top
+from helpers.region_runs import MODEL_BYTES, RUN, drive, initial, models, tier, top, trained
+from tensorswap.rounds.deadline import FakeClock
+from tensorswap.rounds.state import RoundId
 from tensorswap.runs import RunSpec
 
 ROUNDS = 3
@@ -22,7 +26,10 @@ ROUNDS = 3
 async def test_three_regions_of_four_give_the_flat_runs_global_models(
     tmp_path: Path, optimizer: str, per_round: int
 ) -> None:
-    spec = RunSpec(per_round=per_round, rounds=ROUNDS, seed=3, optimizer=optimizer)
+    params = {"server_momentum": 0.9} if optimizer == "fedavgm" else {}
+    spec = RunSpec(
+        per_round=per_round, rounds=ROUNDS, seed=3, optimizer=optimizer, optimizer_params=params
+    )
     async with top(tmp_path, "flat") as flat:
         await drive([flat.server.port], flat.server.port, spec)
         flat_models = models(flat.runs)
@@ -57,3 +64,61 @@ async def test_three_regions_of_four_give_the_flat_runs_global_models(
         assert down_models * MODEL_BYTES <= stats.upstream_bytes_received
         assert stats.upstream_bytes_received < down_models * MODEL_BYTES * 1.02 + 96 * 1024
         assert stats.forwarded == up_models and stats.failed == 0
+
+
+async def until(check: Callable[[], bool]) -> None:
+    for _ in range(6000):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the condition never held")
+
+
+async def test_late_peers_and_a_silent_region_meet_the_quorums_of_both_tiers(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    spec = RunSpec(per_round=12, rounds=1, quorum=0.6, round_timeout_s=100.0)
+    rid = RoundId(1, RUN)
+    async with AsyncExitStack() as stack:
+        up = await stack.enter_async_context(top(tmp_path, clock=clock))
+        regions = [
+            await stack.enter_async_context(
+                tier(tmp_path, f"region-{r}", up.server.port, clock=clock)
+            )
+            for r in range(3)
+        ]
+        ports = [rg.server.port for rg in regions]
+        started = asyncio.Event()
+        # peer 3 (region-0) never trains; region-2's peers never ask: that region is silent
+        silent = (3, 8, 9, 10, 11)
+        work = asyncio.ensure_future(
+            drive(ports, up.server.port, spec, silent=silent, started=started)
+        )
+        await started.wait()
+        region_0 = regions[0].tier.coordinator
+        assert region_0 is not None
+
+        def top_peers() -> tuple[str, ...]:
+            info = up.runs.coordinator.info(rid)
+            return () if info is None else info.peers
+
+        def region_0_peers() -> tuple[str, ...]:
+            info = region_0.info(rid)
+            return () if info is None else info.peers
+
+        await until(lambda: top_peers() == ("region-1",) and len(region_0_peers()) == 3)
+        clock.advance(95)  # region-0's deadline (0.9 of the top's 100 s): 3 of 4 is its quorum
+        await until(lambda: set(top_peers()) == {"region-0", "region-1"})
+        assert up.runs.run(RUN).version == 0  # 2 of 3 units: the top waits for its deadline
+        clock.advance(10)  # the top's deadline: 2 of 3 units is its quorum
+        counts = await asyncio.wait_for(work, 60)
+        (_, final) = models(up.runs)
+        versions = up.runs.versions(RUN)
+    assert sorted(versions[1].participants) == ["region-0", "region-1"]
+    assert counts == [1, 1, 1, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+    joined = [0, 1, 2, 4, 5, 6, 7]
+    weights = np.array([10 + i for i in joined], dtype=np.float64)
+    updates = [trained(i, initial(), 0)["w"].astype(np.float64) for i in joined]
+    want = sum(w * u for w, u in zip(weights, updates, strict=True)) / weights.sum()
+    np.testing.assert_allclose(final, want, rtol=1e-5, atol=1e-5)

@@ -14,6 +14,7 @@ from helpers.region import FAST, values
 from tensorswap.cid import Cid
 from tensorswap.region import RegionalTier, RunsProxy, UpstreamLink
 from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.deadline import Clock
 from tensorswap.rounds.server import RoundServer
 from tensorswap.runs import RunManager, RunSpec
 from tensorswap.runs.client import RunClient
@@ -39,8 +40,10 @@ class Top:
 
 
 @asynccontextmanager
-async def top(tmp: Path, name: str = "top", max_wait: float = 30) -> AsyncIterator[Top]:
-    coord = Coordinator.open(tmp / name, durable=False)
+async def top(
+    tmp: Path, name: str = "top", max_wait: float = 30, clock: Clock | None = None
+) -> AsyncIterator[Top]:
+    coord = Coordinator.open(tmp / name, durable=False, clock=clock)
     runs = RunManager.open(coord, durable=False)
     server = RoundServer(coord, max_wait=max_wait)
     RunService(runs, server)
@@ -54,9 +57,11 @@ async def top(tmp: Path, name: str = "top", max_wait: float = 30) -> AsyncIterat
 
 
 @asynccontextmanager
-async def tier(tmp: Path, name: str, port: int, max_wait: float = 30) -> AsyncIterator[Tier]:
+async def tier(
+    tmp: Path, name: str, port: int, max_wait: float = 30, clock: Clock | None = None
+) -> AsyncIterator[Tier]:
     link = UpstreamLink("127.0.0.1", port, region=name, backoff=FAST)
-    rt = await asyncio.to_thread(RegionalTier.open, tmp / name, link, durable=False)
+    rt = await asyncio.to_thread(RegionalTier.open, tmp / name, link, durable=False, clock=clock)
     assert rt.coordinator is not None and rt.journal is not None
     server = RoundServer(rt.coordinator, max_wait=max_wait)
     proxy = RunsProxy(link, server, rt.journal)
@@ -80,6 +85,7 @@ def trained(i: int, model: dict[str, np.ndarray], version: int) -> dict[str, np.
 
 
 async def peer_loop(client: RunClient, i: int) -> int:
+    """Peer i trains every task it gets until the run finishes; how many it did."""
     done = 0
     while (task := await client.next_task(RUN, timeout=60)) is not None:
         model = await client.fetch_model(task)
@@ -88,9 +94,17 @@ async def peer_loop(client: RunClient, i: int) -> int:
     return done
 
 
-async def drive(ports: Sequence[int], top_port: int, spec: RunSpec, peers: int = 12) -> list[int]:
-    """Peers 0..peers-1 (peer i on ``ports[i % len(ports)]``... grouped in order) register,
-    the driver creates the run at the top, and every peer works until it finishes."""
+async def drive(
+    ports: Sequence[int],
+    top_port: int,
+    spec: RunSpec,
+    peers: int = 12,
+    silent: Sequence[int] = (),
+    started: asyncio.Event | None = None,
+) -> list[int]:
+    """Peers 0..peers-1 (in order, ``peers / len(ports)`` per port) register, the driver
+    creates the run at the top, and every peer but the ``silent`` ones works until the run
+    finishes (``started`` is set once the run exists); what each peer did."""
     per = peers // len(ports)
     async with AsyncExitStack() as stack:
         clients = [
@@ -103,7 +117,13 @@ async def drive(ports: Sequence[int], top_port: int, spec: RunSpec, peers: int =
             await client.register({"num_samples": 10 + i})
         async with await RunClient.connect("127.0.0.1", top_port, peer="driver") as driver:
             await driver.create_run(RUN, spec, ModelUpdate(initial()))
-        return list(await asyncio.gather(*(peer_loop(c, i) for i, c in enumerate(clients))))
+        if started is not None:
+            started.set()
+        working = [(i, c) for i, c in enumerate(clients) if i not in silent]
+        done = await asyncio.gather(*(peer_loop(c, i) for i, c in working))
+        return [
+            dict(zip([i for i, _ in working], done, strict=True)).get(i, 0) for i in range(peers)
+        ]
 
 
 def models(runs: RunManager) -> list[np.ndarray]:
