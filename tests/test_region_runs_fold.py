@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 
 from helpers.region_runs import MODEL_BYTES, RUN, drive, initial, models, tier, top, trained
+from tensorswap.region import SecureRunThroughRegion
 from tensorswap.rounds.deadline import FakeClock
 from tensorswap.rounds.state import RoundId
 from tensorswap.runs import RunSpec
+from tensorswap.runs.client import RunClient
+from tensorswap.store import ModelUpdate
 
 ROUNDS = 3
 
@@ -122,3 +125,50 @@ async def test_late_peers_and_a_silent_region_meet_the_quorums_of_both_tiers(
     updates = [trained(i, initial(), 0)["w"].astype(np.float64) for i in joined]
     want = sum(w * u for w, u in zip(weights, updates, strict=True)) / weights.sum()
     np.testing.assert_allclose(final, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        RunSpec(mode="async", buffer=4, rounds=2, max_staleness=4),
+        RunSpec(per_round=4, rounds=2, strategy="median"),
+    ],
+    ids=["fedbuff", "median"],
+)
+async def test_runs_that_do_not_fold_are_relayed_peer_by_peer(
+    tmp_path: Path, spec: RunSpec
+) -> None:
+    async with AsyncExitStack() as stack:
+        up = await stack.enter_async_context(top(tmp_path))
+        regions = [
+            await stack.enter_async_context(tier(tmp_path, f"region-{r}", up.server.port))
+            for r in range(2)
+        ]
+        counts = await drive([rg.server.port for rg in regions], up.server.port, spec, peers=4)
+        versions = up.runs.versions(RUN)
+        folded = [rg.tier.stats().forwarded for rg in regions]
+    assert [v.version for v in versions] == [0, 1, 2]
+    assert sum(counts) >= 8
+    # each peer's update went up on its own, under its own name: nothing folded regionally
+    assert all(p.startswith("peer-") for v in versions[1:] for p in v.participants)
+    assert folded == [0, 0]
+
+
+async def test_a_secure_run_is_refused_at_a_region_with_the_reason(tmp_path: Path) -> None:
+    pytest.importorskip("cryptography")
+    async with AsyncExitStack() as stack:
+        up = await stack.enter_async_context(top(tmp_path))
+        rg = await stack.enter_async_context(tier(tmp_path, "region-0", up.server.port))
+        peers = [
+            await stack.enter_async_context(
+                await RunClient.connect("127.0.0.1", rg.server.port, peer=f"peer-{i}")
+            )
+            for i in range(2)
+        ]
+        for peer in peers:
+            await peer.register({"num_samples": 10})
+        spec = RunSpec(per_round=2, min_clients=2, secagg=True)
+        async with await RunClient.connect("127.0.0.1", up.server.port, peer="driver") as d:
+            await d.create_run(RUN, spec, ModelUpdate(initial()))
+        with pytest.raises(SecureRunThroughRegion, match="masks do not compose"):
+            await peers[0].next_task(RUN, timeout=30)
