@@ -14,7 +14,13 @@ from tensorswap.region.errors import SecureRunThroughRegion
 from tensorswap.region.journal import RegionJournal
 from tensorswap.region.link import UpstreamLink
 from tensorswap.region.runs_fold import RunFolds
-from tensorswap.rounds.inline import APP_INLINE, decode_inline, inline_blocks, put_blocks
+from tensorswap.rounds.inline import (
+    APP_INLINE,
+    decode_inline,
+    inline_blocks,
+    put_blocks,
+    reserve_inline,
+)
 from tensorswap.rounds.protocol import APP as ROUNDS_APP
 from tensorswap.rounds.protocol import (
     RoundAnswer,
@@ -195,14 +201,16 @@ class RunsProxy:
         rid = call.round_id
         if self.server.coordinator.info(rid) is not None or not await self._is_run(rid):
             return await self._local_inline(request)
-        await asyncio.to_thread(put_blocks, self.server.store, inline_blocks(call))
         submit = SubmitRequest(
             round=rid.round, initiator=rid.initiator, peer=call.peer, update=call.update
         )
-        try:
-            return await self.link.relay(ROUNDS_APP, encode_call(submit), push=call.cid)
-        except TensorSwapError as exc:
-            return encode_answer(RoundAnswer(error=error_info(exc)))
+        # the blocks' bytes count in the wire's in-flight budget, as for a local inline submit
+        with await reserve_inline(self.server.blocks.budget, call):
+            await asyncio.to_thread(put_blocks, self.server.store, inline_blocks(call))
+            try:
+                return await self.link.relay(ROUNDS_APP, encode_call(submit), push=call.cid)
+            except TensorSwapError as exc:
+                return encode_answer(RoundAnswer(error=error_info(exc)))
 
     async def _is_run(self, rid: RoundId) -> bool:
         """Whether the top holds a run named ``rid.initiator`` (remembered once seen)."""
