@@ -7,7 +7,7 @@ import asyncio
 import logging
 import ssl as ssl_module
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -140,19 +140,20 @@ class UpstreamLink:
         app: str,
         body: bytes,
         *,
-        push: Cid | None = None,
+        push: Cid | Sequence[Cid] | None = None,
         timeout: float | None = None,
         once: bool = False,
     ) -> bytes:
         """Send the request ``body`` for ``app`` upstream and return the reply body, after
-        pushing what the upstream lacks of ``push`` (from the region's store). ``timeout``
+        pushing what the upstream lacks of ``push`` (one root or several, from the region's
+        store). ``timeout``
         bounds the wait for the reply (None: the wire's read timeout); ``once``: a transient
         failure raises UpstreamUnavailable at once, without retrying. Not idempotent by
         itself: a request repeated after a broken connection may be answered with a
         refusal (a duplicate), which the reply then carries."""
 
         async def call(client: RoundClient) -> bytes:
-            if push is not None:
+            if push is not None and (isinstance(push, Cid) or len(push) > 0):
                 await client.blocks.push(client.store, push)
             return await client.blocks.request(app, body, timeout=timeout or "read")
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import TensorSwapError
+from tensorswap.region.batch_relay import BatchRelay
 from tensorswap.region.errors import SecureRunThroughRegion
 from tensorswap.region.journal import RegionJournal
 from tensorswap.region.link import UpstreamLink
@@ -43,6 +45,7 @@ from tensorswap.runs.messages import (
     RunsRequest,
     SecAggRequest,
     TaskRequest,
+    TaskWire,
     decode_answer,
     decode_request,
     encode,
@@ -78,6 +81,8 @@ class RunsProxy:
       strategies), a rounds request (submit, wait, status) naming a round the region does
       not hold, whose initiator is a run at the top, is relayed: each such contribution
       travels upstream on its own.
+    - The batched ops of virtual peers (``runs/batch``) are relayed, or folded, the same
+      way (``BatchRelay``).
     - A secure (SecAgg+) run is refused here (SecureRunThroughRegion): masks do not
       compose through a region that would have to unmask.
     """
@@ -88,6 +93,7 @@ class RunsProxy:
         self.link = link
         self.server = server
         self.folds = None if journal is None else RunFolds(link, server.coordinator, journal)
+        self.batch = BatchRelay(link, server, self.folds, self._read_timeout, self._pull)
         self._local_rounds = server.blocks.handlers[ROUNDS_APP]
         self._runs: set[str] = set()  # names the top answered for: their rounds are the top's
         server.blocks.handlers[RUNS_APP] = self._on_runs
@@ -173,6 +179,13 @@ class RunsProxy:
                 wanted.append(row.global_cid)
         for cid in wanted:
             await self.link.fetch(Cid.parse(cid))  # only the blocks the region lacks
+
+    async def _pull(self, tasks: Sequence[TaskWire]) -> None:
+        """The global models of ``tasks`` (a batch's) into the region's store, each once."""
+        for task in tasks:
+            self._runs.add(task.run)
+        for cid in dict.fromkeys(task.global_cid for task in tasks):
+            await self.link.fetch(Cid.parse(cid))
 
     # ── the rounds app: a run's rounds are the top's ─────────────────────────
     async def _on_rounds(self, request: AppRequest) -> bytes:
