@@ -160,7 +160,8 @@ class RunsProxy:
                 if left <= 0:
                     return encode(RunAnswer())  # no task in time
                 await self.folds.wait_change(task, left)
-                call = TaskRequest(peer=call.peer, run=call.run, timeout=until - loop.time())
+                left = max(0.0, until - loop.time())
+                call = TaskRequest(peer=call.peer, run=call.run, timeout=left)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return encode(RunAnswer(error=error_info(ProtocolViolation(f"upstream: {exc}"))))
         except TensorSwapError as exc:
