@@ -15,7 +15,8 @@ import pytest
 from helpers.region_runs import MODEL_BYTES, RUN, drive, initial, models, tier, top, trained
 from tensorswap.region import SecureRunThroughRegion
 from tensorswap.rounds.deadline import FakeClock
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.batch import PeerKeys
+from tensorswap.rounds.state import Complete, Failed, RoundId
 from tensorswap.runs import RunSpec
 from tensorswap.runs.client import RunClient
 from tensorswap.store import ModelUpdate
@@ -172,3 +173,39 @@ async def test_a_secure_run_is_refused_at_a_region_with_the_reason(tmp_path: Pat
             await d.create_run(RUN, spec, ModelUpdate(initial()))
         with pytest.raises(SecureRunThroughRegion, match="masks do not compose"):
             await peers[0].next_task(RUN, timeout=30)
+
+
+@pytest.mark.parametrize("proven", [True, False])
+async def test_a_top_with_per_peer_keys_takes_a_regions_fold_only_with_its_proof(
+    tmp_path: Path, proven: bool
+) -> None:
+    key = b"region-0's own key"
+    rid = RoundId(1, RUN)
+    async with AsyncExitStack() as stack:
+        up = await stack.enter_async_context(top(tmp_path, peer_keys=PeerKeys({"region-0": key})))
+        rg = await stack.enter_async_context(
+            tier(tmp_path, "region-0", up.server.port, peer_key=key if proven else None)
+        )
+        spec = RunSpec(per_round=2, rounds=1)
+        work = asyncio.ensure_future(drive([rg.server.port], up.server.port, spec, peers=2))
+        regional = rg.tier.coordinator
+        assert regional is not None
+
+        def ended() -> bool:
+            status = regional.status(rid)
+            return status is not None and status.is_terminal
+
+        try:
+            await until(ended)
+            status = regional.status(rid)
+            if proven:
+                assert await asyncio.wait_for(work, 60) == [1, 1]
+        finally:
+            work.cancel()
+        versions = up.runs.versions(RUN)
+    if proven:
+        assert isinstance(status, Complete)
+        assert [v.participants for v in versions[1:]] == [("region-0",)]
+    else:  # refused upstream, typed: the regional round fails with the reason
+        assert isinstance(status, Failed) and "region-0" in status.reason, status
+        assert len(versions) == 1

@@ -13,6 +13,7 @@ import numpy as np
 from helpers.region import FAST, values
 from tensorswap.cid import Cid
 from tensorswap.region import RegionalTier, RunsProxy, UpstreamLink
+from tensorswap.rounds.batch import PeerKeys
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.deadline import Clock
 from tensorswap.rounds.server import RoundServer
@@ -41,11 +42,15 @@ class Top:
 
 @asynccontextmanager
 async def top(
-    tmp: Path, name: str = "top", max_wait: float = 30, clock: Clock | None = None
+    tmp: Path,
+    name: str = "top",
+    max_wait: float = 30,
+    clock: Clock | None = None,
+    peer_keys: PeerKeys | None = None,
 ) -> AsyncIterator[Top]:
     coord = Coordinator.open(tmp / name, durable=False, clock=clock)
     runs = RunManager.open(coord, durable=False)
-    server = RoundServer(coord, max_wait=max_wait)
+    server = RoundServer(coord, max_wait=max_wait, peer_keys=peer_keys)
     RunService(runs, server)
     try:
         await server.start("127.0.0.1", 0)
@@ -58,9 +63,14 @@ async def top(
 
 @asynccontextmanager
 async def tier(
-    tmp: Path, name: str, port: int, max_wait: float = 30, clock: Clock | None = None
+    tmp: Path,
+    name: str,
+    port: int,
+    max_wait: float = 30,
+    clock: Clock | None = None,
+    peer_key: bytes | None = None,
 ) -> AsyncIterator[Tier]:
-    link = UpstreamLink("127.0.0.1", port, region=name, backoff=FAST)
+    link = UpstreamLink("127.0.0.1", port, region=name, backoff=FAST, peer_key=peer_key)
     rt = await asyncio.to_thread(RegionalTier.open, tmp / name, link, durable=False, clock=clock)
     assert rt.coordinator is not None and rt.journal is not None
     server = RoundServer(rt.coordinator, max_wait=max_wait)
