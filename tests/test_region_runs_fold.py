@@ -14,8 +14,8 @@ import pytest
 
 from helpers.region_runs import MODEL_BYTES, RUN, drive, initial, models, tier, top, trained
 from tensorswap.region import SecureRunThroughRegion
-from tensorswap.rounds.deadline import FakeClock
 from tensorswap.rounds.batch import PeerKeys
+from tensorswap.rounds.deadline import FakeClock
 from tensorswap.rounds.state import Complete, Failed, RoundId
 from tensorswap.runs import RunSpec
 from tensorswap.runs.client import RunClient
