@@ -167,10 +167,10 @@ class RegionalTier:
                 return
             assert isinstance(status, Complete)
             result = Cid.parse(status.cid)
-            await asyncio.to_thread(journal.set_state, round_id, ForwardState.RESULT, result)
             if await asyncio.to_thread(journal.run_round, round_id) is not None:
                 await self._finish_run_round(round_id, Cid.parse(record.partial))
                 return
+            await asyncio.to_thread(journal.set_state, round_id, ForwardState.RESULT, result)
             await self.link.fetch(result)
             await asyncio.to_thread(coordinator.complete_round, round_id, result)
             self._count("completed")
@@ -188,7 +188,10 @@ class RegionalTier:
         """A run's round folded here: the top steps its global model from the upper round's
         aggregate, and the next task brings the new version down (once); so nothing is
         fetched here, and the regional round completes with the region's own fold."""
-        assert self.coordinator is not None
+        assert self.coordinator is not None and self.journal is not None
+        # journaled with the fold as its result: a root the region holds (the top's
+        # aggregate is never pulled here, so it must not be named as one)
+        await asyncio.to_thread(self.journal.set_state, round_id, ForwardState.RESULT, partial)
         await asyncio.to_thread(self.coordinator.complete_round, round_id, partial)
         self._count("completed")
         log.info("run round %s: the region's fold is in the top's version", round_id)
