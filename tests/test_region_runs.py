@@ -142,3 +142,35 @@ async def test_a_submit_to_an_unknown_round_is_refused_at_once_with_the_upstream
         await tier.aclose()
         await region.aclose()
         tier.close()
+
+
+async def test_a_relayed_inline_submit_is_held_to_the_regions_byte_budget(tmp_path: Path) -> None:
+    """A tiny update's inline submit to a run's round at the top, relayed by a region,
+    reserves its blocks' bytes in the region's in-flight budget while they are stored and
+    relayed, as a local inline submit does (beyond the request frame's own reservation)."""
+    values = 4096  # 16 KiB: inline (below INLINE_SEND_BYTES)
+    async with top_and_region(tmp_path) as (top, region, _tier):
+        budget = region.blocks.budget
+        granted: list[int] = []
+        earlier = budget.on_idle
+
+        def idle(nbytes: int) -> None:
+            granted.append(nbytes)
+            if earlier is not None:
+                earlier(nbytes)
+
+        budget.on_idle = idle
+        async with await RunClient.connect("127.0.0.1", top.port, peer="driver") as driver:
+            spec = RunSpec(per_round=1, rounds=1)
+            await driver.create_run("fl", spec, {"w": np.zeros(values, np.float32)})
+        async with await RunClient.connect("127.0.0.1", region.port, peer="a") as a:
+            await a.register()
+            task = await a.next_task("fl", timeout=20)
+            assert task is not None
+            granted.clear()
+            assert a.rounds.inline
+            await a.submit(task, {"w": np.ones(values, np.float32)}, 1)
+        top_round = top.coordinator.info(task.round_id)
+    assert top_round is not None and top_round.peers == ("a",)  # relayed, one by one
+    # the request frame (> 16 KiB) and then its blocks (> 16 KiB) were each reserved
+    assert sum(granted) >= 2 * values * 4

@@ -40,6 +40,13 @@ def region_options(command: F) -> F:
             help="The upstream's shared secret (default: this server's own key).",
         ),
         click.option(
+            "--upstream-peer-key-file",
+            type=click.Path(exists=True, dir_okay=False),
+            help="Where the upstream holds per-peer keys (its --peer-keys): a file in that "
+            "format ('<peer> <hex key>' lines) with this region's line; the region proves "
+            "its contributions upstream with that key.",
+        ),
+        click.option(
             "--upstream-tls-ca",
             type=click.Path(exists=True, dir_okay=False),
             help="Connect upstream over TLS, trusting this CA bundle.",
@@ -69,6 +76,7 @@ class RegionArgs:
     key: bytes | None
     tls_ca: str | None
     patience: float
+    peer_key: bytes | None = None
 
 
 def region_args(
@@ -78,10 +86,11 @@ def region_args(
     upstream_tls_ca: str | None,
     upstream_patience: float,
     own_key: bytes | None,
+    upstream_peer_key_file: str | None = None,
 ) -> RegionArgs | None:
     """The regional options checked (None without ``--upstream``)."""
     if upstream is None:
-        if region or upstream_key_file or upstream_tls_ca:
+        if region or upstream_key_file or upstream_tls_ca or upstream_peer_key_file:
             raise click.UsageError("--region and the --upstream-* options need --upstream")
         return None
     try:
@@ -96,7 +105,25 @@ def region_args(
         why = "empty" if not name else f"longer than {MAX_NAME_BYTES} bytes"
         raise click.BadParameter(f"the region name is {why}", param_hint="'--region'")
     key = read_key(upstream_key_file) if upstream_key_file else own_key
-    return RegionArgs(host, port, name, key, upstream_tls_ca, upstream_patience)
+    peer_key = None if upstream_peer_key_file is None else _peer_key(upstream_peer_key_file, name)
+    return RegionArgs(host, port, name, key, upstream_tls_ca, upstream_patience, peer_key)
+
+
+def _peer_key(path: str, name: str) -> bytes:
+    """The region's own line of a per-peer keys file (``PeerKeys`` format)."""
+    from tensorswap.rounds.batch import PeerKeys
+
+    hint = "'--upstream-peer-key-file'"
+    try:
+        keys = PeerKeys.load(path)
+    except (ValueError, OSError) as exc:
+        raise click.BadParameter(str(exc), param_hint=hint) from None
+    try:
+        return keys[name]
+    except KeyError:
+        raise click.BadParameter(
+            f"{path} has no key for region {name!r}", param_hint=hint
+        ) from None
 
 
 def open_tier(
@@ -108,6 +135,7 @@ def open_tier(
         args.port,
         region=args.name,
         key=args.key,
+        peer_key=args.peer_key,
         ssl=client_tls(args.tls_ca) if args.tls_ca else None,
         timeouts=timeouts,
         backoff=Backoff(first=0.1, give_up_after=args.patience),

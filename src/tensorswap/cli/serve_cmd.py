@@ -129,7 +129,7 @@ async def _run(
         if runs is not None:
             RunService(runs, server)
         elif tier is not None:
-            RunsProxy(tier.link, server)  # runs live at the top: relayed there
+            RunsProxy(tier.link, server, tier.journal)  # runs live at the top; folded here
         async with await server.start(host, port, ssl=ssl):
             active = coordinator.tracker.active_count()
             click.echo(f"listening on {host}:{server.port}", err=True)
@@ -291,6 +291,7 @@ def serve(
     upstream_key_file: str | None,
     upstream_tls_ca: str | None,
     upstream_patience: float,
+    upstream_peer_key_file: str | None,
 ) -> None:
     """Run a coordinator: rounds (start, submit, status, wait), federated runs (register,
     tasks, a global model across rounds) and blocks on one port.
@@ -303,7 +304,13 @@ def serve(
     host, port = parse_host_port(listen)
     secret = resolve_key(key, key_file)
     tier = region_args(
-        upstream, region, upstream_key_file, upstream_tls_ca, upstream_patience, secret
+        upstream,
+        region,
+        upstream_key_file,
+        upstream_tls_ca,
+        upstream_patience,
+        secret,
+        upstream_peer_key_file,
     )
     if tls_key and not tls_cert:
         raise click.UsageError("--tls-key needs --tls-cert")

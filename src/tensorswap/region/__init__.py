@@ -8,13 +8,21 @@ contribution to the coordinator above (``tensorswap serve --upstream HOST:PORT``
   backoff, bytes counted); ``Backoff``.
 - ``runs_proxy``: ``RunsProxy``, the region's runs app: requests relayed to the top (where
   runs, sampling and the server optimizer live), global models pulled once per region.
+- ``runs_fold``: ``RunFolds``, a sync FedAvg run's round folded here: the peers the top
+  sampled submit to the region, one contribution per round goes up.
 - ``journal``: ``RegionJournal``, what was submitted upstream per round (kill -9 safe).
 - ``errors``: ``RegionError`` and its leaves.
 """
 
-from tensorswap.region.errors import RegionError, UpstreamIncompatible, UpstreamUnavailable
+from tensorswap.region.errors import (
+    RegionError,
+    SecureRunThroughRegion,
+    UpstreamIncompatible,
+    UpstreamUnavailable,
+)
 from tensorswap.region.journal import Forward, ForwardState, RegionJournal
 from tensorswap.region.link import Backoff, LinkTraffic, UpstreamLink
+from tensorswap.region.runs_fold import RunFolds
 from tensorswap.region.runs_proxy import RunsProxy
 from tensorswap.region.tier import COMPOSING_STRATEGY, RegionalTier, TierStats
 
@@ -27,7 +35,9 @@ __all__ = [
     "RegionError",
     "RegionJournal",
     "RegionalTier",
+    "RunFolds",
     "RunsProxy",
+    "SecureRunThroughRegion",
     "TierStats",
     "UpstreamIncompatible",
     "UpstreamLink",

@@ -5,14 +5,15 @@
     RegionError
     ├── UpstreamIncompatible   the upstream round aggregates in a way regional partials
     │                          do not compose with (anything but plain FedAvg)
-    └── UpstreamUnavailable    the upstream coordinator stayed unreachable past the patience
+    ├── UpstreamUnavailable    the upstream coordinator stayed unreachable past the patience
+    └── SecureRunThroughRegion a secure (SecAgg+) run's peer asked through a region
 """
 
 from __future__ import annotations
 
 from tensorswap.errors import RoundsError
 
-__all__ = ["RegionError", "UpstreamIncompatible", "UpstreamUnavailable"]
+__all__ = ["RegionError", "SecureRunThroughRegion", "UpstreamIncompatible", "UpstreamUnavailable"]
 
 
 class RegionError(RoundsError):
@@ -48,3 +49,26 @@ class UpstreamUnavailable(RegionError, ConnectionError):
         super().__init__(
             f"upstream {upstream} unreachable for {waited:.1f} s while {what}: last error {last}"
         )
+
+
+class SecureRunThroughRegion(RegionError):
+    """A secure (SecAgg+) run cannot go through a region: the masks of its peers cancel only
+    in the sum of all the sampled peers at the top, so a region could not fold them without
+    unmasking, and it does not relay the masked protocol either. Connect to the top."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        super().__init__(
+            f"run {run!r} aggregates securely (SecAgg+): its peers connect to the top "
+            "coordinator, not through a region (masks do not compose through a region)"
+        )
+
+
+def _register_remote() -> None:
+    from tensorswap.rounds.protocol import REMOTE_TYPES
+
+    for name in __all__:
+        REMOTE_TYPES.setdefault(name, globals()[name])
+
+
+_register_remote()

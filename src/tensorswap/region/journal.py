@@ -3,12 +3,14 @@
 It lives in the coordinator's ``rounds.sqlite3`` beside the rounds tables (its own
 connection, as the runs journal does). One row per round the region forwards: the partial
 aggregate it submits upstream (by CID) and how far it got, so a region killed at any point
-resumes without submitting twice or recomputing a different partial.
+resumes without submitting twice or recomputing a different partial; and one row per run's
+round the region folds (``region_run_rounds``: the sampled peers it covers).
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import os
 import sqlite3
 import threading
@@ -30,6 +32,12 @@ CREATE TABLE IF NOT EXISTS region_forwards (
     partial    TEXT    NOT NULL,
     state      TEXT    NOT NULL,
     global_cid TEXT,
+    PRIMARY KEY (round, initiator)
+);
+CREATE TABLE IF NOT EXISTS region_run_rounds (
+    round      INTEGER NOT NULL,
+    initiator  TEXT    NOT NULL,
+    covers     TEXT    NOT NULL,
     PRIMARY KEY (round, initiator)
 );
 """
@@ -118,17 +126,61 @@ class RegionJournal:
                 ),
             )
 
+    def record_run_round(self, round_id: RoundId, covers: list[str]) -> None:
+        """Name round ``round_id`` a run's round folded here, for the peers ``covers``
+        (before the regional round starts)."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO region_run_rounds VALUES (?, ?, ?)",
+                (round_id.round, round_id.initiator, json.dumps(sorted(covers))),
+            )
+
+    def run_round(self, round_id: RoundId) -> tuple[str, ...] | None:
+        """The peers a run's round folded here covers; None for any other round."""
+        with self._lock:
+            try:
+                row = self._conn.execute(
+                    "SELECT covers FROM region_run_rounds WHERE round = ? AND initiator = ?",
+                    (round_id.round, round_id.initiator),
+                ).fetchone()
+            except sqlite3.Error as exc:
+                raise RegionError(f"cannot read the region journal {self.path}: {exc}") from exc
+        return None if row is None else self._covers(round_id, row[0])
+
+    def run_rounds(self) -> dict[RoundId, tuple[str, ...]]:
+        """Every run's round folded here, with the peers it covers."""
+        with self._lock:
+            try:
+                rows = self._conn.execute(
+                    "SELECT round, initiator, covers FROM region_run_rounds"
+                ).fetchall()
+            except sqlite3.Error as exc:
+                raise RegionError(f"cannot read the region journal {self.path}: {exc}") from exc
+        return {
+            RoundId(int(r), str(i)): self._covers(RoundId(int(r), str(i)), c) for r, i, c in rows
+        }
+
+    def _covers(self, round_id: RoundId, text: str) -> tuple[str, ...]:
+        try:
+            covers = json.loads(text)
+        except ValueError:
+            covers = None
+        if not isinstance(covers, list) or not all(isinstance(p, str) for p in covers):
+            raise RegionError(f"region journal {self.path}: round {round_id}: bad covers")
+        return tuple(covers)
+
     def forget(self, keep: set[RoundId]) -> int:
         """Delete the rows of rounds not in ``keep`` (the coordinator collected them)."""
-        with self._lock:
-            rows = self._conn.execute("SELECT round, initiator FROM region_forwards").fetchall()
-        doomed = [(r, i) for r, i in rows if RoundId(int(r), str(i)) not in keep]
-        if doomed:
-            with self._transaction() as db:
-                db.executemany(
-                    "DELETE FROM region_forwards WHERE round = ? AND initiator = ?", doomed
-                )
-        return len(doomed)
+        doomed_total = 0
+        for table in ("region_forwards", "region_run_rounds"):
+            with self._lock:
+                rows = self._conn.execute(f"SELECT round, initiator FROM {table}").fetchall()
+            doomed = [(r, i) for r, i in rows if RoundId(int(r), str(i)) not in keep]
+            if doomed:
+                with self._transaction() as db:
+                    db.executemany(f"DELETE FROM {table} WHERE round = ? AND initiator = ?", doomed)
+            doomed_total += len(doomed)
+        return doomed_total
 
     def roots(self) -> list[Cid]:
         """The partials and global results named here (kept through collections)."""

@@ -7,17 +7,22 @@ import asyncio
 import logging
 import ssl as ssl_module
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
+import msgspec
+
 from tensorswap.cid import Cid
 from tensorswap.errors import RoundsError
 from tensorswap.region.errors import UpstreamUnavailable
+from tensorswap.rounds.batch import BatchAnswer, BatchItem, BatchSubmitRequest, submit_proof
 from tensorswap.rounds.client import RoundClient, SubmitResult
 from tensorswap.rounds.errors import RoundNotFound
 from tensorswap.rounds.messages import RoundRow
+from tensorswap.rounds.protocol import APP as ROUNDS_APP
+from tensorswap.rounds.protocol import raise_remote
 from tensorswap.rounds.reconnect import RETRYABLE, RETRYABLE_CODES, Backoff
 from tensorswap.rounds.state import RoundId, RoundStatus
 from tensorswap.store import BlockStore
@@ -33,6 +38,9 @@ __all__ = ["DEFAULT_BACKOFF", "Backoff", "LinkTraffic", "UpstreamLink"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_encoder = msgspec.msgpack.Encoder()
+_batch_decoder = msgspec.msgpack.Decoder(BatchAnswer)
 
 TRANSIENT = RETRYABLE
 """Failures after which the link connects again and repeats the request (a submit then
@@ -72,6 +80,7 @@ class UpstreamLink:
         region: str,
         store: BlockStore | None = None,
         key: bytes | None = None,
+        peer_key: bytes | None = None,
         ssl: ssl_module.SSLContext | None = None,
         timeouts: Timeouts | None = None,
         limits: WireLimits | None = None,
@@ -84,6 +93,9 @@ class UpstreamLink:
         self.store: BlockStore | None = store
         """Where submitted updates are read from and results pulled into (the region's)."""
         self._key, self._ssl, self._timeouts, self._limits = key, ssl, timeouts, limits
+        self._peer_key = peer_key
+        """The region's own key where the upstream holds per-peer keys: its submits carry
+        the proof (``rounds.batch.submit_proof``)."""
         self.backoff = backoff or DEFAULT_BACKOFF
         self._sleep = sleep
         self._idle: list[RoundClient] = []
@@ -111,10 +123,40 @@ class UpstreamLink:
         what = f"reading upstream round {round_id}"
         return await self._retrying(what, lambda c: c.round_row(round_id), again)
 
-    async def submit(self, round_id: RoundId, update: Cid) -> SubmitResult:
-        """Push what the upstream lacks of ``update`` (from the region's store) and submit it."""
+    async def submit(self, round_id: RoundId, update: Cid) -> SubmitResult | RoundStatus:
+        """Push what the upstream lacks of ``update`` (from the region's store) and submit it;
+        with the region's ``peer_key`` as a proven one-item ``submit_batch`` (an upstream
+        with per-peer keys refuses plain submits)."""
         what = f"submitting round {round_id}"
-        return await self._retrying(what, lambda c: c.submit(round_id, update))
+        if self._peer_key is None:
+            return await self._retrying(what, lambda c: c.submit(round_id, update))
+        return await self._retrying(what, lambda c: self._proven(c, round_id, update))
+
+    async def _proven(self, client: RoundClient, round_id: RoundId, update: Cid) -> RoundStatus:
+        assert self._peer_key is not None
+        await client.blocks.push(client.store, update)
+        proof = submit_proof(self._peer_key, round_id, self.region, update)
+        request = BatchSubmitRequest(
+            round=round_id.round,
+            initiator=round_id.initiator,
+            items=[BatchItem(self.region, update.to_bytes(), proof)],
+        )
+        body = await client.blocks.request(ROUNDS_APP, _encoder.encode(request), timeout="read")
+        try:
+            answer = _batch_decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise ProtocolViolation(f"bad submit_batch answer: {exc}") from exc
+        peer = client.blocks.conn.peer
+        if answer.error is not None:
+            raise_remote(answer.error, peer)
+        if len(answer.results) != 1:
+            raise ProtocolViolation(f"submit_batch answered {len(answer.results)} results for 1")
+        (result,) = answer.results
+        if result.error is not None:
+            raise_remote(result.error, peer)
+        if result.status is None:
+            raise ProtocolViolation("a submit_batch result holds neither status nor error")
+        return result.status.to_status()
 
     async def wait(self, round_id: RoundId) -> RoundStatus:
         """The upstream round's terminal status (as long as it takes)."""
@@ -140,19 +182,20 @@ class UpstreamLink:
         app: str,
         body: bytes,
         *,
-        push: Cid | None = None,
+        push: Cid | Sequence[Cid] | None = None,
         timeout: float | None = None,
         once: bool = False,
     ) -> bytes:
         """Send the request ``body`` for ``app`` upstream and return the reply body, after
-        pushing what the upstream lacks of ``push`` (from the region's store). ``timeout``
+        pushing what the upstream lacks of ``push`` (one root or several, from the region's
+        store). ``timeout``
         bounds the wait for the reply (None: the wire's read timeout); ``once``: a transient
         failure raises UpstreamUnavailable at once, without retrying. Not idempotent by
         itself: a request repeated after a broken connection may be answered with a
         refusal (a duplicate), which the reply then carries."""
 
         async def call(client: RoundClient) -> bytes:
-            if push is not None:
+            if push is not None and (isinstance(push, Cid) or len(push) > 0):
                 await client.blocks.push(client.store, push)
             return await client.blocks.request(app, body, timeout=timeout or "read")
 
@@ -191,6 +234,8 @@ class UpstreamLink:
             except (AuthenticationFailed, ProtocolViolation):
                 raise
             except retried as exc:
+                if isinstance(exc, RoundsError) and not isinstance(exc, again):
+                    raise  # a refusal (PeerNotAuthorised is an OSError too), not a broken link
                 if isinstance(exc, RemoteError) and exc.code not in _RETRIED_CODES:
                     raise
                 now, delay = time.monotonic(), next(delays)
@@ -232,6 +277,7 @@ class UpstreamLink:
             self.port,
             peer=self.region,
             key=self._key,
+            peer_key=self._peer_key,
             ssl=self._ssl,
             store=self.store,
             limits=self._limits,

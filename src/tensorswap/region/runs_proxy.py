@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import TensorSwapError
+from tensorswap.region.batch_relay import BatchRelay
+from tensorswap.region.errors import SecureRunThroughRegion
+from tensorswap.region.journal import RegionJournal
 from tensorswap.region.link import UpstreamLink
-from tensorswap.rounds.inline import APP_INLINE, decode_inline, inline_blocks, put_blocks
+from tensorswap.region.runs_fold import RunFolds
+from tensorswap.rounds.inline import (
+    APP_INLINE,
+    decode_inline,
+    inline_blocks,
+    put_blocks,
+    reserve_inline,
+)
 from tensorswap.rounds.protocol import APP as ROUNDS_APP
 from tensorswap.rounds.protocol import (
     RoundAnswer,
@@ -29,13 +40,17 @@ from tensorswap.runs.messages import APP as RUNS_APP
 from tensorswap.runs.messages import (
     ContributeRequest,
     CreateRunRequest,
+    RegisterRequest,
     RunAnswer,
     RunsRequest,
+    SecAggRequest,
     TaskRequest,
+    TaskWire,
     decode_answer,
     decode_request,
     encode,
 )
+from tensorswap.runs.regional import REGION_FACT
 from tensorswap.wire import AppRequest, ProtocolViolation
 
 __all__ = ["RunsProxy"]
@@ -57,15 +72,28 @@ class RunsProxy:
     - A task's global model, and the current one of a run asked for by name, is pulled into
       the region's store before the answer goes back, once per version per region: the
       region's peers fetch it from the region (``RunClient.fetch_model``).
-    - The rounds of a run live at the top: a rounds request (submit, wait, status) naming a
-      round the region does not hold, whose initiator is a run at the top, is relayed too.
-      Each such contribution travels upstream on its own: runs' contributions are not
-      folded regionally (plain rounds are; see ``RegionalTier``).
+    - With ``journal`` (the tier's), a registration is relayed with the fact ``region`` =
+      the region's name upstream: the top then knows which of its sampled peers this
+      region folds (``runs.regional``), and a sync FedAvg run's round is folded here
+      (``RunFolds``): the covered peers submit to the region's own round, one fold goes
+      up (``RegionalTier``), and a covered peer whose update is in is not handed the same
+      round's task again. Without it, or for runs that do not fold (async, DP, robust
+      strategies), a rounds request (submit, wait, status) naming a round the region does
+      not hold, whose initiator is a run at the top, is relayed: each such contribution
+      travels upstream on its own.
+    - The batched ops of virtual peers (``runs/batch``) are relayed, or folded, the same
+      way (``BatchRelay``).
+    - A secure (SecAgg+) run is refused here (SecureRunThroughRegion): masks do not
+      compose through a region that would have to unmask.
     """
 
-    def __init__(self, link: UpstreamLink, server: RoundServer) -> None:
+    def __init__(
+        self, link: UpstreamLink, server: RoundServer, journal: RegionJournal | None = None
+    ) -> None:
         self.link = link
         self.server = server
+        self.folds = None if journal is None else RunFolds(link, server.coordinator, journal)
+        self.batch = BatchRelay(link, server, self.folds, self._read_timeout, self._pull)
         self._local_rounds = server.blocks.handlers[ROUNDS_APP]
         self._runs: set[str] = set()  # names the top answered for: their rounds are the top's
         server.blocks.handlers[RUNS_APP] = self._on_runs
@@ -84,13 +112,17 @@ class RunsProxy:
         push: Cid | None = None
         timeout: float | None = None
         match call:
+            case SecAggRequest():
+                return encode(RunAnswer(error=error_info(SecureRunThroughRegion(call.run))))
+            case RegisterRequest() if self.folds is not None:  # the top: folded here
+                facts = {**call.facts, REGION_FACT: self.link.region}
+                call = RegisterRequest(peer=call.peer, facts=facts)
             case CreateRunRequest():
                 push = Cid.parse(call.initial)
             case ContributeRequest():
                 push = Cid.parse(call.update)
-            case TaskRequest():  # a long poll: the top's own max_wait ends it
-                asked = self.server.max_wait if call.timeout is None else call.timeout
-                timeout = min(asked, self.server.max_wait) + self._read_timeout()
+            case TaskRequest():
+                return await self._task(call)
         try:
             reply = await self.link.relay(RUNS_APP, encode(call), push=push, timeout=timeout)
             answer = decode_answer(reply)
@@ -100,6 +132,40 @@ class RunsProxy:
         except TensorSwapError as exc:
             return encode(RunAnswer(error=error_info(exc)))
         return reply
+
+    async def _task(self, call: TaskRequest) -> bytes:
+        """A long poll relayed (the top's own max_wait ends it); a task of a round folded
+        here is started here first, and held while the region has the peer's update."""
+        loop = asyncio.get_running_loop()
+        asked = self.server.max_wait if call.timeout is None else call.timeout
+        until = loop.time() + min(asked, self.server.max_wait)
+        try:
+            while True:
+                timeout = max(0.0, until - loop.time()) + self._read_timeout()
+                reply = await self.link.relay(RUNS_APP, encode(call), timeout=timeout)
+                answer = decode_answer(reply)
+                await self._forward_models(call, answer)
+                task = answer.task
+                if task is None or answer.error is not None:
+                    return reply
+                if task.secagg:
+                    refusal = SecureRunThroughRegion(task.run)
+                    return encode(RunAnswer(error=error_info(refusal)))
+                if self.folds is None:
+                    return reply
+                await self.folds.prepare(task)
+                if not self.folds.held(call.peer, task):
+                    return reply
+                left = until - loop.time()
+                if left <= 0:
+                    return encode(RunAnswer())  # no task in time
+                await self.folds.wait_change(task, left)
+                left = max(0.0, until - loop.time())
+                call = TaskRequest(peer=call.peer, run=call.run, timeout=left)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return encode(RunAnswer(error=error_info(ProtocolViolation(f"upstream: {exc}"))))
+        except TensorSwapError as exc:
+            return encode(RunAnswer(error=error_info(exc)))
 
     async def _forward_models(self, call: object, answer: RunAnswer) -> None:
         if answer.error is not None:
@@ -114,6 +180,13 @@ class RunsProxy:
                 wanted.append(row.global_cid)
         for cid in wanted:
             await self.link.fetch(Cid.parse(cid))  # only the blocks the region lacks
+
+    async def _pull(self, tasks: Sequence[TaskWire]) -> None:
+        """The global models of ``tasks`` (a batch's) into the region's store, each once."""
+        for task in tasks:
+            self._runs.add(task.run)
+        for cid in dict.fromkeys(task.global_cid for task in tasks):
+            await self.link.fetch(Cid.parse(cid))
 
     # ── the rounds app: a run's rounds are the top's ─────────────────────────
     async def _on_rounds(self, request: AppRequest) -> bytes:
@@ -142,14 +215,16 @@ class RunsProxy:
         rid = call.round_id
         if self.server.coordinator.info(rid) is not None or not await self._is_run(rid):
             return await self._local_inline(request)
-        await asyncio.to_thread(put_blocks, self.server.store, inline_blocks(call))
         submit = SubmitRequest(
             round=rid.round, initiator=rid.initiator, peer=call.peer, update=call.update
         )
-        try:
-            return await self.link.relay(ROUNDS_APP, encode_call(submit), push=call.cid)
-        except TensorSwapError as exc:
-            return encode_answer(RoundAnswer(error=error_info(exc)))
+        # the blocks' bytes count in the wire's in-flight budget, as for a local inline submit
+        with await reserve_inline(self.server.blocks.budget, call):
+            await asyncio.to_thread(put_blocks, self.server.store, inline_blocks(call))
+            try:
+                return await self.link.relay(ROUNDS_APP, encode_call(submit), push=call.cid)
+            except TensorSwapError as exc:
+                return encode_answer(RoundAnswer(error=error_info(exc)))
 
     async def _is_run(self, rid: RoundId) -> bool:
         """Whether the top holds a run named ``rid.initiator`` (remembered once seen)."""

@@ -7,6 +7,10 @@ upper round, pulls the global result into the region's store once, and only then
 the regional round with the global result's CID. So a peer's ``wait`` / ``fetch_result`` on
 the region returns the global result, and the upstream link carries one update per region
 per direction.
+
+A run's round the region folds (``RunFolds``) goes up the same way; it completes with the
+region's fold once the top's round completes, and its global model comes down with the
+run's next task instead (``RunsProxy``).
 """
 
 from __future__ import annotations
@@ -163,6 +167,9 @@ class RegionalTier:
                 return
             assert isinstance(status, Complete)
             result = Cid.parse(status.cid)
+            if await asyncio.to_thread(journal.run_round, round_id) is not None:
+                await self._finish_run_round(round_id, Cid.parse(record.partial))
+                return
             await asyncio.to_thread(journal.set_state, round_id, ForwardState.RESULT, result)
             await self.link.fetch(result)
             await asyncio.to_thread(coordinator.complete_round, round_id, result)
@@ -176,6 +183,18 @@ class RegionalTier:
         except Exception as exc:  # a bug: the round must still end, with the reason
             log.exception("round %s: forwarding failed", round_id)
             await self._fail(round_id, f"region: {type(exc).__name__}: {exc}")
+
+    async def _finish_run_round(self, round_id: RoundId, partial: Cid) -> None:
+        """A run's round folded here: the top steps its global model from the upper round's
+        aggregate, and the next task brings the new version down (once); so nothing is
+        fetched here, and the regional round completes with the region's own fold."""
+        assert self.coordinator is not None and self.journal is not None
+        # journaled with the fold as its result: a root the region holds (the top's
+        # aggregate is never pulled here, so it must not be named as one)
+        await asyncio.to_thread(self.journal.set_state, round_id, ForwardState.RESULT, partial)
+        await asyncio.to_thread(self.coordinator.complete_round, round_id, partial)
+        self._count("completed")
+        log.info("run round %s: the region's fold is in the top's version", round_id)
 
     async def _fail(self, round_id: RoundId, reason: str) -> None:
         assert self.coordinator is not None

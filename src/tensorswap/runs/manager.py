@@ -34,6 +34,7 @@ from tensorswap.runs.model import (
     VersionRecord,
     check_run_name,
 )
+from tensorswap.runs.regional import RunUnits
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER, ClientRegistry
 from tensorswap.runs.sampling import sample_peers
 from tensorswap.runs.secure import SECURE_ONLY, RunSecurity, is_secure
@@ -81,6 +82,7 @@ class RunManager:
         self._runs: dict[str, RunInfo] = {r.name: r for r in journal.load_runs()}
         self.privacy = RunPrivacy(journal)
         self.secure = RunSecurity(coordinator, journal, self._release, self._notify)
+        self.units = RunUnits(registry)  # regions fold their sampled peers (runs.regional)
         self._listeners: list[Callable[[str], None]] = []
         self._closed = False
         self._owns_journal = False
@@ -186,7 +188,8 @@ class RunManager:
         round_info = self.coordinator.info(rid)
         if round_info is None or round_info.status.is_terminal:
             return None
-        if peer in round_info.peers or round_info.status.name == "Aggregating":
+        done = self.units.unit(info, peer) in round_info.peers  # itself, or its region
+        if done or round_info.status.name == "Aggregating":
             return None
         if info.spec.mode is RunMode.SYNC and peer not in info.selected:
             return None
@@ -273,7 +276,7 @@ class RunManager:
         if is_secure(info.spec):  # RunSecurity completes the round with the unmasked sum
             raise RunsError(SECURE_ONLY.format(info.name))
         if info.spec.mode is RunMode.SYNC:
-            if round_id.round != info.round or peer not in info.selected:
+            if round_id.round != info.round or peer not in self.units.of(info):
                 raise NotSelected(info.name, round_id.round, peer, len(info.selected))
             if is_private(info.spec) and not getattr(self._local, "via_manager", False):
                 raise RunsError(
@@ -421,7 +424,7 @@ class RunManager:
         facts = inspect_update(
             self.store, Cid.parse(info.global_cid), info.name, "run", verify=True
         )
-        expected = len(info.selected) if spec.mode is RunMode.SYNC else spec.buffer
+        expected = len(self.units.of(info)) if spec.mode is RunMode.SYNC else spec.buffer
         timeout_s = spec.round_timeout_s if spec.mode is RunMode.SYNC else None
         if isinstance(timeout_s, str):  # "auto"
             info = self._auto_deadline(info, spec.quorum_of(expected))

@@ -24,6 +24,8 @@ __all__ = [
     "ContributeRequest",
     "CreateRunRequest",
     "HeartbeatRequest",
+    "PartRequest",
+    "PartWire",
     "RegisterRequest",
     "RunAnswer",
     "RunRequest",
@@ -152,6 +154,17 @@ class VersionsRequest(_RunRequest, frozen=True, tag="versions"):
             raise ValueError(f"a versions wait must be finite and >= 0, got {self.wait!r}")
 
 
+class PartRequest(_RunRequest, frozen=True, tag="part"):
+    """A regional coordinator (``peer``: its name upstream) asks for its part of ``run``'s
+    current round: the sampled peers it folds (``runs.regional``)."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        _name("a region name", self.peer)
+        _name("a run name", self.run)
+
+
 MAX_SECAGG_MESSAGE = 1 << 20
 """The longest SecAgg+ message a ``secagg`` request carries inline (the masked vector, the
 only large one, travels as a pushed block)."""
@@ -199,6 +212,7 @@ RunRequest = (
     | ContributeRequest
     | VersionsRequest
     | SecAggRequest
+    | PartRequest
 )
 
 
@@ -256,6 +270,21 @@ class TaskWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     secagg: bool = False
 
 
+class PartWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """A region's part of round ``round`` (training from version ``version``): fold the
+    updates of ``covers`` (``fold`` False: relay each peer's on its own), submit once
+    ``quorum`` of them are in, before the top's deadline (``left_s`` seconds; None: none)."""
+
+    run: str
+    round: int
+    version: int
+    global_cid: str
+    fold: bool
+    covers: list[str]
+    quorum: int
+    left_s: float | None = None
+
+
 class RunAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
     """The answer to a runs request (``error`` set when refused)."""
 
@@ -270,6 +299,8 @@ class RunAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_d
     """A SecAgg+ server message for the asking peer (msgpack)."""
     secagg_peer: int | None = None
     """The asking peer's participant number in the secure round (with its setup)."""
+    part: PartWire | None = None
+    """A region's part of a round (``part``)."""
 
 
 _encoder = msgspec.msgpack.Encoder()

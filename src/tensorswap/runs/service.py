@@ -24,6 +24,7 @@ from tensorswap.runs.messages import (
     ContributeRequest,
     CreateRunRequest,
     HeartbeatRequest,
+    PartRequest,
     RegisterRequest,
     RunAnswer,
     RunRequest,
@@ -38,6 +39,7 @@ from tensorswap.runs.messages import (
     encode,
 )
 from tensorswap.runs.model import RunInfo, RunSpec, VersionRecord
+from tensorswap.runs.regional import part_for
 from tensorswap.wire import AppRequest, ProtocolViolation
 
 __all__ = ["RunService", "row_of", "task_wire"]
@@ -147,6 +149,8 @@ class RunService:
                 return RunAnswer(status=status_to_wire(await self._contribute(call)))
             case SecAggRequest():
                 return await self._secagg(call)
+            case PartRequest():  # a regional coordinator's share of the round
+                return RunAnswer(part=part_for(manager, call.peer, call.run))
         raise ProtocolViolation(f"unknown runs request {type(call).__name__}")
 
     async def _contribute(self, call: ContributeRequest) -> RoundStatus:
