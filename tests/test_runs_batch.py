@@ -231,7 +231,7 @@ async def test_with_peer_keys_a_run_client_proves_async_and_dp_contributions(
 ) -> None:
     """Async deltas and DP contributions go through the runs app, not a rounds submit: with a
     peer key RunClient sends them with its proof (a one-item contribute_batch)."""
-    server, runs, _ = keyed
+    server, _, _ = keyed
     peers = []
     for name in ("v0", "v1"):
         client = await RunClient.connect(
