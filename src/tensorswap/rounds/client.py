@@ -31,6 +31,7 @@ from tensorswap.rounds.protocol import (
     raise_remote,
     spec_to_wire,
 )
+from tensorswap.rounds.push import APP_FETCH, result_roots
 from tensorswap.rounds.state import Complete, RoundId, RoundSpec, RoundStatus
 from tensorswap.store import (
     BlockStore,
@@ -105,6 +106,9 @@ class RoundClient:
         self.peer_key = peer_key
         """This peer's own key, for a coordinator with per-peer keys: inline submits then
         carry its ``submit_proof`` (plain ones cannot, and such a coordinator refuses them)."""
+        self.push_results = True
+        """Whether a submit that waits asks for the result behind its answer
+        (``rounds.push``); turned off when the coordinator turns out to predate it."""
         self.inline = True
         """Whether tiny updates go inline with their submit (``rounds.inline``); turned off
         when the coordinator turns out to predate it."""
@@ -229,7 +233,7 @@ class RoundClient:
             # The server stores every block sent before it runs the submit: no separate
             # commit, one round trip.
             try:
-                answer = await self._call(call, limit=limit, locked=True)
+                answer = await self._submit_call(call, limit)
             except UnknownUpdate:
                 # A block the coordinator held failed its hash check there (it quarantined
                 # it) or went away: it now lacks it, so push what it lacks once more.
@@ -238,7 +242,7 @@ class RoundClient:
                     raise
                 sent += await self.blocks.put_blocks(self.store, lacking, compression=compression)
                 sent_blocks += len(lacking)
-                answer = await self._call(call, limit=limit, locked=True)
+                answer = await self._submit_call(call, limit)
             self._remember(round_id, closure)
             push = PushResult(
                 roots=(cid,),
@@ -254,6 +258,25 @@ class RoundClient:
             while len(self._settled) > _SUBMITS_REMEMBERED:
                 self._settled.popitem(last=False)
         return SubmitResult(cid, status, push)
+
+    async def _submit_call(self, call: SubmitRequest, limit: float | None) -> RoundAnswer:
+        """The submit's answer (the lock held); a submit that waits goes to ``rounds/fetch``,
+        so a Complete answer comes with the result's blocks into the store (``rounds.push``)."""
+        if call.timeout is not None and self.push_results:
+            try:
+                body, _ = await self.blocks.request_blocks(
+                    APP_FETCH, encode_call(call), self.store, result_roots, timeout=limit or "read"
+                )
+            except RemoteError as exc:
+                if exc.code != "unsupported":
+                    raise
+                self.push_results = False  # a coordinator from before rounds/fetch
+            else:
+                answer = decode_answer(body)
+                if answer.error is not None:
+                    raise_remote(answer.error, self.blocks.conn.peer)
+                return answer
+        return await self._call(call, limit=limit, locked=True)
 
     async def _submit_inline(self, round_id: RoundId, cid: Cid) -> SubmitResult | None:
         """Submit ``cid`` with its blocks in one request; None when they are too many bytes

@@ -55,6 +55,7 @@ from tensorswap.rounds.protocol import (
     spec_from_wire,
     status_to_wire,
 )
+from tensorswap.rounds.push import APP_FETCH, result_push
 from tensorswap.rounds.state import RoundId, RoundStatus
 from tensorswap.store import BlockStore
 from tensorswap.wire import (
@@ -129,7 +130,7 @@ class RoundServer:
             timeouts=timeouts,
             name=name,
             store_depth=store_depth,
-            handlers={APP: self._on_request, APP_INLINE: self._on_inline},
+            handlers={APP: self._on_request, APP_INLINE: self._on_inline},  # + APP_FETCH below
             max_connections=max_connections,
             max_inflight_bytes=max_inflight_bytes,
         )
@@ -146,6 +147,7 @@ class RoundServer:
         """Per-peer keys: when set, every contribution must prove its peer's key
         (``rounds.batch``); the plain ``submit`` op is refused."""
         coordinator.subscribe(self._on_change)
+        self.blocks.handlers[APP_FETCH] = result_push(self._on_request, coordinator.store)
 
     # ── lifecycle: the block server's ───────────────────────────────────────
     async def start(
