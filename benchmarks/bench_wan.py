@@ -13,7 +13,8 @@ take turns, and each round is divided by the raw transfer measured just before i
 
 Needs root (network namespaces); prints why and exits 0 elsewhere. Connection setup is not
 timed in either; the tensorswap round includes hashing the update, offer/want, the submit,
-the coordinator's aggregation and storing, the wait and the fetch.
+the coordinator's aggregation and storing, the wait and the fetch (a submit that waits for
+the round and brings the aggregate behind its answer: ``RoundClient.submit(wait=)``).
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ async def ts_peer(
     Appends to ``marks`` when its submit was answered and when its fetch ended."""
     async with await RoundClient.connect(*target, peer=name, key=KEY) as client:
         start.wait()
-        # the submit holds its answer until the round is complete (one round trip for the
-        # submit and the wait), then one Get brings the aggregate
+        # the submit holds its answer until the round is complete and the aggregate's blocks
+        # follow it (rounds/fetch): submit, wait and fetch in one round trip
         await client.submit(rid, {"w": values}, 1, wait=300)
         submitted = time.perf_counter()
         result = await client.fetch_result(rid, timeout=300)
@@ -252,7 +253,9 @@ def run_scenario(
     print(f"{scenario.name}: {len(peers)} peers x {nbytes // MiB} MiB up and down, {reps} rounds")
     print(f"  raw TCP     {_spread(raws)} s")
     print(f"  tensorswap  {_spread(rounds)} s")
-    names = ("last submit answered", "  then last result fetched")  # answered: complete
+    # the submit's answer waits for the round to complete and brings the aggregate's blocks
+    # behind it (rounds/fetch); the fetch then reads them from the peer's own store
+    names = ("last submit answered", "  then last result loaded")
     for k, name in enumerate(names):
         print(f"    {name:<22} {_spread([p[k] for p in phases])} s")
     print(f"    coordinator's aggregate  {_spread(aggregations)} s (in the submit phase)")
