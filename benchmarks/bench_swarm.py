@@ -155,6 +155,9 @@ async def round_peer(
     seed = int(name.removeprefix("peer")) + 1000 * rid.round
     values = np.random.default_rng(seed).standard_normal(mib * MiB // 4, np.float32)
     async with await RoundClient.connect(coordinator_address, PORT, peer=name, key=KEY) as c:
+        # the submit waits for the round, but the result is fetched apart (star: one Get;
+        # swarm: from every source), not brought behind the submit's answer (rounds/fetch)
+        c.push_results = False
         node = None
         if swarm:
             node = SwarmPeer(c.store, peer=name, key=KEY, listen=(address, 0))

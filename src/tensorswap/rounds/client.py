@@ -197,7 +197,11 @@ class RoundClient:
         ``wait`` (seconds): the coordinator holds the answer until the round is terminal, that
         long at most (``SubmitRequest.timeout``): the submit and the wait are one round trip,
         and a later ``wait``, ``result`` or ``fetch_result`` of the round returns without
-        asking again when the status came back terminal. Not for inline submits.
+        asking again when the status came back terminal. With ``push_results`` (the
+        default) the aggregate's blocks come behind a Complete answer into the store
+        (``rounds.push``), so ``fetch_result`` then reads it locally: submit, wait and fetch
+        in one round trip. A peer that fetches results elsewhere (``SwarmPeer``) turns
+        ``push_results`` off. Not for inline submits.
         """
         small = is_small(update)  # then encoding and listing it cost less than thread hops
         if isinstance(update, Cid):
