@@ -130,7 +130,11 @@ class RoundServer:
             timeouts=timeouts,
             name=name,
             store_depth=store_depth,
-            handlers={APP: self._on_request, APP_INLINE: self._on_inline},  # + APP_FETCH below
+            handlers={
+                APP: self._on_request,
+                APP_INLINE: self._on_inline,
+                APP_FETCH: result_push(self._on_request, coordinator.store),
+            },
             max_connections=max_connections,
             max_inflight_bytes=max_inflight_bytes,
         )
@@ -147,7 +151,6 @@ class RoundServer:
         """Per-peer keys: when set, every contribution must prove its peer's key
         (``rounds.batch``); the plain ``submit`` op is refused."""
         coordinator.subscribe(self._on_change)
-        self.blocks.handlers[APP_FETCH] = result_push(self._on_request, coordinator.store)
 
     # ── lifecycle: the block server's ───────────────────────────────────────
     async def start(
