@@ -16,6 +16,14 @@ coordinator bytes per round <= 2x one model (star: 8x), and the swarm's download
 <= 0.4x the star's. The coordinator is a ``BlockServer`` with the tracker attached, as a
 RoundServer holds one: a round's result is fetched over the same Get path. Needs root
 (network namespaces); prints why and exits 0 elsewhere.
+
+``--round``: the same on an actual round's result. The coordinator is a ``RoundServer``
+(``Coordinator.result_chunk_bytes`` = ``--chunk-kib``, as ``serve --result-chunk`` sets it)
+with the tracker attached; in each round every peer submits an update of ``--mib`` MiB of
+its own, waits for the round, and fetches the aggregate: star with
+``RoundClient.fetch_result``, swarm with ``SwarmPeer.fetch_result``. Coordinator bytes are
+all it sent during the round (the uploads' answers included); the download phase runs from
+the first peer learning the round is complete to the last holding its result.
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ import numpy as np
 
 from tensorswap.cid import Cid
 from tensorswap.netlab import Host, Lab, NamespacesUnavailable
+from tensorswap.rounds import Coordinator as RoundCoordinator
+from tensorswap.rounds import RoundClient, RoundServer
+from tensorswap.rounds.state import RoundId, RoundSpec
 from tensorswap.store import MemoryStore, ModelUpdate, put_update
 from tensorswap.swarm import SwarmPeer, SwarmTracker
 from tensorswap.wire import BlockClient, BlockServer
@@ -58,6 +69,7 @@ class Coordinator:
 
     roots: list[Cid] = field(default_factory=list)
     server: BlockServer | None = None
+    rounds: RoundCoordinator | None = None  # --round
     ready: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -109,6 +121,88 @@ async def peer(
             if node is not None:
                 await node.aclose()
     return done, from_coordinator
+
+
+async def round_coordinator(host: Host, box: Coordinator, chunk: int) -> None:
+    """``--round``: a RoundServer whose aggregates are cut into ``chunk``-byte chunks."""
+    rounds = RoundCoordinator(MemoryStore())
+    rounds.result_chunk_bytes = chunk
+    server = RoundServer(rounds, key=KEY, max_connections=256)
+    SwarmTracker(rounds.store).attach(server.blocks)
+    await server.start(host.address, PORT)
+    box.server, box.rounds = server.blocks, rounds
+    box.ready.set()
+    try:
+        await asyncio.to_thread(box.stop.wait)
+    finally:
+        await server.aclose()
+        rounds.close()
+
+
+async def round_peer(
+    address: str,
+    coordinator_address: str,
+    name: str,
+    rid: RoundId,
+    mib: int,
+    swarm: bool,
+    start: Callable[[], object],
+    end: Callable[[float, float], object],
+) -> tuple[float, float, int]:
+    """``--round``: submit an update of its own to ``rid``, wait for the round, fetch the
+    aggregate; keep serving until ``end(known, done)`` returns. (When the round was known
+    complete, when its result was held, coordinator chunk bytes of the fetch.)"""
+    seed = int(name.removeprefix("peer")) + 1000 * rid.round
+    values = np.random.default_rng(seed).standard_normal(mib * MiB // 4, np.float32)
+    async with await RoundClient.connect(coordinator_address, PORT, peer=name, key=KEY) as c:
+        # the submit waits for the round, but the result is fetched apart (star: one Get;
+        # swarm: from every source), not brought behind the submit's answer (rounds/fetch)
+        c.push_results = False
+        node = None
+        if swarm:
+            node = SwarmPeer(c.store, peer=name, key=KEY, listen=(address, 0))
+            await node.start()
+        try:
+            await asyncio.to_thread(start)
+            await c.submit(rid, {"w": values}, 1, wait=300)
+            cid = await c.result(rid, timeout=300)
+            known = time.monotonic()
+            if node is None:
+                before = c.blocks.transport.bytes_received
+                await c.fetch_result(rid, timeout=300)
+                from_coordinator = c.blocks.transport.bytes_received - before
+            else:
+                report = await node.fetch(c.blocks, cid)
+                from_coordinator = report.from_coordinator
+            done = time.monotonic()
+            await asyncio.to_thread(end, known, done)  # the others may still fetch from it
+        finally:
+            if node is not None:
+                await node.aclose()
+    return known, done, from_coordinator
+
+
+def round_fetch(
+    procs: list[subprocess.Popen[str]], box: Coordinator, rid: RoundId, swarm: bool
+) -> tuple[float, int]:
+    """``--round``: one round with every peer (a process each); (download phase seconds,
+    coordinator bytes out in the round)."""
+    assert box.rounds is not None and box.server is not None
+    box.rounds.start_round(rid, RoundSpec(len(procs)))
+    for proc in procs:
+        _say(proc, f"round {'swarm' if swarm else 'star'} {rid.round}")
+    for proc in procs:
+        _expect(proc, "ready")
+    before = box.server.stats.bytes_out
+    for proc in procs:
+        _say(proc, "go")
+    marks = [_expect(proc, "done").split()[1:3] for proc in procs]
+    for proc in procs:
+        _say(proc, "end")
+    for proc in procs:
+        _expect(proc, "closed")
+    known = min(float(k) for k, _ in marks)
+    return max(float(d) for _, d in marks) - known, box.server.stats.bytes_out - before
 
 
 def one_fetch(lab: Lab, box: Coordinator, root: Cid, swarm: bool) -> tuple[float, int]:
@@ -171,15 +265,16 @@ def _expect(proc: subprocess.Popen[str], word: str) -> str:
     return line
 
 
-def peer_process(address: str, coordinator_address: str, name: str) -> None:
-    """A peer process's loop: ``fetch star|swarm ROOT`` (answers ``ready``), ``go`` (then
-    ``done T``, T on the monotonic clock every process shares), ``end`` (``closed``)."""
+def peer_process(address: str, coordinator_address: str, name: str, mib: int) -> None:
+    """A peer process's loop: ``fetch star|swarm ROOT`` or ``round star|swarm N`` (answers
+    ``ready``), ``go`` (then ``done T`` or ``done KNOWN T``, on the monotonic clock every
+    process shares), ``end`` (``closed``)."""
 
     def line() -> str:
         return sys.stdin.readline().strip()
 
     while command := line():
-        _, mode, root = command.split()
+        kind, mode, root = command.split()
 
         def start() -> None:
             print("ready", flush=True)
@@ -191,14 +286,26 @@ def peer_process(address: str, coordinator_address: str, name: str) -> None:
             if line() != "end":
                 raise RuntimeError("expected end")
 
-        asyncio.run(
-            peer(address, coordinator_address, name, Cid.parse(root), mode == "swarm",
-                 start, end)
-        )  # fmt: skip
+        def ended(known: float, done: float) -> None:
+            print(f"done {known} {done}", flush=True)
+            if line() != "end":
+                raise RuntimeError("expected end")
+
+        if kind == "round":
+            rid = RoundId(int(root), "bench")
+            asyncio.run(
+                round_peer(address, coordinator_address, name, rid, mib, mode == "swarm",
+                           start, ended)
+            )  # fmt: skip
+        else:
+            asyncio.run(
+                peer(address, coordinator_address, name, Cid.parse(root), mode == "swarm",
+                     start, end)
+            )  # fmt: skip
         print("closed", flush=True)
 
 
-def start_processes(lab: Lab) -> list[subprocess.Popen[str]]:
+def start_processes(lab: Lab, mib: int) -> list[subprocess.Popen[str]]:
     """A ``--peer-process`` in every peer host, talking over its stdin / stdout."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     here = str(Path(__file__).resolve().parents[1])
@@ -208,6 +315,7 @@ def start_processes(lab: Lab) -> list[subprocess.Popen[str]]:
         if name.startswith("peer"):
             procs.append(host.python(
                 "-m", "benchmarks.bench_swarm", "--peer-process", host.address, coord, name,
+                str(mib),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=here,
             ))  # fmt: skip
     return procs
@@ -226,11 +334,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="peers as threads of this process (sharing one interpreter lock), not processes",
     )
-    parser.add_argument("--peer-process", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--round",
+        action="store_true",
+        help="distribute an actual round's result (peers submit, then fetch the aggregate)",
+    )
+    parser.add_argument("--peer-process", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.peer_process:
-        peer_process(*args.peer_process)
+        address, coord_address, name, peer_mib = args.peer_process
+        peer_process(address, coord_address, name, int(peer_mib))
         return 0
+    if args.round and args.threads:
+        parser.error("--round runs every peer as a process of its own")
     reps, mib, npeers = (1, 4, 4) if args.quick else (args.reps, args.mib, args.peers)
     try:
         lab = Lab()
@@ -238,23 +354,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {exc.reason}")
         return 0
     rng = np.random.default_rng(16)
-    models = [{"w": rng.standard_normal(mib * MiB // 4, np.float32)} for _ in range(2 * reps)]
+    models = [
+        {"w": rng.standard_normal(mib * MiB // 4, np.float32)}
+        for _ in range(0 if args.round else 2 * reps)
+    ]
     nbytes = mib * MiB
     box = Coordinator()
     with lab:
         coord = lab.add_host("coord", mbit=args.mbit)
         for i in range(npeers):
             lab.add_host(f"peer{i}", mbit=args.mbit)
-        serving = coord.start_async(lambda: coordinator(coord, box, models, args.chunk_kib * 1024))
+        chunk = args.chunk_kib * 1024
+        serving = coord.start_async(
+            (lambda: round_coordinator(coord, box, chunk))
+            if args.round
+            else (lambda: coordinator(coord, box, models, chunk))
+        )
         if not box.ready.wait(60):
             serving.result(timeout=1)
             raise RuntimeError("the coordinator did not start")
         stars: list[tuple[float, int]] = []
         swarms: list[tuple[float, int]] = []
-        procs = [] if args.threads else start_processes(lab)
+        procs = [] if args.threads else start_processes(lab, mib)
         try:
             for rep in range(reps):
                 for k, swarm, into in ((2 * rep, False, stars), (2 * rep + 1, True, swarms)):
+                    if args.round:
+                        into.append(round_fetch(procs, box, RoundId(k + 1, "bench"), swarm))
+                        continue
                     root = box.roots[k]
                     into.append(
                         one_fetch(lab, box, root, swarm)
@@ -272,10 +399,14 @@ def main(argv: list[str] | None = None) -> int:
     star_b = statistics.median(b for _, b in stars) / nbytes
     swarm_b = statistics.median(b for _, b in swarms) / nbytes
     how = "threads of one process" if args.threads else "a process each"
+    what = "a round's result of" if args.round else ""
     print(
-        f"{npeers} peers ({how}) fetch {mib} MiB ({args.chunk_kib} KiB chunks) at once; "
-        f"coordinator and peers on {args.mbit:g} Mbit/s links; {reps} reps each"
+        f"{npeers} peers ({how}) fetch {what} {mib} MiB ({args.chunk_kib} KiB chunks) at "
+        f"once; coordinator and peers on {args.mbit:g} Mbit/s links; {reps} reps each"
     )
+    if args.round:
+        print("  (coordinator bytes: all it sent in the round; download: from the first peer "
+              "knowing the round complete to the last holding its result)")  # fmt: skip
     for name, runs in (("star ", stars), ("swarm", swarms)):
         times = " ".join(f"{s:.2f}" for s, _ in runs)
         copies = " ".join(f"{b / nbytes:.2f}" for _, b in runs)
@@ -284,10 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  download phase: swarm {swarm_s:.2f} s / star {star_s:.2f} s = {time_ratio:.3f}x")
     print(f"  coordinator bytes: swarm {swarm_b:.2f} models, star {star_b:.2f} models")
     judge = not args.quick
-    print(ratio_line("swarm_coordinator_models", swarm_b, "<=", BYTES_GOAL) if judge else
-          ratio_line("swarm_coordinator_models", swarm_b))  # fmt: skip
-    print(ratio_line("swarm_vs_star_download", time_ratio, "<=", TIME_GOAL) if judge else
-          ratio_line("swarm_vs_star_download", time_ratio))  # fmt: skip
+    tag = "swarm_round" if args.round else "swarm"
+    print(ratio_line(f"{tag}_coordinator_models", swarm_b, "<=", BYTES_GOAL) if judge else
+          ratio_line(f"{tag}_coordinator_models", swarm_b))  # fmt: skip
+    print(ratio_line(f"{tag}_vs_star_download", time_ratio, "<=", TIME_GOAL) if judge else
+          ratio_line(f"{tag}_vs_star_download", time_ratio))  # fmt: skip
     missed = judge and (swarm_b > BYTES_GOAL or time_ratio > TIME_GOAL)
     return 1 if missed else 0
 

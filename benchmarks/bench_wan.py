@@ -13,7 +13,8 @@ take turns, and each round is divided by the raw transfer measured just before i
 
 Needs root (network namespaces); prints why and exits 0 elsewhere. Connection setup is not
 timed in either; the tensorswap round includes hashing the update, offer/want, the submit,
-the coordinator's aggregation and storing, the wait and the fetch.
+the coordinator's aggregation and storing, the wait and the fetch (a submit that waits for
+the round and brings the aggregate behind its answer: ``RoundClient.submit(wait=)``).
 """
 
 from __future__ import annotations
@@ -126,9 +127,11 @@ async def ts_peer(
     Appends to ``marks`` when its submit was answered and when its fetch ended."""
     async with await RoundClient.connect(*target, peer=name, key=KEY) as client:
         start.wait()
-        await client.submit(rid, {"w": values}, 1)
+        # the submit holds its answer until the round is complete and the aggregate's blocks
+        # follow it (rounds/fetch): submit, wait and fetch in one round trip
+        await client.submit(rid, {"w": values}, 1, wait=300)
         submitted = time.perf_counter()
-        result = await client.fetch_result(rid, timeout=300)  # the wait, then one Get
+        result = await client.fetch_result(rid, timeout=300)
         assert result["w"].nbytes == values.nbytes
         end = time.perf_counter()
     marks.append((submitted, end))
@@ -138,6 +141,12 @@ async def ts_peer(
 async def start_round(target: tuple[str, int], rid: RoundId, peers: int) -> None:
     async with await RoundClient.connect(*target, peer="lead", key=KEY) as lead:
         await lead.start_round(rid, RoundSpec(peers))
+
+
+async def aggregation_seconds(target: tuple[str, int]) -> float:
+    """The coordinator's time for its last round's aggregate (compute and store)."""
+    async with await RoundClient.connect(*target, peer="lead", key=KEY) as lead:
+        return float((await lead.server_status()).stats["last_aggregation_seconds"])
 
 
 def timed(
@@ -214,6 +223,7 @@ def run_scenario(
     floats = nbytes // 4
     raws, rounds, ratios = [], [], []
     phases: list[tuple[float, float]] = []
+    aggregations: list[float] = []
     for rep in range(reps):
         raws.append(timed(peers, lambda i, host, start: raw_peer(raw, nbytes, start))[1])
         rid = RoundId(first_round + rep, "bench")
@@ -236,15 +246,19 @@ def run_scenario(
         rounds.append(seconds)
         submitted = max(m[0] for m in marks)
         phases.append((submitted - began, began + seconds - submitted))
+        aggregations.append(coord.call(lambda d=direct: asyncio.run(aggregation_seconds(d))))
         ratios.append(rounds[-1] / raws[-1])
     ratio = statistics.median(ratios)
     relay_cpu = sum(_cpu_seconds(relay.proc.pid) for relay in lab.relays)
     print(f"{scenario.name}: {len(peers)} peers x {nbytes // MiB} MiB up and down, {reps} rounds")
     print(f"  raw TCP     {_spread(raws)} s")
     print(f"  tensorswap  {_spread(rounds)} s")
-    names = ("last submit answered", "  then last result fetched")
+    # the submit's answer waits for the round to complete and brings the aggregate's blocks
+    # behind it (rounds/fetch); the fetch then reads them from the peer's own store
+    names = ("last submit answered", "  then last result loaded")
     for k, name in enumerate(names):
         print(f"    {name:<22} {_spread([p[k] for p in phases])} s")
+    print(f"    coordinator's aggregate  {_spread(aggregations)} s (in the submit phase)")
     print(f"  ratio       {_spread(ratios)} -> {ratio:.3f}x (goal <= {scenario.goal}x at 8 MiB)")
     if flower is not None:
         port = FLOWER_PORT + first_round  # a fresh port per scenario

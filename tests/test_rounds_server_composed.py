@@ -11,6 +11,7 @@ from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.inline import APP_INLINE
 from tensorswap.rounds.protocol import APP
+from tensorswap.rounds.push import APP_FETCH
 from tensorswap.rounds.server import RoundServer
 from tensorswap.rounds.state import Complete, RoundId, RoundSpec, RoundStatus
 from tensorswap.store import MemoryStore
@@ -34,7 +35,7 @@ def test_the_round_server_composes_a_block_server() -> None:
         server = RoundServer(coordinator, max_connections=5)
         assert not isinstance(server, BlockServer)
         assert isinstance(server.blocks, BlockServer)
-        assert server.blocks.handlers.keys() == {APP, APP_INLINE}
+        assert server.blocks.handlers.keys() == {APP, APP_INLINE, APP_FETCH}
         assert server.store is coordinator.store is server.blocks.store
         assert server.stats is server.blocks.stats and server.errors is server.blocks.errors
         assert server.max_connections == server.blocks.max_connections == 5

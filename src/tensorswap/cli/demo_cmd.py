@@ -191,6 +191,12 @@ SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "n
     type=click.FloatRange(min=0),
     help="--netlab: round-trip time the peers see to the coordinator (0: none).",
 )
+@click.option(
+    "--swarm",
+    is_flag=True,
+    help="Star rounds: peers fetch each round's aggregate (the next global model) from the "
+    "coordinator and from each other at once (tensorswap.swarm), every block CID-checked.",
+)
 def demo(
     peers: int,
     rounds: int,
@@ -222,6 +228,7 @@ def demo(
     netlab: bool,
     link_mbit: float,
     rtt_ms: float,
+    swarm: bool,
 ) -> int:
     """Train an MLP on digits federatedly across peer processes, with progress and a plot.
 
@@ -273,6 +280,7 @@ def demo(
         netlab=netlab,
         link_mbit=link_mbit,
         rtt_ms=rtt_ms,
+        swarm=swarm,
     )
     try:
         check_config(cfg)

@@ -30,6 +30,7 @@ from tensorswap.rounds.server import RoundServer
 from tensorswap.runs.manager import RunManager
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER
 from tensorswap.runs.service import RunService
+from tensorswap.store import DEFAULT_CHUNK_BYTES
 from tensorswap.swarm.tracker import SwarmTracker
 from tensorswap.transport import DEFAULT_MAX_CONNECTIONS
 from tensorswap.wire._budget import DEFAULT_MAX_INFLIGHT_BYTES
@@ -38,6 +39,7 @@ from tensorswap.wire.connection import Timeouts
 __all__ = ["release_large_frees", "resolve_key", "serve"]
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MIN_RESULT_CHUNK, MAX_RESULT_CHUNK = 4 * 1024, 64 * 1024 * 1024  # serve --result-chunk
 
 
 def release_large_frees(threshold: int = 1 << 20) -> bool:
@@ -88,6 +90,7 @@ async def _run(
     group_commit: bool = True,
     peer_keys: str | None = None,
     sync_blocks: bool = False,
+    result_chunk: int = DEFAULT_CHUNK_BYTES,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -110,6 +113,7 @@ async def _run(
         coordinator = tier.coordinator
     else:
         coordinator = await asyncio.to_thread(Coordinator.open, data, **opened)
+    coordinator.result_chunk_bytes = result_chunk
     runs: RunManager | None = None
     try:
         if tier is None:
@@ -261,6 +265,15 @@ async def _run(
     "commit; for comparison).",
 )
 @click.option(
+    "--result-chunk",
+    type=BYTES,
+    default="4MiB",
+    show_default=True,
+    metavar="SIZE",
+    help="Chunk size of the rounds' aggregates (each tensor cut every SIZE bytes): smaller "
+    "chunks let more peers trade a result among themselves (swarm); 4 KiB to 64 MiB.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -285,6 +298,7 @@ def serve(
     peer_keys: str | None,
     sync_blocks: bool,
     no_group_commit: bool,
+    result_chunk: int,
     log_level: str,
     upstream: str | None,
     region: str | None,
@@ -314,6 +328,8 @@ def serve(
     )
     if tls_key and not tls_cert:
         raise click.UsageError("--tls-key needs --tls-cert")
+    if not MIN_RESULT_CHUNK <= result_chunk <= MAX_RESULT_CHUNK:
+        raise click.BadParameter("must be 4 KiB to 64 MiB", param_hint="--result-chunk")
     ssl = server_tls(tls_cert, tls_key) if tls_cert else None
     release_large_frees()
     logging.basicConfig(
@@ -342,6 +358,7 @@ def serve(
             group_commit=not no_group_commit,
             peer_keys=peer_keys,
             sync_blocks=sync_blocks,
+            result_chunk=result_chunk,
         )
     )
 

@@ -53,6 +53,8 @@ class DemoConfig:
     netlab: bool = False
     link_mbit: float = 20.0
     rtt_ms: float = 40.0
+    # --swarm: peers fetch each round's aggregate through the swarm (peers serve it on)
+    swarm: bool = False
 
     @property
     def federated(self) -> bool:
@@ -95,6 +97,8 @@ def check_config(cfg: DemoConfig) -> None:
         raise DemoError("--netlab runs the star topology (peers dial the coordinator)")
     if cfg.netlab and not (cfg.link_mbit > 0 and cfg.rtt_ms >= 0):
         raise DemoError("--link-mbit must be > 0 and --rtt-ms >= 0")
+    if cfg.swarm and (cfg.topology != "star" or cfg.federated):
+        raise DemoError("--swarm applies to the per-round star demo (peers fetch aggregates)")
     if cfg.secagg_threshold is not None and not cfg.secagg:
         raise DemoError("--secagg-threshold needs --secagg")
     if cfg.federated:

@@ -44,6 +44,10 @@ __all__ = [
     "run_demo",
 ]
 
+SWARM_RESULT_CHUNK = "4KiB"
+"""``--swarm``: the coordinator's ``--result-chunk`` (the demo's 38 KiB model in ~10 chunks)."""
+_LOCAL = "127.0.0.1"
+
 
 @dataclass
 class _Run:
@@ -101,11 +105,14 @@ async def _start_coordinator(run: _Run) -> None:
         data = run.cfg.data
         data.mkdir(parents=True, exist_ok=True)
     where = run.placement
+    # --swarm: the demo's model is 38 KiB, one chunk a tensor by default: cut the aggregates
+    # finer, so there are chunks for the peers to trade
+    extra = ("--result-chunk", SWARM_RESULT_CHUNK) if run.cfg.swarm else ()
     if where is None:
-        run.coordinator_at = host, port = await run.fleet.start_coordinator(data)
+        run.coordinator_at = host, port = await run.fleet.start_coordinator(data, extra=extra)
     else:
         run.coordinator_at = host, port = await run.fleet.start_coordinator(
-            data, listen=where.coordinator_listen, wrap=where.coordinator_wrap
+            data, listen=where.coordinator_listen, wrap=where.coordinator_wrap, extra=extra
         )
     run.coordinator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     run.console.print(f"coordinator listening on {run.coordinator} (data in {data})")
@@ -116,6 +123,8 @@ async def _start_peers(run: _Run) -> None:
     args = _peer_args(cfg, run.coordinator if where is None else where.peer_target)
     for i in range(cfg.peers):
         slow = ["--slow-factor", str(cfg.slow_factor)] if cfg.slow_peer == i else []
+        if cfg.swarm:  # the address the others dial: its own host's in the lab
+            slow += ["--swarm", "--swarm-listen", where.hosts[f"peer{i}"] if where else _LOCAL]
         wrap = () if where is None else where.peer_wraps[i]
         await run.fleet.start_peer(i, [*args, *slow], wrap)
     what = f"a {cfg.run_mode} federated run" if cfg.federated else f"compression {cfg.compression}"

@@ -63,9 +63,15 @@ class Fleet:
 
     # coordinator
     async def start_coordinator(
-        self, data: Path, *, listen: str = "127.0.0.1:0", wrap: Sequence[str] = ()
+        self,
+        data: Path,
+        *,
+        listen: str = "127.0.0.1:0",
+        wrap: Sequence[str] = (),
+        extra: Sequence[str] = (),
     ) -> tuple[str, int]:
-        """`tensorswap serve` on ``listen``, its argv after ``wrap`` (e.g. `ip netns exec NS`)."""
+        """`tensorswap serve` on ``listen``, its argv after ``wrap`` (e.g. `ip netns exec NS`),
+        with ``extra`` options."""
         log_path = self.out / "coordinator.log"
         self._coord_log = open(log_path, "wb")  # noqa: SIM115 - closed in aclose
         self.coordinator = await asyncio.create_subprocess_exec(
@@ -80,6 +86,7 @@ class Fleet:
             "--fast-commit",
             "--timeout",
             "120",
+            *extra,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=self._coord_log,
             stderr=self._coord_log,

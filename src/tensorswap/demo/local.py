@@ -47,6 +47,7 @@ class PeerState:
     samples_of: dict[str, int]
     residual: dict[str, np.ndarray] | None = None
     inbox: DeltaInbox | None = None  # p2p: the parts of the other peers' deltas
+    swarm: Any = None  # --swarm: this peer's `tensorswap.swarm.SwarmPeer`
 
     def weights(self) -> dict[str, np.ndarray]:
         from tensorswap.torch import tensors_of

@@ -25,6 +25,11 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
+def _from_peers(r: RoundReport) -> str:
+    """``--swarm``: the part of the aggregates the peers got from each other."""
+    return f" (+{fmt_bytes(r.swarm_bytes)} from peers)" if r.swarm_bytes else ""
+
+
 class ProgressUi:
     """Rich progress: one bar over the rounds, with the current round's figures."""
 
@@ -55,7 +60,8 @@ class ProgressUi:
         self.console.print(
             f"{mark} round {r.round:>2}/{total_rounds}  acc {r.accuracy:.3f}  "
             f"peers {r.contributors}/{r.expected}  sent {fmt_bytes(r.sent_bytes)}  "
-            f"fetched {fmt_bytes(r.pulled_bytes)}  dedup saved {fmt_bytes(r.saved_bytes)}  "
+            f"fetched {fmt_bytes(r.pulled_bytes)}{_from_peers(r)}  "
+            f"dedup saved {fmt_bytes(r.saved_bytes)}  "
             f"{r.seconds:.1f}s  {r.outcome}"
         )
 

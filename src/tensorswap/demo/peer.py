@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -92,14 +93,21 @@ async def run_star(args: argparse.Namespace) -> int:
             f"{name} cannot reach the coordinator at {args.coordinator}: {reason} "
             "(is `tensorswap serve` listening there?)"
         )
-    async with client:
+    async with client, contextlib.AsyncExitStack() as stack:
         state = await asyncio.to_thread(build_state, args)
+        if args.swarm:  # serve fetched aggregates to the other peers, fetch from them
+            from tensorswap.swarm import SwarmPeer
+
+            node = SwarmPeer(client.store, peer=name, listen=(args.swarm_listen, 0))
+            state.swarm = await stack.enter_async_context(node)
+        seeding = {} if state.swarm is None else {"swarm": _seeding(state.swarm)}
         emit(
             "ready",
             peer=state.name,
             samples=state.shard.num_samples,
             accuracy=state.accuracy(),
             pid=os.getpid(),
+            **seeding,
         )
         reader = await _commands()
         while (cmd := await _next(reader)) is not None and cmd.get("cmd") != "stop":
@@ -108,6 +116,11 @@ async def run_star(args: argparse.Namespace) -> int:
             elif cmd.get("cmd") == "run":
                 await run_tasks(state, client, cmd)
     return 0
+
+
+def _seeding(node: Any) -> str:
+    """``HOST:PORT`` where a SwarmPeer's seeder listens."""
+    return f"{node.listen[0]}:{node.seeder.port}"
 
 
 async def run_p2p(args: argparse.Namespace) -> int:
@@ -168,6 +181,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compression", choices=COMPRESSIONS, default="none")
     parser.add_argument("--aggregator", default="fedavg", help="p2p: how deltas are combined")
     parser.add_argument("--freeze-first-layer", action="store_true", help="train the head only")
+    parser.add_argument(
+        "--swarm",
+        action="store_true",
+        help="star: fetch aggregates from the coordinator and the other peers at once, and "
+        "serve them on (a read-only seeder on --swarm-listen, any port)",
+    )
+    parser.add_argument(
+        "--swarm-listen", default="127.0.0.1", help="--swarm: the address other peers dial"
+    )
     parser.add_argument(
         "--max-fragment-bytes",
         type=int,

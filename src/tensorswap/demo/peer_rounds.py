@@ -82,7 +82,12 @@ async def star_round(state: PeerState, client: Any, cmd: Mapping[str, Any]) -> N
         )
         return
     agg_cid = Cid.parse(status.cid)
-    pull = await client.blocks.pull(agg_cid, client.store)
+    if state.swarm is None:
+        pulled = (await client.blocks.pull(agg_cid, client.store)).fetched_bytes
+        from_peers = 0
+    else:  # --swarm: from the coordinator and the peers that hold it, each block CID-checked
+        fetched = await state.swarm.fetch(client.blocks, agg_cid)
+        pulled, from_peers = fetched.from_coordinator, fetched.from_peers
     aggregate = await asyncio.to_thread(get_update, client.store, agg_cid)
     pulled_total = _closure_bytes(client.store, agg_cid)
     if compression == "none":
@@ -101,8 +106,9 @@ async def star_round(state: PeerState, client: Any, cmd: Mapping[str, Any]) -> N
         sent_bytes=sent_bytes,
         dense_bytes=dense_bytes,
         saved_bytes=saved,
-        pulled_bytes=pull.fetched_bytes,
-        pull_saved_bytes=max(pulled_total - pull.fetched_bytes, 0),
+        pulled_bytes=pulled,
+        swarm_bytes=from_peers,
+        pull_saved_bytes=max(pulled_total - pulled - from_peers, 0),
         late=late,
         seconds=time.perf_counter() - start,
     )

@@ -21,6 +21,7 @@ class RoundReport:
     sent_bytes: int = 0
     dense_bytes: int = 0
     pulled_bytes: int = 0
+    swarm_bytes: int = 0  # --swarm: bytes of aggregates the peers got from each other
     saved_bytes: int = 0
     seconds: float = 0.0
     ok: bool = True
@@ -72,6 +73,7 @@ def summarise(report: RoundReport, results: list[dict[str, Any]]) -> None:
     report.sent_bytes = sum(int(e.get("sent_bytes", 0)) for e in results)
     report.dense_bytes = sum(int(e.get("dense_bytes", 0)) for e in results)
     report.pulled_bytes = sum(int(e.get("pulled_bytes", 0)) for e in results)
+    report.swarm_bytes = sum(int(e.get("swarm_bytes", 0)) for e in results)
     report.saved_bytes = sum(
         int(e.get("saved_bytes", 0)) + int(e.get("pull_saved_bytes", 0)) for e in results
     )

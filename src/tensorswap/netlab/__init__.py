@@ -10,9 +10,12 @@ For tests, benchmarks and demos that need real links between separate hosts on o
         result = peer.start_async(lambda: some_round(coordinator.address, port)).result()
         peer.link_down(); peer.link_up(); lab.partition(peer); lab.heal(peer)
         relay = lab.relay((coordinator.address, port), rtt=0.04, mbit=50)  # latency
+        peer.shape(20, limit=16 * 1024)                      # a lossy link (tbf drops)
+        shuffle = peer.shuffle_to(coordinator, stats_path, every=8, drop=50)  # reordering
 
 Shaping is tbf on both ends of a host's veth; latency is a delay relay (a userspace TCP
-forwarder in its own host) because this kernel has no netem (``Lab.netem_available``).
+forwarder in its own host) because this kernel has no netem (``Lab.netem_available``);
+reordering is a packet shuffler on a TUN device (``netlab.reorder``), for the same reason.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from tensorswap.netlab.lab import (
     sweep_stale,
     wait_listening,
 )
+from tensorswap.netlab.reorder import Shuffle
 from tensorswap.netlab.shape import TokenBucket
 
 __all__ = [
@@ -45,6 +49,7 @@ __all__ = [
     "NamespacesUnavailable",
     "NetlabError",
     "Relay",
+    "Shuffle",
     "TokenBucket",
     "namespace_exists",
     "sweep_stale",

@@ -23,7 +23,8 @@ import sys
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Self, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from tensorswap.netlab import shape as shaping
 from tensorswap.netlab._sys import (
@@ -35,6 +36,9 @@ from tensorswap.netlab._sys import (
     start_in_namespace,
 )
 from tensorswap.netlab.errors import LabCommandFailed, LabProcessFailed
+
+if TYPE_CHECKING:
+    from tensorswap.netlab.reorder import Shuffle
 
 __all__ = ["DEVICE", "NETWORK", "Host", "Lab", "Relay", "sweep_stale"]
 
@@ -84,9 +88,15 @@ class Host:
     """Its link's far end, on the bridge in the switch namespace."""
 
     # ── its link ─────────────────────────────────────────────────────────────
-    def shape(self, up_mbit: float | None, down_mbit: float | None = None) -> None:
+    def shape(
+        self, up_mbit: float | None, down_mbit: float | None = None, *, limit: int = 0
+    ) -> None:
         """Rate-limit the link: ``up_mbit`` from this host, ``down_mbit`` to it (default
-        the same); None leaves that direction unshaped. A tbf qdisc on each end's egress."""
+        the same); None leaves that direction unshaped. A tbf qdisc on each end's egress.
+
+        ``limit``: the bytes tbf queues before it drops (default 50 ms at the rate). A
+        shallow one (a few packets) makes a lossy link: what a burst brings beyond the
+        bucket and the queue is dropped (``drops`` counts it), as on a real bottleneck."""
         down_mbit = up_mbit if down_mbit is None else down_mbit
         for namespace, device, rate in (
             (self.namespace, DEVICE, up_mbit),
@@ -95,7 +105,21 @@ class Host:
             if rate is None:
                 shaping.clear(namespace, device)
             else:
-                shaping.set_token_bucket(namespace, device, shaping.TokenBucket.mbit(rate))
+                bucket = shaping.TokenBucket.mbit(rate, limit=limit)
+                shaping.set_token_bucket(namespace, device, bucket)
+
+    def drops(self) -> tuple[int, int]:
+        """Packets the link's qdiscs dropped so far: (from this host, to it)."""
+        return (
+            shaping.dropped(self.namespace, DEVICE),
+            shaping.dropped(self.lab.switch, self.port),
+        )
+
+    def tcp_counters(self) -> dict[str, int]:
+        """This host's TCP counters (``/proc/net/snmp`` Tcp and ``netstat`` TcpExt, as the
+        namespace sees them): ``RetransSegs``, ``TCPOFOQueue`` (segments that came out of
+        order), ``TCPLostRetransmit``, ..."""
+        return shaping.tcp_counters(self.namespace)
 
     def qdiscs(self) -> tuple[str, str]:
         """`tc qdisc show` of the link's two ends: (this host's egress, its ingress)."""
@@ -103,6 +127,14 @@ class Host:
             shaping.show(self.namespace, DEVICE),
             shaping.show(self.lab.switch, self.port),
         )
+
+    def shuffle_to(self, target: Host, stats: Path, **rule: Any) -> Shuffle:
+        """Reorder (and with ``drop``, lose) this host's packets to ``target``: a userspace
+        shuffler on a TUN device (``netlab.reorder``; no netem here). ``rule``: ``every``,
+        ``depth``, ``hold``, ``drop``; counters in the file ``stats``."""
+        from tensorswap.netlab.reorder import start_shuffle
+
+        return start_shuffle(self, target, stats, **rule)
 
     def link_down(self) -> None:
         """`ip link set eth0 down`: this host's sends fail at once, nothing reaches it."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from tensorswap.netlab._sys import quiet, run
@@ -11,6 +12,7 @@ __all__ = ["TokenBucket", "clear", "netem_available", "set_token_bucket"]
 
 _MIN_BURST = 16 * 1024
 _MIN_LIMIT = 64 * 1024
+_MIN_PACKET = 1514  # an Ethernet frame of a 1500-byte MTU
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,11 +37,14 @@ class TokenBucket:
             object.__setattr__(self, "limit", max(_MIN_LIMIT, math.ceil(per_second * 0.050)))
 
     @classmethod
-    def mbit(cls, rate: float) -> TokenBucket:
-        """A bucket of ``rate`` Mbit/s (10^6 bit/s, as `tc` counts ``mbit``)."""
+    def mbit(cls, rate: float, *, limit: int = 0) -> TokenBucket:
+        """A bucket of ``rate`` Mbit/s (10^6 bit/s, as `tc` counts ``mbit``); ``limit``
+        bytes of queue (0: the default)."""
         if not math.isfinite(rate) or rate <= 0:
             raise ValueError(f"rate must be a positive number of Mbit/s, got {rate!r}")
-        return cls(round(rate * 1_000_000))
+        if limit and limit < _MIN_PACKET:
+            raise ValueError(f"limit must hold one full packet ({_MIN_PACKET} bytes), got {limit}")
+        return cls(round(rate * 1_000_000), limit=limit)
 
     def argv(self) -> list[str]:
         """The `tc qdisc ... tbf` arguments after ``root``."""
@@ -68,6 +73,27 @@ def clear(namespace: str, device: str) -> None:
 def show(namespace: str, device: str) -> str:
     """`tc qdisc show dev DEVICE` in ``namespace``."""
     return run("ip", "netns", "exec", namespace, "tc", "qdisc", "show", "dev", device).stdout
+
+
+def dropped(namespace: str, device: str) -> int:
+    """Packets ``device``'s qdiscs dropped (`tc -s qdisc show`, summed); 0 without any."""
+    stats = run("ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show", "dev", device)
+    return sum(int(n) for n in re.findall(r"dropped (\d+)", stats.stdout))
+
+
+def tcp_counters(namespace: str) -> dict[str, int]:
+    """The namespace's Tcp (``/proc/net/snmp``) and TcpExt (``/proc/net/netstat``) counters."""
+    counters: dict[str, int] = {}
+    for path, group in (("/proc/net/snmp", "Tcp:"), ("/proc/net/netstat", "TcpExt:")):
+        text = run("ip", "netns", "exec", namespace, "cat", path).stdout
+        rows = [line.split() for line in text.splitlines() if line.startswith(group)]
+        for names, values in zip(rows[::2], rows[1::2], strict=True):
+            counters.update(
+                (n, int(v))
+                for n, v in zip(names[1:], values[1:], strict=True)
+                if v.lstrip("-").isdigit()
+            )
+    return counters
 
 
 def netem_available(namespace: str) -> bool:

@@ -31,6 +31,7 @@ from tensorswap.rounds.protocol import (
     raise_remote,
     spec_to_wire,
 )
+from tensorswap.rounds.push import APP_FETCH, result_roots
 from tensorswap.rounds.state import Complete, RoundId, RoundSpec, RoundStatus
 from tensorswap.store import (
     BlockStore,
@@ -105,6 +106,9 @@ class RoundClient:
         self.peer_key = peer_key
         """This peer's own key, for a coordinator with per-peer keys: inline submits then
         carry its ``submit_proof`` (plain ones cannot, and such a coordinator refuses them)."""
+        self.push_results = True
+        """Whether a submit that waits asks for the result behind its answer
+        (``rounds.push``); turned off when the coordinator turns out to predate it."""
         self.inline = True
         """Whether tiny updates go inline with their submit (``rounds.inline``); turned off
         when the coordinator turns out to predate it."""
@@ -117,6 +121,8 @@ class RoundClient:
         # round), they go as a plain submit with no offer; one the coordinator has lost
         # since is pushed then (its UnknownUpdate answer), as always.
         self._inlined: OrderedDict[Cid, None] = OrderedDict()
+        # terminal statuses that submits with ``wait`` came back with (a few rounds)
+        self._settled: OrderedDict[RoundId, RoundStatus] = OrderedDict()
 
     @classmethod
     async def connect(
@@ -173,6 +179,7 @@ class RoundClient:
         num_samples: int = 0,
         *,
         compression: CompressionChoice = Compression.NONE,
+        wait: float | None = None,
     ) -> SubmitResult:
         """Store the update locally, push what the coordinator lacks, and submit it.
 
@@ -186,6 +193,15 @@ class RoundClient:
         An update given as values whose blocks total at most ``INLINE_SEND_BYTES`` goes in
         one request with its blocks (``rounds.inline``: one round trip, no dedup) unless
         ``inline`` is off; ``compression`` does not apply to it.
+
+        ``wait`` (seconds): the coordinator holds the answer until the round is terminal, that
+        long at most (``SubmitRequest.timeout``): the submit and the wait are one round trip,
+        and a later ``wait``, ``result`` or ``fetch_result`` of the round returns without
+        asking again when the status came back terminal. With ``push_results`` (the
+        default) the aggregate's blocks come behind a Complete answer into the store
+        (``rounds.push``), so ``fetch_result`` then reads it locally: submit, wait and fetch
+        in one round trip. A peer that fetches results elsewhere (``SwarmPeer``) turns
+        ``push_results`` off. Not for inline submits.
         """
         small = is_small(update)  # then encoding and listing it cost less than thread hops
         if isinstance(update, Cid):
@@ -206,7 +222,9 @@ class RoundClient:
                     self._inlined.popitem(last=False)
                 self._remember(round_id, _children_first(self.store, cid))
                 return inlined
-        call = SubmitRequest.of(round_id, self.peer, cid)
+        call = SubmitRequest.of(round_id, self.peer, cid, wait)
+        read = self.blocks.conn.timeouts.read
+        limit = None if wait is None or read is None else wait + read
         async with self._lock:
             start, wire_start = time.perf_counter(), self.blocks.transport.bytes_sent
             if small and not isinstance(update, Cid):
@@ -219,7 +237,7 @@ class RoundClient:
             # The server stores every block sent before it runs the submit: no separate
             # commit, one round trip.
             try:
-                answer = await self._call(call, locked=True)
+                answer = await self._submit_call(call, limit)
             except UnknownUpdate:
                 # A block the coordinator held failed its hash check there (it quarantined
                 # it) or went away: it now lacks it, so push what it lacks once more.
@@ -228,7 +246,7 @@ class RoundClient:
                     raise
                 sent += await self.blocks.put_blocks(self.store, lacking, compression=compression)
                 sent_blocks += len(lacking)
-                answer = await self._call(call, locked=True)
+                answer = await self._submit_call(call, limit)
             self._remember(round_id, closure)
             push = PushResult(
                 roots=(cid,),
@@ -238,7 +256,31 @@ class RoundClient:
                 wire_bytes=self.blocks.transport.bytes_sent - wire_start,
                 seconds=time.perf_counter() - start,
             )
-        return SubmitResult(cid, _status(answer), push)
+        status = _status(answer)
+        if status.is_terminal:
+            self._settled[round_id] = status
+            while len(self._settled) > _SUBMITS_REMEMBERED:
+                self._settled.popitem(last=False)
+        return SubmitResult(cid, status, push)
+
+    async def _submit_call(self, call: SubmitRequest, limit: float | None) -> RoundAnswer:
+        """The submit's answer (the lock held); a submit that waits goes to ``rounds/fetch``,
+        so a Complete answer comes with the result's blocks into the store (``rounds.push``)."""
+        if call.timeout is not None and self.push_results:
+            try:
+                body, _ = await self.blocks.request_blocks(
+                    APP_FETCH, encode_call(call), self.store, result_roots, timeout=limit or "read"
+                )
+            except RemoteError as exc:
+                if exc.code != "unsupported":
+                    raise
+                self.push_results = False  # a coordinator from before rounds/fetch
+            else:
+                answer = decode_answer(body)
+                if answer.error is not None:
+                    raise_remote(answer.error, self.blocks.conn.peer)
+                return answer
+        return await self._call(call, limit=limit, locked=True)
 
     async def _submit_inline(self, round_id: RoundId, cid: Cid) -> SubmitResult | None:
         """Submit ``cid`` with its blocks in one request; None when they are too many bytes
@@ -299,6 +341,9 @@ class RoundClient:
         coordinator ends each wait request after its own ``max_wait`` at most; this call then
         asks again, so it still waits as long as asked.
         """
+        settled = self._settled.get(round_id)
+        if settled is not None:  # a submit's answer said so (terminal: final)
+            return settled
         if timeout is not None:
             if math.isnan(timeout):
                 raise ValueError("timeout must be a number of seconds or None, got nan")

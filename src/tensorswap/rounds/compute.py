@@ -18,7 +18,14 @@ from tensorswap.rounds.fold import RoundWork, assemble, load_chunk, load_pieces
 from tensorswap.rounds.result import put_pieces
 from tensorswap.rounds.state import Contribution, Layout, RoundInfo
 from tensorswap.rounds.updates import STREAMING_KINDS, UpdateFacts, aggregator_spec, inspect_update
-from tensorswap.store import BlockStore, MalformedManifest, ModelUpdate, get_update, put_update
+from tensorswap.store import (
+    DEFAULT_CHUNK_BYTES,
+    BlockStore,
+    MalformedManifest,
+    ModelUpdate,
+    get_update,
+    put_update,
+)
 
 __all__ = ["UNREADABLE", "Drop", "compute_aggregate", "facts_of"]
 
@@ -46,8 +53,10 @@ def compute_aggregate(
     contributions: list[Contribution],
     work: RoundWork,
     drop: Drop,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Cid:
-    """Aggregate the round's contributions (less those dropped before) and store the result.
+    """Aggregate the round's contributions (less those dropped before) and store the result,
+    its tensors cut into chunks of ``chunk_bytes`` (the coordinator's ``result_chunk_bytes``).
 
     Streaming kinds (FedAvg, mean) use the sums folded at submit time and fold the rest (after
     a restart, or a rebuild); other strategies read every contribution back. Every block is
@@ -92,7 +101,7 @@ def compute_aggregate(
             _check_quorum(info, len(kept), lost)
             # shared chunks are exact only when no contribution is clipped or scaled
             exact = spec.max_norm is None and all(c.scale == 1.0 for c in kept)
-            return _store_streaming(store, info, kept[0], work, exact)
+            return _store_streaming(store, info, kept[0], work, exact, chunk_bytes)
         inputs = []
         for c in live:
             try:
@@ -115,7 +124,7 @@ def compute_aggregate(
                 values[layer.name] = values[layer.name].astype(want)
     metadata = result_metadata(info, result.used, result.dropped)
     update = ModelUpdate(values, result.total_samples, metadata, name=info.round_id.as_key())
-    return put_update(store, update)
+    return put_update(store, update, chunk_bytes=chunk_bytes)
 
 
 def _check_quorum(info: RoundInfo, left: int, lost: dict[str, str]) -> None:
@@ -132,6 +141,7 @@ def _store_streaming(
     first: Contribution,
     work: RoundWork,
     exact_shared: bool,
+    chunk_bytes: int,
 ) -> Cid:
     """Store the streaming sums' result; the caller holds ``work.lock``. ``first``: a folded
     contribution, whose layout is the round's when the round has none recorded."""
@@ -164,11 +174,13 @@ def _store_streaming(
         num_samples=result.total_samples,
         metadata=metadata,
         name=name,
+        chunk_bytes=chunk_bytes,
     )
     if cid is not None:
         return cid
     values = assemble(pieces, bounds, layout)
-    return put_update(store, ModelUpdate(values, result.total_samples, metadata, name=name))
+    update = ModelUpdate(values, result.total_samples, metadata, name=name)
+    return put_update(store, update, chunk_bytes=chunk_bytes)
 
 
 def result_metadata(info: RoundInfo, used: Sized, dropped: Sized) -> dict[str, str]:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -42,7 +43,7 @@ from tensorswap.rounds.state import (
 )
 from tensorswap.rounds.stats import CoordinatorStats
 from tensorswap.rounds.updates import aggregator_spec
-from tensorswap.store import BlockStore, DirectoryStore
+from tensorswap.store import DEFAULT_CHUNK_BYTES, BlockStore, DirectoryStore
 
 __all__ = ["DEFAULT_GC_GRACE", "STORE_DIRNAME", "Coordinator", "CoordinatorStats", "Retention"]
 
@@ -132,6 +133,8 @@ class Coordinator:
         differentially private run releases the noised aggregate, so the clean one is never
         published). What it raises is treated as an aggregation failure (retried when
         transient). Must be idempotent: a restart may call it again for the same round."""
+        self.result_chunk_bytes = DEFAULT_CHUNK_BYTES
+        """Chunk size of the aggregates' tensors (``serve --result-chunk``; see compute)."""
         self._work: dict[RoundId, RoundWork] = {}
         self._closed = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-aggregate")
@@ -350,13 +353,9 @@ class Coordinator:
                 self._forget(round_id)
                 return
             try:
-                cid = compute_aggregate(
-                    self.store,
-                    info,
-                    self.tracker.contributions(round_id),
-                    self._work_for(round_id),
-                    lambda peer, reason: self._drop(round_id, peer, reason),
-                )
+                work, drop = self._work_for(round_id), partial(self._drop, round_id)
+                got = self.tracker.contributions(round_id)
+                cid = compute_aggregate(self.store, info, got, work, drop, self.result_chunk_bytes)
                 if self.release is not None:
                     cid = self.release(round_id, cid)
                 seconds = time.perf_counter() - started

@@ -120,13 +120,21 @@ class StartRequest(_Request, frozen=True, tag="start"):
 
 class SubmitRequest(_Request, frozen=True, tag="submit"):
     """Submit the model update ``update`` (a binary CID) for ``peer``; its blocks were sent
-    before this request. A byte string that is not a CID is refused when decoding."""
+    before this request. A byte string that is not a CID is refused when decoding.
+
+    ``timeout`` (seconds, finite, >= 0): once the contribution is durable, hold the answer
+    until the round is terminal, that long at most (and the server's ``max_wait``), so the
+    submit and the wait for the result are one round trip; the answer is the status then,
+    never a RoundTimeout. None (the default, the bytes the protocol has always had): answer
+    at once. A server that predates it ignores the key and answers at once."""
 
     peer: str
     update: bytes
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         self._check_round_id()
+        _check_timeout("a submit's wait", self.timeout)
         size = utf8_len(self.peer)
         if not 0 < size <= MAX_NAME_BYTES:
             raise ValueError(
@@ -138,9 +146,11 @@ class SubmitRequest(_Request, frozen=True, tag="submit"):
             raise ValueError(f"a submit request names an invalid CID: {exc.reason}") from None
 
     @classmethod
-    def of(cls, round_id: RoundId, peer: str, update: Cid) -> SubmitRequest:
-        rid = round_id
-        return cls(round=rid.round, initiator=rid.initiator, peer=peer, update=update.to_bytes())
+    def of(
+        cls, round_id: RoundId, peer: str, update: Cid, timeout: float | None = None
+    ) -> SubmitRequest:
+        rid, cid = round_id, update.to_bytes()
+        return cls(round=rid.round, initiator=rid.initiator, peer=peer, update=cid, timeout=timeout)
 
     @property
     def cid(self) -> Cid:
@@ -167,11 +177,12 @@ class WaitRequest(_Request, frozen=True, tag="wait"):
 
     def __post_init__(self) -> None:
         self._check_round_id()
-        timeout = self.timeout
-        if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):
-            raise ValueError(
-                f"a wait timeout must be a finite number of seconds >= 0, got {timeout!r}"
-            )
+        _check_timeout("a wait", self.timeout)
+
+
+def _check_timeout(what: str, timeout: float | None) -> None:
+    if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):
+        raise ValueError(f"{what} timeout must be a finite number of seconds >= 0, got {timeout!r}")
 
 
 RoundRequest = StartRequest | SubmitRequest | StatusRequest | WaitRequest

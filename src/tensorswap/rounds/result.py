@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Mapping
@@ -14,6 +15,7 @@ from tensorswap.codec import DType, TensorBlock, encode_block_into, encoded_size
 from tensorswap.rounds.fold import Bounds, piece_key
 from tensorswap.rounds.state import Layout
 from tensorswap.store import (
+    DEFAULT_CHUNK_BYTES,
     BlockStore,
     ChunkRef,
     chunk_bounds,
@@ -36,27 +38,35 @@ def put_pieces(
     num_samples: int,
     metadata: Mapping[str, str],
     name: str,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Cid | None:
-    """Store the aggregate as ``put_update`` would, reading each piece once; its CID.
+    """Store the aggregate as ``put_update(..., chunk_bytes=chunk_bytes)`` would, reading
+    each piece once; its CID.
 
-    Applies when every tensor's pieces are cut where ``put_update`` cuts chunks (default
-    chunk size) and already have the layout's dtype: then each piece is encoded into one
-    reused buffer, hashed and stored as its chunk (a few in parallel, each thread with its
-    own buffer), and the manifests follow in order, giving the CID ``put_update`` gives for
-    the assembled tensors, without assembling them. Returns None (nothing stored) when it
-    does not apply; the caller assembles instead.
+    Applies when every tensor's pieces are cut where ``put_update`` cuts chunks of
+    ``chunk_bytes`` or at some of those cuts (a piece then holds several chunks: views of
+    it, no copies) and already have the layout's dtype: then each chunk is encoded into one
+    reused buffer, hashed and stored (a few in parallel, each thread with its own buffer),
+    and the manifests follow in order, giving the CID ``put_update`` gives for the
+    assembled tensors, without assembling them. Returns None (nothing stored) when it does
+    not apply (a piece that ends inside a chunk); the caller assembles instead.
     """
     plans = []
     for layer in layout:
         dtype = DType.parse(layer.dtype)
         size = int(np.prod(layer.shape, dtype=np.int64))
-        want = chunk_bounds(size, dtype.itemsize)
-        got = bounds.get(layer.name, (0, size))
-        if tuple(got) != want:
+        want = chunk_bounds(size, dtype.itemsize, chunk_bytes)
+        got = tuple(bounds.get(layer.name, (0, size)))
+        if got[-1:] != want[-1:] or not set(got) <= set(want):
             return None
-        row = [pieces[piece_key(layer.name, start)] for start in want[:-1]]
-        if any(piece.dtype != dtype.numpy or piece.ndim != 1 for piece in row):
+        pieces_of = [pieces[piece_key(layer.name, start)] for start in got[:-1]]
+        if any(piece.dtype != dtype.numpy or piece.ndim != 1 for piece in pieces_of):
             return None
+        row, at = [], 0  # each chunk, a view of the piece that holds it
+        for start, stop in itertools.pairwise(want):
+            while got[at + 1] <= start:
+                at += 1
+            row.append(pieces_of[at][start - got[at] : stop - got[at]])
         plans.append((layer, dtype, row))
     refs = []
     local = threading.local()  # one encoding buffer per worker thread, reused

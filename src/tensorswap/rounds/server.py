@@ -55,6 +55,7 @@ from tensorswap.rounds.protocol import (
     spec_from_wire,
     status_to_wire,
 )
+from tensorswap.rounds.push import APP_FETCH, result_push
 from tensorswap.rounds.state import RoundId, RoundStatus
 from tensorswap.store import BlockStore
 from tensorswap.wire import (
@@ -129,7 +130,11 @@ class RoundServer:
             timeouts=timeouts,
             name=name,
             store_depth=store_depth,
-            handlers={APP: self._on_request, APP_INLINE: self._on_inline},
+            handlers={
+                APP: self._on_request,
+                APP_INLINE: self._on_inline,
+                APP_FETCH: result_push(self._on_request, coordinator.store),
+            },
             max_connections=max_connections,
             max_inflight_bytes=max_inflight_bytes,
         )
@@ -309,6 +314,8 @@ class RoundServer:
                     return RoundAnswer(started=started, status=wired)
                 case SubmitRequest():
                     status = await self._submit(request.round_id, request.peer, request.cid)
+                    if request.timeout is not None and not status.is_terminal:
+                        status = await self._settle(request.round_id, request.timeout, status)
                     return RoundAnswer(status=status_to_wire(status))
                 case WaitRequest():
                     status = await self._wait(request.round_id, request.timeout)
@@ -425,6 +432,13 @@ class RoundServer:
                 waiting.discard(event)
                 if not waiting:
                     del self._waiters[rid]
+
+    async def _settle(self, rid: RoundId, timeout: float, status: RoundStatus) -> RoundStatus:
+        """A submit's wait (``SubmitRequest.timeout``): terminal status, else the latest."""
+        try:
+            return await self._wait(rid, timeout)
+        except (RoundTimeout, RoundNotFound):
+            return self.coordinator.status(rid) or status
 
     def _on_change(self, rid: RoundId, status: RoundStatus) -> None:
         """Called by the coordinator from any thread: wake this round's waiters on the loop

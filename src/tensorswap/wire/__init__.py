@@ -39,7 +39,13 @@ from tensorswap.wire.ipfrs import (
     IpfrsLimits,
     chunk_count,
 )
-from tensorswap.wire.server import AppRequest, BlockServer, RequestHandler, ServerStats
+from tensorswap.wire.server import (
+    AppRequest,
+    BlockServer,
+    BlocksReply,
+    RequestHandler,
+    ServerStats,
+)
 from tensorswap.wire.tcp import TcpListener, TcpTransport, connect_tcp, serve_tcp
 from tensorswap.wire.transport import MemoryTransport, Transport, memory_pair
 
@@ -50,6 +56,7 @@ __all__ = [
     "BlockClient",
     "BlockHashMismatch",
     "BlockServer",
+    "BlocksReply",
     "ChecksumMismatch",
     "ChunkIndexOutOfRange",
     "Compression",

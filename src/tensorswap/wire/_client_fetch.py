@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.errors import HashMismatch
@@ -74,27 +75,64 @@ class FetchPath(ClientBase):
                     below.received.clear()
                 get = Get(cids=wire_cids(batch), manifests=manifests, closure=closure, have=held)
                 await self.conn.send_message(get, self._next_stream())
-                while True:
-                    frame = await self.conn.receive_frame(defer_block_crc=True)
-                    if frame.header.kind is not FrameKind.BLOCK:
-                        got = self.conn.expect(frame, Got)
-                        assert isinstance(got, Got)  # expect() checked the type
-                        missing.extend(_check_got(parse_cids(got.missing, "Got"), wanted))
-                        break
-                    block = self.conn.parse_block(frame)
-                    if block.cid in wanted:
-                        wanted.discard(block.cid)
-                        if below is not None:
-                            below.learn(block)
-                    elif below is None or not below.accept(block):
-                        block.check_crc()  # a corrupted CID is a checksum mismatch
-                        again = "again" if block.cid in batch else "not asked for"
-                        raise ProtocolViolation(f"server sent block {block.cid} {again}")
-                    await sink.submit(block)
+                missing += await self._receive_answer(batch, wanted, below, sink)
             await sink.drain()
         finally:
             await sink.close()
         return missing, sink.nbytes, sink.blocks
+
+    async def _receive_answer(
+        self, batch: list[Cid], wanted: set[Cid], below: _Below | None, sink: BlockSink
+    ) -> list[Cid]:
+        """The BLOCK frames and the Got answering a Get of ``batch`` (``wanted``: those not
+        received yet), each block into ``sink``; the CIDs the server said it lacks."""
+        while True:
+            frame = await self.conn.receive_frame(defer_block_crc=True)
+            if frame.header.kind is not FrameKind.BLOCK:
+                got = self.conn.expect(frame, Got)
+                assert isinstance(got, Got)  # expect() checked the type
+                return _check_got(parse_cids(got.missing, "Got"), wanted)
+            block = self.conn.parse_block(frame)
+            if block.cid in wanted:
+                wanted.discard(block.cid)
+                if below is not None:
+                    below.learn(block)
+            elif below is None or not below.accept(block):
+                block.check_crc()  # a corrupted CID is a checksum mismatch
+                again = "again" if block.cid in batch else "not asked for"
+                raise ProtocolViolation(f"server sent block {block.cid} {again}")
+            await sink.submit(block)
+
+    async def request_blocks(
+        self,
+        app: str,
+        body: bytes,
+        into: BlockStore,
+        roots_of: Callable[[bytes], list[Cid]],
+        *,
+        timeout: float | Literal["read"] | None = "read",
+    ) -> tuple[bytes, PullResult]:
+        """``request``, for an application that follows its reply with blocks (a handler
+        returning a ``BlocksReply``): the reply body, then the closure of the roots that
+        ``roots_of(body)`` names (the server leaves out what it knows this client holds),
+        every block hash-checked into ``into``, as a Get with ``closure`` would bring them.
+        The same errors as ``request`` (``unsupported``: no such application there, and
+        nothing follows), and as ``get_blocks`` for the blocks."""
+        start = time.perf_counter()
+        async with self._lock:
+            reply = await self._request(app, body, timeout)
+            roots = list(dict.fromkeys(roots_of(reply)))
+            sink = BlockSink(into)
+            try:
+                await self._receive_answer(roots, set(roots), _Below(chunks=True), sink)
+                await sink.drain()
+            finally:
+                await sink.close()
+        root = roots[0] if roots else Cid.of(b"")
+        pulled = PullResult(
+            root, sink.blocks, sink.blocks, sink.nbytes, time.perf_counter() - start
+        )
+        return reply, pulled
 
     async def pull(
         self, root: Cid, into: BlockStore, *, have: Sequence[Cid] | None = None

@@ -21,7 +21,7 @@ from tensorswap.wire.messages import Got, Reply, Request, wire_cids
 if TYPE_CHECKING:
     from tensorswap.wire._server_stats import ServerStats
 
-__all__ = ["AppRequest", "RequestHandler", "ServerHandlers"]
+__all__ = ["AppRequest", "BlocksReply", "RequestHandler", "ServerHandlers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +37,26 @@ class AppRequest:
     stream_id: int
 
 
+class BlocksReply(bytes):
+    """A reply body that a handler follows with blocks: the REPLY (these bytes), then
+    ``roots`` and every block they link to but ``have``, as the answer to a Get with
+    ``closure`` (BLOCK frames, then Got; just Got when ``roots`` is empty). Only for
+    applications whose clients expect it (``BlockClient.request_blocks``). A ``bytes``, so
+    code that relays reply bodies takes it as one."""
+
+    roots: list[Cid]
+    have: list[Cid]
+
+    def __new__(cls, body: bytes, roots: list[Cid], have: list[Cid]) -> BlocksReply:
+        reply = super().__new__(cls, body)
+        reply.roots, reply.have = list(roots), list(have)
+        return reply
+
+
 RequestHandler = Callable[[AppRequest], Awaitable[bytes]]
-"""``async handler(request) -> reply body``. A TensorSwapError it raises fails the connection
-(ERROR frame, then closed); answer refusals the client should survive inside the reply body."""
+"""``async handler(request) -> reply body`` (a BlocksReply to follow it with blocks). A
+TensorSwapError it raises fails the connection (ERROR frame, then closed); answer refusals
+the client should survive inside the reply body."""
 
 
 class ServerHandlers:
@@ -54,13 +71,17 @@ class ServerHandlers:
         @property
         def stats(self) -> ServerStats: ...
 
-    async def _answer_request(self, message: Request, peer: str, stream_id: int) -> Reply:
+    async def _answer_request(
+        self, message: Request, peer: str, stream_id: int
+    ) -> tuple[Reply, BlocksReply | None]:
+        """The handler's Reply, and the blocks to send after it (a BlocksReply) if any."""
         self.stats.requests += 1
         handler = self.handlers.get(message.app)
         if handler is None:
-            return Reply(app=message.app, body=b"", handled=False)
+            return Reply(app=message.app, body=b"", handled=False), None
         body = await handler(AppRequest(message.app, message.body, peer, stream_id))
-        return Reply(app=message.app, body=bytes(body))
+        then = body if isinstance(body, BlocksReply) else None
+        return Reply(app=message.app, body=bytes(body)), then
 
     def _check_roots(self, roots: list[Cid]) -> None:
         """Check that each root's closure is held: one walk over all of them, so a block

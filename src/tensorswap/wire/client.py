@@ -9,9 +9,7 @@ from tensorswap.wire._client_fetch import FetchPath, PullResult
 from tensorswap.wire._client_push import Progress, PushPath, PushResult
 from tensorswap.wire.auth import client_handshake
 from tensorswap.wire.connection import FrameConnection, Timeouts, WireLimits
-from tensorswap.wire.errors import ProtocolViolation, RemoteError
 from tensorswap.wire.frames import CompressionChoice
-from tensorswap.wire.messages import Reply, Request
 from tensorswap.wire.tcp import connect_tcp
 from tensorswap.wire.transport import Transport
 
@@ -94,14 +92,4 @@ class BlockClient(PushPath, FetchPath):
         then closes the connection), PeerTimeout or ProtocolViolation.
         """
         async with self._lock:
-            stream = self._next_stream()
-            await self.conn.send_message(Request(app=app, body=body), stream)
-            reply, answered = await self.conn.receive_message(Reply, timeout=timeout)
-            if answered != stream or reply.app != app:
-                raise ProtocolViolation(
-                    f"Reply for {reply.app!r} on stream {answered}, expected {app!r} on {stream}"
-                )
-            if not reply.handled:
-                msg = f"the server has no handler for application {app!r}"
-                raise RemoteError("unsupported", msg, self.conn.peer)
-            return reply.body
+            return await self._request(app, body, timeout)

@@ -16,7 +16,12 @@ from tensorswap.errors import StoreError, TensorSwapError
 from tensorswap.store.base import BlockStore
 from tensorswap.wire._budget import DEFAULT_MAX_INFLIGHT_BYTES, ByteBudget, Reservation
 from tensorswap.wire._buffers import HeapTrimmer
-from tensorswap.wire._server_handlers import AppRequest, RequestHandler, ServerHandlers
+from tensorswap.wire._server_handlers import (
+    AppRequest,
+    BlocksReply,
+    RequestHandler,
+    ServerHandlers,
+)
 from tensorswap.wire._server_stats import (
     _NOT_REPORTED,
     ServerStats,
@@ -46,6 +51,7 @@ __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
     "AppRequest",
     "BlockServer",
+    "BlocksReply",
     "RequestHandler",
     "ServerStats",
     "error_code",
@@ -311,8 +317,12 @@ class BlockServer(ServerHandlers):
                 await self._answer_get(conn, cids, stream_id, below=below, have=have)
             elif isinstance(message, Request):
                 await sink.drain()
-                reply = await self._answer_request(message, conn.peer, stream_id)
+                reply, then = await self._answer_request(message, conn.peer, stream_id)
                 await conn.send_message(reply, stream_id)
+                if then is not None:
+                    await self._answer_get(
+                        conn, then.roots, stream_id, below="closure", have=then.have
+                    )
                 in_transfer = False
 
 
