@@ -50,6 +50,11 @@ DEVICE = "eth0"
 """Each host's one interface, as the host sees it."""
 BRIDGE = "br0"
 RELAY_NICE = -10
+#: A relay's pipe holds this many bandwidth-delay products: the link's own (rate x RTT/2)
+#: and one more as the bottleneck's queue (the classic router buffer). The rate itself is
+#: tbf's on the host's link; with no queue a relay the scheduler runs a little late would turn
+#: the machine's CPU load into lost link capacity, which a kernel link (netem) does not.
+RELAY_QUEUE = 2
 """Relays run at this nice level (root may raise priority)."""
 PREFIX = "tsnl"
 _STALE = re.compile(rf"^{PREFIX}(\d+)x\d+-")
@@ -277,7 +282,7 @@ class Lab:
         ``target``: each direction delayed by ``rtt``/2, at most rate x delay bytes in flight."""
         where = self.hosts.get(host) or self.add_host(host)
         delay = rtt / 2
-        cap = max(64 * 1024, round(mbit * 1e6 / 8 * delay))
+        cap = max(64 * 1024, round(mbit * 1e6 / 8 * delay * RELAY_QUEUE))
         # Raised priority: the pipe holds exactly rate x delay, so a relay the scheduler runs
         # late would turn the machine's CPU load into lost link capacity.
         proc = where.popen(
