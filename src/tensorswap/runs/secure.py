@@ -89,7 +89,8 @@ def _unflatten(vector: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
     out, at = {}, 0
     for layer in layout:
         size = math.prod(layer.shape)
-        out[layer.name] = vector[at : at + size].astype(layer.dtype).reshape(layer.shape)
+        part = vector[at : at + size].astype(layer.dtype, copy=False)  # a view if float32
+        out[layer.name] = part.reshape(layer.shape)
         at += size
     return out
 

@@ -10,7 +10,10 @@ starts over with the next task, and never answers an unmask request for another 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -27,6 +30,20 @@ if TYPE_CHECKING:
 
 __all__ = ["flatten_delta", "secure_submit"]
 
+_PREP: ThreadPoolExecutor | None = None
+_PREP_LOCK = threading.Lock()
+
+
+def _prep_pool() -> ThreadPoolExecutor:
+    """The threads that build masked vectors ahead (``SecAggClient.prepare``), one per CPU,
+    apart from the event loop's default executor so that a round's small replies never
+    queue behind them (several peers may share a process, as in tests and benchmarks)."""
+    global _PREP
+    with _PREP_LOCK:
+        if _PREP is None:
+            _PREP = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tensorswap-mask")
+        return _PREP
+
 
 def flatten_delta(
     model: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray], clip: float | None = None
@@ -34,7 +51,7 @@ def flatten_delta(
     """``model - base`` as one float32 vector in ``base``'s tensor order (the global model's),
     each tensor raveled, scaled to L2 norm ``clip`` at most when one is given (client-side DP
     clipping); QuantizationError unless names and shapes match."""
-    from tensorswap.privacy.dp import clip_factor
+    from tensorswap.privacy.dp import clip_factor, update_norm
     from tensorswap.privacy.secagg.errors import QuantizationError
 
     if set(model) != set(base):
@@ -53,7 +70,7 @@ def flatten_delta(
         view -= np.asarray(like, np.float32).ravel()
         at += part.size
     if clip is not None:
-        out *= np.float32(clip_factor(float(np.linalg.norm(out.astype(np.float64))), clip))
+        out *= np.float32(clip_factor(update_norm({"delta": out}), clip))
     return out
 
 
@@ -65,6 +82,7 @@ async def secure_submit(
     Refusals arrive typed (SecAggError leaves, NotSelected, SecureRoundFailed)."""
     from tensorswap.privacy.secagg.client import SecAggClient
     from tensorswap.privacy.secagg.protocol import (
+        KeysBroadcast,
         MaskedInput,
         Message,
         Setup,
@@ -105,9 +123,14 @@ async def secure_submit(
     message: Message = setup
     after = 1
     store, masked_cid = client.rounds.store, None
+    loop, ahead = asyncio.get_running_loop(), []
     try:
         while True:
             reply = await asyncio.to_thread(peer.handle, message)
+            if isinstance(message, Setup | KeysBroadcast):
+                # quantize and mask while the phase's other peers answer (the masked input
+                # then only waits for the shares): self mask now, pairwise masks after keys
+                ahead.append(loop.run_in_executor(_prep_pool(), peer.prepare))
             block = None
             if isinstance(reply, MaskedInput):
                 client.secagg_quantized = peer.quantized
@@ -122,5 +145,7 @@ async def secure_submit(
             answer = await next_message(answer, after)
             message, after = decode(answer.secagg or b""), after + 1
     finally:
+        for work in ahead:  # prepare refuses nothing; wait so no thread outlives the call
+            await asyncio.gather(work, return_exceptions=True)
         if masked_cid is not None:
             store.delete(masked_cid)
