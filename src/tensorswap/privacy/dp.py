@@ -19,6 +19,7 @@ __all__ = [
     "add_noise",
     "clip_factor",
     "clip_update",
+    "model_delta",
     "next_clip",
     "noise_std",
     "secure_generator",
@@ -58,15 +59,35 @@ def clip_update(
     tensors: Mapping[str, np.ndarray], clip: float
 ) -> tuple[dict[str, np.ndarray], bool]:
     """The update scaled to L2 norm at most ``clip`` (Flower's FlatClip), and whether it was
-    scaled (Flower's ``norm_bit``). Each tensor keeps its dtype."""
+    scaled (Flower's ``norm_bit``). Each tensor keeps its dtype; the scaling is done in
+    float64 (then rounded to the dtype) a cache-sized piece at a time."""
     factor = clip_factor(update_norm(tensors), clip)
     if factor == 1.0:
         return {k: np.asarray(v) for k, v in tensors.items()}, False
-    out = {
-        k: (np.asarray(v, dtype=np.float64) * factor).astype(np.asarray(v).dtype)
-        for k, v in tensors.items()
-    }
+    out = {}
+    scratch = np.empty(_STEP)
+    for k, v in tensors.items():
+        flat = np.asarray(v).reshape(-1)
+        scaled = np.empty(flat.size, flat.dtype)
+        for start in range(0, flat.size, _STEP):
+            buf = scratch[: flat[start : start + _STEP].size]
+            buf[:] = flat[start : start + _STEP]
+            buf *= factor
+            scaled[start : start + buf.size] = buf
+        out[k] = scaled.reshape(np.shape(v))
     return out, True
+
+
+def model_delta(
+    model: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """``model - base`` tensor by tensor in the model's dtypes (``base`` cast to each, as
+    ``model[k] - base[k].astype(model[k].dtype)`` would, without the cast's copy)."""
+    out = {}
+    for name, values in model.items():
+        mine = np.asarray(values)
+        out[name] = np.subtract(mine, np.asarray(base[name]), dtype=mine.dtype)
+    return out
 
 
 def noise_std(noise_multiplier: float, clip: float, num_sampled: int) -> float:

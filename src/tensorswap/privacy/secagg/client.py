@@ -298,11 +298,9 @@ class SecAggClient:
             self._masked = None
         self.mask_partners = frozenset(sources)
         self.phase = ClientPhase.MASKED
-        return MaskedInput(
-            round_id=config.round_id,
-            sender=self.peer_id,
-            masked=masked.astype("<u4", copy=False).tobytes(),
-        )
+        # the words as a buffer, not a fresh bytes copy (encoders and stores take buffers)
+        words = masked.astype("<u4", copy=False).view(np.uint8).data
+        return MaskedInput(round_id=config.round_id, sender=self.peer_id, masked=words)  # type: ignore[arg-type]
 
     def _on_unmask(self, message: UnmaskRequest) -> UnmaskResponse:
         config = self.config
