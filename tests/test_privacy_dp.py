@@ -464,3 +464,25 @@ def test_noise_drawn_by_several_workers_depends_on_the_generator_only() -> None:
     assert not np.array_equal(chunks[0], chunks[1])  # each worker its own stream
     assert float(one["w"].std()) == pytest.approx(0.5, rel=0.01)
     assert one["b"].shape == (10,) and draw(1, 1)["w"].dtype == np.float32
+
+
+def test_a_peers_delta_read_chunk_by_chunk_from_its_store_is_model_minus_base() -> None:
+    from tensorswap.privacy.delta import delta_from_store
+    from tensorswap.privacy.dp import model_delta
+    from tensorswap.store import MemoryStore, ModelUpdate, put_update
+
+    store = MemoryStore()
+    rng = np.random.default_rng(9)
+    base = {"w": rng.standard_normal((700, 3000), dtype=np.float32), "b": np.arange(3.0)}
+    cid = put_update(store, ModelUpdate(base), chunk_bytes=1 << 20)  # several chunks
+    model = {"w": base["w"] + np.float32(0.25), "b": np.ones(3, np.float32)}
+    got = delta_from_store(store, cid, model)
+    assert got is not None
+    want = model_delta(model, base)
+    for name in model:
+        assert got[name].dtype == model[name].dtype and got[name].shape == model[name].shape
+        np.testing.assert_array_equal(got[name], want[name])
+    # what it cannot do here it leaves to the general path (None), never guesses
+    assert delta_from_store(store, cid, {"missing": np.zeros(3)}) is None
+    assert delta_from_store(store, cid, {"b": np.zeros(4)}) is None
+    assert delta_from_store(MemoryStore(), cid, model) is None

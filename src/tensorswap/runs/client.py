@@ -10,6 +10,7 @@ import numpy as np
 
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound
+from tensorswap.privacy.delta import delta_from_store
 from tensorswap.privacy.dp import clip_update, model_delta
 from tensorswap.rounds.client import RoundClient, SubmitResult
 from tensorswap.rounds.protocol import raise_remote
@@ -196,9 +197,13 @@ class RunClient:
         self, task: Task, update: ModelUpdate | Mapping[str, Any], num_samples: int
     ) -> tuple[ModelUpdate, bool | None]:
         model = update if isinstance(update, ModelUpdate) else ModelUpdate(dict(update))
-        base = await self.task_model(task)
-        # model-sized work off the event loop, where other peers' transfers run
-        delta = await asyncio.to_thread(model_delta, model.tensors, base)
+        # model-sized work off the event loop, where other peers' transfers run: the delta
+        # from the task's model read chunk by chunk in the peer's store, else fetched whole
+        store, cid = self.rounds.store, Cid.parse(task.global_cid)
+        delta = await asyncio.to_thread(delta_from_store, store, cid, model.tensors)
+        if delta is None:
+            base = await self.task_model(task)
+            delta = await asyncio.to_thread(model_delta, model.tensors, base)
         if task.dp != "client":
             return ModelUpdate(delta, num_samples or model.num_samples), None
         if task.clip is None:
