@@ -185,3 +185,20 @@ def test_shared_lagrange_weights_interpolate_like_the_textbook_formula() -> None
     secret = bytes(range(40))  # three chunks: one set of weights serves them all
     shares = split_secret(secret, 3, [2, 5, 9, 11])
     assert combine_shares([shares[2], shares[9], shares[11]], 3) == secret
+
+
+def test_a_secure_peers_flat_delta_read_from_its_store_is_flatten_delta() -> None:
+    from tensorswap.privacy.delta import flat_delta_from_store
+    from tensorswap.runs.secure_peer import flatten_delta
+    from tensorswap.store import MemoryStore, ModelUpdate, put_update
+
+    store = MemoryStore()
+    rng = np.random.default_rng(4)
+    base = {"w": rng.standard_normal((600, 1000), dtype=np.float32), "b": np.ones(5, np.float32)}
+    cid = put_update(store, ModelUpdate(base), chunk_bytes=1 << 20)  # several chunks
+    model = {"b": base["b"] * 2, "w": base["w"] - np.float32(0.5)}
+    got = flat_delta_from_store(store, cid, model)
+    assert got is not None and got.dtype == np.float32
+    np.testing.assert_array_equal(got, flatten_delta(model, base))  # the base's order
+    assert flat_delta_from_store(store, cid, {"w": model["w"]}) is None  # names differ
+    assert flat_delta_from_store(store, cid, {**model, "b": np.ones(6, np.float32)}) is None

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from tensorswap.cid import Cid
 from tensorswap.rounds.state import RoundStatus
 from tensorswap.runs.messages import RunAnswer, SecAggRequest
 from tensorswap.store import ModelUpdate
@@ -51,7 +52,6 @@ def flatten_delta(
     """``model - base`` as one float32 vector in ``base``'s tensor order (the global model's),
     each tensor raveled, scaled to L2 norm ``clip`` at most when one is given (client-side DP
     clipping); QuantizationError unless names and shapes match."""
-    from tensorswap.privacy.dp import clip_factor, update_norm
     from tensorswap.privacy.secagg.errors import QuantizationError
 
     if set(model) != set(base):
@@ -69,9 +69,27 @@ def flatten_delta(
         view[:] = part.ravel()
         view -= np.asarray(like, np.float32).ravel()
         at += part.size
+    return _clipped(out, clip)
+
+
+def _clipped(vector: np.ndarray, clip: float | None) -> np.ndarray:
+    """``vector`` scaled in place to L2 norm ``clip`` at most (None: as it is)."""
+    from tensorswap.privacy.dp import clip_factor, update_norm
+
     if clip is not None:
-        out *= np.float32(clip_factor(update_norm({"delta": out}), clip))
-    return out
+        vector *= np.float32(clip_factor(update_norm({"delta": vector}), clip))
+    return vector
+
+
+def _delta_vector(
+    client: RunClient, task: Task, model: Mapping[str, np.ndarray], clip: float | None
+) -> np.ndarray | None:
+    """The flat delta read chunk by chunk from the task's model in the peer's own store
+    (None if it is not there, or names or shapes differ: ``flatten_delta`` then)."""
+    from tensorswap.privacy.delta import flat_delta_from_store
+
+    vector = flat_delta_from_store(client.rounds.store, Cid.parse(task.global_cid), model)
+    return None if vector is None else _clipped(vector, clip)
 
 
 async def secure_submit(
@@ -95,8 +113,10 @@ async def secure_submit(
     if task.dp == "client" and task.clip is None:
         raise ProtocolViolation("a client-side clipping task lacks its clipping norm")
     clip = task.clip if task.dp == "client" else None
-    base = await client.task_model(task)
-    vector = await asyncio.to_thread(flatten_delta, model.tensors, base, clip)
+    vector = await asyncio.to_thread(_delta_vector, client, task, model.tensors, clip)
+    if vector is None:
+        base = await client.task_model(task)
+        vector = await asyncio.to_thread(flatten_delta, model.tensors, base, clip)
 
     def request(after: int, message: bytes = b"", block: bytes | None = None) -> SecAggRequest:
         return SecAggRequest(
