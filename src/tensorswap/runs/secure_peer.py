@@ -104,6 +104,7 @@ async def secure_submit(
         MaskedInput,
         Message,
         Setup,
+        SharesDelivery,
         UnmaskResponse,
         decode,
         encode,
@@ -146,7 +147,11 @@ async def secure_submit(
     loop, ahead = asyncio.get_running_loop(), []
     try:
         while True:
-            reply = await asyncio.to_thread(peer.handle, message)
+            # the masked input (model-sized work) on the masking threads too: as many at once
+            # as there are CPUs, so peers sharing a process finish, and push, one after another
+            # rather than all late together
+            heavy = _prep_pool() if isinstance(message, SharesDelivery) else None
+            reply = await loop.run_in_executor(heavy, peer.handle, message)
             if isinstance(message, Setup | KeysBroadcast):
                 # quantize and mask while the phase's other peers answer (the masked input
                 # then only waits for the shares): self mask now, pairwise masks after keys
