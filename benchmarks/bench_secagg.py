@@ -9,8 +9,9 @@ peer's cost grows with the round's size.
    and bytes sent. SecAgg+ masks with k = 2 ceil(log2 n) neighbours, so both grow like
    log n (k + 1 = 7, 9, 11), not like n; goal: CPU at n = 32 <= 2x that at n = 8 (n grows 4x).
 3. Flower 1.42's SecAgg+ workflow on the same shape, when a venv with
-   ``flwr[simulation]==1.42.0`` exists at ``--flower-python`` (default
-   /work/wt/venvs/flwr; flwr is never a dependency of tensorswap): ``flower_secagg.py`` runs
+   ``flwr[simulation]==1.42.0`` exists at ``--flower-python`` (default: the environment's
+   ``TENSORSWAP_FLOWER_PYTHON``, else /work/wt/venvs/flwr/bin/python; flwr is never a
+   dependency of tensorswap): ``flower_secagg.py`` runs
    there, and its SecAgg+ fit stage per round (median, after the engine's first round) is
    compared with tensorswap's whole secure round; goal: tensorswap >= 3x faster.
 """
@@ -34,7 +35,10 @@ from tensorswap.runs import RunSpec
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.manager import Task
 
-FLOWER_PYTHON = "/work/wt/venvs/flwr/bin/python"
+FLOWER_PYTHON = os.environ.get("TENSORSWAP_FLOWER_PYTHON", "/work/wt/venvs/flwr/bin/python")
+"""The Python of a venv with ``flwr[simulation]==1.42.0`` (``--flower-python`` overrides):
+``python3.11 -m venv /work/wt/venvs/flwr && /work/wt/venvs/flwr/bin/pip install
+'flwr[simulation]==1.42.0' numpy``."""
 
 
 async def _train(client: RunClient, task: Task | None, step: np.float32) -> None:

@@ -421,3 +421,68 @@ def test_a_noised_run_without_dp_accounting_is_refused_when_made(
         with pytest.raises(AccountantUnavailable, match=r"tensorswap\[privacy\]"):
             manager.create_run("dp", SPEC, initial)
         assert manager.runs() == []
+
+
+# ── the fast paths ───────────────────────────────────────────────────────────
+def test_update_norm_in_cache_sized_pieces_is_the_l2_norm() -> None:
+    rng = np.random.default_rng(5)
+    tensors = {"a": rng.standard_normal((300, 700), dtype=np.float32), "b": np.arange(5.0)}
+    flat = np.concatenate([v.ravel().astype(np.float64) for v in tensors.values()])
+    assert update_norm(tensors) == pytest.approx(float(np.linalg.norm(flat)), rel=1e-12)
+    assert update_norm({"z": np.zeros(0, np.float32)}) == 0.0
+
+
+def test_add_noise_is_the_scaled_values_plus_gaussian_noise_in_their_dtype() -> None:
+    from tensorswap.privacy.dp import add_noise
+
+    values = np.full((400, 500), 2.0, np.float32)
+    one = add_noise(values, 0.5, 0.1, np.random.default_rng(1))
+    assert one.dtype == np.float32 and one.shape == values.shape
+    assert float(one.mean()) == pytest.approx(1.0, abs=1e-3)
+    assert float(one.std()) == pytest.approx(0.1, rel=0.01)
+    np.testing.assert_array_equal(one, add_noise(values, 0.5, 0.1, np.random.default_rng(1)))
+    assert not np.array_equal(one, add_noise(values, 0.5, 0.1, np.random.default_rng(2)))
+
+
+def test_noise_drawn_by_several_workers_depends_on_the_generator_only() -> None:
+    from tensorswap.runs.stream import stream_noised
+    from tensorswap.store import MemoryStore, ModelUpdate, get_update, put_update
+
+    store = MemoryStore()
+    model = {"w": np.zeros(3_000_000, np.float32), "b": np.zeros(10, np.float32)}
+    zeros = put_update(store, ModelUpdate(model))
+
+    def draw(seed: int, workers: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        cid = stream_noised(store, zeros, 1.0, 0.5, rng, metadata={}, name="n", workers=workers)
+        return {k: np.asarray(v) for k, v in get_update(store, cid).tensors.items()}
+
+    one, again, other = draw(1, 3), draw(1, 3), draw(2, 3)
+    np.testing.assert_array_equal(one["w"], again["w"])
+    assert not np.array_equal(one["w"], other["w"])
+    chunks = np.split(one["w"][: 3 * (1 << 20)], 3)  # 4 MiB chunks, one per worker
+    assert not np.array_equal(chunks[0], chunks[1])  # each worker its own stream
+    assert float(one["w"].std()) == pytest.approx(0.5, rel=0.01)
+    assert one["b"].shape == (10,) and draw(1, 1)["w"].dtype == np.float32
+
+
+def test_a_peers_delta_read_chunk_by_chunk_from_its_store_is_model_minus_base() -> None:
+    from tensorswap.privacy.delta import delta_from_store
+    from tensorswap.privacy.dp import model_delta
+    from tensorswap.store import MemoryStore, ModelUpdate, put_update
+
+    store = MemoryStore()
+    rng = np.random.default_rng(9)
+    base = {"w": rng.standard_normal((700, 3000), dtype=np.float32), "b": np.arange(3.0)}
+    cid = put_update(store, ModelUpdate(base), chunk_bytes=1 << 20)  # several chunks
+    model = {"w": base["w"] + np.float32(0.25), "b": np.ones(3, np.float32)}
+    got = delta_from_store(store, cid, model)
+    assert got is not None
+    want = model_delta(model, base)
+    for name in model:
+        assert got[name].dtype == model[name].dtype and got[name].shape == model[name].shape
+        np.testing.assert_array_equal(got[name], want[name])
+    # what it cannot do here it leaves to the general path (None), never guesses
+    assert delta_from_store(store, cid, {"missing": np.zeros(3)}) is None
+    assert delta_from_store(store, cid, {"b": np.zeros(4)}) is None
+    assert delta_from_store(MemoryStore(), cid, model) is None

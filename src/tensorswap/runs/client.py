@@ -10,7 +10,8 @@ import numpy as np
 
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound
-from tensorswap.privacy.dp import clip_update
+from tensorswap.privacy.delta import delta_from_store
+from tensorswap.privacy.dp import clip_update, model_delta
 from tensorswap.rounds.batch import submit_proof
 from tensorswap.rounds.client import RoundClient, SubmitResult
 from tensorswap.rounds.protocol import raise_remote
@@ -228,16 +229,18 @@ class RunClient:
         self, task: Task, update: ModelUpdate | Mapping[str, Any], num_samples: int
     ) -> tuple[ModelUpdate, bool | None]:
         model = update if isinstance(update, ModelUpdate) else ModelUpdate(dict(update))
-        base = await self.task_model(task)
-        delta = {
-            k: np.asarray(v) - np.asarray(base[k]).astype(np.asarray(v).dtype)
-            for k, v in model.tensors.items()
-        }
+        # model-sized work off the event loop, where other peers' transfers run: the delta
+        # from the task's model read chunk by chunk in the peer's store, else fetched whole
+        store, cid = self.rounds.store, Cid.parse(task.global_cid)
+        delta = await asyncio.to_thread(delta_from_store, store, cid, model.tensors)
+        if delta is None:
+            base = await self.task_model(task)
+            delta = await asyncio.to_thread(model_delta, model.tensors, base)
         if task.dp != "client":
             return ModelUpdate(delta, num_samples or model.num_samples), None
         if task.clip is None:
             raise ProtocolViolation("a client-side clipping task lacks its clipping norm")
-        clipped_delta, bit = clip_update(delta, task.clip)
+        clipped_delta, bit = await asyncio.to_thread(clip_update, delta, task.clip)
         return ModelUpdate(clipped_delta, num_samples or model.num_samples), bit
 
     async def _push(self, update: ModelUpdate | Mapping[str, Any] | Cid, samples: int = 0) -> Cid:

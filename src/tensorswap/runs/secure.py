@@ -89,7 +89,8 @@ def _unflatten(vector: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
     out, at = {}, 0
     for layer in layout:
         size = math.prod(layer.shape)
-        out[layer.name] = vector[at : at + size].astype(layer.dtype).reshape(layer.shape)
+        part = vector[at : at + size].astype(layer.dtype, copy=False)  # a view if float32
+        out[layer.name] = part.reshape(layer.shape)
         at += size
     return out
 
@@ -307,7 +308,7 @@ class RunSecurity:
             except Exception as exc:  # a full disk: the round cannot be released
                 self._failed(rid, f"storing the unmasked aggregate failed: {exc}")
                 return
-            self._end(session.key)
+            blocks = self._end(session.key, delete=False)
             log.info(
                 "run %s: round %d unmasked: %d survivors, %d dropped",
                 meta.run,
@@ -316,9 +317,12 @@ class RunSecurity:
                 len(out.dropped),
             )
             self._release(rid, cid)
+            self._notify(meta.run)
+            self._delete(blocks)  # after the release: the step need not wait for the unlinks
         else:
+            # the peers first: the phase is journaled only for a restart's failure reason
+            self._notify(meta.run)
             self._write(meta.run, meta.round, session.phase)
-        self._notify(meta.run)
 
     def _failed(self, rid: RoundId, reason: str) -> None:
         self._write(rid.initiator, rid.round, "failed", reason=reason)
@@ -326,13 +330,19 @@ class RunSecurity:
         self.coordinator.fail_round(rid, f"secure aggregation: {reason}")
         self._notify(rid.initiator)
 
-    def _end(self, key: str) -> None:
+    def _end(self, key: str, *, delete: bool = True) -> list[Cid]:
+        """Forget the session of ``key``; its masked blocks deleted, or returned to delete."""
         with self._lock:
             sessions = self._sessions
             blocks = self._blocks.pop(key, [])
             self._open.pop(key, None)
         if sessions is not None:
             sessions.pop(key)
+        if delete:
+            self._delete(blocks)
+        return blocks
+
+    def _delete(self, blocks: list[Cid]) -> None:
         for cid in blocks:  # uniform noise on their own; no reason to keep them
             self.store.delete(cid)
 

@@ -10,12 +10,16 @@ starts over with the next task, and never answers an unmask request for another 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
+from tensorswap.cid import Cid
 from tensorswap.rounds.state import RoundStatus
 from tensorswap.runs.messages import RunAnswer, SecAggRequest
 from tensorswap.store import ModelUpdate
@@ -27,6 +31,20 @@ if TYPE_CHECKING:
 
 __all__ = ["flatten_delta", "secure_submit"]
 
+_PREP: ThreadPoolExecutor | None = None
+_PREP_LOCK = threading.Lock()
+
+
+def _prep_pool() -> ThreadPoolExecutor:
+    """The threads that build masked vectors ahead (``SecAggClient.prepare``), one per CPU,
+    apart from the event loop's default executor so that a round's small replies never
+    queue behind them (several peers may share a process, as in tests and benchmarks)."""
+    global _PREP
+    with _PREP_LOCK:
+        if _PREP is None:
+            _PREP = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tensorswap-mask")
+        return _PREP
+
 
 def flatten_delta(
     model: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray], clip: float | None = None
@@ -34,7 +52,6 @@ def flatten_delta(
     """``model - base`` as one float32 vector in ``base``'s tensor order (the global model's),
     each tensor raveled, scaled to L2 norm ``clip`` at most when one is given (client-side DP
     clipping); QuantizationError unless names and shapes match."""
-    from tensorswap.privacy.dp import clip_factor
     from tensorswap.privacy.secagg.errors import QuantizationError
 
     if set(model) != set(base):
@@ -52,9 +69,27 @@ def flatten_delta(
         view[:] = part.ravel()
         view -= np.asarray(like, np.float32).ravel()
         at += part.size
+    return _clipped(out, clip)
+
+
+def _clipped(vector: np.ndarray, clip: float | None) -> np.ndarray:
+    """``vector`` scaled in place to L2 norm ``clip`` at most (None: as it is)."""
+    from tensorswap.privacy.dp import clip_factor, update_norm
+
     if clip is not None:
-        out *= np.float32(clip_factor(float(np.linalg.norm(out.astype(np.float64))), clip))
-    return out
+        vector *= np.float32(clip_factor(update_norm({"delta": vector}), clip))
+    return vector
+
+
+def _delta_vector(
+    client: RunClient, task: Task, model: Mapping[str, np.ndarray], clip: float | None
+) -> np.ndarray | None:
+    """The flat delta read chunk by chunk from the task's model in the peer's own store
+    (None if it is not there, or names or shapes differ: ``flatten_delta`` then)."""
+    from tensorswap.privacy.delta import flat_delta_from_store
+
+    vector = flat_delta_from_store(client.rounds.store, Cid.parse(task.global_cid), model)
+    return None if vector is None else _clipped(vector, clip)
 
 
 async def secure_submit(
@@ -65,9 +100,11 @@ async def secure_submit(
     Refusals arrive typed (SecAggError leaves, NotSelected, SecureRoundFailed)."""
     from tensorswap.privacy.secagg.client import SecAggClient
     from tensorswap.privacy.secagg.protocol import (
+        KeysBroadcast,
         MaskedInput,
         Message,
         Setup,
+        SharesDelivery,
         UnmaskResponse,
         decode,
         encode,
@@ -77,8 +114,10 @@ async def secure_submit(
     if task.dp == "client" and task.clip is None:
         raise ProtocolViolation("a client-side clipping task lacks its clipping norm")
     clip = task.clip if task.dp == "client" else None
-    base = await client.task_model(task)
-    vector = await asyncio.to_thread(flatten_delta, model.tensors, base, clip)
+    vector = await asyncio.to_thread(_delta_vector, client, task, model.tensors, clip)
+    if vector is None:
+        base = await client.task_model(task)
+        vector = await asyncio.to_thread(flatten_delta, model.tensors, base, clip)
 
     def request(after: int, message: bytes = b"", block: bytes | None = None) -> SecAggRequest:
         return SecAggRequest(
@@ -105,9 +144,18 @@ async def secure_submit(
     message: Message = setup
     after = 1
     store, masked_cid = client.rounds.store, None
+    loop, ahead = asyncio.get_running_loop(), []
     try:
         while True:
-            reply = await asyncio.to_thread(peer.handle, message)
+            # the masked input (model-sized work) on the masking threads too: as many at once
+            # as there are CPUs, so peers sharing a process finish, and push, one after another
+            # rather than all late together
+            heavy = _prep_pool() if isinstance(message, SharesDelivery) else None
+            reply = await loop.run_in_executor(heavy, peer.handle, message)
+            if isinstance(message, Setup | KeysBroadcast):
+                # quantize and mask while the phase's other peers answer (the masked input
+                # then only waits for the shares): self mask now, pairwise masks after keys
+                ahead.append(loop.run_in_executor(_prep_pool(), peer.prepare))
             block = None
             if isinstance(reply, MaskedInput):
                 client.secagg_quantized = peer.quantized
@@ -122,5 +170,7 @@ async def secure_submit(
             answer = await next_message(answer, after)
             message, after = decode(answer.secagg or b""), after + 1
     finally:
+        for work in ahead:  # prepare refuses nothing; wait so no thread outlives the call
+            await asyncio.gather(work, return_exceptions=True)
         if masked_cid is not None:
             store.delete(masked_cid)

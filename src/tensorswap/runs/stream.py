@@ -3,7 +3,9 @@ piece from memory-mapped chunks, so the step holds a few chunks, never whole mod
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -114,21 +116,42 @@ def stream_noised(
     *,
     metadata: Mapping[str, str],
     name: str,
+    workers: int | None = None,
 ) -> Cid:
     """``aggregate`` x ``factor`` plus independent ``N(0, std**2)`` noise per value (drawn and
-    added in float64, cast back to each tensor's dtype), stored chunk by chunk as an update
-    laid out like ``aggregate``: a few chunks in memory, never the whole model. Every chunk
-    is re-hashed as it is read."""
+    added in float64, cast back to each tensor's dtype; ``privacy.dp.add_noise``), stored
+    chunk by chunk as an update laid out like ``aggregate``: a few chunks in memory, never
+    the whole model. Every chunk is re-hashed as it is read.
+
+    The chunks are shared among ``workers`` threads (default: the CPUs, at most 4), chunk
+    ``i`` to thread ``i mod workers``, each drawing from its own child of ``rng``
+    (``Generator.spawn``): numpy draws without the GIL, so the draw, the dominant cost,
+    runs on every core; the result depends on ``rng`` and ``workers`` only."""
+    from tensorswap.privacy.dp import add_noise
+
     source = _update(store, aggregate)
+    tensors = [(ref.name, _tensor(store, ref.cid)) for ref in source.tensors]
+    jobs = [(t, i) for t, (_, tensor) in enumerate(tensors) for i in range(len(tensor.chunks))]
+    count = max(1, min(workers or min(os.cpu_count() or 1, 4), len(jobs)))
+    generators = rng.spawn(count) if count > 1 else [rng]
+    done: dict[tuple[int, int], ChunkRef] = {}
+
+    def work(w: int) -> None:
+        for t, i in jobs[w::count]:
+            tensor = tensors[t][1]
+            values = decode_chunk(store.get(tensor.chunks[i].cid, verify=True), tensor, i)
+            done[(t, i)] = _put_chunk(store, add_noise(values, factor, std, generators[w]))
+
+    if count == 1:
+        work(0)
+    else:
+        with ThreadPoolExecutor(count, thread_name_prefix="tensorswap-noise") as pool:
+            for future in [pool.submit(work, w) for w in range(count)]:
+                future.result()
     refs: list[tuple[str, Cid]] = []
-    for ref in source.tensors:
-        tensor = _tensor(store, ref.cid)
-        chunks = []
-        for i, chunk in enumerate(tensor.chunks):
-            values = decode_chunk(store.get(chunk.cid, verify=True), tensor, i)
-            noised = values.astype(np.float64) * factor + rng.normal(0.0, std, values.size)
-            chunks.append(_put_chunk(store, noised.astype(values.dtype)))
-        refs.append((ref.name, _put_tensor(store, ref.name, tensor, chunks)))
+    for t, (tensor_name, tensor) in enumerate(tensors):
+        chunks = [done[(t, i)] for i in range(len(tensor.chunks))]
+        refs.append((tensor_name, _put_tensor(store, tensor_name, tensor, chunks)))
     return _put_update(store, update_manifest(name, 0, refs, metadata))
 
 

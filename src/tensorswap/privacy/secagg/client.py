@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+import threading
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from tensorswap.privacy.secagg.errors import (
     ForeignRound,
     KeyAdvertRejected,
     OutOfPhase,
+    QuantizationError,
     ReplayedMessage,
     ShareMisaddressed,
     TooFewSurvivors,
@@ -58,9 +60,11 @@ def self_mask_key(seed: bytes, round_id: bytes) -> bytes:
     return crypto.derive(seed, round_id=round_id, info=crypto.INFO_SELF_MASK)
 
 
-def self_mask(seed: bytes, round_id: bytes, length: int) -> np.ndarray:
+def self_mask(
+    seed: bytes, round_id: bytes, length: int, prg: str = crypto.DEFAULT_PRG
+) -> np.ndarray:
     """PRG(b): the self mask of ``length`` words from the self-mask seed."""
-    return crypto.expand_mask(self_mask_key(seed, round_id), length)
+    return crypto.expand_mask(self_mask_key(seed, round_id), length, prg)
 
 
 def pair_sign(owner: int, other: int) -> int:
@@ -117,12 +121,62 @@ class SecAggClient:
         """The neighbours this peer masked with (known after the masked-input phase)."""
         self.quantized: np.ndarray | None = None
         """This peer's quantized input, before masking (kept for tests and audits)."""
+        self._prep_lock = threading.Lock()  # guards the masked vector being built
+        self._masked: np.ndarray | None = None  # q + PRG(b) + the pairwise masks so far
+        self._masked_with: frozenset[int] = frozenset()  # whose pairwise masks are in it
+        self._sealed = False  # the masked input is made: nothing more to prepare
 
     @property
     def config(self) -> SecAggConfig:
         if self._config is None:
             raise OutOfPhase("client", self.phase.value, "config access")
         return self._config
+
+    def prepare(self) -> None:
+        """Build ahead what the masked input needs, so it is ready when the shares arrive: the
+        quantized input plus its self mask once the setup is handled, plus the pairwise mask
+        of every advertised neighbour once the keys are. Optional (the masked-input phase
+        does whatever is left, and takes back the mask of a neighbour whose shares never
+        came) and thread-safe: a caller runs it in a thread while it waits for the server's
+        next message. It sends nothing, changes no phase, and leaves a refusal (an update
+        that cannot be quantized) to that phase."""
+        phase, keys = self.phase, self._keys
+        if phase not in (ClientPhase.ADVERTISED, ClientPhase.SHARED):
+            return
+        with self._prep_lock:
+            if not self._sealed:
+                try:
+                    self._build_masked(frozenset(keys) - {self.peer_id})
+                except QuantizationError:
+                    return
+
+    def _build_masked(self, partners: frozenset[int]) -> np.ndarray:
+        """``q + PRG(b) + sum_{v in partners} +-PRG(s_uv)`` mod 2^32, from what was built
+        before: only the missing masks are added, and those of peers no longer among
+        ``partners`` taken back out (the caller holds ``_prep_lock``)."""
+        config = self.config
+        masks = []
+        if self._masked is None:
+            quantized = config.quantizer().quantize(self._update, self._weight, self._rng)
+            self.quantized = quantized
+            self._masked = quantized.copy()
+            masks.append((self_mask_key(self._seed, config.round_id), 1))
+        for other in sorted(partners - self._masked_with):
+            masks.append((self._pair_key(other), pair_sign(self.peer_id, other)))
+        for other in sorted(self._masked_with - partners):
+            masks.append((self._pair_key(other), -pair_sign(self.peer_id, other)))
+        if masks:  # one pass over the vector for all of them
+            crypto.apply_masks(self._masked, masks, config.prg)
+        self._masked_with = partners
+        return self._masked
+
+    def _pair_key(self, other: int) -> bytes:
+        return crypto.agree(
+            self._mask_sk,
+            self._keys[other].mask_key,
+            round_id=self.config.round_id,
+            info=crypto.INFO_PAIR_MASK,
+        )
 
     def handle(self, message: Message) -> Message:
         """Advance by one server message and return the reply to send to the server."""
@@ -238,26 +292,15 @@ class SecAggClient:
                 raise ShareMisaddressed(route, (source, self.peer_id))
             self._seed_shares[source] = plain.seed_share
             self._key_shares[source] = plain.key_share
-        quantized = config.quantizer().quantize(self._update, self._weight, self._rng)
-        self.quantized = quantized
-        masked = quantized.copy()
-        masks = [(self_mask_key(self._seed, config.round_id), 1)]
-        for other in sorted(sources):
-            key = crypto.agree(
-                self._mask_sk,
-                self._keys[other].mask_key,
-                round_id=config.round_id,
-                info=crypto.INFO_PAIR_MASK,
-            )
-            masks.append((key, pair_sign(self.peer_id, other)))
-        crypto.apply_masks(masked, masks)  # y = q + PRG(b) + sum_v +-PRG(s_uv), one pass
+        with self._prep_lock:  # y = q + PRG(b) + sum_v +-PRG(s_uv) over the share senders
+            self._sealed = True
+            masked = self._build_masked(frozenset(sources))
+            self._masked = None
         self.mask_partners = frozenset(sources)
         self.phase = ClientPhase.MASKED
-        return MaskedInput(
-            round_id=config.round_id,
-            sender=self.peer_id,
-            masked=masked.astype("<u4", copy=False).tobytes(),
-        )
+        # the words as a buffer, not a fresh bytes copy (encoders and stores take buffers)
+        words = masked.astype("<u4", copy=False).view(np.uint8).data
+        return MaskedInput(round_id=config.round_id, sender=self.peer_id, masked=words)  # type: ignore[arg-type]
 
     def _on_unmask(self, message: UnmaskRequest) -> UnmaskResponse:
         config = self.config

@@ -6,11 +6,14 @@
   distinct ``info`` label per use, so one agreement never keys two purposes.
 - Encryption of shares: ChaCha20-Poly1305 (AEAD), a random 96-bit nonce per message,
   the (round, source, destination) bound as associated data.
-- Mask expansion (the PRG): the ChaCha20 keystream under a 32-byte HKDF output as key and an
-  all-zero nonce, read as little-endian uint32 words. ChaCha20 is a standard stream cipher
-  whose keystream is a PRF output; every 32-bit word is uniform mod 2^32 with no modular
-  bias, and each key is fresh per round and purpose, so the fixed nonce is never reused
-  with one key for two different streams.
+- Mask expansion (the PRG, named by the round's config, ``SecAggConfig.prg``): the keystream
+  of a standard stream cipher under a 32-byte HKDF output as key, from an all-zero
+  nonce/counter, read as little-endian uint32 words. ``aes256-ctr`` (the default: AES-256
+  in counter mode, 2.2x ChaCha20's speed where the CPU has AES instructions, as every
+  x86-64 and ARMv8 server CPU of the last decade does) or ``chacha20``. Either keystream
+  is a PRF output; every 32-bit word is uniform mod 2^32 with no modular bias, and each
+  key is fresh per round and purpose, so the fixed nonce is never reused with one key for
+  two different streams.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import (
@@ -34,6 +37,7 @@ from cryptography.hazmat.primitives.serialization import (
 )
 
 from tensorswap.privacy.secagg.errors import KeyAdvertRejected, ShareDecryptionFailed
+from tensorswap.privacy.secagg.protocol import DEFAULT_PRG, PRGS
 
 KEY_BYTES = 32
 NONCE_BYTES = 12
@@ -41,6 +45,16 @@ INFO_SHARE_KEY = b"tensorswap secagg+ v1 share encryption"
 INFO_PAIR_MASK = b"tensorswap secagg+ v1 pairwise mask"
 INFO_SELF_MASK = b"tensorswap secagg+ v1 self mask"
 _ZERO_NONCE = bytes(16)
+
+
+def keystream(seed: bytes, prg: str = DEFAULT_PRG) -> CipherContext:
+    """The PRG ``prg``'s keystream under the 32-byte ``seed`` (an encryptor; encrypting zeros
+    yields the stream). ValueError for a PRG not in ``PRGS``."""
+    if prg == "aes256-ctr":
+        return Cipher(algorithms.AES256(seed), modes.CTR(_ZERO_NONCE)).encryptor()
+    if prg == "chacha20":
+        return Cipher(algorithms.ChaCha20(seed, _ZERO_NONCE), mode=None).encryptor()
+    raise ValueError(f"unknown mask PRG {prg!r}; known: {', '.join(PRGS)}")
 
 
 def generate_keypair() -> tuple[bytes, bytes]:
@@ -105,10 +119,10 @@ _ZEROS = bytes(1 << 20)
 """The plaintext the keystream is read through, a chunk at a time (read-only, shared)."""
 
 
-def expand_mask(seed: bytes, length: int) -> np.ndarray:
-    """``length`` uniform uint32 words: the ChaCha20 keystream under the 32-byte ``seed``,
+def expand_mask(seed: bytes, length: int, prg: str = DEFAULT_PRG) -> np.ndarray:
+    """``length`` uniform uint32 words: the keystream of ``prg`` under the 32-byte ``seed``,
     written straight into the result (no intermediate bytes object)."""
-    encryptor = Cipher(algorithms.ChaCha20(seed, _ZERO_NONCE), mode=None).encryptor()
+    encryptor = keystream(seed, prg)
     out = np.empty(length, dtype=np.uint32)
     raw = out.view(np.uint8)
     chunk = len(_ZEROS)
@@ -124,17 +138,16 @@ MASK_CHUNK = 1 << 16
 """Words per step of ``apply_masks``: the target's chunk and one keystream chunk stay in cache."""
 
 
-def apply_masks(target: np.ndarray, masks: Sequence[tuple[bytes, int]]) -> None:
-    """Add (sign > 0) or subtract (sign < 0) ``expand_mask(seed, len(target))`` for every
-    ``(seed, sign)`` into the uint32 array ``target``, mod 2^32, in place: the same words as
-    ``expand_mask``, streamed a cache-sized chunk at a time (one pass over ``target``, not one
-    per mask)."""
+def apply_masks(
+    target: np.ndarray, masks: Sequence[tuple[bytes, int]], prg: str = DEFAULT_PRG
+) -> None:
+    """Add (sign > 0) or subtract (sign < 0) ``expand_mask(seed, len(target), prg)`` for
+    every ``(seed, sign)`` into the uint32 array ``target``, mod 2^32, in place: the same
+    words as ``expand_mask``, streamed a cache-sized chunk at a time (one pass over
+    ``target``, not one per mask)."""
     if target.dtype != np.uint32 or target.ndim != 1 or not target.flags.c_contiguous:
         raise TypeError("apply_masks adds into a contiguous 1-D uint32 array")
-    streams = [
-        (Cipher(algorithms.ChaCha20(seed, _ZERO_NONCE), mode=None).encryptor(), sign > 0)
-        for seed, sign in masks
-    ]
+    streams = [(keystream(seed, prg), sign > 0) for seed, sign in masks]
     buffer = np.empty(min(MASK_CHUNK, target.size), dtype=np.uint32)
     zeros = memoryview(_ZEROS)
     for at in range(0, target.size, MASK_CHUNK):
@@ -150,10 +163,10 @@ def apply_masks(target: np.ndarray, masks: Sequence[tuple[bytes, int]]) -> None:
                 np.subtract(part, words, out=part)
 
 
-def mask_stream(seed: bytes) -> Callable[[np.ndarray], None]:
-    """A function filling a uint32 array with the next words of ``expand_mask(seed, ...)``'s
-    stream, call after call (for consumers that go chunk by chunk)."""
-    stream = Cipher(algorithms.ChaCha20(seed, _ZERO_NONCE), mode=None).encryptor()
+def mask_stream(seed: bytes, prg: str = DEFAULT_PRG) -> Callable[[np.ndarray], None]:
+    """A function filling a uint32 array with the next words of ``expand_mask(seed, ...,
+    prg)``'s stream, call after call (for consumers that go chunk by chunk)."""
+    stream = keystream(seed, prg)
     zeros = memoryview(_ZEROS)
 
     def fill(words: np.ndarray) -> None:

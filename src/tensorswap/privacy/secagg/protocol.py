@@ -27,6 +27,9 @@ from tensorswap.privacy.secagg.graph import check_degree, default_degree, neighb
 from tensorswap.privacy.secagg.quantize import Quantizer, max_bits
 
 ROUND_ID_BYTES = 16
+PRGS = ("aes256-ctr", "chacha20")
+"""The mask PRGs a config may name (``SecAggConfig.prg``; ``crypto.keystream``)."""
+DEFAULT_PRG = "aes256-ctr"
 KEY_BYTES = 32
 
 
@@ -37,7 +40,9 @@ class SecAggConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     needed to reconstruct a secret, with ``(neighbours + 1) / 2 < t <= neighbours + 1``;
     ``neighbours`` k: degree of the masking graph; ``bits``/``clip``/``max_weight``: the
     quantizer; ``dim``: the update's length in float32 values; ``graph_seed``: public seed
-    of the neighbour graph; ``round_id``: 16 bytes naming the round (the HKDF salt).
+    of the neighbour graph; ``round_id``: 16 bytes naming the round (the HKDF salt);
+    ``prg``: the stream cipher that expands mask seeds (one of ``PRGS``; no default, so a
+    peer never guesses it: a config without it is refused as malformed).
     """
 
     round_id: bytes
@@ -49,6 +54,7 @@ class SecAggConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_weight: int
     dim: int
     graph_seed: bytes
+    prg: str
 
     def validate(self) -> None:
         """Refuse parameters that cannot run or would be unsafe (``SecAggConfigError``)."""
@@ -70,6 +76,8 @@ class SecAggConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if self.dim < 1:
             raise SecAggConfigError("dim", self.dim, "must be >= 1")
+        if self.prg not in PRGS:
+            raise SecAggConfigError("prg", self.prg, f"must be one of {', '.join(PRGS)}")
         if len(self.graph_seed) < 16:
             raise SecAggConfigError("graph_seed", self.graph_seed.hex(), "needs >= 16 bytes")
         self.quantizer().check_capacity(n)
@@ -98,10 +106,11 @@ def make_config(
     max_weight: int = 1 << 16,
     round_id: bytes | None = None,
     graph_seed: bytes | None = None,
+    prg: str = DEFAULT_PRG,
 ) -> SecAggConfig:
     """A validated config; defaults: k = 2 ceil(log2 n), t = (k + 1) // 2 + 1, the most bits
     n peers allow (``max_bits``: 29 for 8 peers), clip 1.0, max_weight 65536, and a random
-    round id and graph seed (``os.urandom``).
+    round id and graph seed (``os.urandom``), the ``aes256-ctr`` mask PRG.
     """
     ordered = tuple(sorted(peers))
     k = default_degree(len(ordered)) if neighbours is None else neighbours
@@ -115,6 +124,7 @@ def make_config(
         max_weight=max_weight,
         dim=dim,
         graph_seed=os.urandom(32) if graph_seed is None else graph_seed,
+        prg=prg,
     )
     config.validate()
     return config

@@ -131,9 +131,28 @@ class Quantizer:
         return values, int(total[-1])
 
     def weighted_mean(self, total: np.ndarray, peers: int) -> np.ndarray:
-        """FedAvg's ``sum(w_i x_i) / sum(w_i)`` (float32) from the unmasked sum of ``peers``."""
-        values, weight_sum = self.dequantize_sum(total, peers)
+        """FedAvg's ``sum(w_i x_i) / sum(w_i)`` (float32) from the unmasked sum of ``peers``.
+
+        The same float64 arithmetic as ``dequantize_sum`` then the scaling, value for value,
+        done a cache-sized piece at a time straight into the float32 result: no model-sized
+        float64 array."""
+        if total.dtype != np.uint32 or total.ndim != 1 or total.size < 1:
+            raise QuantizationError("the sum must be a non-empty 1-D uint32 array")
+        weight_sum = int(total[-1])
         if weight_sum == 0:
             raise QuantizationError("the weights sum to zero")
-        values *= self.max_weight / weight_sum
-        return values.astype(np.float32)
+        from tensorswap.privacy.secagg.crypto import MASK_CHUNK
+
+        values = total[:-1]
+        out = np.empty(values.size, np.float32)
+        step, shift, scale = self.step, peers * self.clip, self.max_weight / weight_sum
+        work = np.empty(min(MASK_CHUNK, values.size))
+        for at in range(0, values.size, MASK_CHUNK):
+            part = values[at : at + MASK_CHUNK]
+            buf = work[: part.size]
+            buf[:] = part
+            buf *= step
+            buf -= shift
+            buf *= scale
+            out[at : at + part.size] = buf
+        return out

@@ -101,7 +101,8 @@ class SecAggServer:
         self._expected: set[int] = set(config.peers)
         self._keys: dict[int, PeerKeys] = {}
         self._uploads: dict[int, dict[int, bytes]] = {}
-        self._masked: dict[int, np.ndarray] = {}
+        self._masked: set[int] = set()  # who sent a masked vector (each folded on arrival)
+        self._total: np.ndarray | None = None  # their sum mod 2^32, grown as they arrive
         self._responses: dict[int, UnmaskResponse] = {}
         self._live: dict[int, frozenset[int]] = {}  # peer -> its neighbours that shared
         self._survivors: tuple[int, ...] = ()
@@ -155,13 +156,18 @@ class SecAggServer:
         self._uploads[sender] = dict(ciphertexts)
 
     def _take_masked(self, sender: int, masked: bytes) -> None:
-        self._refuse_replay(self._masked, sender)  # type: ignore[arg-type]
+        self._refuse_replay(self._masked, sender)
         if len(masked) != 4 * (self.config.dim + 1):
             raise MalformedSecAggMessage(
                 f"peer {sender}'s masked vector has {len(masked)} bytes, "
                 f"{4 * (self.config.dim + 1)} expected"
             )
-        self._masked[sender] = np.frombuffer(masked, dtype="<u4").astype(np.uint32, copy=False)
+        vector = np.frombuffer(masked, dtype="<u4")
+        if self._total is None:  # the first: a copy (the message's buffer is not ours)
+            self._total = vector.astype(np.uint32)
+        else:  # mod 2^32; folded now, so unmasking does not wait for the sum
+            np.add(self._total, vector, out=self._total)
+        self._masked.add(sender)
 
     def _take_response(self, sender: int, response: UnmaskResponse) -> None:
         self._refuse_replay(self._responses, sender)  # type: ignore[arg-type]
@@ -256,9 +262,8 @@ class SecAggServer:
         self._require(set(self._responses))
         config = self.config
         rid, length = config.round_id, config.dim + 1
-        total = np.zeros(length, dtype=np.uint32)
-        for peer in self._survivors:
-            np.add(total, self._masked[peer], out=total)
+        total = self._total  # the survivors' masked vectors, summed as they arrived
+        assert total is not None and total.size == length  # _close_mask required survivors
         masks: list[tuple[bytes, int]] = []  # what to take back out, then one pass over total
         for peer in self._survivors:
             seed = self._rebuild(peer, "seed_shares", "self-mask seed")
@@ -275,7 +280,7 @@ class SecAggServer:
                 )
                 # The survivor added (or subtracted) this mask; take it back out.
                 masks.append((seed, -pair_sign(peer, gone)))
-        crypto.apply_masks(total, masks)
+        crypto.apply_masks(total, masks, config.prg)
         mean = config.quantizer().weighted_mean(total, len(self._survivors))
         return SecAggResult(
             survivors=self._survivors,

@@ -41,6 +41,29 @@ def evaluate_polynomial(coefficients: Sequence[int], x: int) -> int:
     return acc
 
 
+def lagrange_at_zero(xs: Sequence[int]) -> list[int]:
+    """The Lagrange weights ``l_i(0) = prod_{j != i} x_j / (x_j - x_i) mod PRIME`` of the
+    distinct nonzero points ``xs``: the value at 0 of the polynomial through ``(x_i, y_i)``
+    is ``sum(l_i * y_i)``. One modular inversion per point (``pow(d, -1, PRIME)``), shared by
+    every chunk of a secret. Refuses a repeated or zero x (``DuplicateShareIndex``)."""
+    xs = [x % PRIME for x in xs]
+    seen: set[int] = set()
+    for x in xs:
+        if x in seen or x == 0:
+            raise DuplicateShareIndex(x)
+        seen.add(x)
+    weights = []
+    for i, xi in enumerate(xs):
+        num = 1
+        den = 1
+        for j, xj in enumerate(xs):
+            if j != i:
+                num = num * xj % PRIME
+                den = den * (xj - xi) % PRIME
+        weights.append(num * pow(den, -1, PRIME) % PRIME)
+    return weights
+
+
 def interpolate_at_zero(points: Sequence[tuple[int, int]]) -> int:
     """The value at 0 of the unique polynomial of degree < len(points) through ``points``.
 
@@ -48,22 +71,8 @@ def interpolate_at_zero(points: Sequence[tuple[int, int]]) -> int:
     threshold: given fewer points than the polynomial's degree + 1 it returns a value that
     is unrelated to the secret, which is why ``combine_shares`` checks the count first.
     """
-    xs = [x % PRIME for x, _ in points]
-    seen: set[int] = set()
-    for x in xs:
-        if x in seen or x == 0:
-            raise DuplicateShareIndex(x)
-        seen.add(x)
-    total = 0
-    for i, (xi, yi) in enumerate(points):
-        num = 1
-        den = 1
-        for j, xj in enumerate(xs):
-            if j != i:
-                num = num * (-xj) % PRIME
-                den = den * (xi - xj) % PRIME
-        total = (total + yi * num * pow(den, PRIME - 2, PRIME)) % PRIME
-    return total
+    weights = lagrange_at_zero([x for x, _ in points])
+    return sum(w * y for w, (_, y) in zip(weights, points, strict=True)) % PRIME
 
 
 def _chunks(secret: bytes) -> list[int]:
@@ -145,8 +154,10 @@ def combine_shares(shares: Iterable[bytes], threshold: int) -> bytes:
     (length,) = lengths
     out = bytearray()
     n_chunks = len(parsed[0][2])
+    weights = lagrange_at_zero([x for x, _, _ in parsed])  # the same for every chunk
     for c in range(n_chunks):
-        value = interpolate_at_zero([(x, elements[c]) for x, _, elements in parsed])
+        ys = [elements[c] for _, _, elements in parsed]
+        value = sum(w * y for w, y in zip(weights, ys, strict=True)) % PRIME
         width = min(CHUNK_BYTES, length - c * CHUNK_BYTES)
         if value >= 1 << (8 * width):
             # Inconsistent shares interpolate to a field element wider than the chunk.
