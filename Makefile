@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_CORE := $(VENV)/.installed-core
 STAMP_DEV := $(VENV)/.installed-dev
 
-.PHONY: demo test check bench format clean
+.PHONY: demo test check bench format clean flower-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ format: $(STAMP_DEV)
 
 bench: $(STAMP_DEV)
 	$(PY) -m benchmarks
+
+# Flower 1.42 in a venv of its own, for the benchmarks that run it beside tensorswap
+# (benchmarks/_flower.py finds it); never a dependency of tensorswap.
+flower-venv:
+	$(PYTHON) -m venv .venv-flower
+	.venv-flower/bin/pip install --quiet 'flwr[simulation]==1.42.0' numpy
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

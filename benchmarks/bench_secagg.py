@@ -10,8 +10,8 @@ peer's cost grows with the round's size.
    log n (k + 1 = 7, 9, 11), not like n; goal: CPU at n = 32 <= 2x that at n = 8 (n grows 4x).
 3. Flower 1.42's SecAgg+ workflow on the same shape, when a venv with
    ``flwr[simulation]==1.42.0`` exists at ``--flower-python`` (default: the environment's
-   ``TENSORSWAP_FLOWER_PYTHON``, else /work/wt/venvs/flwr/bin/python; flwr is never a
-   dependency of tensorswap): ``flower_secagg.py`` runs
+   ``TENSORSWAP_FLOWER_PYTHON``, else the repository's ``.venv-flower`` from ``make
+   flower-venv``; flwr is never a dependency of tensorswap): ``flower_secagg.py`` runs
    there, and its SecAgg+ fit stage per round (median, after the engine's first round) is
    compared with tensorswap's whole secure round; goal: tensorswap >= 3x faster.
 """
@@ -30,15 +30,14 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.__main__ import ratio_line
+from benchmarks._flower import flower_python
 from benchmarks.bench_rounds import Coordinator
 from tensorswap.runs import RunSpec
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.manager import Task
 
-FLOWER_PYTHON = os.environ.get("TENSORSWAP_FLOWER_PYTHON", "/work/wt/venvs/flwr/bin/python")
-"""The Python of a venv with ``flwr[simulation]==1.42.0`` (``--flower-python`` overrides):
-``python3.11 -m venv /work/wt/venvs/flwr && /work/wt/venvs/flwr/bin/pip install
-'flwr[simulation]==1.42.0' numpy``."""
+FLOWER_PYTHON = flower_python()
+"""The Python of a venv with ``flwr[simulation]==1.42.0`` (``--flower-python`` overrides)."""
 
 
 async def _train(client: RunClient, task: Task | None, step: np.float32) -> None:
@@ -118,11 +117,11 @@ def scaling(n: int, dim: int) -> tuple[float, float, int]:
     return max(cpu.values()), float(np.mean(list(cpu.values()))), max(sent.values())
 
 
-def flower(python: str, peers: int, dim: int) -> float | None:
+def flower(python: str | None, peers: int, dim: int) -> float | None:
     """Flower's SecAgg+ round time (seconds) from ``flower_secagg.py`` in its own venv."""
     script = Path(__file__).with_name("flower_secagg.py")
-    if not Path(python).exists():
-        print(f"  flower: {python} not found (create the venv with flwr==1.42.0); skipped")
+    if python is None or not Path(python).exists():
+        print(f"  flower: no Flower venv ({python or 'none named'}; `make flower-venv`); skipped")
         return None
     env = {**os.environ, "PYTHONPATH": ""}
     out = subprocess.run(

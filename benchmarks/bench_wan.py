@@ -44,6 +44,7 @@ try:
 except ImportError:  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.__main__ import ratio_line
+from benchmarks._flower import flower_python
 
 MiB = 1024 * 1024
 TS_PORT, RAW_PORT, FLOWER_PORT = 7000, 7001, 7010
@@ -296,10 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=[s.name for s in SCENARIOS], default=None)
     parser.add_argument(
         "--flower-python",
-        default=os.environ.get("TENSORSWAP_FLWR_PYTHON"),
+        default=flower_python(),
         metavar="PYTHON",
         help="an interpreter with flwr==1.42.0 (its own venv): Flower beside tensorswap "
-        "(default $TENSORSWAP_FLWR_PYTHON; none: Flower is not run)",
+        "(default $TENSORSWAP_FLOWER_PYTHON, else .venv-flower from `make flower-venv`; "
+        "none: Flower is not run)",
     )
     parser.add_argument("--raw-server", nargs=4, metavar=("ADDR", "PORT", "PEERS", "BYTES"),
                         help=argparse.SUPPRESS)  # fmt: skip

@@ -2,7 +2,7 @@
 
 Run with a Python that has ``flwr[simulation]`` (not tensorswap's venv)::
 
-    /work/wt/venvs/flwrsim/bin/python benchmarks/flower_simulate.py \\
+    .venv-flower/bin/python benchmarks/flower_simulate.py \\
         --clients 1000 --per-round 100 --rounds 5 --model-mib 1 --workers 2
 
 The task is tensorswap's synthetic task (``tensorswap.simulate.task.SyntheticTask``),
