@@ -10,12 +10,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from tensorswap.cid import Cid
 from tensorswap.rounds._lock import SharedLock
+from tensorswap.rounds._open import STORE_DIRNAME, open_in_dir
 from tensorswap.rounds.compute import compute_aggregate
 from tensorswap.rounds.deadline import (
     Clock,
@@ -28,7 +28,7 @@ from tensorswap.rounds.deadline import (
 from tensorswap.rounds.errors import RoundFailed
 from tensorswap.rounds.fold import RoundWork
 from tensorswap.rounds.intake import intake
-from tensorswap.rounds.persist import RoundDatabase, open_journal
+from tensorswap.rounds.persist import RoundDatabase
 from tensorswap.rounds.retention import DEFAULT_GC_GRACE, Retention, RetentionWorker
 from tensorswap.rounds.retry import RetryPolicy, RetrySchedule
 from tensorswap.rounds.state import (
@@ -42,14 +42,11 @@ from tensorswap.rounds.state import (
 )
 from tensorswap.rounds.stats import CoordinatorStats
 from tensorswap.rounds.updates import aggregator_spec
-from tensorswap.store import BlockStore, DirectoryStore
+from tensorswap.store import BlockStore
 
 __all__ = ["DEFAULT_GC_GRACE", "STORE_DIRNAME", "Coordinator", "CoordinatorStats", "Retention"]
 
 log = logging.getLogger(__name__)
-
-STORE_DIRNAME = "blocks"
-"""``Coordinator.open(dir)`` keeps its directory store in ``<dir>/blocks``."""
 
 
 class Coordinator:
@@ -163,26 +160,15 @@ class Coordinator:
         ``sync_blocks`` flushes the store (``DirectoryStore.sync``) before each journal
         commit: with ``durable``, accepted blocks survive a power loss too.
         """
-        root = Path(data_dir)
-        store = DirectoryStore(root / STORE_DIRNAME, trust_own_writes=True)
-        try:
-            journal = open_journal(
-                root,
-                store,
-                durable=durable,
-                reset=reset,
-                group_commit=group_commit,
-                before_commit=store.sync if sync_blocks else None,
-            )
-        except BaseException:
-            store.close()
-            raise
-        try:
-            return cls(store, journal=journal, owns=True, **kwargs)  # type: ignore[arg-type]
-        except BaseException:
-            journal.close()
-            store.close()
-            raise
+        return open_in_dir(
+            cls,
+            data_dir,
+            durable=durable,
+            reset=reset,
+            group_commit=group_commit,
+            sync_blocks=sync_blocks,
+            **kwargs,
+        )
 
     @property
     def keep_rounds(self) -> int | None:
@@ -231,19 +217,27 @@ class Coordinator:
         return outcome
 
     def submit_many(
-        self, round_id: RoundId, items: Sequence[tuple[str, Cid | str]]
+        self,
+        round_id: RoundId,
+        items: Sequence[tuple[str, Cid | str]],
+        *,
+        store: BlockStore | None = None,
     ) -> list[RoundStatus | Exception]:
         """``submit`` for each ``(peer, update_cid)`` (scale 1), screened in order and
         journaled in one transaction: per item the new status, or the error that refused it
-        (a refused one leaves no trace). Each is durable when this returns."""
+        (a refused one leaves no trace). Each is durable when this returns. ``store`` (a view
+        of this coordinator's store, ``rounds._fresh``) is what the screening reads."""
         with self._gc_lock.shared():
-            return self._submit_many(round_id, [(p, c, 1.0) for p, c in items])
+            return self._submit_many(round_id, [(p, c, 1.0) for p, c in items], store)
 
     def _submit_many(
-        self, round_id: RoundId, items: Sequence[tuple[str, Cid | str, float]]
+        self,
+        round_id: RoundId,
+        items: Sequence[tuple[str, Cid | str, float]],
+        store: BlockStore | None = None,
     ) -> list[RoundStatus | Exception]:
         work = self._work_for(round_id)
-        outcomes, accepted, nbytes = intake(self, work, round_id, items)
+        outcomes, accepted, nbytes = intake(self, work, round_id, items, store)
         self._count(contributions=accepted, contribution_bytes=nbytes)
         if self.tracker.is_ready(round_id):
             with work.lock:

@@ -29,6 +29,7 @@ import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import HashMismatch, InvalidCid, TensorSwapError
+from tensorswap.rounds._fresh import FreshBlocks
 from tensorswap.rounds.batch import PROOF_BYTES
 from tensorswap.rounds.messages import MAX_NAME_BYTES, _Request, utf8_len
 from tensorswap.rounds.model import RoundId, RoundStatus
@@ -188,20 +189,26 @@ def intake_batch(
     coordinator: Coordinator, rid: RoundId, items: list[tuple[str, Cid, Blocks | None]]
 ) -> list[RoundStatus | Exception]:
     """On the round intake's worker thread: store each item's inline blocks (an item whose
-    blocks fail their check gets that failure), then ``submit_many`` the rest, in order;
+    blocks fail their check gets that failure), then ``submit_many`` the rest, in order,
+    screened through a ``FreshBlocks`` view (the blocks just checked are read from memory);
     per item its status or the error that refused it."""
     outcomes: list[RoundStatus | Exception | None] = [None] * len(items)
     todo: list[int] = []
+    fresh: dict[Cid, bytes] = {}
     for index, (_, _, blocks) in enumerate(items):
         try:
             if blocks:
                 put_blocks(coordinator.store, blocks)
+                fresh.update(blocks)
         except TensorSwapError as exc:
             outcomes[index] = exc
             continue
         todo.append(index)
     if todo:
         pairs = [(items[i][0], items[i][1]) for i in todo]
-        for index, outcome in zip(todo, coordinator.submit_many(rid, pairs), strict=True):
+        view = FreshBlocks(coordinator.store, fresh) if fresh else None
+        for index, outcome in zip(
+            todo, coordinator.submit_many(rid, pairs, store=view), strict=True
+        ):
             outcomes[index] = outcome
     return [o if o is not None else RuntimeError("no outcome") for o in outcomes]
