@@ -88,7 +88,7 @@ def test_inline_blocks_are_stored_and_screened_to_the_same_aggregate(tmp_path: P
             items.append((f"p{k}", cid, blocks))
         outcomes = intake_batch(coord, RID, items)
         assert outcomes == [Collecting(1, 3), Collecting(2, 3), Collecting(3, 3)]
-        for _, cid, blocks in items:  # in the coordinator's own store, not only in memory
+        for _, _, blocks in items:  # in the coordinator's own store, not only in memory
             assert coord.store.missing([c for c, _ in blocks]) == []
         done = coord.wait(RID, timeout=30)
         assert isinstance(done, Complete)
