@@ -4,6 +4,8 @@ their remembered layout. Each gives what the slow path gives."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, RoundsError
 from tensorswap.rounds._chunks import ChunkDecoder
 from tensorswap.rounds._fresh import FreshBlocks
+from tensorswap.rounds._queue import IntakeQueue
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.fold import CHUNKS
 from tensorswap.rounds.inline import intake_batch
@@ -146,3 +149,37 @@ def test_compressed_chunks_are_never_remembered() -> None:
         buf = store.get(tensor.chunks[0].cid)
         np.testing.assert_array_equal(decoder.decode(buf, tensor, 0), values)
     assert decoder.hits == 0
+
+
+async def test_the_next_batch_screens_while_the_one_before_commits(tmp_path: Path) -> None:
+    armed, committing, release = threading.Event(), threading.Event(), threading.Event()
+
+    def before_commit() -> None:
+        if armed.is_set() and not committing.is_set():
+            committing.set()
+            release.wait(30)
+
+    journal = RoundDatabase(tmp_path / "rounds.sqlite3", before_commit=before_commit)
+    second_queued = threading.Event()
+    journal._group.on_queue = lambda n: second_queued.set() if committing.is_set() else None
+    with Coordinator(MemoryStore(), journal=journal, run_timer=False, owns=True) as coord:
+        coord.start_round(RID, RoundSpec(3))
+        queue = IntakeQueue(coord)
+        armed.set()
+        try:
+            first = asyncio.ensure_future(queue.submit(RID, "a", *_blocks(_tiny(1.0))))
+            assert await asyncio.to_thread(committing.wait, 30)
+            second = asyncio.ensure_future(queue.submit(RID, "b", *_blocks(_tiny(2.0))))
+            # b was screened and its journal write queued while a's commit still runs
+            assert await asyncio.to_thread(second_queued.wait, 30)
+            assert not first.done()
+        finally:
+            release.set()
+        assert await first == Collecting(1, 3)
+        assert await second == Collecting(2, 3)
+        await queue.aclose()
+        assert [c.peer for c in coord.contributions(RID)] == ["a", "b"]
+
+
+def _tiny(value: float) -> ModelUpdate:
+    return ModelUpdate({"w": np.full(16, value, np.float32)}, 1)

@@ -222,22 +222,26 @@ class Coordinator:
         items: Sequence[tuple[str, Cid | str]],
         *,
         store: BlockStore | None = None,
+        screened: Callable[[], None] | None = None,
     ) -> list[RoundStatus | Exception]:
         """``submit`` for each ``(peer, update_cid)`` (scale 1), screened in order and
         journaled in one transaction: per item the new status, or the error that refused it
         (a refused one leaves no trace). Each is durable when this returns. ``store`` (a view
-        of this coordinator's store, ``rounds._fresh``) is what the screening reads."""
+        of this coordinator's store, ``rounds._fresh``) is what the screening reads;
+        ``screened()`` is called between the screening and the journal write."""
+        items3 = [(p, c, 1.0) for p, c in items]
         with self._gc_lock.shared():
-            return self._submit_many(round_id, [(p, c, 1.0) for p, c in items], store)
+            return self._submit_many(round_id, items3, store, screened)
 
     def _submit_many(
         self,
         round_id: RoundId,
         items: Sequence[tuple[str, Cid | str, float]],
         store: BlockStore | None = None,
+        screened: Callable[[], None] | None = None,
     ) -> list[RoundStatus | Exception]:
         work = self._work_for(round_id)
-        outcomes, accepted, nbytes = intake(self, work, round_id, items, store)
+        outcomes, accepted, nbytes = intake(self, work, round_id, items, store, screened)
         self._count(contributions=accepted, contribution_bytes=nbytes)
         if self.tracker.is_ready(round_id):
             with work.lock:

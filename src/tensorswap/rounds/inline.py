@@ -22,7 +22,7 @@ before the answer); the event loop only decodes and answers. The answer is a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -186,12 +186,17 @@ def put_blocks(store: BlockStore, blocks: Sequence[tuple[Cid, bytes]]) -> None:
 
 
 def intake_batch(
-    coordinator: Coordinator, rid: RoundId, items: list[tuple[str, Cid, Blocks | None]]
+    coordinator: Coordinator,
+    rid: RoundId,
+    items: list[tuple[str, Cid, Blocks | None]],
+    screened: Callable[[], None] | None = None,
 ) -> list[RoundStatus | Exception]:
     """On the round intake's worker thread: store each item's inline blocks (an item whose
     blocks fail their check gets that failure), then ``submit_many`` the rest, in order,
     screened through a ``FreshBlocks`` view (the blocks just checked are read from memory);
-    per item its status or the error that refused it."""
+    per item its status or the error that refused it. ``screened`` is called once every
+    item is screened, before they are journaled (``rounds._queue`` then starts the next
+    batch), or at the end if none got that far."""
     outcomes: list[RoundStatus | Exception | None] = [None] * len(items)
     todo: list[int] = []
     fresh: dict[Cid, bytes] = {}
@@ -207,8 +212,9 @@ def intake_batch(
     if todo:
         pairs = [(items[i][0], items[i][1]) for i in todo]
         view = FreshBlocks(coordinator.store, fresh) if fresh else None
-        for index, outcome in zip(
-            todo, coordinator.submit_many(rid, pairs, store=view), strict=True
-        ):
+        done = coordinator.submit_many(rid, pairs, store=view, screened=screened)
+        for index, outcome in zip(todo, done, strict=True):
             outcomes[index] = outcome
+    elif screened is not None:
+        screened()
     return [o if o is not None else RuntimeError("no outcome") for o in outcomes]
