@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tensorswap.rounds._tiered import CoordinatorStore
 from tensorswap.rounds.persist import open_journal
-from tensorswap.store import DirectoryStore
 
 if TYPE_CHECKING:
     from tensorswap.rounds.coordinator import Coordinator
@@ -28,10 +28,11 @@ def open_in_dir(
     sync_blocks: bool,
     **kwargs: object,
 ) -> Coordinator:
-    """``cls`` over ``<data_dir>/rounds.sqlite3`` and a directory store in ``<data_dir>/blocks``
-    (see ``Coordinator.open``); on failure whatever was opened is closed again."""
+    """``cls`` over ``<data_dir>/rounds.sqlite3`` and a ``CoordinatorStore`` (a directory
+    store keeping inline blocks in SQLite, ``rounds._tiered``) in ``<data_dir>/blocks`` (see
+    ``Coordinator.open``); on failure whatever was opened is closed again."""
     root = Path(data_dir)
-    store = DirectoryStore(root / STORE_DIRNAME, trust_own_writes=True)
+    store = CoordinatorStore(root / STORE_DIRNAME, trust_own_writes=True)
     try:
         journal = open_journal(
             root,
