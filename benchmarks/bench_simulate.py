@@ -37,7 +37,13 @@ from tensorswap.demo.fleet import child_env
 from tensorswap.simulate.memory import PeakMemory
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_FLOWER_PYTHON = Path("/work/wt/venvs/flwrsim/bin/python")
+FLOWER_VENVS = (Path("/work/wt/venvs/flwrsim"), Path("/work/wt/venvs/flwr"))
+"""Where the helpers' Flower venvs live (flwr[simulation]==1.42.0 with Ray): the first that
+exists is the default."""
+DEFAULT_FLOWER_PYTHON = next(
+    (v / "bin" / "python" for v in FLOWER_VENVS if (v / "bin" / "python").exists()),
+    FLOWER_VENVS[0] / "bin" / "python",
+)
 MiB = 1024 * 1024
 
 
