@@ -153,7 +153,8 @@ class Coordinator:
         sync_blocks: bool = False,
         **kwargs: object,
     ) -> Coordinator:
-        """A coordinator over ``<dir>/rounds.sqlite3`` and a directory store in ``<dir>/blocks``.
+        """A coordinator over ``<dir>/rounds.sqlite3`` and a store in ``<dir>/blocks`` (files;
+        inline blocks as SQLite rows, ``rounds._tiered``).
 
         Both are created if missing, reopened otherwise, and closed by ``close``. A lost or
         damaged journal is refused, and ``reset`` starts a fresh one: see ``open_journal``.
