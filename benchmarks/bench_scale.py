@@ -15,12 +15,27 @@ round of 10,001 (so it stays open), batched. Printed:
   ``status`` (every round, every peer name), one ``rounds_page``, one ``peers_page`` of
   1,000 names and the walk over all 10,000 (goal: a page in < 1 s);
 - contributions per second of the batched submits, for context.
+
+``--part peers``: ordinary peers, one request each. A `tensorswap serve` process (durable,
+``--key``) on its own; the load in separate processes (``benchmarks._peer_load``): N peers,
+each its own ``RoundClient`` with its own connection and a distinct 16-float update,
+submitting once through the plain ``RoundClient.submit`` (inline), 2 processes x 32 at a
+time. Rows: each peer connecting (handshake) for its submit and closing after it; each peer
+already connected. Printed per row: contributions per second (best and median of the
+reps), the coordinator's CPU per contribution (user + system: on one core, under the GIL,
+its capacity is 10^6 / that), the load generators' CPU per contribution, and the load
+average. Goal: >= 3,000/s; where server and load share the 2 cores, the coordinator's CPU
+per contribution (<= 333 us for 3,000/s on one core) is the figure that says it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,8 +45,9 @@ import numpy as np
 
 from benchmarks.__main__ import ratio_line
 from benchmarks.bench_rounds import Coordinator
+from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.paging import page_peers, page_rounds
-from tensorswap.rounds.state import Collecting, RoundId, RoundSpec
+from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
 from tensorswap.rounds.virtual import PeerSubmit, VirtualClients
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.virtual import VirtualRuns
@@ -161,10 +177,114 @@ async def scale(coord: Coordinator, clients: int, before: float | None = None) -
     )
 
 
+_KEY = "bench-scale-peers"
+
+
+async def _round(port: int, number: int, peers: int, wait: bool) -> None:
+    key = _KEY.encode()
+    async with await RoundClient.connect("127.0.0.1", port, peer="driver", key=key) as lead:
+        rid = RoundId(number, "bench")
+        if not wait:
+            await lead.start_round(rid, RoundSpec(peers))
+            return
+        status = await lead.wait(rid, timeout=600)
+        assert isinstance(status, Complete), status
+
+
+def peer_round(coord: Coordinator, number: int, peers: int, mode: str, procs: int, conc: int):
+    """One round of ``peers`` ordinary peers over ``procs`` load processes: (contributions
+    per second, coordinator CPU us and load CPU us per contribution)."""
+    asyncio.run(_round(coord.port, number, peers, wait=False))
+    share = peers // procs
+    cmd = [sys.executable, "-m", "benchmarks._peer_load", str(coord.port), _KEY.encode().hex()]
+    loads = [
+        subprocess.Popen(
+            [*cmd, str(number), mode, str(k * share), str(share), str(conc)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for k in range(procs)
+    ]
+    try:
+        for load in loads:
+            assert load.stdout is not None and load.stdout.readline().strip() == "ready"
+        served, start = coord.cpu_seconds(), time.perf_counter()
+        for load in loads:
+            assert load.stdin is not None
+            load.stdin.write("go\n")
+            load.stdin.flush()
+        reports = [json.loads(load.communicate(timeout=900)[0]) for load in loads]
+        failed = sum(r["failed"] for r in reports)
+        assert not failed, [r["errors"] for r in reports]
+        asyncio.run(_round(coord.port, number, share * procs, wait=True))
+        seconds, used = time.perf_counter() - start, coord.cpu_seconds() - served
+    finally:
+        for load in loads:
+            if load.poll() is None:
+                load.kill()
+            load.wait()
+    n = share * procs
+    client = sum(r["user"] + r["sys"] for r in reports)
+    return n / seconds, used / n * 1e6, client / n * 1e6
+
+
+def run_peers(tmp: Path, peers: int, reps: int, before: str | None) -> bool:
+    """Ordinary peers' tiny contributions per second (see the module docstring)."""
+    procs, conc = 2, 32
+    rows: list[tuple[str, str, str | None]] = []
+    if before is not None:
+        rows.append((f"before ({before}): each peer already connected", "connected", before))
+    rows += [
+        ("each peer already connected: one inline submit", "connected", None),
+        ("each peer connects (handshake), submits, closes", "fresh", None),
+    ]
+    got: list[list[tuple[float, float, float]]] = [[] for _ in rows]
+    loads: list[float] = []
+    number = 0
+    for rep in range(reps):  # rows take turns, so that the machine's load hits them alike
+        for i, (_, mode, src) in enumerate(rows):
+            number += 1
+            loads.append(os.getloadavg()[0])
+            extra = ("--key", _KEY, "--max-connections", str(peers + 64))  # all peers connected
+            coord = Coordinator(tmp / f"peers-{i}-{rep}", *extra, src=src)
+            try:
+                got[i].append(peer_round(coord, number, peers, mode, procs, conc))
+            finally:
+                coord.stop()
+    print(
+        f"{peers} ordinary peers (RoundClient each, tiny distinct updates, durable), "
+        f"{procs} load processes x {conc} at a time, {reps} reps; load average "
+        f"{min(loads):.1f}-{max(loads):.1f}:"
+    )
+    best_new = 0.0
+    cpu_new = float("inf")
+    for (label, _, src), results in zip(rows, got, strict=True):
+        rates = [r[0] for r in results]
+        server = statistics.median(r[1] for r in results)
+        client = statistics.median(r[2] for r in results)
+        print(
+            f"  {max(rates):6.0f}/s (median {statistics.median(rates):5.0f}, all "
+            f"{', '.join(f'{r:.0f}' for r in rates)})  coordinator {server:4.0f} us "
+            f"(min {min(r[1] for r in results):.0f}; capacity on one core "
+            f"{1e6 / server:,.0f}/s)  load {client:4.0f} us  {label}"
+        )
+        if src is None and "already" in label:
+            best_new, cpu_new = max(rates), server
+    if before is not None:
+        print(ratio_line("peers_cpu_vs_before", cpu_new / statistics.median(r[1] for r in got[0])))
+    print(ratio_line("peers_per_second", best_new, ">=", 3000))
+    print(ratio_line("peers_coordinator_us", cpu_new, "<=", 333))
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="1,000 clients")
     parser.add_argument("--clients", type=int, default=10_000)
+    parser.add_argument("--part", choices=["all", "clients", "peers"], default="all")
+    parser.add_argument("--peers", type=int, default=3000, help="peers part: peers per round")
+    parser.add_argument("--reps", type=int, default=3, help="peers part: rounds per row")
     parser.add_argument(
         "--before-src",
         metavar="DIR",
@@ -174,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     clients = 1000 if args.quick else args.clients
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        if args.part in ("all", "peers"):
+            peers = 400 if args.quick else args.peers
+            run_peers(Path(tmp), peers, 1 if args.quick else args.reps, args.before_src)
+        if args.part == "peers":
+            return 0
         before = None
         if args.before_src:
             old = Coordinator(Path(tmp) / "before", src=args.before_src)

@@ -33,11 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.__main__ import ratio_line
+from benchmarks._flower import VENV, flower_python
 from tensorswap.demo.fleet import child_env
 from tensorswap.simulate.memory import PeakMemory
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_FLOWER_PYTHON = Path("/work/wt/venvs/flwrsim/bin/python")
+#: flwr[simulation]==1.42.0 with Ray, in a venv of its own (benchmarks/_flower.py)
+DEFAULT_FLOWER_PYTHON = Path(flower_python() or VENV / "bin" / "python")
 MiB = 1024 * 1024
 
 
@@ -135,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--flower-python",
         type=Path,
-        default=Path(os.environ.get("TENSORSWAP_FLOWER_PYTHON", DEFAULT_FLOWER_PYTHON)),
-        help="a Python with flwr[simulation]==1.42.0 [default: $TENSORSWAP_FLOWER_PYTHON or "
-        f"{DEFAULT_FLOWER_PYTHON}]",
+        default=DEFAULT_FLOWER_PYTHON,
+        help="a Python with flwr[simulation]==1.42.0 [default: $TENSORSWAP_FLOWER_PYTHON, "
+        "else .venv-flower from `make flower-venv`]",
     )
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)

@@ -11,12 +11,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from functools import partial
-from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from tensorswap.cid import Cid
 from tensorswap.rounds._lock import SharedLock
+from tensorswap.rounds._open import STORE_DIRNAME, open_in_dir
 from tensorswap.rounds.compute import compute_aggregate
 from tensorswap.rounds.deadline import (
     Clock,
@@ -29,7 +29,7 @@ from tensorswap.rounds.deadline import (
 from tensorswap.rounds.errors import RoundFailed
 from tensorswap.rounds.fold import RoundWork
 from tensorswap.rounds.intake import intake
-from tensorswap.rounds.persist import RoundDatabase, open_journal
+from tensorswap.rounds.persist import RoundDatabase
 from tensorswap.rounds.retention import DEFAULT_GC_GRACE, Retention, RetentionWorker
 from tensorswap.rounds.retry import RetryPolicy, RetrySchedule
 from tensorswap.rounds.state import (
@@ -43,14 +43,11 @@ from tensorswap.rounds.state import (
 )
 from tensorswap.rounds.stats import CoordinatorStats
 from tensorswap.rounds.updates import aggregator_spec
-from tensorswap.store import DEFAULT_CHUNK_BYTES, BlockStore, DirectoryStore
+from tensorswap.store import DEFAULT_CHUNK_BYTES, BlockStore
 
 __all__ = ["DEFAULT_GC_GRACE", "STORE_DIRNAME", "Coordinator", "CoordinatorStats", "Retention"]
 
 log = logging.getLogger(__name__)
-
-STORE_DIRNAME = "blocks"
-"""``Coordinator.open(dir)`` keeps its directory store in ``<dir>/blocks``."""
 
 
 class Coordinator:
@@ -159,33 +156,23 @@ class Coordinator:
         sync_blocks: bool = False,
         **kwargs: object,
     ) -> Coordinator:
-        """A coordinator over ``<dir>/rounds.sqlite3`` and a directory store in ``<dir>/blocks``.
+        """A coordinator over ``<dir>/rounds.sqlite3`` and a store in ``<dir>/blocks`` (files;
+        inline blocks as SQLite rows, ``rounds._tiered``).
 
         Both are created if missing, reopened otherwise, and closed by ``close``. A lost or
         damaged journal is refused, and ``reset`` starts a fresh one: see ``open_journal``.
         ``sync_blocks`` flushes the store (``DirectoryStore.sync``) before each journal
         commit: with ``durable``, accepted blocks survive a power loss too.
         """
-        root = Path(data_dir)
-        store = DirectoryStore(root / STORE_DIRNAME, trust_own_writes=True)
-        try:
-            journal = open_journal(
-                root,
-                store,
-                durable=durable,
-                reset=reset,
-                group_commit=group_commit,
-                before_commit=store.sync if sync_blocks else None,
-            )
-        except BaseException:
-            store.close()
-            raise
-        try:
-            return cls(store, journal=journal, owns=True, **kwargs)  # type: ignore[arg-type]
-        except BaseException:
-            journal.close()
-            store.close()
-            raise
+        return open_in_dir(
+            cls,
+            data_dir,
+            durable=durable,
+            reset=reset,
+            group_commit=group_commit,
+            sync_blocks=sync_blocks,
+            **kwargs,
+        )
 
     @property
     def keep_rounds(self) -> int | None:
@@ -234,19 +221,31 @@ class Coordinator:
         return outcome
 
     def submit_many(
-        self, round_id: RoundId, items: Sequence[tuple[str, Cid | str]]
+        self,
+        round_id: RoundId,
+        items: Sequence[tuple[str, Cid | str]],
+        *,
+        store: BlockStore | None = None,
+        screened: Callable[[], None] | None = None,
     ) -> list[RoundStatus | Exception]:
         """``submit`` for each ``(peer, update_cid)`` (scale 1), screened in order and
         journaled in one transaction: per item the new status, or the error that refused it
-        (a refused one leaves no trace). Each is durable when this returns."""
+        (a refused one leaves no trace). Each is durable when this returns. ``store`` (a view
+        of this coordinator's store, ``rounds._fresh``) is what the screening reads;
+        ``screened()`` is called between the screening and the journal write."""
+        items3 = [(p, c, 1.0) for p, c in items]
         with self._gc_lock.shared():
-            return self._submit_many(round_id, [(p, c, 1.0) for p, c in items])
+            return self._submit_many(round_id, items3, store, screened)
 
     def _submit_many(
-        self, round_id: RoundId, items: Sequence[tuple[str, Cid | str, float]]
+        self,
+        round_id: RoundId,
+        items: Sequence[tuple[str, Cid | str, float]],
+        store: BlockStore | None = None,
+        screened: Callable[[], None] | None = None,
     ) -> list[RoundStatus | Exception]:
         work = self._work_for(round_id)
-        outcomes, accepted, nbytes = intake(self, work, round_id, items)
+        outcomes, accepted, nbytes = intake(self, work, round_id, items, store, screened)
         self._count(contributions=accepted, contribution_bytes=nbytes)
         if self.tracker.is_ready(round_id):
             with work.lock:

@@ -18,9 +18,10 @@ import numpy as np
 
 from tensorswap.aggregate import AggregatorSpec, StreamingAccumulator
 from tensorswap.codec import DType
+from tensorswap.rounds._chunks import ChunkDecoder
 from tensorswap.rounds.state import Layout
 from tensorswap.rounds.updates import UpdateFacts, new_accumulator
-from tensorswap.store import BlockStore, TensorManifest, decode_chunk, get_tensor
+from tensorswap.store import BlockStore, TensorManifest, get_tensor
 
 __all__ = [
     "Bounds",
@@ -36,6 +37,10 @@ __all__ = [
 
 Bounds = dict[str, tuple[int, ...]]
 """Per tensor, the flat offsets where pieces start, then its size: ``(0, c0, c0 + c1, ..., n)``."""
+
+
+CHUNKS = ChunkDecoder()
+"""How every round's chunks are decoded (the layouts of small chunks remembered)."""
 
 
 def piece_key(name: str, start: int) -> str:
@@ -116,8 +121,9 @@ def load_chunk(store: BlockStore, source: ChunkSource) -> np.ndarray:
 
 
 def _chunk_values(store: BlockStore, tensor: TensorManifest, index: int) -> np.ndarray:
-    """Chunk ``index`` of ``tensor``, re-hashed as it is read, decoded as the store decodes."""
-    return decode_chunk(store.get(tensor.chunks[index].cid, verify=True), tensor, index)
+    """Chunk ``index`` of ``tensor``, re-hashed as it is read, decoded as the store decodes
+    (small chunks through their remembered layout, ``rounds._chunks``)."""
+    return CHUNKS.decode(store.get(tensor.chunks[index].cid, verify=True), tensor, index)
 
 
 def assemble(

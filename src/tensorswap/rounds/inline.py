@@ -22,13 +22,15 @@ before the answer); the event loop only decodes and answers. The answer is a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import HashMismatch, InvalidCid, TensorSwapError
+from tensorswap.rounds._fresh import FreshBlocks
+from tensorswap.rounds._tiered import small_or_none
 from tensorswap.rounds.batch import PROOF_BYTES
 from tensorswap.rounds.messages import MAX_NAME_BYTES, _Request, utf8_len
 from tensorswap.rounds.model import RoundId, RoundStatus
@@ -185,23 +187,57 @@ def put_blocks(store: BlockStore, blocks: Sequence[tuple[Cid, bytes]]) -> None:
 
 
 def intake_batch(
-    coordinator: Coordinator, rid: RoundId, items: list[tuple[str, Cid, Blocks | None]]
+    coordinator: Coordinator,
+    rid: RoundId,
+    items: list[tuple[str, Cid, Blocks | None]],
+    screened: Callable[[], None] | None = None,
 ) -> list[RoundStatus | Exception]:
     """On the round intake's worker thread: store each item's inline blocks (an item whose
-    blocks fail their check gets that failure), then ``submit_many`` the rest, in order;
-    per item its status or the error that refused it."""
+    blocks fail their check gets that failure), then ``submit_many`` the rest, in order,
+    screened through a ``FreshBlocks`` view (the blocks just checked are read from memory);
+    per item its status or the error that refused it. ``screened`` is called once every
+    item is screened, before they are journaled (``rounds._queue`` then starts the next
+    batch), or at the end if none got that far.
+
+    A ``CoordinatorStore`` keeps the blocks of the whole batch as rows of one transaction
+    (``rounds._tiered``: no file per block); another store gets them one by one.
+    """
     outcomes: list[RoundStatus | Exception | None] = [None] * len(items)
     todo: list[int] = []
+    fresh: dict[Cid, bytes] = {}
+    tiered = small_or_none(coordinator.store)
     for index, (_, _, blocks) in enumerate(items):
         try:
             if blocks:
-                put_blocks(coordinator.store, blocks)
+                if tiered is None:
+                    put_blocks(coordinator.store, blocks)
+                else:
+                    check_blocks(blocks)
+                fresh.update(blocks)
         except TensorSwapError as exc:
             outcomes[index] = exc
             continue
         todo.append(index)
+    if tiered is not None and fresh:
+        try:
+            tiered.put_small(fresh.items())
+        except TensorSwapError as exc:
+            for index in todo:
+                outcomes[index] = exc
+            todo = []
     if todo:
         pairs = [(items[i][0], items[i][1]) for i in todo]
-        for index, outcome in zip(todo, coordinator.submit_many(rid, pairs), strict=True):
+        view = FreshBlocks(coordinator.store, fresh) if fresh else None
+        done = coordinator.submit_many(rid, pairs, store=view, screened=screened)
+        for index, outcome in zip(todo, done, strict=True):
             outcomes[index] = outcome
+    elif screened is not None:
+        screened()
     return [o if o is not None else RuntimeError("no outcome") for o in outcomes]
+
+
+def check_blocks(blocks: Sequence[tuple[Cid, bytes]]) -> None:
+    """BlockHashMismatch for the first block that does not hash to its CID."""
+    for cid, data in blocks:
+        if not cid.matches(data):
+            raise BlockHashMismatch(cid, Cid.of(data, codec=cid.codec, hash=cid.hash))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tensorswap.cid import Cid
@@ -12,6 +12,7 @@ from tensorswap.rounds.fold import RoundWork
 from tensorswap.rounds.screen import check_layout, screen
 from tensorswap.rounds.state import Contribution, RoundId, RoundStatus, Ticket
 from tensorswap.rounds.updates import aggregator_spec, inspect_update, parse_update_cid
+from tensorswap.store import BlockStore
 
 if TYPE_CHECKING:
     from tensorswap.rounds.coordinator import Coordinator
@@ -26,6 +27,8 @@ def intake(
     work: RoundWork,
     round_id: RoundId,
     items: Sequence[tuple[str, Cid | str, float]],
+    store: BlockStore | None = None,
+    screened: Callable[[], None] | None = None,
 ) -> tuple[list[RoundStatus | Exception], int, int]:
     """Screen each ``(peer, update_cid, scale)`` item, fold it (streaming kinds) and reserve
     its place under ``work.lock``, one at a time; then journal every reserved one at once,
@@ -33,9 +36,13 @@ def intake(
 
     Per item the round's status once durable, or the error that refused it (a refused item
     leaves no trace; sums that held it are rebuilt at the end); and how many were accepted,
-    with their bytes. Each refusal is counted (``rejected``) and logged.
+    with their bytes. Each refusal is counted (``rejected``) and logged. ``store`` (default:
+    the coordinator's) is what the updates are read from; ``screened()`` is called once
+    every item is screened and reserved, before the journal write (the caller may start
+    screening its next batch meanwhile).
     """
-    tracker, store, admission = coordinator.tracker, coordinator.store, coordinator.admission
+    tracker, admission = coordinator.tracker, coordinator.admission
+    store = coordinator.store if store is None else store
     verify, now = coordinator._verify, coordinator.clock.now
 
     def refused(key: str, peer: str, exc: BaseException) -> None:
@@ -74,6 +81,8 @@ def intake(
             continue
         tickets.append((len(outcomes), ticket, folded))
         outcomes.append(ticket.status)
+    if screened is not None:
+        screened()
     if not tickets:
         return outcomes, 0, 0
     results = tracker.record([t for _, t, _ in tickets])

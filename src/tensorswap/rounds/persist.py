@@ -16,17 +16,19 @@ from typing import TYPE_CHECKING, Any, Self
 
 from tensorswap.errors import RoundsError
 from tensorswap.rounds._group import GroupCommit, Write
+from tensorswap.rounds._rows import (
+    contributions_write,
+    layout_json,
+    parse_layout,
+    parse_status,
+    round_number,
+    status_columns,
+)
 from tensorswap.rounds._sqlite import transaction
 from tensorswap.rounds.errors import JournalDamaged, JournalMissing
 from tensorswap.rounds.state import (
-    Aggregating,
-    Collecting,
-    Complete,
     Contribution,
-    Failed,
-    LayerSpec,
     Layout,
-    Pending,
     RoundId,
     RoundInfo,
     RoundSpec,
@@ -214,16 +216,16 @@ class RoundDatabase:
                 " params, spec_layout, layout, status, result_cid, reason, created_at, deadline)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
-                    _round_number(info.round_id),
+                    round_number(info.round_id),
                     info.round_id.initiator,
                     spec.expected_peers,
                     spec.min_peers,
                     spec.timeout_s,
                     spec.strategy,
                     json.dumps(dict(spec.params), sort_keys=True),
-                    _layout_json(spec.layout),
-                    _layout_json(info.layout),
-                    *_status_columns(info.status),
+                    layout_json(spec.layout),
+                    layout_json(info.layout),
+                    *status_columns(info.status),
                     info.created_at,
                     info.deadline,
                 ),
@@ -247,50 +249,17 @@ class RoundDatabase:
         The round's status column moves to ``status`` only while it is Pending or
         Collecting: a contribution committed after the round ended never undoes that.
         """
-        return self._group.write_many([self._translated(self._contribution(*i)) for i in items])
-
-    def _contribution(
-        self, contribution: Contribution, status: RoundStatus, layout: Layout | None
-    ) -> Write:
-        rid = contribution.round_id
-        key = (_round_number(rid), rid.initiator)
-        # Acceptance order: the tracker passes Collecting(received) with this one counted.
-        seq = status.received - 1 if isinstance(status, Collecting) else 0
-        name, cid, reason = _status_columns(status)
-
-        def write(db: sqlite3.Connection) -> None:
-            db.execute(
-                "INSERT INTO contributions (round, initiator, peer, seq, update_cid,"
-                " num_samples, nbytes, submitted_at, scale) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    *key,
-                    contribution.peer,
-                    seq,
-                    contribution.update_cid,
-                    contribution.num_samples,
-                    contribution.nbytes,
-                    contribution.submitted_at,
-                    contribution.scale,
-                ),
-            )
-            db.execute(
-                "UPDATE rounds SET status = ?, result_cid = ?, reason = ?"
-                " WHERE round = ? AND initiator = ? AND status IN (?, ?)",
-                (name, cid, reason, *key, Pending.name, Collecting.name),
-            )
-            if layout is not None:
-                db.execute(
-                    "UPDATE rounds SET layout = ? WHERE round = ? AND initiator = ?",
-                    (_layout_json(layout), *key),
-                )
-
-        return write
+        if len(items) > 1:  # one write for all; if it fails, one each (so only bad ones fail)
+            (error,) = self._group.write_many([self._translated(contributions_write(items))])
+            if error is None:
+                return [None] * len(items)
+        return self._group.write_many([self._translated(contributions_write([i])) for i in items])
 
     def set_status(self, round_id: RoundId, status: RoundStatus) -> None:
         self._write(lambda db: self._update_status(db, round_id, status))
 
     def delete_rounds(self, round_ids: Iterable[RoundId]) -> None:
-        rows = [(_round_number(rid), rid.initiator) for rid in round_ids]
+        rows = [(round_number(rid), rid.initiator) for rid in round_ids]
         self._write(
             lambda db: db.executemany(
                 "DELETE FROM rounds WHERE round = ? AND initiator = ?", rows
@@ -298,7 +267,7 @@ class RoundDatabase:
         )
 
     def drop_contribution(self, round_id: RoundId, peer: str, reason: str) -> None:
-        row = (_round_number(round_id), round_id.initiator, peer, reason)
+        row = (round_number(round_id), round_id.initiator, peer, reason)
         self._write(
             lambda db: db.execute(
                 "INSERT OR REPLACE INTO dropped (round, initiator, peer, reason)"
@@ -364,18 +333,18 @@ class RoundDatabase:
                 timeout_s,
                 strategy,
                 json.loads(params),
-                _parse_layout(spec_layout),
+                parse_layout(spec_layout),
             )
             items = by_round.get(rid, [])
             info = RoundInfo(
                 rid,
                 spec,
-                _parse_status(status, result_cid, reason, len(items), expected),
+                parse_status(status, result_cid, reason, len(items), expected),
                 tuple(c.peer for c in items),
                 sum(c.nbytes for c in items),
                 created_at,
                 deadline,
-                _parse_layout(layout),
+                parse_layout(layout),
                 tuple(dropped.get(rid, ())),
             )
         except (RoundsError, TypeError, ValueError, KeyError, IndexError) as exc:
@@ -406,11 +375,11 @@ class RoundDatabase:
 
     @staticmethod
     def _update_status(db: sqlite3.Connection, rid: RoundId, status: RoundStatus) -> None:
-        name, cid, reason = _status_columns(status)
+        name, cid, reason = status_columns(status)
         db.execute(
             "UPDATE rounds SET status = ?, result_cid = ?, reason = ?"
             " WHERE round = ? AND initiator = ?",
-            (name, cid, reason, _round_number(rid), rid.initiator),
+            (name, cid, reason, round_number(rid), rid.initiator),
         )
 
 
@@ -469,43 +438,3 @@ def _set_aside(path: Path) -> Path | None:
     except OSError as exc:
         raise RoundsError(f"cannot move the round journal {path} aside: {exc}") from exc
     return aside
-
-
-def _round_number(rid: RoundId) -> int:
-    if rid.round > 2**63 - 1:
-        raise RoundsError(f"round number {rid.round} does not fit the round database")
-    return rid.round
-
-
-def _status_columns(status: RoundStatus) -> tuple[str, str | None, str | None]:
-    if isinstance(status, Complete):
-        return status.name, status.cid, None
-    if isinstance(status, Failed):
-        return status.name, None, status.reason
-    return status.name, None, None
-
-
-def _parse_status(
-    name: str, cid: str | None, reason: str | None, received: int, expected: int
-) -> RoundStatus:
-    if name == Pending.name:
-        return Pending()
-    if name == Collecting.name:
-        return Collecting(received, expected)
-    if name == Aggregating.name:
-        return Aggregating()
-    if name == Complete.name and cid is not None:
-        return Complete(cid)
-    if name == Failed.name and reason is not None:
-        return Failed(reason)
-    raise RoundsError(f"round database holds an unknown status {name!r}")
-
-
-def _layout_json(layout: Layout | None) -> str | None:
-    return None if layout is None else json.dumps([layer.to_list() for layer in layout])
-
-
-def _parse_layout(text: str | None) -> Layout | None:
-    if text is None:
-        return None
-    return tuple(LayerSpec.from_list(item) for item in json.loads(text))

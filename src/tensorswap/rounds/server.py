@@ -9,12 +9,13 @@ import ssl as ssl_module
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Self, assert_never
+from typing import Self, assert_never
 
 import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import TensorSwapError, WireError
+from tensorswap.rounds._queue import IntakeQueue
 from tensorswap.rounds.batch import (
     BatchAnswer,
     BatchSubmitRequest,
@@ -29,7 +30,6 @@ from tensorswap.rounds.inline import (
     Blocks,
     decode_inline,
     inline_blocks,
-    intake_batch,
     reserve_inline,
 )
 from tensorswap.rounds.paging import (
@@ -144,9 +144,7 @@ class RoundServer:
         """The longest one ``wait`` request waits (seconds)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[RoundId, set[asyncio.Event]] = {}
-        self._intake: dict[RoundId, list[_Queued]] = {}
-        self._intaking: set[RoundId] = set()
-        self._intake_tasks: set[asyncio.Task[None]] = set()
+        self._intake = IntakeQueue(coordinator)
         self.peer_keys = None if peer_keys is None else PeerKeys(peer_keys)
         """Per-peer keys: when set, every contribution must prove its peer's key
         (``rounds.batch``); the plain ``submit`` op is refused."""
@@ -174,8 +172,7 @@ class RoundServer:
         """Stop listening and cancel the connections being served; submits already handed
         to the coordinator finish (they are journaled or refused, as if answered)."""
         await self.blocks.aclose()
-        if self._intake_tasks:
-            await asyncio.gather(*self._intake_tasks, return_exceptions=True)
+        await self._intake.aclose()
 
     async def __aenter__(self) -> Self:
         return self
@@ -336,36 +333,9 @@ class RoundServer:
     async def _submit(
         self, rid: RoundId, peer: str, cid: Cid, blocks: Blocks | None = None
     ) -> RoundStatus:
-        """``coordinator.submit``, batched with the submits other connections make meanwhile:
-        one worker thread per round stores their inline ``blocks`` (if any), screens them in
-        order and journals them in one transaction (``submit_many``); each answer still
-        waits for its own commit."""
-        future: asyncio.Future[RoundStatus | Exception] = asyncio.get_running_loop().create_future()
-        queue = self._intake.setdefault(rid, [])
-        queue.append((peer, cid, blocks, future))
-        if rid not in self._intaking:
-            self._intaking.add(rid)
-            task = asyncio.ensure_future(self._drain_intake(rid))
-            self._intake_tasks.add(task)
-            task.add_done_callback(self._intake_tasks.discard)
-        outcome = await future
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    async def _drain_intake(self, rid: RoundId) -> None:
-        try:
-            while queue := self._intake.pop(rid, None):
-                items = [(peer, cid, blocks) for peer, cid, blocks, _ in queue]
-                try:
-                    outcomes = await asyncio.to_thread(intake_batch, self.coordinator, rid, items)
-                except Exception as exc:  # a bug: every waiter hears of it
-                    outcomes = [exc] * len(queue)
-                for (_, _, _, future), outcome in zip(queue, outcomes, strict=True):
-                    if not future.done():
-                        future.set_result(outcome)
-        finally:
-            self._intaking.discard(rid)
+        """``coordinator.submit``, batched with the submits other connections make meanwhile
+        and pipelined (``rounds._queue``); each answer still waits for its own commit."""
+        return await self._intake.submit(rid, peer, cid, blocks)
 
     async def _submit_batch(self, call: BatchSubmitRequest) -> BatchAnswer:
         """Check each item's proof (with per-peer keys), then submit the rest together."""
@@ -475,9 +445,6 @@ class RoundServer:
         )
         return stats
 
-
-_Queued = tuple[str, Cid, Blocks | None, asyncio.Future[Any]]
-"""A submit waiting for its round's intake: peer, update, inline blocks, its answer."""
 
 _REPLY_OVERHEAD = 1024
 """Room for the REPLY message around the answer body (app name, field names, lengths)."""

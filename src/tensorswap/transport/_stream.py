@@ -13,6 +13,10 @@ WRITE_HIGH_WATER = 1024 * 1024
 """Bytes asyncio may buffer for sending before a send waits (backpressure)."""
 
 _SPILL_BYTES = 256 * 1024  # bounded read-ahead for small reads (headers, control messages)
+# A connection's first read-ahead buffer; it doubles up to _SPILL_BYTES when it fills. A
+# server with thousands of connections that each send a small request would otherwise zero
+# (and fault in) 256 KiB per connection on its first read.
+_SPILL_FIRST = 16 * 1024
 
 
 class StreamProtocol(asyncio.BufferedProtocol):
@@ -54,12 +58,16 @@ class StreamProtocol(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._target is not None:
             return self._target[self._filled :]
-        if not self._spill_view.nbytes:
-            self._spill_view = memoryview(bytearray(_SPILL_BYTES))
-        if self._end == self._spill_view.nbytes and self._start:
-            live = self._end - self._start
-            self._spill_view[:live] = self._spill_view[self._start : self._end]
-            self._start, self._end = 0, live
+        size = self._spill_view.nbytes
+        if self._end == size:
+            if self._start:
+                live = self._end - self._start
+                self._spill_view[:live] = self._spill_view[self._start : self._end]
+                self._start, self._end = 0, live
+            elif size < _SPILL_BYTES:
+                grown = memoryview(bytearray(min(_SPILL_BYTES, max(_SPILL_FIRST, 2 * size))))
+                grown[:size] = self._spill_view
+                self._spill_view = grown
         return self._spill_view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -71,7 +79,8 @@ class StreamProtocol(asyncio.BufferedProtocol):
             self._target = None
         else:
             self._end += nbytes
-            if self._end == self._spill_view.nbytes and self._start == 0:
+            full = self._end == self._spill_view.nbytes >= _SPILL_BYTES
+            if full and self._start == 0:
                 self._pause_reading()
         self._wake_reader()
 
