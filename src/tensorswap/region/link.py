@@ -12,19 +12,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
-import msgspec
-
 from tensorswap.cid import Cid
 from tensorswap.errors import RoundsError
 from tensorswap.region.errors import UpstreamUnavailable
-from tensorswap.rounds.batch import BatchAnswer, BatchItem, BatchSubmitRequest, submit_proof
+from tensorswap.rounds.batch import BatchItem, BatchSubmitRequest, submit_proof
 from tensorswap.rounds.client import RoundClient, SubmitResult
 from tensorswap.rounds.errors import RoundNotFound
 from tensorswap.rounds.messages import RoundRow
-from tensorswap.rounds.protocol import APP as ROUNDS_APP
-from tensorswap.rounds.protocol import raise_remote
 from tensorswap.rounds.reconnect import RETRYABLE, RETRYABLE_CODES, Backoff
 from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.rounds.virtual import request_submit_batch
 from tensorswap.store import BlockStore
 from tensorswap.wire import Timeouts, WireLimits
 from tensorswap.wire.errors import (
@@ -39,8 +36,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_encoder = msgspec.msgpack.Encoder()
-_batch_decoder = msgspec.msgpack.Decoder(BatchAnswer)
 
 TRANSIENT = RETRYABLE
 """Failures after which the link connects again and repeats the request (a submit then
@@ -141,22 +136,10 @@ class UpstreamLink:
             initiator=round_id.initiator,
             items=[BatchItem(self.region, update.to_bytes(), proof)],
         )
-        body = await client.blocks.request(ROUNDS_APP, _encoder.encode(request), timeout="read")
-        try:
-            answer = _batch_decoder.decode(body)
-        except msgspec.DecodeError as exc:
-            raise ProtocolViolation(f"bad submit_batch answer: {exc}") from exc
-        peer = client.blocks.conn.peer
-        if answer.error is not None:
-            raise_remote(answer.error, peer)
-        if len(answer.results) != 1:
-            raise ProtocolViolation(f"submit_batch answered {len(answer.results)} results for 1")
-        (result,) = answer.results
-        if result.error is not None:
-            raise_remote(result.error, peer)
-        if result.status is None:
-            raise ProtocolViolation("a submit_batch result holds neither status nor error")
-        return result.status.to_status()
+        (outcome,) = await request_submit_batch(client, request)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
     async def wait(self, round_id: RoundId) -> RoundStatus:
         """The upstream round's terminal status (as long as it takes)."""

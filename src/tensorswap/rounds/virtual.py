@@ -281,30 +281,7 @@ class VirtualClients:
                 for peer, cid in items
             ],
         )
-        body = await client.blocks.request(APP, _encoder.encode(request), timeout="read")
-        try:
-            answer = _batch_decoder.decode(body)
-        except msgspec.DecodeError as exc:
-            raise ProtocolViolation(f"bad submit_batch answer: {exc}") from exc
-        peer = client.blocks.conn.peer
-        if answer.error is not None:
-            raise_remote(answer.error, peer)
-        if len(answer.results) != len(items):
-            raise ProtocolViolation(
-                f"submit_batch answered {len(answer.results)} results for {len(items)} items"
-            )
-        out: list[RoundStatus | Exception] = []
-        for result in answer.results:
-            if result.error is not None:
-                try:
-                    raise_remote(result.error, peer)
-                except Exception as exc:
-                    out.append(exc)
-            elif result.status is not None:
-                out.append(result.status.to_status())
-            else:
-                raise ProtocolViolation("a submit_batch result holds neither status nor error")
-        return out
+        return await request_submit_batch(client, request)
 
     def _closure(self, cids: list[Cid]) -> list[Cid]:
         """Every block of ``cids``' updates, each once, chunks before their manifests."""
@@ -352,3 +329,35 @@ class VirtualPeer:
 
     def __repr__(self) -> str:
         return f"VirtualPeer({self.name!r})"
+
+
+async def request_submit_batch(
+    client: RoundClient, request: BatchSubmitRequest
+) -> list[RoundStatus | Exception]:
+    """Send ``request`` (its blocks pushed before) on ``client``'s connection; each item's
+    status, or the typed error it alone was refused with, in order. A refusal of the whole
+    request is raised, as is an answer that does not match the items (ProtocolViolation)."""
+    body = await client.blocks.request(APP, _encoder.encode(request), timeout="read")
+    try:
+        answer = _batch_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolViolation(f"bad submit_batch answer: {exc}") from exc
+    peer = client.blocks.conn.peer
+    if answer.error is not None:
+        raise_remote(answer.error, peer)
+    if len(answer.results) != len(request.items):
+        raise ProtocolViolation(
+            f"submit_batch answered {len(answer.results)} results for {len(request.items)} items"
+        )
+    out: list[RoundStatus | Exception] = []
+    for result in answer.results:
+        if result.error is not None:
+            try:
+                raise_remote(result.error, peer)
+            except Exception as exc:
+                out.append(exc)
+        elif result.status is not None:
+            out.append(result.status.to_status())
+        else:
+            raise ProtocolViolation("a submit_batch result holds neither status nor error")
+    return out
