@@ -51,8 +51,9 @@ async def _round(clients: list[RunClient], run: str, number: int) -> float:
     loop = asyncio.get_running_loop()
     start = loop.time()
     tasks = await asyncio.gather(*(c.next_task(run, timeout=300) for c in clients))
-    step = np.float32(0.001 * number)
-    await asyncio.gather(*(_train(c, t, step) for c, t in zip(clients, tasks, strict=True)))
+    # each peer its own update, as real peers have (equal ones would be stored once, by dedup)
+    steps = [np.float32(0.001 * number * (i + 1)) for i in range(len(clients))]
+    await asyncio.gather(*(_train(*work) for work in zip(clients, tasks, steps, strict=True)))
     while (await clients[0].run(run)).version < number:
         await clients[0].next_task(run, timeout=0.02)  # wakes when the version is made
     return loop.time() - start

@@ -36,11 +36,14 @@ def main() -> None:
     times: list[float] = []
 
     class Peer(NumPyClient):  # type: ignore[misc]
+        def __init__(self, index: int) -> None:
+            self.step = np.float32(0.001 * (index + 1))  # each peer's own update
+
         def fit(self, parameters, config):  # type: ignore[no-untyped-def]
-            return [p + np.float32(0.001) for p in parameters], 100, {}
+            return [p + self.step for p in parameters], 100, {}
 
     def client_fn(context: Context):  # type: ignore[no-untyped-def]
-        return Peer().to_client()
+        return Peer(int(context.node_config["partition-id"])).to_client()
 
     class Timed(SecAggPlusWorkflow):  # type: ignore[misc]
         def __call__(self, grid, context):  # type: ignore[no-untyped-def]

@@ -93,6 +93,35 @@ def test_a_phase_closes_at_its_deadline_and_a_late_peer_is_dropped() -> None:
         session.setup("ann")
 
 
+def test_the_masked_input_phase_lasts_until_the_rounds_deadline_at_least() -> None:
+    """Peers train in the masked-input phase (their key phases ran as they took their tasks):
+    it closes at the round's deadline, not ``phase_timeout_s`` after the shares, when that
+    is later; never sooner than ``phase_timeout_s`` either."""
+    clock, changes = FakeClock(), []
+    start = clock.now()
+    session = _session(clock, changes, first_deadline=start + 60)
+    clients = _clients(session)
+    _step(session, clients, NAMES, 0)
+    _step(session, clients, NAMES, 1)
+    assert changes == ["share", "masked input"] and session.deadline == start + 60
+    _step(session, clients, NAMES[:3], 2)
+    clock.advance(30)  # well past phase_timeout_s (5): dan is still training
+    assert not session.close_due(clock.now())
+    clock.advance(30)
+    assert session.close_due(clock.now()) and changes[-1] == "unmask"
+    with pytest.raises(PeerDropped, match="dan"):
+        session.message_for("dan", 3)
+    # past the round's deadline already: the phase timeout applies
+    late, later = FakeClock(), []
+    start = late.now()
+    session = _session(late, later, first_deadline=start + 1)
+    clients = _clients(session)
+    _step(session, clients, NAMES, 0)
+    late.advance(3)
+    _step(session, clients, NAMES, 1)
+    assert session.deadline == start + 3 + 5
+
+
 def test_refusals_leave_the_session_as_it_was() -> None:
     clock, changes = FakeClock(), []
     session = _session(clock, changes)

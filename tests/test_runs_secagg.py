@@ -204,6 +204,58 @@ async def test_two_of_eight_peers_drop_around_the_masked_input(
             await p.aclose()
 
 
+async def test_a_peer_runs_the_key_phases_as_it_takes_its_task(served: Served) -> None:
+    """``next_task`` begins the key phases (on a second connection): by the time the peers
+    train, the round's session is past its shares; the same task is handed out again until
+    it is submitted, and the secure round completes with the exact mean."""
+    peers = [await served.client(f"p{i}") for i in range(3)]
+    try:
+        spec = RunSpec(per_round=3, min_clients=3, rounds=1, secagg=True)
+        await peers[0].create_run("fl", spec, ModelUpdate(_model()))
+        tasks = [await _task(p) for p in peers]
+        sessions = served.manager.secure._sessions
+        assert sessions is not None
+        session = sessions.get(tasks[0].round_id.as_key())
+        assert session is not None
+        for _ in range(500):  # no peer has trained or submitted: the keys are exchanged
+            if session.phase == "masked input":
+                break
+            await asyncio.sleep(0.01)
+        assert session.phase == "masked input" and session.joined == {p.peer for p in peers}
+        assert await peers[0].next_task("fl", timeout=0) == tasks[0]  # held, not yet done
+        statuses = []
+        for i, (peer, task) in enumerate(zip(peers, tasks, strict=True)):
+            model = await peer.fetch_model(task)
+            new = {k: model[k] + _delta(i)[k] for k in model}
+            statuses.append(peer.submit(task, new, num_samples=10 + i))
+        await asyncio.gather(*statuses)
+        mean = await _aggregate(served.manager, "fl", 1)
+        weights = {i: 10 + i for i in range(3)}
+        plain = sum(w * _delta(i)["w"].astype(np.float64) for i, w in weights.items())
+        np.testing.assert_allclose(mean["w"], plain / sum(weights.values()), atol=1e-3)
+        assert await peers[0].next_task("fl", timeout=0) is None  # submitted: none held
+    finally:
+        for p in peers:
+            await p.aclose()
+
+
+async def test_a_peer_that_closes_with_a_begun_task_leaves_nothing_running(
+    served: Served,
+) -> None:
+    peers = [await served.client(f"p{i}") for i in range(2)]
+    try:
+        spec = RunSpec(per_round=2, min_clients=2, rounds=1, secagg=True)
+        await peers[0].create_run("fl", spec, ModelUpdate(_model()))
+        await _task(peers[0])  # its key phases wait for p1, which never asks
+        held = peers[0]._secure._held["fl"][1]
+        await asyncio.sleep(0.05)
+        assert not held.done()
+    finally:
+        for p in peers:
+            await p.aclose()
+    assert held.cancelled() and peers[0]._secure._side is None
+
+
 async def test_no_block_in_the_coordinators_store_is_one_peers_update(
     served: Served, tmp_path: Path
 ) -> None:
@@ -252,6 +304,7 @@ async def test_replayed_forged_and_malformed_messages_are_refused_typed(
         spec = RunSpec(per_round=3, min_clients=3, rounds=1, secagg=True)
         await peers[0].create_run("fl", spec, ModelUpdate(_model()))
         me = peers[0]
+        me.secure_ahead = False  # this test speaks the phases itself
         task = await _task(me)
 
         def call(after: int, message: bytes = b"", timeout: float | None = None) -> SecAggRequest:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import ssl as ssl_module
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 
@@ -112,6 +113,9 @@ class RoundClient:
         self.inline = True
         """Whether tiny updates go inline with their submit (``rounds.inline``); turned off
         when the coordinator turns out to predate it."""
+        self.dial: Callable[[], Awaitable[BlockClient]] | None = None
+        """Opens another connection to the same coordinator, as this one was (set by
+        ``connect``): for work that must not wait behind this connection's requests."""
         self._lock = asyncio.Lock()  # one request (push + rounds call) at a time
         # the blocks of what this client submitted to recent rounds: a result shares only
         # those with the store (a chunk equal in every contribution), so a fetch of the
@@ -144,7 +148,8 @@ class RoundClient:
         ``key`` is the federation's shared key (the handshake); ``peer_key`` this peer's own,
         where the coordinator holds per-peer keys (see ``peer_key``).
         """
-        blocks = await BlockClient.connect(
+        dial = functools.partial(
+            BlockClient.connect,
             host,
             port,
             key=key,
@@ -153,7 +158,9 @@ class RoundClient:
             limits=limits,
             timeouts=timeouts,
         )
-        return cls(blocks, peer, store, peer_key=peer_key)
+        client = cls(await dial(), peer, store, peer_key=peer_key)
+        client.dial = dial
+        return client
 
     async def aclose(self) -> None:
         await self.blocks.aclose()

@@ -37,7 +37,7 @@ from tensorswap.runs.messages import (
 )
 from tensorswap.runs.model import RunMode, RunSpec
 from tensorswap.store import ModelUpdate, get_update, put_update
-from tensorswap.wire import ProtocolViolation, RemoteError
+from tensorswap.wire import BlockClient, ProtocolViolation, RemoteError
 
 __all__ = ["RunClient"]
 
@@ -56,10 +56,17 @@ class RunClient:
     """
 
     def __init__(self, rounds: RoundClient) -> None:
+        from tensorswap.runs.secure_peer import SecureTasks
+
         self.rounds = rounds
         self.secagg_quantized: np.ndarray | None = None
         """This peer's last quantized input to a secure round, before masking (its own
         data, kept for audits and tests; it never leaves the peer)."""
+        self.secure_ahead = True
+        """Whether a secure task's key phases begin as ``next_task`` hands it out (on a
+        second connection; where ``rounds`` cannot dial one, ``submit`` runs them all), so
+        they and the masks are done while the peer trains."""
+        self._secure = SecureTasks(self)
 
     @classmethod
     async def connect(cls, host: str, port: int, **kwargs: Any) -> Self:
@@ -71,7 +78,10 @@ class RunClient:
         return self.rounds.peer
 
     async def aclose(self) -> None:
-        await self.rounds.aclose()
+        try:
+            await self._secure.aclose()
+        finally:
+            await self.rounds.aclose()
 
     async def __aenter__(self) -> Self:
         return self
@@ -126,7 +136,15 @@ class RunClient:
     async def next_task(self, run: str, timeout: float | None = None) -> Task | None:
         """Wait for this peer's next task in ``run``: None when the run is finished or
         ``timeout`` seconds pass (None: wait as long as it takes, asking again each time the
-        coordinator's own wait limit ends a request)."""
+        coordinator's own wait limit ends a request).
+
+        A secure task's key phases begin now (``secure_ahead``); until it is submitted, the
+        same task is handed out again while its round is the run's current one."""
+        held = self._secure.held(run)
+        if held is not None:
+            if (await self.run(run)).round == held.round_id.round:
+                return held
+            self._secure.drop(run)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         while True:
             left = (
@@ -137,7 +155,10 @@ class RunClient:
                 t = answer.task
                 rid = RoundId(t.round, t.run)
                 mode = RunMode(t.mode)
-                return Task(t.run, rid, t.version, t.global_cid, mode, t.dp, t.clip, t.secagg)
+                task = Task(t.run, rid, t.version, t.global_cid, mode, t.dp, t.clip, t.secagg)
+                if task.secagg and self.secure_ahead and self.rounds.dial is not None:
+                    self._secure.begin(task)
+                return task
             if left is not None and left <= 0:
                 return None
             if (await self.run(run)).finished:
@@ -254,19 +275,27 @@ class RunClient:
         await rc.blocks.push(rc.store, cid)
         return cid
 
-    async def _call(self, call: RunRequest, *, long: bool = False) -> RunAnswer:
+    async def _call(
+        self, call: RunRequest, *, long: bool = False, via: BlockClient | None = None
+    ) -> RunAnswer:
+        """One request on this client's connection, or on ``via`` (whose caller serialises
+        its requests)."""
         rc = self.rounds
+        blocks = rc.blocks if via is None else via
         timeout: Literal["read"] | None = None if long else "read"
         try:
-            async with rc._lock:
-                body = await rc.blocks.request(APP, encode(call), timeout=timeout)
+            if via is None:
+                async with rc._lock:
+                    body = await blocks.request(APP, encode(call), timeout=timeout)
+            else:
+                body = await blocks.request(APP, encode(call), timeout=timeout)
         except RemoteError as exc:
             if exc.code == "unsupported":
-                raise ProtocolViolation(f"{rc.blocks.conn.peer} runs no federations") from exc
+                raise ProtocolViolation(f"{blocks.conn.peer} runs no federations") from exc
             raise
         answer = decode_answer(body)
         if answer.error is not None:
-            raise_remote(answer.error, rc.blocks.conn.peer)
+            raise_remote(answer.error, blocks.conn.peer)
         return answer
 
 

@@ -1,5 +1,10 @@
 """A peer's side of a secure run's round: ``RunClient.submit`` runs the SecAgg+ phases here.
 
+The key phases (setup, keys, shares) need no input: a peer begins them when it takes its task
+(``SecureTasks``, on a second connection so the model's fetch does not wait behind their long
+polls) and builds its masks while it trains, as Flower's SecAgg+ workflow shares keys before
+fit; ``secure_submit`` then only quantizes, adds and pushes.
+
 The peer's delta (its model minus the task's, clipped first in a client-clipping DP run) is
 flattened in the global model's tensor order into one float32 vector, quantized and masked
 by ``SecAggClient``; only the masked vector leaves the peer, as a raw block pushed to the
@@ -10,10 +15,12 @@ starts over with the next task, and never answers an unmask request for another 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -26,10 +33,16 @@ from tensorswap.store import ModelUpdate
 from tensorswap.wire import ProtocolViolation
 
 if TYPE_CHECKING:
+    from tensorswap.privacy.secagg.client import SecAggClient
+    from tensorswap.privacy.secagg.protocol import Message, Setup
     from tensorswap.runs.client import RunClient
     from tensorswap.runs.manager import Task
+    from tensorswap.wire import BlockClient
 
-__all__ = ["flatten_delta", "secure_submit"]
+__all__ = ["SecureTasks", "flatten_delta", "secure_submit"]
+
+Call = Callable[[SecAggRequest], Awaitable[RunAnswer]]
+"""One long-polled secagg request and its answer (on some connection of the peer's)."""
 
 _PREP: ThreadPoolExecutor | None = None
 _PREP_LOCK = threading.Lock()
@@ -92,85 +105,206 @@ def _delta_vector(
     return None if vector is None else _clipped(vector, clip)
 
 
+@dataclass
+class _Keyed:
+    """What the key phases leave for the masked input: the peer's protocol state, its setup,
+    the server message that asks for the masked input (the shares), its number."""
+
+    peer: SecAggClient
+    setup: Setup
+    message: Message
+    after: int
+    prepared: list[asyncio.Future[None]] = field(default_factory=list)
+
+
+def _request(client: RunClient, task: Task, after: int, message: bytes = b"",
+             block: bytes | None = None) -> SecAggRequest:  # fmt: skip
+    return SecAggRequest(
+        peer=client.peer,
+        run=task.run,
+        round=task.round_id.round,
+        after=after,
+        message=message,
+        block=block,
+    )
+
+
+async def _next_message(client: RunClient, task: Task, call: Call, answer: RunAnswer,
+                        after: int) -> RunAnswer:  # fmt: skip
+    while answer.secagg is None:  # the phase is still open: ask again
+        answer = await call(_request(client, task, after))
+    return answer
+
+
+async def _key_phases(client: RunClient, task: Task, call: Call) -> _Keyed:
+    """Join the round's session and run setup, keys and shares over ``call``, the masks built
+    on the masking threads meanwhile; returns once the shares arrive (typed refusals raise:
+    NotSelected, SecureRoundFailed, SecAggError leaves)."""
+    from tensorswap.privacy.secagg.client import SecAggClient
+    from tensorswap.privacy.secagg.protocol import Setup as SetupMessage
+    from tensorswap.privacy.secagg.protocol import SharesDelivery, decode, encode
+
+    answer = await _next_message(client, task, call, await call(_request(client, task, 0)), 0)
+    setup = decode(answer.secagg or b"")
+    if not isinstance(setup, SetupMessage) or answer.secagg_peer is None:
+        raise ProtocolViolation("the coordinator's secagg setup lacks its config or peer number")
+    keyed = _Keyed(SecAggClient(answer.secagg_peer), setup, setup, 1)
+    loop = asyncio.get_running_loop()
+    try:
+        while not isinstance(keyed.message, SharesDelivery):
+            reply = await loop.run_in_executor(None, keyed.peer.handle, keyed.message)
+            # masks while the phase's other peers answer: self mask now, pairwise after keys
+            keyed.prepared.append(loop.run_in_executor(_prep_pool(), keyed.peer.prepare))
+            answer = await call(_request(client, task, keyed.after, encode(reply)))
+            answer = await _next_message(client, task, call, answer, keyed.after)
+            keyed.message, keyed.after = decode(answer.secagg or b""), keyed.after + 1
+    except BaseException:
+        await _settle(keyed.prepared)
+        raise
+    return keyed
+
+
+async def _settle(work: list[asyncio.Future[None]]) -> None:
+    """Wait for the masking threads' work (prepare refuses nothing): no thread outlives a
+    round's call."""
+    for future in work:
+        await asyncio.gather(future, return_exceptions=True)
+
+
+class SecureTasks:
+    """A RunClient's secure tasks whose key phases began as it took them: one per run, on a
+    second connection to the coordinator (opened once, as the first was). A task is held
+    until ``submit`` takes it, or a newer round's replaces it."""
+
+    def __init__(self, client: RunClient) -> None:
+        self.client = client
+        self._held: dict[str, tuple[Task, asyncio.Task[_Keyed]]] = {}
+        self._side: BlockClient | None = None
+        self._lock = asyncio.Lock()  # one request at a time on the side connection
+
+    def begin(self, task: Task) -> None:
+        """Run ``task``'s key phases in the background (again for the same task: nothing)."""
+        held = self._held.get(task.run)
+        if held is not None and held[0].round_id == task.round_id:
+            return
+        self.drop(task.run)
+        work = asyncio.get_running_loop().create_task(
+            _key_phases(self.client, task, self._call), name=f"secagg keys {task.run}"
+        )
+        work.add_done_callback(_quiet)
+        self._held[task.run] = (task, work)
+
+    def held(self, run: str) -> Task | None:
+        """The task of ``run`` whose key phases began and that no submit took yet (None when
+        there is none, or its phases failed: the coordinator is asked anew)."""
+        held = self._held.get(run)
+        if held is None:
+            return None
+        work = held[1]
+        if work.done() and (work.cancelled() or work.exception() is not None):
+            del self._held[run]
+            return None
+        return held[0]
+
+    def take(self, task: Task) -> asyncio.Task[_Keyed] | None:
+        held = self._held.get(task.run)
+        if held is None or held[0].round_id != task.round_id:
+            return None
+        del self._held[task.run]
+        return held[1]
+
+    def drop(self, run: str) -> None:
+        held = self._held.pop(run, None)
+        if held is not None:
+            held[1].cancel()
+
+    async def _call(self, request: SecAggRequest) -> RunAnswer:
+        async with self._lock:
+            if self._side is None:
+                dial = self.client.rounds.dial
+                assert dial is not None  # RunClient begins tasks only where it can dial
+                self._side = await dial()
+            try:
+                return await self.client._call(request, long=True, via=self._side)
+            except (ConnectionError, OSError, asyncio.IncompleteReadError):
+                side, self._side = self._side, None
+                with contextlib.suppress(Exception):
+                    await side.aclose()
+                raise
+
+    async def aclose(self) -> None:
+        works = [work for _, work in self._held.values()]
+        self._held.clear()
+        for work in works:
+            work.cancel()
+        await asyncio.gather(*works, return_exceptions=True)
+        for work in works:  # the masking threads of a cancelled one
+            if not work.cancelled() and work.exception() is None:
+                await _settle(work.result().prepared)
+        if self._side is not None:
+            side, self._side = self._side, None
+            await side.aclose()
+
+
+def _quiet(work: asyncio.Task[_Keyed]) -> None:
+    """Retrieve a background task's failure (its submit raises it, or the peer never asks)."""
+    if not work.cancelled():
+        work.exception()
+
+
 async def secure_submit(
     client: RunClient, task: Task, update: ModelUpdate | Mapping[str, Any], num_samples: int
 ) -> RoundStatus:
     """Run the round's SecAgg+ phases for ``update`` (the peer's new model) with weight
-    ``num_samples`` (1 in a DP run or a ``mean`` run); the round's status after the last one.
+    ``num_samples`` (1 in a DP run or a ``mean`` run), from where the key phases begun with
+    the task stand (all of them when none began); the round's status after the last one.
     Refusals arrive typed (SecAggError leaves, NotSelected, SecureRoundFailed)."""
-    from tensorswap.privacy.secagg.client import SecAggClient
-    from tensorswap.privacy.secagg.protocol import (
-        KeysBroadcast,
-        MaskedInput,
-        Message,
-        Setup,
-        SharesDelivery,
-        UnmaskResponse,
-        decode,
-        encode,
-    )
+    from tensorswap.privacy.secagg.protocol import MaskedInput, UnmaskResponse, decode, encode
 
     model = update if isinstance(update, ModelUpdate) else ModelUpdate(dict(update))
     if task.dp == "client" and task.clip is None:
         raise ProtocolViolation("a client-side clipping task lacks its clipping norm")
-    clip = task.clip if task.dp == "client" else None
-    vector = await asyncio.to_thread(_delta_vector, client, task, model.tensors, clip)
-    if vector is None:
-        base = await client.task_model(task)
-        vector = await asyncio.to_thread(flatten_delta, model.tensors, base, clip)
 
-    def request(after: int, message: bytes = b"", block: bytes | None = None) -> SecAggRequest:
-        return SecAggRequest(
-            peer=client.peer,
-            run=task.run,
-            round=task.round_id.round,
-            after=after,
-            message=message,
-            block=block,
-        )
+    async def call(request: SecAggRequest) -> RunAnswer:
+        return await client._call(request, long=True)
 
-    async def next_message(answer: RunAnswer, after: int) -> RunAnswer:
-        while answer.secagg is None:  # the phase is still open: ask again
-            answer = await client._call(request(after), long=True)
-        return answer
-
-    answer = await next_message(await client._call(request(0), long=True), 0)
-    setup = decode(answer.secagg or b"")
-    if not isinstance(setup, Setup) or answer.secagg_peer is None:
-        raise ProtocolViolation("the coordinator's secagg setup lacks its config or peer number")
+    begun = client._secure.take(task)
+    try:
+        clip = task.clip if task.dp == "client" else None
+        vector = await asyncio.to_thread(_delta_vector, client, task, model.tensors, clip)
+        if vector is None:
+            base = await client.task_model(task)
+            vector = await asyncio.to_thread(flatten_delta, model.tensors, base, clip)
+    except BaseException:
+        if begun is not None:
+            begun.cancel()
+            await asyncio.gather(begun, return_exceptions=True)
+        raise
+    keyed = await (begun if begun is not None else _key_phases(client, task, call))
     samples = num_samples or model.num_samples
-    weight = 1 if setup.config.max_weight == 1 else max(1, samples)
-    peer = SecAggClient(answer.secagg_peer, vector, weight)
-    message: Message = setup
-    after = 1
-    store, masked_cid = client.rounds.store, None
-    loop, ahead = asyncio.get_running_loop(), []
+    keyed.peer.provide(vector, 1 if keyed.setup.config.max_weight == 1 else max(1, samples))
+    store, masked_cid, loop = client.rounds.store, None, asyncio.get_running_loop()
+    message, after = keyed.message, keyed.after
     try:
         while True:
-            # the masked input (model-sized work) on the masking threads too: as many at once
-            # as there are CPUs, so peers sharing a process finish, and push, one after another
+            # the masked input (model-sized work) on the masking threads: as many at once as
+            # there are CPUs, so peers sharing a process finish, and push, one after another
             # rather than all late together
-            heavy = _prep_pool() if isinstance(message, SharesDelivery) else None
-            reply = await loop.run_in_executor(heavy, peer.handle, message)
-            if isinstance(message, Setup | KeysBroadcast):
-                # quantize and mask while the phase's other peers answer (the masked input
-                # then only waits for the shares): self mask now, pairwise masks after keys
-                ahead.append(loop.run_in_executor(_prep_pool(), peer.prepare))
+            reply = await loop.run_in_executor(_prep_pool(), keyed.peer.handle, message)
             block = None
             if isinstance(reply, MaskedInput):
-                client.secagg_quantized = peer.quantized
+                client.secagg_quantized = keyed.peer.quantized
                 masked_cid = await asyncio.to_thread(store.put, reply.masked, adopt=True)
                 await client.rounds.blocks.push(store, masked_cid)
                 reply, block = msgspec.structs.replace(reply, masked=b""), masked_cid.to_bytes()
-            answer = await client._call(request(after, encode(reply), block), long=True)
+            answer = await call(_request(client, task, after, encode(reply), block))
             if isinstance(reply, UnmaskResponse):
                 if answer.status is None:
                     raise ProtocolViolation("the coordinator's answer lacks the round's status")
                 return answer.status.to_status()
-            answer = await next_message(answer, after)
+            answer = await _next_message(client, task, call, answer, after)
             message, after = decode(answer.secagg or b""), after + 1
     finally:
-        for work in ahead:  # prepare refuses nothing; wait so no thread outlives the call
-            await asyncio.gather(work, return_exceptions=True)
+        await _settle(keyed.prepared)
         if masked_cid is not None:
             store.delete(masked_cid)

@@ -92,13 +92,16 @@ _EXPECTS: dict[ClientPhase, type] = {
 
 
 class SecAggClient:
-    """One peer's run of one secure aggregation of ``update`` (float32, 1-D) with ``weight``."""
+    """One peer's run of one secure aggregation of ``update`` (float32, 1-D) with ``weight``.
+
+    The input may come later (``update`` None, then ``provide`` before the shares arrive): a
+    peer then runs the key phases, and builds its masks, while it trains."""
 
     def __init__(
         self,
         peer_id: int,
-        update: np.ndarray,
-        weight: int,
+        update: np.ndarray | None = None,
+        weight: int = 1,
         *,
         rng: np.random.Generator | None = None,
     ) -> None:
@@ -122,7 +125,8 @@ class SecAggClient:
         self.quantized: np.ndarray | None = None
         """This peer's quantized input, before masking (kept for tests and audits)."""
         self._prep_lock = threading.Lock()  # guards the masked vector being built
-        self._masked: np.ndarray | None = None  # q + PRG(b) + the pairwise masks so far
+        self._masked: np.ndarray | None = None  # (q +) PRG(b) + the pairwise masks so far
+        self._with_input = False  # whether q is in it yet
         self._masked_with: frozenset[int] = frozenset()  # whose pairwise masks are in it
         self._sealed = False  # the masked input is made: nothing more to prepare
 
@@ -132,11 +136,20 @@ class SecAggClient:
             raise OutOfPhase("client", self.phase.value, "config access")
         return self._config
 
+    def provide(self, update: np.ndarray, weight: int) -> None:
+        """Give the input of a client made without one: before the shares are handled (then
+        OutOfPhase), once (a second input is refused the same way). It is checked, and a
+        refusal raised, where it is quantized: ``prepare`` or the masked-input phase."""
+        with self._prep_lock:
+            if self._sealed or self._update is not None:
+                raise OutOfPhase("client", self.phase.value, "an input (it has one)")
+            self._update, self._weight = update, weight
+
     def prepare(self) -> None:
         """Build ahead what the masked input needs, so it is ready when the shares arrive: the
-        quantized input plus its self mask once the setup is handled, plus the pairwise mask
-        of every advertised neighbour once the keys are. Optional (the masked-input phase
-        does whatever is left, and takes back the mask of a neighbour whose shares never
+        self mask once the setup is handled, the pairwise mask of every advertised neighbour
+        once the keys are, the quantized input once there is one. Optional (the masked-input
+        phase does whatever is left, and takes back the mask of a neighbour whose shares never
         came) and thread-safe: a caller runs it in a thread while it waits for the server's
         next message. It sends nothing, changes no phase, and leaves a refusal (an update
         that cannot be quantized) to that phase."""
@@ -157,9 +170,7 @@ class SecAggClient:
         config = self.config
         masks = []
         if self._masked is None:
-            quantized = config.quantizer().quantize(self._update, self._weight, self._rng)
-            self.quantized = quantized
-            self._masked = quantized.copy()
+            self._masked = np.zeros(config.dim + 1, np.uint32)
             masks.append((self_mask_key(self._seed, config.round_id), 1))
         for other in sorted(partners - self._masked_with):
             masks.append((self._pair_key(other), pair_sign(self.peer_id, other)))
@@ -168,6 +179,11 @@ class SecAggClient:
         if masks:  # one pass over the vector for all of them
             crypto.apply_masks(self._masked, masks, config.prg)
         self._masked_with = partners
+        if not self._with_input and self._update is not None:  # last: a refusal keeps masks
+            quantized = config.quantizer().quantize(self._update, self._weight, self._rng)
+            self.quantized = quantized
+            np.add(self._masked, quantized, out=self._masked)  # mod 2^32
+            self._with_input = True
         return self._masked
 
     def _pair_key(self, other: int) -> bytes:
@@ -293,6 +309,8 @@ class SecAggClient:
             self._seed_shares[source] = plain.seed_share
             self._key_shares[source] = plain.key_share
         with self._prep_lock:  # y = q + PRG(b) + sum_v +-PRG(s_uv) over the share senders
+            if self._update is None:
+                raise QuantizationError("no input to mask: provide() it before the shares")
             self._sealed = True
             masked = self._build_masked(frozenset(sources))
             self._masked = None

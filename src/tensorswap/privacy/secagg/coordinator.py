@@ -5,7 +5,8 @@ A session wraps a ``SecAggServer``. Peers are named (the run's sampled peers, so
 ``i`` of the config is ``names[i]``). Each peer message is posted as it arrives; a phase
 closes as soon as every peer it expects has answered, or at its deadline with whoever did:
 the first (advertise) phase at the deadline the caller gives (the round's; None: it waits for
-every sampled peer), each later one ``phase_timeout_s`` after it opened. What a peer receives
+every sampled peer), each later one ``phase_timeout_s`` after it opened, the masked-input
+phase (peers train in it) not before the first deadline either. What a peer receives
 next is ``message_for(peer, after)``: its ``after``-th server message (0: the setup), None
 while the phase is still open, so a peer long-polls for it. Nothing here is persisted: the
 peers' shares and the server's partial state live in memory only.
@@ -76,6 +77,7 @@ class SecAggSession:
         self._quorum = quorum
         self._phase_timeout = phase_timeout_s
         self.deadline = first_deadline
+        self._round_deadline = first_deadline
         self._on_change = on_change
         self._lock = threading.Lock()
         self._outboxes = [{p: encode(m) for p, m in self.server.setup_messages().items()}]
@@ -209,6 +211,10 @@ class SecAggSession:
         self._outboxes.append({p: encode(m) for p, m in out.items()})
         self._expected, self._answered = set(out), set()
         self.deadline = self._clock.now() + self._phase_timeout
+        if server.phase is ServerPhase.MASK and self._round_deadline is not None:
+            # peers train in this phase (they ran the key phases as they took their tasks):
+            # it lasts until the round's deadline, at least
+            self.deadline = max(self.deadline, self._round_deadline)
         return True
 
     def _changed(self) -> None:
