@@ -1,4 +1,5 @@
-"""Build hook for the one optional native part: the fused server-optimizer kernels.
+"""Build hook for the optional native parts: the fused server-optimizer kernels and SecAgg+'s
+one-pass quantization.
 
 Everything else is declared in pyproject.toml. The extension is optional: without a C
 compiler (or with TENSORSWAP_NO_EXT=1) the install goes on and tensorswap uses its numpy
@@ -58,7 +59,12 @@ EXTENSIONS = (
             "tensorswap.aggregate.server_opt._fused",
             sources=["src/tensorswap/aggregate/server_opt/_fused.c"],
             optional=True,
-        )
+        ),
+        Extension(
+            "tensorswap.privacy.secagg._quantize",
+            sources=["src/tensorswap/privacy/secagg/_quantize.c"],
+            optional=True,
+        ),
     ]
 )
 

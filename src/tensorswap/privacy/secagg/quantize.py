@@ -23,13 +23,23 @@ clipped first (biased, as any clipping).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from tensorswap.privacy.secagg.errors import QuantizationError, SecAggConfigError
 
+try:  # the one-pass C form (setup.py builds it where a compiler is; optional)
+    from tensorswap.privacy.secagg import _quantize  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - exercised where the extension is not built
+    _quantize = None
+
 MODULUS = 1 << 32
+
+FUSED = _quantize is not None and os.environ.get("TENSORSWAP_FUSED", "1") != "0"
+"""Whether ``Quantizer.quantize`` runs its one-pass C loop (built, and not turned off with
+TENSORSWAP_FUSED=0); its words are bit for bit the numpy loop's."""
 
 
 def max_bits(peers: int) -> int:
@@ -93,15 +103,28 @@ class Quantizer:
             raise QuantizationError(f"weight {weight} is outside 1..{self.max_weight}")
         # z = (clip(x) * w / M + r) / step in float64 (2^31 levels need > 24 bits); stochastic
         # rounding as floor(z + u), u uniform in [0, 1): up with probability frac(z). u: 32-bit
-        # words of a ChaCha20 stream keyed from ``rng`` (4x numpy's draw). Chunk by chunk, so
-        # the float64 temporaries stay in cache.
+        # words of a keystream keyed from ``rng`` (4x numpy's draw). Chunk by chunk, so the
+        # words (and the numpy path's float64 temporaries) stay in cache.
         from tensorswap.privacy.secagg.crypto import MASK_CHUNK, mask_stream
 
         fill = mask_stream(rng.bytes(32))
         scale, offset = (int(weight) / self.max_weight) / self.step, self.clip / self.step
         n = min(MASK_CHUNK, update.size)
-        z, u, words = np.empty(n), np.empty(n), np.empty(n, dtype=np.uint32)
+        words = np.empty(n, dtype=np.uint32)
         out = np.empty(update.size + 1, dtype=np.uint32)
+        if FUSED:
+            levels = float(self.levels)
+            for at in range(0, update.size, MASK_CHUNK):
+                part = update[at : at + MASK_CHUNK]
+                ww = words[: part.size]
+                fill(ww)
+                _quantize.quantize(
+                    part, ww, out[at : at + part.size], -self.clip, self.clip, scale, offset,
+                    levels,
+                )  # fmt: skip
+            out[-1] = int(weight)
+            return out
+        z, u = np.empty(n), np.empty(n)
         for at in range(0, update.size, MASK_CHUNK):
             part = update[at : at + MASK_CHUNK]
             zz, uu, ww = z[: part.size], u[: part.size], words[: part.size]
