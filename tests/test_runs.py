@@ -264,3 +264,49 @@ def test_an_async_run_steps_every_buffer_contributions_with_staleness(tmp_path: 
         assert manager.versions("a")[2].staleness == (1, 0)
         with pytest.raises(StaleContribution, match="version 0"):
             manager.submit(RoundId(3, "a"), "site-4", delta, trained_on=0)  # two behind
+
+
+def test_a_collection_never_falls_between_storing_a_version_and_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention with no grace at all: the new global model is a block no root names until the
+    step records it, so the step runs with collections held off (``no_collection``); one
+    started meanwhile waits, then keeps the model. (It once deleted it, and the run stopped.)"""
+    import threading
+
+    from tensorswap.runs import manager as manager_module
+
+    clock = FakeClock()
+    coord = Coordinator.open(
+        tmp_path, clock=clock, run_timer=False, durable=False, keep_rounds=1, gc_grace=0.0
+    )
+    journal = RunDatabase(tmp_path / DB_FILENAME, durable=False)
+    manager = RunManager(coord, journal, ClientRegistry(journal, clock, inactive_after=60))
+    real, collections = manager_module.apply_step, []
+
+    def step_then_collect(*args: object, **kwargs: object) -> object:
+        record = real(*args, **kwargs)  # type: ignore[arg-type]
+        assert coord._gc_lock._held.get(threading.get_ident())  # held off, shared
+        worker = threading.Thread(target=coord.collect_garbage, args=(1,), kwargs={"grace": 0.0})
+        worker.start()  # it waits for the step to record the version
+        collections.append(worker)
+        return record
+
+    monkeypatch.setattr(manager_module, "apply_step", step_then_collect)
+    try:
+        initial = put_update(coord.store, ModelUpdate(_model(0.0)))
+        _register_all(manager)
+        manager.create_run("mnist", RunSpec(per_round=3, rounds=3, seed=5), initial)
+        for version in (1, 2, 3):
+            manager.drain()
+            _play_round(coord, manager, "mnist")
+            manager.wait_version("mnist", version, timeout=60)
+            for worker in collections:
+                worker.join(60)
+            current = manager.run("mnist").global_cid
+            assert get_update(coord.store, Cid.parse(current)).tensors["w"].shape == (8, 4)
+        assert manager.run("mnist").finished and len(collections) == 3
+    finally:
+        manager.close()
+        journal.close()
+        coord.close()

@@ -54,6 +54,7 @@ def _no_children_left() -> None:
         ({"clients": 10, "per_round": 2, "rounds": 1, "model_mib": float("nan")}, "model_mib"),
         ({"clients": 10, "per_round": 2, "rounds": 1, "ray_address": "auto"}, "--backend ray"),
         ({"clients": 10, "per_round": 2, "rounds": 1, "workers": 0}, "workers"),
+        ({"clients": 10, "per_round": 2, "rounds": 1, "keep_rounds": -1}, "keep_rounds"),
     ],
 )
 def test_bad_configs_are_typed_errors(kwargs: dict[str, Any], message: str) -> None:
@@ -78,7 +79,8 @@ def test_partition_covers_every_client_once() -> None:
 def test_cli_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--help"]) == 0
     text = capsys.readouterr().out
-    for option in ("--clients", "--per-round", "--rounds", "--model-mib", "--backend", "--out"):
+    options = ("--clients", "--per-round", "--rounds", "--model-mib", "--backend", "--out")
+    for option in (*options, "--keep-rounds"):
         assert option in text
     assert main(["--help"]) == 0
     assert "simulate" in capsys.readouterr().out
@@ -177,6 +179,8 @@ def test_process_backend_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert summary["peak_memory_bytes"] > 0 and summary["peak_processes"] >= 4
     assert (out / "simulate.png").stat().st_size > 0
     assert (out / "coordinator.log").exists() and (out / "worker-1.log").exists()
+    # old rounds' blocks are collected as rounds end (--keep-rounds 1 by default)
+    assert "keeping the newest 1 round number(s)" in (out / "coordinator.log").read_text()
     _no_children_left()
 
 

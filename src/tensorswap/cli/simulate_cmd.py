@@ -104,6 +104,15 @@ from tensorswap.cli._util import parse_host_port
     default=None,
     help="The coordinator's data directory, emptied first [default: OUT/coordinator].",
 )
+@click.option(
+    "--keep-rounds",
+    default=1,
+    show_default=True,
+    type=click.IntRange(0),
+    metavar="N",
+    help="Rounds whose blocks the coordinator keeps; older contributions and models are "
+    "deleted as rounds end (0: keep everything; a round of K clients stores K updates).",
+)
 @click.option("--no-plot", is_flag=True, help="Skip simulate.png.")
 def simulate(
     clients: int,
@@ -122,6 +131,7 @@ def simulate(
     round_timeout: float,
     out: Path,
     data: Path | None,
+    keep_rounds: int,
     no_plot: bool,
 ) -> None:
     """Simulate N clients, K sampled per round, for R rounds, against a real coordinator.
@@ -155,6 +165,7 @@ def simulate(
             ray_address=ray_address,
             listen=listen,
             advertise=advertise,
+            keep_rounds=keep_rounds,
         )
     except InvalidSimulation as exc:
         raise click.UsageError(str(exc)) from None

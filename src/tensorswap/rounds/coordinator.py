@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import asdict
 from functools import partial
 from types import TracebackType
@@ -312,8 +313,12 @@ class Coordinator:
         return self.tracker.gc_before_round(round)
 
     def add_root_source(self, source: Callable[[], list[Cid]]) -> None:
-        """Keep the blocks ``source()`` names (and all they link) through collections."""
+        """Keep the blocks ``source()`` names (and all they link) through collections; store
+        what it will name, and change it, under ``no_collection`` (shared, as submits are)."""
         self._retention.add_root_source(source)
+
+    def no_collection(self) -> AbstractContextManager[None]:
+        return self._gc_lock.shared()
 
     def subscribe(self, listener: Callable[[RoundId, RoundStatus], None]) -> None:
         """Call ``listener(round_id, status)`` on every status change (from any thread)."""

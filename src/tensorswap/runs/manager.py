@@ -328,7 +328,8 @@ class RunManager:
                 self.secure.resume(info)  # a secure round a restart cut short fails cleanly
                 return  # collecting or aggregating: the coordinator goes on by itself
             if isinstance(status, Complete) and info.version < self._version_of_round(info):
-                info = self._step(info, status)
+                with self.coordinator.no_collection():  # the new model is a root when done
+                    info = self._step(info, status)
             elif isinstance(status, Failed):
                 log.warning("run %s: round %d failed (%s)", name, info.round, status.reason)
         if info.spec.rounds is not None and info.version >= info.spec.rounds:

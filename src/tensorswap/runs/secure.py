@@ -302,21 +302,22 @@ class RunSecurity:
                 {"run": meta.run, "round": str(meta.round), "secagg": "unmasked mean delta"},
                 name=f"{meta.run}@{meta.round}/secagg",
             )
-            try:
-                cid = put_update(self.store, update)
-                self._write(meta.run, meta.round, "done", out.survivors, out.dropped, str(cid))
-            except Exception as exc:  # a full disk: the round cannot be released
-                self._failed(rid, f"storing the unmasked aggregate failed: {exc}")
-                return
-            blocks = self._end(session.key, delete=False)
-            log.info(
-                "run %s: round %d unmasked: %d survivors, %d dropped",
-                meta.run,
-                meta.round,
-                len(out.survivors),
-                len(out.dropped),
-            )
-            self._release(rid, cid)
+            with self.coordinator.no_collection():  # stored, then the round names it
+                try:
+                    cid = put_update(self.store, update)
+                    self._write(meta.run, meta.round, "done", out.survivors, out.dropped, str(cid))
+                except Exception as exc:  # a full disk: the round cannot be released
+                    self._failed(rid, f"storing the unmasked aggregate failed: {exc}")
+                    return
+                blocks = self._end(session.key, delete=False)
+                log.info(
+                    "run %s: round %d unmasked: %d survivors, %d dropped",
+                    meta.run,
+                    meta.round,
+                    len(out.survivors),
+                    len(out.dropped),
+                )
+                self._release(rid, cid)
             self._notify(meta.run)
             self._delete(blocks)  # after the release: the step need not wait for the unlinks
         else:

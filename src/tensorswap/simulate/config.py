@@ -45,6 +45,8 @@ class SimConfig:
     advertise: str | None = None
     connections: int = 2
     chunk: int = 16
+    keep_rounds: int = 1
+    """Rounds whose blocks the coordinator keeps (0: every round's, as ``serve`` does)."""
 
     def __post_init__(self) -> None:
         for name in ("clients", "per_round", "rounds", "local_epochs", "connections", "chunk"):
@@ -82,6 +84,14 @@ class SimConfig:
             raise InvalidSimulation(f"lr must be in (0, 1], got {self.lr!r}")
         if not (math.isfinite(self.round_timeout_s) and self.round_timeout_s > 0):
             raise InvalidSimulation(f"round timeout must be > 0, got {self.round_timeout_s!r}")
+        if (
+            isinstance(self.keep_rounds, bool)
+            or not isinstance(self.keep_rounds, int)
+            or (self.keep_rounds < 0)
+        ):
+            raise InvalidSimulation(
+                f"keep_rounds must be a whole number >= 0, got {self.keep_rounds!r}"
+            )
         if self.ray_address is not None and self.backend != "ray":
             raise InvalidSimulation("--ray-address is for --backend ray")
 

@@ -18,6 +18,8 @@ from tensorswap.simulate.errors import SimulationError
 __all__ = ["Coordinator"]
 
 READY_TIMEOUT_S = 120.0
+GC_GRACE_S = 0.5
+"""Seconds an unreferenced block is spared after it was stored or offered (``--gc-grace``)."""
 MARKER = ".tensorswap-simulate"
 """Marks a directory a simulation's coordinator used: only such a directory is emptied."""
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
@@ -30,9 +32,16 @@ class Coordinator:
     ``out/coordinator.log``. Clients registered for runs stay active the whole simulation
     (virtual clients are idle for many rounds)."""
 
-    def __init__(self, out: Path, listen: str = "127.0.0.1:0", data: Path | None = None) -> None:
+    def __init__(
+        self,
+        out: Path,
+        listen: str = "127.0.0.1:0",
+        data: Path | None = None,
+        keep_rounds: int = 1,
+    ) -> None:
         self.out = out
         self.listen = listen
+        self.keep_rounds = keep_rounds
         self.data = data if data is not None else out / "coordinator"
         self.proc: asyncio.subprocess.Process | None = None
         self._log: IO[bytes] | None = None
@@ -69,6 +78,7 @@ class Coordinator:
             "60",
             "--inactive-after",
             "86400",
+            *self._retention(),
             "--log-level",
             "warning",
             stdin=asyncio.subprocess.DEVNULL,
@@ -87,6 +97,16 @@ class Coordinator:
                 await asyncio.wait_for(self.proc.wait(), 0.05)
         tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
         raise SimulationError("the coordinator did not start: " + (" | ".join(tail) or "no output"))
+
+    def _retention(self) -> list[str]:
+        """A simulation runs its rounds one after another, and the driver reads each version
+        before the next round's work starts: once a round is stepped, its contributions and
+        the model before are of no use, so they go (a new block's page-cache pages then
+        reuse freed ones, not fresh memory) after a short grace for updates pushed and not
+        yet submitted (the clients push again what a submit finds gone)."""
+        if self.keep_rounds == 0:
+            return []
+        return ["--keep-rounds", str(self.keep_rounds), "--gc-grace", str(GC_GRACE_S)]
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None

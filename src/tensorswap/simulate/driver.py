@@ -116,7 +116,7 @@ async def run_simulation(cfg: SimConfig, on_event: Listener | None = None) -> Si
     task = await asyncio.to_thread(make_task, cfg.task_spec())
     result = SimResult(cfg.to_json(), task.metric)
     memory = PeakMemory().start()
-    coordinator = Coordinator(cfg.out, cfg.listen, cfg.data)
+    coordinator = Coordinator(cfg.out, cfg.listen, cfg.data, cfg.keep_rounds)
     backend = make_backend(cfg.backend, cfg.out, cfg.round_timeout_s, cfg.ray_address)
     client: RunClient | None = None
     try:
