@@ -256,3 +256,28 @@ def test_a_round_failed_at_its_deadline_is_collected_after_it_is_failed() -> Non
         assert coord.check_deadlines() == [late]
         coord.drain_collections(timeout=30)
         assert [info.round_id for info in coord.rounds()] == [done]
+
+
+def test_a_collection_walks_the_store_before_it_holds_submits_off(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk of the whole store (and the temp-file sweep) happen while submits go on; only
+    the decision and the deletes hold them off."""
+    held: list[bool] = []
+    kind = type(coord.store)
+    walk, sweep = kind.__iter__, getattr(kind, "remove_temp_files", None)
+
+    def spy_walk(self: object) -> Iterator[Cid]:
+        held.append(coord._gc_lock._exclusive)
+        return walk(self)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kind, "__iter__", spy_walk)
+    if sweep is not None:
+
+        def spy_sweep(self: object, **kwargs: float) -> int:
+            held.append(coord._gc_lock._exclusive)
+            return sweep(self, **kwargs)  # type: ignore[misc]
+
+        monkeypatch.setattr(kind, "remove_temp_files", spy_sweep)
+    coord.collect_garbage(1, grace=0.0)
+    assert held and not any(held)

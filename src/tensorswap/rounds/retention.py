@@ -7,18 +7,23 @@ import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tensorswap.cid import Cid
 from tensorswap.rounds._lock import SharedLock
 from tensorswap.rounds.deadline import Clock
 from tensorswap.rounds.state import Complete, RoundId, RoundTracker
-from tensorswap.store import BlockStore
+from tensorswap.store import BlockStore, DirectoryStore
 from tensorswap.store.gc import GcResult, collect_garbage
 
 __all__ = ["DEFAULT_GC_GRACE", "Retention", "RetentionWorker"]
 
 log = logging.getLogger(__name__)
+
+TEMP_SWEEP_EVERY = 16
+"""Collections between two sweeps for abandoned temp files (each is a walk of the store)."""
+TEMP_FILE_AGE = 3600.0
+"""Seconds after which a temp file (a write that never finished) is removed by a sweep."""
 
 DEFAULT_GC_GRACE = 600.0
 """Seconds a block stored or touched recently is spared by a collection though unreferenced:
@@ -69,6 +74,7 @@ class RetentionWorker:
         self._closed = False
         self._ended: dict[RoundId, float] = {}  # clock.now() when a round turned terminal
         self._root_sources: list[Callable[[], list[Cid]]] = []
+        self._runs = 0  # collections run, for the temp-file sweep
 
     def add_root_source(self, source: Callable[[], list[Cid]]) -> None:
         """Blocks ``source()`` names (and everything they link) are never collected."""
@@ -85,6 +91,11 @@ class RetentionWorker:
             raise ValueError(f"keep_rounds must be at least 1, got {keep_rounds}")
         grace = self.grace if grace is None else grace
         tracker = self._tracker
+        # Listed before the lock (a walk of the whole store, while submits go on): a block
+        # put after this is never a candidate; one listed and referenced by the time the lock
+        # is held is in the roots; one listed, unreferenced and then offered is young (its
+        # age restarts), and the age is checked again as it is deleted.
+        listed = list(self._store)
         with self._gc_lock.exclusive():
             rounds = tracker.rounds()
             cutoff = max((info.round_id.round for info in rounds), default=0) - keep_rounds + 1
@@ -117,7 +128,14 @@ class RetentionWorker:
                 sources = list(self._root_sources)
             for source in sources:  # e.g. the runs' global models and optimizer states
                 roots.extend(source())
-            blocks = collect_garbage(self._store, roots, dry_run=dry_run, min_age=grace)
+            blocks = collect_garbage(
+                self._store, roots, dry_run=dry_run, min_age=grace, listed=listed,
+                temp_file_age=None,
+            )  # fmt: skip
+        if not dry_run and self._runs % TEMP_SWEEP_EVERY == 0:  # another walk: not each time
+            temps = self._sweep_temp_files()
+            blocks = replace(blocks, temp_files_removed=temps)
+        self._runs += 1
         if not dry_run:
             self._count(
                 gc_runs=1,
@@ -134,6 +152,12 @@ class RetentionWorker:
             blocks.spared,
         )
         return Retention(removed, blocks)
+
+    def _sweep_temp_files(self) -> int:
+        store = self._store
+        if not isinstance(store, DirectoryStore):
+            return 0
+        return store.remove_temp_files(older_than=TEMP_FILE_AGE)
 
     def schedule(self) -> None:
         """Queue a collection (``keep_rounds`` set) unless one is already queued.

@@ -48,8 +48,9 @@ def collect_garbage(
     roots: Iterable[Cid],
     *,
     dry_run: bool = False,
-    temp_file_age: float = 3600.0,
+    temp_file_age: float | None = 3600.0,
     min_age: float = 0.0,
+    listed: Iterable[Cid] | None = None,
 ) -> GcResult:
     """Delete every block not reachable from ``roots``; report counts and bytes.
 
@@ -62,11 +63,16 @@ def collect_garbage(
     listing ran is removed even if a manifest put meanwhile starts linking it: pass the roots
     of writes in flight, or collect while no one writes. If a linked manifest cannot be read,
     BlockNotFound / CorruptBlock / MalformedManifest is raised and nothing is deleted. For a
-    DirectoryStore, temp files older than ``temp_file_age`` seconds are removed too.
+    DirectoryStore, temp files older than ``temp_file_age`` seconds are removed too (None:
+    not looked for).
+
+    ``listed``: the blocks to consider, listed by the caller before it computed ``roots``
+    (default: the store's listing now), so that a caller holding off writers while it
+    decides need not hold them off while the store is listed.
     """
     if min_age < 0:
         raise ValueError(f"min_age must not be negative, got {min_age}")
-    listed = list(store)
+    listed = list(store) if listed is None else list(listed)
     keep = reachable(store, roots)
     removed = removed_bytes = kept = kept_bytes = spared = 0
     for cid in listed:
@@ -94,7 +100,7 @@ def collect_garbage(
             removed += 1
             removed_bytes += nbytes
     temps = 0
-    if isinstance(store, DirectoryStore) and not dry_run:
+    if isinstance(store, DirectoryStore) and not dry_run and temp_file_age is not None:
         temps = store.remove_temp_files(older_than=temp_file_age)
     return GcResult(removed, removed_bytes, kept, kept_bytes, temps, spared)
 
