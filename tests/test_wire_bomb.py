@@ -60,9 +60,11 @@ class GatedStore(MemoryStore):
         super().__init__()
         self.gate = threading.Event()
 
-    def put_verified(self, cid: Cid, data: object, *, adopt: bool = False) -> None:
+    def put_verified(
+        self, cid: Cid, data: object, *, adopt: bool = False, threads: int | None = None
+    ) -> None:
         assert self.gate.wait(30)
-        super().put_verified(cid, data, adopt=adopt)  # type: ignore[arg-type]
+        super().put_verified(cid, data, adopt=adopt, threads=threads)  # type: ignore[arg-type]
 
 
 async def settled(condition: Callable[[], object], what: str) -> None:
