@@ -253,7 +253,51 @@ async def test_a_peer_that_closes_with_a_begun_task_leaves_nothing_running(
     finally:
         for p in peers:
             await p.aclose()
-    assert held.cancelled() and peers[0]._secure._side is None
+    assert held.cancelled() and peers[0]._secure._sides == {}
+
+
+async def test_a_begun_task_of_a_round_that_failed_gives_way_to_the_next_round(
+    served: Served,
+) -> None:
+    """p0 begins round 1's key phases and waits for p1, which does not come before the
+    round's deadline: round 1 fails, its waiting request is cancelled with its task (that
+    connection is closed, never reused half-read), and round 2 goes through."""
+    p0, p1 = await served.client("p0"), await served.client("p1")
+    try:
+        spec = RunSpec(per_round=2, min_clients=2, rounds=1, secagg=True, round_timeout_s=10.0)
+        await p0.create_run("fl", spec, ModelUpdate(_model()))
+        first = await _task(p0)
+        waiting = p0._secure._held["fl"][1]
+        sessions = served.manager.secure._sessions
+        assert sessions is not None
+        session = sessions.get(first.round_id.as_key())
+        assert session is not None
+        for _ in range(500):  # p0 has joined: its setup request came
+            if session.joined:
+                break
+            await asyncio.sleep(0.01)
+        assert session.joined == {"p0"}
+        served.clock.advance(11)  # round 1's deadline: one of two advertised, below t
+        for _ in range(500):
+            if (await p0.run("fl")).round == 2:
+                break
+            await asyncio.sleep(0.01)
+        second = await _task(p0)  # the held round-1 task gives way
+        assert second.round_id.round == 2 and waiting.done()
+        assert p0._secure._held["fl"][0] == second
+        other = await _task(p1)
+
+        async def train(i: int, peer: RunClient, task: Task) -> None:
+            model = await peer.fetch_model(task)
+            await peer.submit(task, {k: v + _delta(i)[k] for k, v in model.items()}, 10)
+
+        await asyncio.gather(train(0, p0, second), train(1, p1, other))
+        mean = await _aggregate(served.manager, "fl", 2)
+        want = (_delta(0)["w"] + _delta(1)["w"]) / 2
+        np.testing.assert_allclose(mean["w"], want, atol=1e-3)
+    finally:
+        await p0.aclose()
+        await p1.aclose()
 
 
 async def test_no_block_in_the_coordinators_store_is_one_peers_update(

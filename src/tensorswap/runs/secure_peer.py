@@ -172,15 +172,15 @@ async def _settle(work: list[asyncio.Future[None]]) -> None:
 
 
 class SecureTasks:
-    """A RunClient's secure tasks whose key phases began as it took them: one per run, on a
-    second connection to the coordinator (opened once, as the first was). A task is held
-    until ``submit`` takes it, or a newer round's replaces it."""
+    """A RunClient's secure tasks whose key phases began as it took them: one per run, each
+    run's on a connection of its own to the coordinator (dialled as the first was, kept for
+    the run's next rounds). A task is held until ``submit`` takes it, or a newer round's
+    replaces it."""
 
     def __init__(self, client: RunClient) -> None:
         self.client = client
         self._held: dict[str, tuple[Task, asyncio.Task[_Keyed]]] = {}
-        self._side: BlockClient | None = None
-        self._lock = asyncio.Lock()  # one request at a time on the side connection
+        self._sides: dict[str, BlockClient] = {}
 
     def begin(self, task: Task) -> None:
         """Run ``task``'s key phases in the background (again for the same task: nothing)."""
@@ -188,8 +188,12 @@ class SecureTasks:
         if held is not None and held[0].round_id == task.round_id:
             return
         self.drop(task.run)
+
+        async def call(request: SecAggRequest) -> RunAnswer:
+            return await self._call(task.run, request)
+
         work = asyncio.get_running_loop().create_task(
-            _key_phases(self.client, task, self._call), name=f"secagg keys {task.run}"
+            _key_phases(self.client, task, call), name=f"secagg keys {task.run}"
         )
         work.add_done_callback(_quiet)
         self._held[task.run] = (task, work)
@@ -218,19 +222,24 @@ class SecureTasks:
         if held is not None:
             held[1].cancel()
 
-    async def _call(self, request: SecAggRequest) -> RunAnswer:
-        async with self._lock:
-            if self._side is None:
-                dial = self.client.rounds.dial
-                assert dial is not None  # RunClient begins tasks only where it can dial
-                self._side = await dial()
-            try:
-                return await self.client._call(request, long=True, via=self._side)
-            except (ConnectionError, OSError, asyncio.IncompleteReadError):
-                side, self._side = self._side, None
-                with contextlib.suppress(Exception):
-                    await side.aclose()
-                raise
+    async def _call(self, run: str, request: SecAggRequest) -> RunAnswer:
+        """One request on ``run``'s connection (one at a time: the run's key phases ask in
+        turn). A request that does not come back whole (cancelled with its task, a broken
+        connection, a refusal) closes the connection: what it had in flight would answer the
+        next one; the next request dials again."""
+        side = self._sides.get(run)
+        if side is None:
+            dial = self.client.rounds.dial
+            assert dial is not None  # RunClient begins tasks only where it can dial
+            side = self._sides[run] = await dial()
+        try:
+            return await self.client._call(request, long=True, via=side)
+        except BaseException:
+            if self._sides.get(run) is side:
+                del self._sides[run]
+            with contextlib.suppress(Exception):
+                await asyncio.shield(side.aclose())
+            raise
 
     async def aclose(self) -> None:
         works = [work for _, work in self._held.values()]
@@ -241,8 +250,8 @@ class SecureTasks:
         for work in works:  # the masking threads of a cancelled one
             if not work.cancelled() and work.exception() is None:
                 await _settle(work.result().prepared)
-        if self._side is not None:
-            side, self._side = self._side, None
+        sides, self._sides = list(self._sides.values()), {}
+        for side in sides:
             await side.aclose()
 
 
