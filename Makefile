@@ -11,11 +11,11 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-$(STAMP_CORE): pyproject.toml setup.py src/tensorswap/aggregate/server_opt/_fused.c src/tensorswap/privacy/secagg/_quantize.c | $(PY)
+$(STAMP_CORE): pyproject.toml setup.py src/tensorswap/aggregate/server_opt/_fused.c src/tensorswap/privacy/secagg/_quantize.c src/tensorswap/_native/widths.h | $(PY)
 	$(PY) -m pip install --quiet -e '.[demo]'
 	touch $@
 
-$(STAMP_DEV): pyproject.toml setup.py src/tensorswap/aggregate/server_opt/_fused.c src/tensorswap/privacy/secagg/_quantize.c | $(PY)
+$(STAMP_DEV): pyproject.toml setup.py src/tensorswap/aggregate/server_opt/_fused.c src/tensorswap/privacy/secagg/_quantize.c src/tensorswap/_native/widths.h | $(PY)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@ $(STAMP_CORE)
 

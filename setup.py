@@ -51,6 +51,9 @@ class OptionalBuildExt(build_ext):
         )
 
 
+NATIVE = "src/tensorswap/_native"
+"""Headers the extensions share."""
+
 EXTENSIONS = (
     []
     if os.environ.get("TENSORSWAP_NO_EXT") == "1"
@@ -58,11 +61,15 @@ EXTENSIONS = (
         Extension(
             "tensorswap.aggregate.server_opt._fused",
             sources=["src/tensorswap/aggregate/server_opt/_fused.c"],
+            include_dirs=[NATIVE],
+            depends=[f"{NATIVE}/widths.h"],
             optional=True,
         ),
         Extension(
             "tensorswap.privacy.secagg._quantize",
             sources=["src/tensorswap/privacy/secagg/_quantize.c"],
+            include_dirs=[NATIVE],
+            depends=[f"{NATIVE}/widths.h"],
             optional=True,
         ),
     ]

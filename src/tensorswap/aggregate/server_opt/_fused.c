@@ -16,17 +16,7 @@
 #include <math.h>
 #include <string.h>
 
-/* One copy of each loop per vector width, chosen at load time by the CPU (GCC/clang on x86-64
- * with an ifunc-capable libc); elsewhere the compiler's default target. The widths change the
- * speed only: each lane does the same correctly rounded IEEE operations. */
-#if defined(__x86_64__) && defined(__has_attribute)
-#if __has_attribute(target_clones) && defined(__linux__)
-#define WIDTHS __attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-#endif
-#ifndef WIDTHS
-#define WIDTHS
-#endif
+#include "widths.h"
 
 enum { ADAM = 0, YOGI = 1, ADAGRAD = 2 };
 enum { NBUF = 5 };

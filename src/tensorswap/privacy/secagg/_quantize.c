@@ -19,14 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__has_attribute)
-#if __has_attribute(target_clones) && defined(__linux__)
-#define WIDTHS __attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-#endif
-#ifndef WIDTHS
-#define WIDTHS
-#endif
+#include "widths.h"
 
 WIDTHS static void quantize_loop(Py_ssize_t n, const float *restrict x,
                                  const uint32_t *restrict words, uint32_t *restrict out,
