@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from tensorswap._eventloop import run as run_loop
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.state import RoundId
 
@@ -72,7 +73,8 @@ def main() -> None:
     port, key, number, mode = int(sys.argv[1]), bytes.fromhex(sys.argv[2]), sys.argv[3], sys.argv[4]
     first, count, conc = (int(a) for a in sys.argv[5:8])
     rid = RoundId(int(number), "bench")
-    print(json.dumps(asyncio.run(_run(port, key, rid, mode, first, count, conc))), flush=True)
+    report = run_loop(_run(port, key, rid, mode, first, count, conc))  # uvloop if installed
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
