@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from tensorswap._collector import settle_heap
 from tensorswap._eventloop import run as run_loop
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.state import RoundId
@@ -34,6 +35,7 @@ async def _run(port: int, key: bytes, rid: RoundId, mode: str, first: int, count
     if mode == "connected":
         for name in names:
             open_clients[name] = await RoundClient.connect("127.0.0.1", port, peer=name, key=key)
+    settle_heap()  # as `tensorswap serve` does once it is up
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     todo = list(reversed(names))

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from tensorswap._collector import settle_heap
 from tensorswap._eventloop import EventLoop, UvloopMissing
 from tensorswap._eventloop import resolve as resolve_loop
 from tensorswap._eventloop import run as run_loop
@@ -138,6 +139,7 @@ async def _run(
         elif tier is not None:
             RunsProxy(tier.link, server, tier.journal)  # runs live at the top; folded here
         async with await server.start(host, port, ssl=ssl):
+            settle_heap()  # what start-up made stays: out of the collector's sight
             active = coordinator.tracker.active_count()
             click.echo(f"listening on {host}:{server.port}", err=True)
             restored = "" if runs is None else f" and {len(runs.runs())} run(s)"
