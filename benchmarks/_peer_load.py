@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
 import sys
 import time
@@ -26,6 +27,9 @@ from tensorswap._collector import settle_heap
 from tensorswap._eventloop import run as run_loop
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.state import RoundId
+
+LOOP_ENV = "TENSORSWAP_BENCH_LOOP"
+"""The load's event loop (``tensorswap._eventloop``): asyncio unless this says otherwise."""
 
 
 async def _run(port: int, key: bytes, rid: RoundId, mode: str, first: int, count: int, conc: int):
@@ -75,7 +79,9 @@ def main() -> None:
     port, key, number, mode = int(sys.argv[1]), bytes.fromhex(sys.argv[2]), sys.argv[3], sys.argv[4]
     first, count, conc = (int(a) for a in sys.argv[5:8])
     rid = RoundId(int(number), "bench")
-    report = run_loop(_run(port, key, rid, mode, first, count, conc))  # uvloop if installed
+    report = run_loop(
+        _run(port, key, rid, mode, first, count, conc), os.environ.get(LOOP_ENV, "asyncio")
+    )
     print(json.dumps(report), flush=True)
 
 

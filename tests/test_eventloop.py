@@ -50,11 +50,13 @@ def test_an_unknown_loop_is_refused() -> None:
         resolve("trio")
 
 
-def test_asyncio_is_asyncio_even_with_uvloop_installed() -> None:
-    async def kind() -> str:
-        return type(asyncio.get_running_loop()).__module__
+async def _kind() -> str:
+    return type(asyncio.get_running_loop()).__module__
 
-    assert run_loop(kind(), "asyncio").startswith("asyncio")
+
+def test_asyncio_is_the_default_even_with_uvloop_installed() -> None:
+    assert run_loop(_kind()).startswith("asyncio")
+    assert run_loop(_kind(), "asyncio").startswith("asyncio")
 
 
 def test_serve_refuses_uvloop_where_it_is_missing(no_uvloop: None, tmp_path: Path) -> None:

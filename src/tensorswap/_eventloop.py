@@ -1,10 +1,11 @@
-"""Which asyncio event loop a long-lived process runs on: uvloop when installed, else asyncio's.
+"""Which asyncio event loop a long-lived process runs on: asyncio's own, or uvloop when asked.
 
-uvloop (the ``tensorswap[fast]`` extra) implements asyncio's event loop on libuv in C: the
-per-request machinery of thousands of connections (transports, handles, the selector, the
-thread-safe wake-ups) costs less Python there (``docs/scale.md`` has the figures). Nothing in
-tensorswap needs it: every loop is asyncio's API, and the standard loop is the fallback and
-what the tests run on unless they ask for uvloop.
+uvloop (the ``tensorswap[fast]`` extra) implements asyncio's event loop on libuv in C. On
+this project's hot path (3,000 one-request peers, ``bench_scale --part peers``) it measured
+0.94-1.08x asyncio's coordinator CPU per contribution, within the noise (``docs/scale.md``):
+the event loop's own machinery is not where that CPU goes. So asyncio's loop is the default
+and uvloop an opt-in (``tensorswap serve --event-loop uvloop``, or ``auto``: uvloop when
+installed). Nothing in tensorswap needs it: every loop is driven through asyncio's API.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ T = TypeVar("T")
 
 
 class EventLoop(StrEnum):
-    """``auto``: uvloop when it is installed, else asyncio's; or the one named."""
+    """``auto``: uvloop when it is installed, else asyncio's; or the one named (the
+    default, where a caller does not say, is ``asyncio``)."""
 
     AUTO = "auto"
     ASYNCIO = "asyncio"
@@ -57,7 +59,7 @@ def loop_factory(choice: EventLoop | str) -> Callable[[], asyncio.AbstractEventL
     return asyncio.new_event_loop
 
 
-def run(main: Coroutine[Any, Any, T], choice: EventLoop | str = EventLoop.AUTO) -> T:
+def run(main: Coroutine[Any, Any, T], choice: EventLoop | str = EventLoop.ASYNCIO) -> T:
     """``asyncio.run(main)`` on the event loop ``choice`` resolves to."""
     with asyncio.Runner(loop_factory=loop_factory(choice)) as runner:
         return runner.run(main)

@@ -281,11 +281,11 @@ async def _run(
 @click.option(
     "--event-loop",
     type=click.Choice([c.value for c in EventLoop]),
-    default=EventLoop.AUTO.value,
+    default=EventLoop.ASYNCIO.value,
     show_default=True,
-    help="The event loop: uvloop (the tensorswap[fast] extra; less CPU per request with "
-    "thousands of connections) when installed under auto, else asyncio's; asyncio turns "
-    "uvloop off.",
+    help="The event loop: asyncio's own, uvloop (the tensorswap[fast] extra; it measured "
+    "within the noise of asyncio's CPU per request, docs/scale.md), or auto (uvloop when "
+    "installed).",
 )
 @click.option(
     "--log-level",
