@@ -2,7 +2,7 @@
 
 uvloop (the ``tensorswap[fast]`` extra) implements asyncio's event loop on libuv in C. On
 this project's hot path (3,000 one-request peers, ``bench_scale --part peers``) it measured
-0.94-1.08x asyncio's coordinator CPU per contribution, within the noise (``docs/scale.md``):
+0.87-1.08x asyncio's coordinator CPU per contribution, within the noise (``docs/scale.md``):
 the event loop's own machinery is not where that CPU goes. So asyncio's loop is the default
 and uvloop an opt-in (``tensorswap serve --event-loop uvloop``, or ``auto``: uvloop when
 installed). Nothing in tensorswap needs it: every loop is driven through asyncio's API.
@@ -15,6 +15,8 @@ import importlib.util
 from collections.abc import Callable, Coroutine
 from enum import StrEnum
 from typing import Any, TypeVar
+
+from tensorswap.errors import TensorSwapError
 
 __all__ = ["EventLoop", "loop_factory", "resolve", "run", "uvloop_available"]
 
@@ -30,7 +32,7 @@ class EventLoop(StrEnum):
     UVLOOP = "uvloop"
 
 
-class UvloopMissing(RuntimeError):
+class UvloopMissing(TensorSwapError, RuntimeError):
     """``EventLoop.UVLOOP`` was asked for and uvloop is not installed."""
 
 
