@@ -2,7 +2,7 @@
 
 uvloop (the ``tensorswap[fast]`` extra) implements asyncio's event loop on libuv in C. On
 this project's hot path (3,000 one-request peers, ``bench_scale --part peers``) it measured
-0.87-1.08x asyncio's coordinator CPU per contribution, within the noise (``docs/scale.md``):
+0.85-1.08x asyncio's coordinator CPU per contribution, within the noise (``docs/scale.md``):
 the event loop's own machinery is not where that CPU goes. So asyncio's loop is the default
 and uvloop an opt-in (``tensorswap serve --event-loop uvloop``, or ``auto``: uvloop when
 installed). Nothing in tensorswap needs it: every loop is driven through asyncio's API.
