@@ -16,14 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
 import sys
 import time
 
 import numpy as np
 
+from tensorswap._collector import settle_heap
+from tensorswap._eventloop import run as run_loop
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.state import RoundId
+
+LOOP_ENV = "TENSORSWAP_BENCH_LOOP"
+"""The load's event loop (``tensorswap._eventloop``): asyncio unless this says otherwise."""
 
 
 async def _run(port: int, key: bytes, rid: RoundId, mode: str, first: int, count: int, conc: int):
@@ -33,6 +39,7 @@ async def _run(port: int, key: bytes, rid: RoundId, mode: str, first: int, count
     if mode == "connected":
         for name in names:
             open_clients[name] = await RoundClient.connect("127.0.0.1", port, peer=name, key=key)
+    settle_heap()  # as `tensorswap serve` does once it is up
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     todo = list(reversed(names))
@@ -72,7 +79,10 @@ def main() -> None:
     port, key, number, mode = int(sys.argv[1]), bytes.fromhex(sys.argv[2]), sys.argv[3], sys.argv[4]
     first, count, conc = (int(a) for a in sys.argv[5:8])
     rid = RoundId(int(number), "bench")
-    print(json.dumps(asyncio.run(_run(port, key, rid, mode, first, count, conc))), flush=True)
+    report = run_loop(
+        _run(port, key, rid, mode, first, count, conc), os.environ.get(LOOP_ENV, "asyncio")
+    )
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

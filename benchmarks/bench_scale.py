@@ -24,7 +24,9 @@ time. Rows: each peer connecting (handshake) for its submit and closing after it
 already connected. Printed per row: contributions per second (best and median of the
 reps), the coordinator's CPU per contribution (user + system: on one core, under the GIL,
 its capacity is 10^6 / that), the load generators' CPU per contribution, and the load
-average. Goal: >= 3,000/s; where server and load share the 2 cores, the coordinator's CPU
+average. Where uvloop is installed, one more row runs the coordinator on it (``serve
+--event-loop uvloop``), its CPU per contribution a ratio to asyncio's loop in the same run.
+Goal: >= 3,000/s; where server and load share the 2 cores, the coordinator's CPU
 per contribution (<= 333 us for 3,000/s on one core) is the figure that says it.
 """
 
@@ -45,6 +47,7 @@ import numpy as np
 
 from benchmarks.__main__ import ratio_line
 from benchmarks.bench_rounds import Coordinator
+from tensorswap._eventloop import uvloop_available
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.paging import page_peers, page_rounds
 from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
@@ -232,21 +235,29 @@ def peer_round(coord: Coordinator, number: int, peers: int, mode: str, procs: in
 def run_peers(tmp: Path, peers: int, reps: int, before: str | None) -> bool:
     """Ordinary peers' tiny contributions per second (see the module docstring)."""
     procs, conc = 2, 32
-    rows: list[tuple[str, str, str | None]] = []
+    rows: list[tuple[str, str, str | None, tuple[str, ...]]] = []
     if before is not None:
-        rows.append((f"before ({before}): each peer already connected", "connected", before))
+        rows.append((f"before ({before}): each peer already connected", "connected", before, ()))
+    main = len(rows)
     rows += [
-        ("each peer already connected: one inline submit", "connected", None),
-        ("each peer connects (handshake), submits, closes", "fresh", None),
+        ("each peer already connected: one inline submit", "connected", None, ()),
+        ("each peer connects (handshake), submits, closes", "fresh", None, ()),
     ]
+    fast = None
+    if uvloop_available():  # the same coordinator on uvloop, in the same run
+        fast = len(rows)
+        uvloop = ("--event-loop", "uvloop")
+        rows.append(
+            ("each peer already connected, coordinator on uvloop", "connected", None, uvloop)
+        )
     got: list[list[tuple[float, float, float]]] = [[] for _ in rows]
     loads: list[float] = []
     number = 0
     for rep in range(reps):  # rows take turns, so that the machine's load hits them alike
-        for i, (_, mode, src) in enumerate(rows):
+        for i, (_, mode, src, options) in enumerate(rows):
             number += 1
             loads.append(os.getloadavg()[0])
-            extra = ("--key", _KEY, "--max-connections", str(peers + 64))  # all peers connected
+            extra = ("--key", _KEY, "--max-connections", str(peers + 64), *options)
             coord = Coordinator(tmp / f"peers-{i}-{rep}", *extra, src=src)
             try:
                 got[i].append(peer_round(coord, number, peers, mode, procs, conc))
@@ -257,9 +268,7 @@ def run_peers(tmp: Path, peers: int, reps: int, before: str | None) -> bool:
         f"{procs} load processes x {conc} at a time, {reps} reps; load average "
         f"{min(loads):.1f}-{max(loads):.1f}:"
     )
-    best_new = 0.0
-    cpu_new = float("inf")
-    for (label, _, src), results in zip(rows, got, strict=True):
+    for (label, _, _, _), results in zip(rows, got, strict=True):
         rates = [r[0] for r in results]
         server = statistics.median(r[1] for r in results)
         client = statistics.median(r[2] for r in results)
@@ -269,10 +278,13 @@ def run_peers(tmp: Path, peers: int, reps: int, before: str | None) -> bool:
             f"(min {min(r[1] for r in results):.0f}; capacity on one core "
             f"{1e6 / server:,.0f}/s)  load {client:4.0f} us  {label}"
         )
-        if src is None and "already" in label:
-            best_new, cpu_new = max(rates), server
+    best_new = max(r[0] for r in got[main])
+    cpu_new = statistics.median(r[1] for r in got[main])
     if before is not None:
         print(ratio_line("peers_cpu_vs_before", cpu_new / statistics.median(r[1] for r in got[0])))
+    if fast is not None:
+        cpu_fast = statistics.median(r[1] for r in got[fast])
+        print(ratio_line("peers_cpu_uvloop_vs_asyncio", cpu_fast / cpu_new))
     print(ratio_line("peers_per_second", best_new, ">=", 3000))
     print(ratio_line("peers_coordinator_us", cpu_new, "<=", 333))
     return True

@@ -30,7 +30,9 @@
     │                              tensorswap.netlab.errors)
     ├── TensorNamesMismatch        (torch) (also ValueError) named tensors disagree on names
     ├── HostPortError              (also ValueError) text that is not HOST:PORT (misuse)
-    └── DemoError                  (demo) (also RuntimeError) the demo could not run
+    ├── DemoError                  (demo) (also RuntimeError) the demo could not run
+    └── UvloopMissing              (also RuntimeError) uvloop asked for, not installed
+                                   (in tensorswap._eventloop)
 
 Layer packages define further leaves next to their raisers, always under the branch of
 their layer, and no two error classes share a name (tests/test_error_tree.py checks both).

@@ -14,6 +14,10 @@ from typing import Any
 
 import click
 
+from tensorswap._collector import settle_heap
+from tensorswap._eventloop import EventLoop, UvloopMissing
+from tensorswap._eventloop import resolve as resolve_loop
+from tensorswap._eventloop import run as run_loop
 from tensorswap.cli._region import RegionArgs, open_tier, region_args, region_options
 from tensorswap.cli._util import (
     BYTES,
@@ -135,6 +139,7 @@ async def _run(
         elif tier is not None:
             RunsProxy(tier.link, server, tier.journal)  # runs live at the top; folded here
         async with await server.start(host, port, ssl=ssl):
+            settle_heap()  # what start-up made stays: out of the collector's sight
             active = coordinator.tracker.active_count()
             click.echo(f"listening on {host}:{server.port}", err=True)
             restored = "" if runs is None else f" and {len(runs.runs())} run(s)"
@@ -274,6 +279,15 @@ async def _run(
     "chunks let more peers trade a result among themselves (swarm); 4 KiB to 64 MiB.",
 )
 @click.option(
+    "--event-loop",
+    type=click.Choice([c.value for c in EventLoop]),
+    default=EventLoop.ASYNCIO.value,
+    show_default=True,
+    help="The event loop: asyncio's own, uvloop (the tensorswap[fast] extra; it measured "
+    "within the noise of asyncio's CPU per request, docs/scale.md), or auto (uvloop when "
+    "installed).",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -299,6 +313,7 @@ def serve(
     sync_blocks: bool,
     no_group_commit: bool,
     result_chunk: int,
+    event_loop: str,
     log_level: str,
     upstream: str | None,
     region: str | None,
@@ -331,14 +346,19 @@ def serve(
     if not MIN_RESULT_CHUNK <= result_chunk <= MAX_RESULT_CHUNK:
         raise click.BadParameter("must be 4 KiB to 64 MiB", param_hint="--result-chunk")
     ssl = server_tls(tls_cert, tls_key) if tls_cert else None
+    try:
+        loop = resolve_loop(event_loop)
+    except UvloopMissing as exc:
+        raise click.BadParameter(str(exc), param_hint="--event-loop") from None
     release_large_frees()
     logging.basicConfig(
         level=getattr(logging, log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger(__name__).info("event loop: %s", loop.value)
     timeouts = Timeouts(read=timeout)
     durable = not fast_commit
-    asyncio.run(
+    run_loop(
         _run(
             host,
             port,
@@ -359,7 +379,8 @@ def serve(
             peer_keys=peer_keys,
             sync_blocks=sync_blocks,
             result_chunk=result_chunk,
-        )
+        ),
+        loop,
     )
 
 

@@ -222,12 +222,13 @@ class RoundClient:
                 cid = await asyncio.to_thread(put_update, self.store, update)
         known = cid in self._inlined  # its blocks went inline before: submit, no offer
         if small and not isinstance(update, Cid) and self.inline and not known:
-            inlined = await self._submit_inline(round_id, cid)
+            closure = _children_first(self.store, cid)
+            inlined = await self._submit_inline(round_id, cid, closure)
             if inlined is not None:
                 self._inlined[cid] = None
                 if len(self._inlined) > _INLINED_KEPT:
                     self._inlined.popitem(last=False)
-                self._remember(round_id, _children_first(self.store, cid))
+                self._remember(round_id, closure)
                 return inlined
         call = SubmitRequest.of(round_id, self.peer, cid, wait)
         read = self.blocks.conn.timeouts.read
@@ -289,10 +290,12 @@ class RoundClient:
                 return answer
         return await self._call(call, limit=limit, locked=True)
 
-    async def _submit_inline(self, round_id: RoundId, cid: Cid) -> SubmitResult | None:
-        """Submit ``cid`` with its blocks in one request; None when they are too many bytes
-        or the coordinator predates inline submits (then ``inline`` is turned off)."""
-        closure = _children_first(self.store, cid)
+    async def _submit_inline(
+        self, round_id: RoundId, cid: Cid, closure: list[Cid]
+    ) -> SubmitResult | None:
+        """Submit ``cid`` with its blocks (``closure``, children first) in one request; None
+        when they are too many bytes or the coordinator predates inline submits (then
+        ``inline`` is turned off)."""
         blocks = [(c, self.store.get(c, verify=False)) for c in closure]
         nbytes = sum(data.nbytes for _, data in blocks)
         if nbytes > INLINE_SEND_BYTES:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import cast
 
 __all__ = ["DIRECT_RECEIVE_BYTES", "WRITE_HIGH_WATER", "StreamProtocol"]
 
@@ -49,9 +50,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
     # asyncio callbacks (event loop thread)
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        # A stream transport (asyncio's, or uvloop's, which does not subclass asyncio's).
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         if self.on_connect is not None:
             self.on_connect(self)
 
