@@ -178,3 +178,32 @@ def test_a_repeated_put_rewrites_a_block_that_vanished_meanwhile(tmp_path: Path)
     store.race = True
     assert store.put(b"block") == cid
     assert store.has(cid) and store.get(cid) == b"block"
+
+
+def test_a_delete_that_empties_a_shard_removes_it(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path)
+    cid = store.put(b"alone in its shard")
+    shard = Path(store.path_of(cid)).parent
+    assert shard.is_dir()
+    assert store.delete(cid) and not shard.exists()
+    assert shard.parent.is_dir()  # the first level stays (256 at most)
+    assert store.put(b"alone in its shard") == cid and store.get(cid) == b"alone in its shard"
+
+
+def test_a_write_whose_shard_goes_meanwhile_makes_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delete may remove the shard between a writer's check of it and its file's creation;
+    the writer makes it again."""
+    store = DirectoryStore(tmp_path)
+    write, gone = DirectoryStore._write_file_atomic, []
+
+    def shard_removed_first(self: DirectoryStore, path: str, data: memoryview) -> os.stat_result:
+        if not gone:
+            os.rmdir(os.path.dirname(path))  # as a delete of its last other block would
+            gone.append(path)
+        return write(self, path, data)
+
+    monkeypatch.setattr(DirectoryStore, "_write_file_atomic", shard_removed_first)
+    cid = store.put(b"written anyway")
+    assert gone and store.get(cid) == b"written anyway"
