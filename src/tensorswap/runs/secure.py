@@ -15,6 +15,7 @@ key or masked vector is persisted, so a coordinator restarted between phases fai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -118,6 +119,11 @@ class RunSecurity:
         release: Callable[[RoundId, Cid], Cid],
         notify: Callable[[str], None],
     ) -> None:
+        # The protocol package, now, on this one thread (where ``cryptography`` is installed):
+        # first imported by two threads at once (a round opening on the manager's, a peer's
+        # request on the event loop's), its circular imports can meet half-done (ImportError).
+        with contextlib.suppress(ImportError):
+            import tensorswap.privacy.secagg  # noqa: F401
         self.coordinator = coordinator
         self.store = coordinator.store
         self.journal = journal
