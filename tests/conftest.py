@@ -21,9 +21,10 @@ from tensorswap.netlab import Lab, NamespacesUnavailable
 from tensorswap.store import BlockStore
 
 # Deterministic tests (a CI run must not find a new example a developer's run never saw);
-# explore with HYPOTHESIS_PROFILE=explore.
-settings.register_profile("deterministic", derandomize=True, database=None)
-settings.register_profile("explore", derandomize=False)
+# explore with HYPOTHESIS_PROFILE=explore. No deadlines: an example's time is no test's
+# verdict (on a shared 2-core machine one took 312 ms against hypothesis's 200 ms once).
+settings.register_profile("deterministic", derandomize=True, database=None, deadline=None)
+settings.register_profile("explore", derandomize=False, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 
