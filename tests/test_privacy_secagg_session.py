@@ -96,7 +96,8 @@ def test_a_phase_closes_at_its_deadline_and_a_late_peer_is_dropped() -> None:
 def test_the_masked_input_phase_lasts_until_the_rounds_deadline_at_least() -> None:
     """Peers train in the masked-input phase (their key phases ran as they took their tasks):
     it closes at the round's deadline, not ``phase_timeout_s`` after the shares, when that
-    is later; never sooner than ``phase_timeout_s`` either."""
+    is later; never sooner than ``phase_timeout_s`` either; with no round deadline, when
+    every peer answered."""
     clock, changes = FakeClock(), []
     start = clock.now()
     session = _session(clock, changes, first_deadline=start + 60)
@@ -111,6 +112,15 @@ def test_the_masked_input_phase_lasts_until_the_rounds_deadline_at_least() -> No
     assert session.close_due(clock.now()) and changes[-1] == "unmask"
     with pytest.raises(PeerDropped, match="dan"):
         session.message_for("dan", 3)
+    # no round deadline: it waits for every peer, as the first phase does
+    open_ended, changed = FakeClock(), []
+    session = _session(open_ended, changed)
+    clients = _clients(session)
+    _step(session, clients, NAMES, 0)
+    _step(session, clients, NAMES, 1)
+    assert changed[-1] == "masked input" and session.deadline is None
+    open_ended.advance(3600)
+    assert not session.close_due(open_ended.now())
     # past the round's deadline already: the phase timeout applies
     late, later = FakeClock(), []
     start = late.now()
@@ -139,12 +149,12 @@ def test_refusals_leave_the_session_as_it_was() -> None:
 
 def test_below_the_quorum_of_masked_inputs_the_session_fails_typed() -> None:
     clock, changes = FakeClock(), []
-    session = _session(clock, changes, quorum=4)
+    session = _session(clock, changes, quorum=4, first_deadline=clock.now() + 1)
     clients = _clients(session)
     _step(session, clients, NAMES, 0)
     _step(session, clients, NAMES, 1)
     _step(session, clients, NAMES[:3], 2)
-    clock.advance(5)
+    clock.advance(5)  # the phase timeout, the round's deadline being past
     assert session.close_due(clock.now())
     assert session.phase == "failed" and "quorum 4" in (session.failure or "")
     with pytest.raises(SecureRoundFailed, match="quorum 4"):

@@ -178,9 +178,10 @@ async def test_two_of_eight_peers_drop_around_the_masked_input(
     monkeypatch.setattr(secagg_client.SecAggClient, target, vanish)
     peers = [await served.client(f"p{i}") for i in range(8)]
     try:
+        # a round deadline: without one the masked-input phase (peers train in it) waits for all
         spec = RunSpec(
             per_round=8, min_clients=8, quorum=0.5, rounds=1, secagg=True,
-            secagg_phase_timeout_s=5.0,
+            secagg_phase_timeout_s=5.0, round_timeout_s=5.0,
         )  # fmt: skip
         await peers[0].create_run("fl", spec, ModelUpdate(_model()))
         names = sorted(p.peer for p in peers)

@@ -342,7 +342,9 @@ def run() -> None:
     type=click.FloatRange(min=0, min_open=True),
     default=30.0,
     show_default=True,
-    help="SecAgg+: seconds each phase after the first waits for the peers.",
+    help="SecAgg+: seconds each phase after the first waits for the peers (the masked-input "
+    "phase, where peers train, lasts until --round-timeout at least; without one it waits for "
+    "every peer).",
 )
 @_with_common
 def create(

@@ -83,7 +83,8 @@ class RunSpec:
     delta is clipped to ``[-r, r]``; None: ``dp_clip`` in a DP run, else 1.0),
     ``secagg_bits`` (None: the most the sample size allows), ``secagg_max_weight`` (the
     largest num_samples; a DP run weighs every peer 1), ``secagg_phase_timeout_s`` (each
-    phase after the first closes when all answered or after this long).
+    phase after the first closes when all answered or after this long; the masked-input
+    phase, where peers train, not before ``round_timeout_s``, and with none it waits for all).
     """
 
     mode: RunMode = RunMode.SYNC

@@ -5,11 +5,11 @@ A session wraps a ``SecAggServer``. Peers are named (the run's sampled peers, so
 ``i`` of the config is ``names[i]``). Each peer message is posted as it arrives; a phase
 closes as soon as every peer it expects has answered, or at its deadline with whoever did:
 the first (advertise) phase at the deadline the caller gives (the round's; None: it waits for
-every sampled peer), each later one ``phase_timeout_s`` after it opened, the masked-input
-phase (peers train in it) not before the first deadline either. What a peer receives
-next is ``message_for(peer, after)``: its ``after``-th server message (0: the setup), None
-while the phase is still open, so a peer long-polls for it. Nothing here is persisted: the
-peers' shares and the server's partial state live in memory only.
+every sampled peer), each later one ``phase_timeout_s`` after it opened; the masked-input
+phase, which peers train in, not before the first deadline (with none, it waits for all).
+What a peer receives next is ``message_for(peer, after)``: its ``after``-th server message
+(0: the setup), None while the phase is still open, so a peer long-polls for it. Nothing
+here is persisted: the peers' shares and the server's partial state live in memory only.
 """
 
 from __future__ import annotations
@@ -211,10 +211,12 @@ class SecAggSession:
         self._outboxes.append({p: encode(m) for p, m in out.items()})
         self._expected, self._answered = set(out), set()
         self.deadline = self._clock.now() + self._phase_timeout
-        if server.phase is ServerPhase.MASK and self._round_deadline is not None:
+        if server.phase is ServerPhase.MASK:
             # peers train in this phase (they ran the key phases as they took their tasks):
-            # it lasts until the round's deadline, at least
-            self.deadline = max(self.deadline, self._round_deadline)
+            # it lasts until the round's deadline at least, and with none it waits for every
+            # peer, as the first phase does
+            first = self._round_deadline
+            self.deadline = None if first is None else max(self.deadline, first)
         return True
 
     def _changed(self) -> None:
