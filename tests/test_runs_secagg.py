@@ -14,9 +14,10 @@ import pytest
 
 pytest.importorskip("cryptography")
 
-from tensorswap.cid import Cid
+from tensorswap.cid import Cid, Multicodec
 from tensorswap.privacy.secagg import (
     MalformedSecAggMessage,
+    OutOfPhase,
     Quantizer,
     ReplayedMessage,
     SecureRoundFailed,
@@ -26,9 +27,10 @@ from tensorswap.privacy.secagg import (
     encode,
 )
 from tensorswap.privacy.secagg import client as secagg_client
-from tensorswap.privacy.secagg.protocol import KeysAdvert, PeerKeys, SharesUpload
+from tensorswap.privacy.secagg.protocol import KeysAdvert, MaskedInput, PeerKeys, SharesUpload
 from tensorswap.privacy.secagg.quantize import max_bits
 from tensorswap.rounds import Coordinator, FakeClock
+from tensorswap.rounds._tiered import CoordinatorStore
 from tensorswap.rounds.server import RoundServer
 from tensorswap.rounds.state import Complete, Failed, RoundId
 from tensorswap.runs import InvalidRunSpec, RunManager, RunSpec
@@ -339,6 +341,67 @@ async def test_no_block_in_the_coordinators_store_is_one_peers_update(
                 if np.shape(values) == np.shape(secret):
                     assert not np.allclose(values, secret, atol=1e-4)
     assert updates >= 3  # the initial model, the unmasked mean, the new version (at least)
+
+
+async def test_masked_vectors_never_reach_a_file_and_go_once_folded(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = served.manager.store
+    assert isinstance(store, CoordinatorStore)
+    files: list[str] = []
+    held: list[Cid] = []
+    write, put = store._write_file_atomic, store.volatile.put
+
+    def recording_write(path: str, data: memoryview) -> object:
+        files.append(path)
+        return write(path, data)
+
+    def recording_put(cid: Cid, data: memoryview, adopt: bool) -> bool:
+        held.append(cid)
+        return put(cid, data, adopt)
+
+    monkeypatch.setattr(store, "_write_file_atomic", recording_write)
+    monkeypatch.setattr(store.volatile, "put", recording_put)
+    peers = [await served.client(f"p{i}") for i in range(3)]
+    try:
+        spec = RunSpec(per_round=3, min_clients=3, rounds=1, secagg=True)
+        await peers[0].create_run("fl", spec, ModelUpdate(_model()))
+        await asyncio.gather(*(_train(p, i) for i, p in enumerate(peers)))
+        await _aggregate(served.manager, "fl", 1)
+    finally:
+        for p in peers:
+            await p.aclose()
+    assert len(held) == 3 and {c.codec for c in held} == {Multicodec.TENSORSWAP_MASKED}
+    assert not any(str(c) in path for c in held for path in files)
+    assert files  # the models and the mean still go to files
+    assert store.volatile.nbytes == 0 and not any(store.has(c) for c in held)
+
+
+async def test_a_refused_masked_input_leaves_no_block(served: Served) -> None:
+    peers = [await served.client(f"p{i}") for i in range(3)]
+    try:
+        spec = RunSpec(per_round=3, min_clients=3, rounds=1, secagg=True)
+        await peers[0].create_run("fl", spec, ModelUpdate(_model()))
+        me = peers[0]
+        me.secure_ahead = False  # this test speaks the phases itself
+        task = await _task(me)
+        answer = await me._call(SecAggRequest(peer=me.peer, run="fl", round=1, after=0))
+        setup = decode(answer.secagg or b"")
+        local = me.rounds.store
+        cid = local.put(bytes(4 * 37), codec=Multicodec.TENSORSWAP_MASKED)  # 36 values + weight
+        await me.rounds.blocks.push(local, cid)
+        assert served.manager.store.has(cid)
+        early = MaskedInput(setup.config.round_id, answer.secagg_peer or 0, b"")  # type: ignore[union-attr]
+        request = SecAggRequest(
+            peer=me.peer, run="fl", round=task.round_id.round, after=1,
+            message=encode(early), block=cid.to_bytes(),
+        )  # fmt: skip
+        with pytest.raises(OutOfPhase):  # the keys are still being advertised
+            await me._call(request, long=True)
+        assert not served.manager.store.has(cid)
+    finally:
+        for p in peers:
+            await p.aclose()
 
 
 async def test_replayed_forged_and_malformed_messages_are_refused_typed(

@@ -49,6 +49,9 @@ class Multicodec(IntEnum):
     """Opaque bytes: tensor chunks and any other leaf block."""
     TENSORSWAP_MANIFEST = 0x300001
     """A tensorswap manifest (tensor or model update); private-use range 0x300000-0x3fffff."""
+    TENSORSWAP_MASKED = 0x300002
+    """A SecAgg+ masked vector (little-endian uint32 words, uniform on their own): a leaf
+    block that a coordinator holds in memory only (a restart fails a secure round anyway)."""
 
 
 class HashFunction(IntEnum):

@@ -178,7 +178,8 @@ class SecAggRequest(_RunRequest, frozen=True, tag="secagg"):
     msgpack SecAgg+ message, b"" for none) is the peer's answer to the current phase; the
     answer is the peer's server message number ``after`` (it holds ``after`` already: 0
     asks for the setup), or none when the phase is still open after ``timeout`` (ask
-    again). A masked input's vector is the raw block ``block``, pushed before."""
+    again). A masked input's vector is the block ``block`` (codec tensorswap-masked, or raw
+    from earlier peers), pushed before."""
 
     run: str
     round: int

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from tensorswap.cid import Cid
+from tensorswap.cid import Cid, Multicodec
 from tensorswap.rounds.model import Contribution, Layout
 from tensorswap.rounds.state import RoundId
 from tensorswap.runs.errors import NotSelected, RunsError
@@ -55,6 +55,10 @@ SECURE_ONLY = (
     "run {!r} aggregates securely (SecAgg+): contribute with RunClient.submit, which masks "
     "the delta; a plain update would show it to the coordinator"
 )
+
+_MASKED_CODECS = frozenset({Multicodec.TENSORSWAP_MASKED, Multicodec.RAW})
+"""A masked vector's codecs: its own (held in memory by the coordinator), or raw (earlier
+peers; a file)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS run_secagg (
@@ -238,17 +242,45 @@ class RunSecurity:
         if block is None or message.masked:
             raise MalformedSecAggMessage("a masked vector travels as a pushed block, by CID")
         cid = Cid.parse(block)
+        if cid.codec not in _MASKED_CODECS:
+            raise MalformedSecAggMessage(f"the masked vector {cid} is not a raw or masked block")
         if meta is None or not self.store.has(cid):
             raise MalformedSecAggMessage(f"the masked vector {cid} is not in the store: push it")
         want = 4 * (meta.dim + 1)
         if self.store.size_of(cid) != want:
             raise MalformedSecAggMessage(f"the masked vector {cid} is not {want} bytes long")
         # a read-only view (verified as it was pushed), no copy; it stays valid after the
-        # block is deleted at the round's end
+        # block is deleted
         data = self.store.get(cid)
         with self._lock:
             self._blocks.setdefault(key, []).append(cid)
         return msgspec.structs.replace(message, masked=data)
+
+    def post_masked(
+        self,
+        rid: RoundId,
+        session: SecAggSession,
+        peer: str,
+        message: MaskedInput,
+        block: bytes | None,
+    ) -> None:
+        """Post ``peer``'s masked input to ``session`` (its vector read from the pushed
+        ``block``, see ``masked_input``), then delete the block: the session folds a masked
+        vector into its running sum as it takes it, and nothing reads one again (a restart
+        fails the round), so the coordinator holds at most the vectors being folded rather
+        than a round's worth. A block written and unlinked at once costs the file system a
+        fraction of one kept (ext4's delayed allocation never gives it disk blocks). A
+        refused input's block goes too (the refusal ends that peer's part in the round)."""
+        taken = self.masked_input(rid, message, block)
+        cid = Cid.parse(block or b"")
+        try:
+            session.post(peer, taken)
+        finally:
+            with self._lock:
+                kept = self._blocks.get(rid.as_key())
+                if kept is not None and cid in kept:
+                    kept.remove(cid)
+            self.store.delete(cid)
 
     # ── restart, step ────────────────────────────────────────────────────────
     def resume(self, info: RunInfo) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Awaitable, Callable, Mapping
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from tensorswap.cid import Cid
+from tensorswap import _alloc
+from tensorswap.cid import Cid, Multicodec
 from tensorswap.rounds.state import RoundStatus
 from tensorswap.runs.messages import RunAnswer, SecAggRequest
 from tensorswap.store import ModelUpdate
@@ -70,7 +72,7 @@ def flatten_delta(
     if set(model) != set(base):
         diff = sorted(set(model) ^ set(base))
         raise QuantizationError(f"the update's tensors differ from the task's model: {diff}")
-    out = np.empty(sum(np.size(v) for v in base.values()), np.float32)
+    out = _alloc.empty(sum(np.size(v) for v in base.values()), np.float32)
     at = 0
     for name, like in base.items():
         part = np.asarray(model[name])
@@ -303,7 +305,9 @@ async def secure_submit(
             block = None
             if isinstance(reply, MaskedInput):
                 client.secagg_quantized = keyed.peer.quantized
-                masked_cid = await asyncio.to_thread(store.put, reply.masked, adopt=True)
+                # its own codec: the coordinator holds it in memory only (rounds._volatile)
+                put = functools.partial(store.put, adopt=True, codec=Multicodec.TENSORSWAP_MASKED)
+                masked_cid = await asyncio.to_thread(put, reply.masked)
                 await client.rounds.blocks.push(store, masked_cid)
                 reply, block = msgspec.structs.replace(reply, masked=b""), masked_cid.to_bytes()
             answer = await call(_request(client, task, after, encode(reply), block))

@@ -197,11 +197,11 @@ class RunService:
         session = manager.secure.session_for(manager.run(call.run), rid, call.peer)
         if call.message:
             message = decode(call.message)
-            if isinstance(message, MaskedInput):
-                message = await asyncio.to_thread(
-                    manager.secure.masked_input, rid, message, call.block
-                )
-            await asyncio.to_thread(session.post, call.peer, message)
+            if isinstance(message, MaskedInput):  # folded, its block deleted, in one hop
+                post = manager.secure.post_masked
+                await asyncio.to_thread(post, rid, session, call.peer, message, call.block)
+            else:
+                await asyncio.to_thread(session.post, call.peer, message)
             if isinstance(message, UnmaskResponse):  # the peer's last step
                 status = manager.coordinator.status(rid)
                 return RunAnswer(status=None if status is None else status_to_wire(status))
