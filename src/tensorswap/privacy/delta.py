@@ -13,7 +13,6 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from tensorswap import _alloc
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound
 from tensorswap.store import (
@@ -75,7 +74,7 @@ def delta_from_store(
             mine, tensor = np.asarray(values), by_name.get(name)
             if tensor is None or tuple(tensor.shape) != mine.shape:
                 return None
-            delta = _alloc.empty(mine.size, mine.dtype)
+            delta = np.empty(mine.size, mine.dtype)
             if not _subtract_into(store, tensor, mine.reshape(-1), delta):
                 return None
             out[name] = delta.reshape(mine.shape)
@@ -94,7 +93,7 @@ def flat_delta_from_store(
         tensors = _base_tensors(store, base)
         if tensors is None or {name for name, _ in tensors} != set(model):
             return None
-        out = _alloc.empty(sum(t.size for _, t in tensors), np.float32)
+        out = np.empty(sum(t.size for _, t in tensors), np.float32)
         at = 0
         for name, tensor in tensors:
             mine = np.asarray(model[name])

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from tensorswap import _alloc
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.rounds.state import RoundStatus
 from tensorswap.runs.messages import RunAnswer, SecAggRequest
@@ -72,7 +71,7 @@ def flatten_delta(
     if set(model) != set(base):
         diff = sorted(set(model) ^ set(base))
         raise QuantizationError(f"the update's tensors differ from the task's model: {diff}")
-    out = _alloc.empty(sum(np.size(v) for v in base.values()), np.float32)
+    out = np.empty(sum(np.size(v) for v in base.values()), np.float32)
     at = 0
     for name, like in base.items():
         part = np.asarray(model[name])

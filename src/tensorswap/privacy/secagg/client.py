@@ -17,7 +17,6 @@ import threading
 
 import numpy as np
 
-from tensorswap import _alloc
 from tensorswap.privacy.secagg import crypto
 from tensorswap.privacy.secagg.errors import (
     ConflictingUnmaskRequest,
@@ -171,8 +170,7 @@ class SecAggClient:
         config = self.config
         masks = []
         if self._masked is None:
-            self._masked = _alloc.empty(config.dim + 1, np.uint32)  # recycled pages
-            self._masked.fill(0)
+            self._masked = np.zeros(config.dim + 1, np.uint32)
             masks.append((self_mask_key(self._seed, config.round_id), 1))
         for other in sorted(partners - self._masked_with):
             masks.append((self._pair_key(other), pair_sign(self.peer_id, other)))

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tensorswap import _alloc
 from tensorswap.privacy.secagg.errors import QuantizationError, SecAggConfigError
 
 try:  # the one-pass C form (setup.py builds it where a compiler is; optional)
@@ -112,7 +111,7 @@ class Quantizer:
         scale, offset = (int(weight) / self.max_weight) / self.step, self.clip / self.step
         n = min(MASK_CHUNK, update.size)
         words = np.empty(n, dtype=np.uint32)
-        out = _alloc.empty(update.size + 1, np.uint32)  # recycled pages: one per round
+        out = np.empty(update.size + 1, dtype=np.uint32)
         if FUSED:
             levels = float(self.levels)
             for at in range(0, update.size, MASK_CHUNK):
