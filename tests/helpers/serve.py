@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import select
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from tensorswap.netlab.lab import read_line
 
 SECRET = "restart-test-secret"
 """The key every test server is started with."""
@@ -53,14 +55,11 @@ class Server:
         assert self.proc.stderr is not None
         seen = []
         while True:
-            ready, _, _ = select.select([self.proc.stderr], [], [], timeout)
-            if not ready:
-                self.kill()
-                raise AssertionError(f"server did not start: {seen}")
-            line = self.proc.stderr.readline()
+            line = read_line(self.proc.stderr, time.monotonic() + timeout)
             if not line:
+                code = self.proc.poll()
                 self.kill()
-                raise AssertionError(f"server exited: {seen}")
+                raise AssertionError(f"server exited ({code}) or was silent: {seen}")
             seen.append(line)
             if line.startswith("listening on "):
                 return int(line.rsplit(":", 1)[1])

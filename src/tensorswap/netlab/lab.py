@@ -20,11 +20,12 @@ import select
 import signal
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import IO, TYPE_CHECKING, Any, Self, TypeVar
 
 from tensorswap.netlab import shape as shaping
 from tensorswap.netlab._sys import (
@@ -332,8 +333,7 @@ def wait_listening(proc: subprocess.Popen[Any], timeout: float, name: str) -> in
         raise LabProcessFailed(name, "started without a stderr pipe")
     seen: list[str] = []
     while True:
-        ready, _, _ = select.select([stream], [], [], timeout)
-        line = stream.readline() if ready else ""
+        line = read_line(stream, time.monotonic() + timeout)
         if not line:
             proc.kill()
             proc.wait(timeout=30)
@@ -341,6 +341,25 @@ def wait_listening(proc: subprocess.Popen[Any], timeout: float, name: str) -> in
         seen.append(line)
         if line.startswith("listening on "):
             return int(line.rsplit(":", 1)[1])
+
+
+def read_line(stream: IO[Any], deadline: float) -> str:
+    """The next line of a child's pipe ``stream`` ("" at end of file or at ``deadline``, a
+    ``time.monotonic()`` instant), read a byte at a time from its file descriptor: a buffered
+    ``readline`` would pull the lines after it into Python's buffer, where ``select`` no
+    longer sees them (a line logged just before ``listening on`` then hid it). The stream's
+    own buffer must be empty (nothing read through it before)."""
+    fd = stream.fileno()
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return ""
+        byte = os.read(fd, 1)
+        if not byte:
+            break
+        line += byte
+    return line.decode(errors="replace")
 
 
 def namespace_exists(name: str) -> bool:
