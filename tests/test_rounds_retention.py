@@ -281,3 +281,37 @@ def test_a_collection_walks_the_store_before_it_holds_submits_off(
         monkeypatch.setattr(kind, "remove_temp_files", spy_sweep)
     coord.collect_garbage(1, grace=0.0)
     assert held and not any(held)
+
+
+def test_queued_collections_read_the_store_account_and_walk_every_sixteenth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queued collection takes its candidates from the store's own account (no walk of its
+    shards); the first and every 16th walk, and so find what another process put."""
+    walks: list[int] = []
+    scan = DirectoryStore._scan
+
+    def counted(self: DirectoryStore, prune_before: float | None = None) -> Iterator[object]:
+        walks.append(1)
+        return scan(self, prune_before)
+
+    monkeypatch.setattr(DirectoryStore, "_scan", counted)
+    store = DirectoryStore(tmp_path / "blocks")
+    with Coordinator(
+        store, clock=FakeClock(1000.0), run_timer=False, keep_rounds=1, gc_grace=0
+    ) as coord:
+        first = run_round(coord, 1, [1])
+        coord.drain_collections(timeout=30)
+        assert walks == [1]
+        foreign = DirectoryStore(tmp_path / "blocks").put(b"another process's garbage")
+        for number in range(2, 17):
+            _, result = run_round(coord, number, [number])
+            coord.drain_collections(timeout=30)
+            assert store.has(result)
+        assert coord.stats().gc_runs == 16 and walks == [1]
+        assert not store.has(first[1]) and not store.has(first[0][0])  # from the account
+        assert store.has(foreign)  # not in the account: left for the next walk
+        run_round(coord, 17, [17])
+        coord.drain_collections(timeout=30)
+        assert walks == [1, 1] and not store.has(foreign)
+        assert coord.collect_garbage(1, grace=0.0) and walks == [1, 1, 1]  # on demand: a walk

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from tensorswap.cid import Cid
 from tensorswap.errors import CorruptBlock, StoreError
 from tensorswap.store import DirectoryStore, MemoryStore, StoreSize
-from tensorswap.store.directory import FORMAT_LINE
+from tensorswap.store.directory import EMPTY_SHARD_AGE, FORMAT_LINE
 
 
 def _flip_byte(path: str, offset: int) -> None:
@@ -180,14 +182,76 @@ def test_a_repeated_put_rewrites_a_block_that_vanished_meanwhile(tmp_path: Path)
     assert store.has(cid) and store.get(cid) == b"block"
 
 
-def test_a_delete_that_empties_a_shard_removes_it(tmp_path: Path) -> None:
+def test_a_delete_leaves_its_shard_and_a_rescan_removes_it_once_long_empty(
+    tmp_path: Path,
+) -> None:
     store = DirectoryStore(tmp_path)
     cid = store.put(b"alone in its shard")
     shard = Path(store.path_of(cid)).parent
-    assert shard.is_dir()
-    assert store.delete(cid) and not shard.exists()
+    assert store.delete(cid) and shard.is_dir()  # the next block there needs no mkdir
+    assert store.inventory(rescan=True) == [] and shard.is_dir()  # emptied just now: kept
+    old = time.time() - EMPTY_SHARD_AGE - 5
+    os.utime(shard, (old, old))
+    assert store.inventory(rescan=True) == [] and not shard.exists()
     assert shard.parent.is_dir()  # the first level stays (256 at most)
     assert store.put(b"alone in its shard") == cid and store.get(cid) == b"alone in its shard"
+
+
+def test_a_rescan_never_removes_a_shard_holding_a_block(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path)
+    cid = store.put(b"kept")
+    shard = Path(store.path_of(cid)).parent
+    old = time.time() - EMPTY_SHARD_AGE - 5
+    os.utime(shard, (old, old))
+    assert store.inventory(rescan=True) == [cid] and store.get(cid) == b"kept"
+
+
+def test_the_inventory_follows_own_puts_and_deletes_without_a_walk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = DirectoryStore(tmp_path)
+    before = store.put(b"before the first listing")
+    assert store.inventory() == [before]  # the first call walks
+    walks: list[int] = []
+    scan = DirectoryStore._scan
+
+    def counted(self: DirectoryStore, prune_before: float | None = None) -> Any:
+        walks.append(1)
+        return scan(self, prune_before)
+
+    monkeypatch.setattr(DirectoryStore, "_scan", counted)
+    added = store.put(b"put later")
+    assert store.put(b"put later") == added  # held already: still one entry
+    assert store.delete(before)
+    assert store.inventory() == [added] and walks == []
+    other = DirectoryStore(tmp_path)  # another process, as far as this object knows
+    foreign = other.put(b"from elsewhere")
+    assert store.inventory() == [added]  # unseen until a walk
+    assert sorted(store.inventory(rescan=True), key=str) == sorted([added, foreign], key=str)
+    assert walks == [1]
+    assert other.delete(foreign)
+    assert foreign in store.inventory()  # a stale entry: harmless to a collection
+    assert store.delete(foreign) is False and store.inventory() == [added]
+
+
+def test_puts_and_deletes_during_a_rescan_are_kept_in_the_account(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = DirectoryStore(tmp_path)
+    doomed = store.put(b"deleted while the walk runs")
+    scan = DirectoryStore._scan
+    late: list[Cid] = []
+
+    def racing(self: DirectoryStore, prune_before: float | None = None) -> Any:
+        found = list(scan(self, prune_before))  # the walk has seen the files...
+        late.append(self.put(b"put after the walk saw its shard"))  # ...then these happen
+        self.delete(doomed)
+        return iter(found)
+
+    monkeypatch.setattr(DirectoryStore, "_scan", racing)
+    assert store.inventory(rescan=True) == late
+    monkeypatch.setattr(DirectoryStore, "_scan", scan)
+    assert store.inventory() == late == list(store)
 
 
 def test_a_write_whose_shard_goes_meanwhile_makes_it_again(

@@ -58,6 +58,9 @@ class FreshBlocks(BlockStore):
     def __iter__(self) -> Iterator[Cid]:
         return iter(self.store)
 
+    def inventory(self, *, rescan: bool = False) -> list[Cid]:
+        return self.store.inventory(rescan=rescan)
+
     def size(self) -> StoreSize:
         return self.store.size()
 

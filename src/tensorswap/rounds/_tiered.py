@@ -198,6 +198,12 @@ class CoordinatorStore(DirectoryStore):
         yield from small
         yield from (cid for cid in super().__iter__() if cid not in seen)
 
+    def inventory(self, *, rescan: bool = False) -> list[Cid]:
+        small = [Cid.parse(bytes(row[0])) for row in self._query("SELECT cid FROM small_blocks")]
+        small += self.volatile.cids()
+        seen = set(small)
+        return small + [cid for cid in super().inventory(rescan=rescan) if cid not in seen]
+
     def size(self) -> StoreSize:
         ((count, nbytes),) = self._query(
             "SELECT count(*), coalesce(sum(length(data)), 0) FROM small_blocks"

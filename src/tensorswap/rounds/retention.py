@@ -21,7 +21,8 @@ __all__ = ["DEFAULT_GC_GRACE", "Retention", "RetentionWorker"]
 log = logging.getLogger(__name__)
 
 TEMP_SWEEP_EVERY = 16
-"""Collections between two sweeps for abandoned temp files (each is a walk of the store)."""
+"""Queued collections between two walks of the store: one sweeps abandoned temp files, and
+lists what other processes put (in between, the store's own account is read: ``inventory``)."""
 TEMP_FILE_AGE = 3600.0
 """Seconds after which a temp file (a write that never finished) is removed by a sweep."""
 
@@ -85,17 +86,22 @@ class RetentionWorker:
         with self._lock:
             self._ended[round_id] = self._clock.now()
 
-    def collect(self, keep_rounds: int, *, grace: float | None, dry_run: bool) -> Retention:
-        """See ``Coordinator.collect_garbage``."""
+    def collect(
+        self, keep_rounds: int, *, grace: float | None, dry_run: bool, walk: bool = True
+    ) -> Retention:
+        """See ``Coordinator.collect_garbage``. ``walk=False`` (a queued collection) takes the
+        candidates from the store's account of what it holds (``BlockStore.inventory``)
+        unless this is the first or a ``TEMP_SWEEP_EVERY``-th run."""
         if keep_rounds < 1:
             raise ValueError(f"keep_rounds must be at least 1, got {keep_rounds}")
         grace = self.grace if grace is None else grace
         tracker = self._tracker
-        # Listed before the lock (a walk of the whole store, while submits go on): a block
-        # put after this is never a candidate; one listed and referenced by the time the lock
-        # is held is in the roots; one listed, unreferenced and then offered is young (its
-        # age restarts), and the age is checked again as it is deleted.
-        listed = list(self._store)
+        # Listed before the lock (while submits go on): a block put after this is never a
+        # candidate; one listed and referenced by the time the lock is held is in the roots;
+        # one listed, unreferenced and then offered is young (its age restarts), and the age
+        # is checked again as it is deleted.
+        rescan = walk or self._runs % TEMP_SWEEP_EVERY == 0
+        listed = self._store.inventory(rescan=rescan)
         with self._gc_lock.exclusive():
             rounds = tracker.rounds()
             cutoff = max((info.round_id.round for info in rounds), default=0) - keep_rounds + 1
@@ -192,7 +198,7 @@ class RetentionWorker:
         if keep is None:  # pragma: no cover - only queued when set
             return
         try:
-            self.collect(keep, grace=None, dry_run=False)
+            self.collect(keep, grace=None, dry_run=False, walk=False)
         except Exception as exc:  # a failed collection deletes nothing more; the next retries
             self._count(gc_failures=1)
             log.warning("collection failed: %s", exc, exc_info=True)

@@ -112,6 +112,13 @@ class BlockStore(ABC):
         """Same as ``iter(store)``."""
         return iter(self)
 
+    def inventory(self, *, rescan: bool = False) -> list[Cid]:
+        """The blocks held, for a garbage collection's candidates: ``list(store)`` here. A
+        store may answer from its own account instead of a listing (``DirectoryStore``:
+        without walking its shards, blind to other processes' puts until ``rescan=True``), so
+        a block it leaves out is only collected later, never one wrongly."""
+        return list(self)
+
     def missing(self, cids: Iterable[Cid]) -> list[Cid]:
         """The CIDs of ``cids`` that this store lacks, each once, in first-seen order."""
         seen: set[Cid] = set()

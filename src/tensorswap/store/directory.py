@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, CorruptBlock, InvalidCid, StoreError
+from tensorswap.store._inventory import Inventory
 from tensorswap.store.base import BlockStore, StoreSize
 
 __all__ = ["FORMAT_LINE", "DirectoryStore"]
@@ -30,6 +31,9 @@ FORMAT_LINE = b"tensorswap-blockstore 1\n"
 _TMP_SUFFIX = ".tmp"
 _WRITE_STEP = 1 << 30  # os.write moves at most ~2 GiB per call on Linux; write in 1 GiB steps
 _HEX = frozenset("0123456789abcdef")
+EMPTY_SHARD_AGE = 600.0
+"""Seconds a shard directory must have stayed empty before a rescan removes it: a delete
+leaves its shard in place, since a busy store writes into it again (see ``_inventory``)."""
 
 
 def _find_syncfs() -> Callable[[int], int] | None:
@@ -91,6 +95,7 @@ class DirectoryStore(BlockStore):
         self.trust_own_writes = trust_own_writes
         self._own: OrderedDict[Cid, tuple[int, int, int, int]] = OrderedDict()
         self._own_lock = threading.Lock()
+        self._inventory = Inventory()
         self._blocks = os.path.join(self.root, "blocks")
         self._quarantine = os.path.join(self.root, "quarantine")
         fmt = self.root / "FORMAT"
@@ -129,6 +134,7 @@ class DirectoryStore(BlockStore):
                 # written (os.replace cannot replace a directory).
                 self._quarantine_file(path, found)
             elif found.st_size == data.nbytes and self._touch_file(cid, path):
+                self._inventory.added(cid)
                 return
         except FileNotFoundError:
             pass
@@ -140,12 +146,13 @@ class DirectoryStore(BlockStore):
                 written = self._write_file_atomic(path, data)
                 break
             except FileNotFoundError as exc:
-                # its shard directory went between the two (a delete removes a shard it
-                # empties): made again
+                # its shard directory went between the two (a rescan removes shards left
+                # empty for long, another process may remove any): made again
                 if attempt == 2:
                     raise StoreError(f"cannot write block {cid} to {path}: {exc}") from exc
             except OSError as exc:
                 raise StoreError(f"cannot write block {cid} to {path}: {exc}") from exc
+        self._inventory.added(cid)
         if self.trust_own_writes:
             with self._own_lock:
                 self._own[cid] = _identity(written)
@@ -256,6 +263,8 @@ class DirectoryStore(BlockStore):
                 self._quarantine, f"{os.path.basename(path)}.{secrets.token_hex(4)}"
             )
             os.replace(path, target)
+            with contextlib.suppress(InvalidCid):
+                self._inventory.removed(Cid.parse(os.path.basename(path)))
             moved = os.lstat(target)
             if (moved.st_ino, moved.st_dev) != (seen.st_ino, seen.st_dev):
                 # A writer replaced the file between the check and the move: that fresh copy
@@ -321,6 +330,7 @@ class DirectoryStore(BlockStore):
                 if time.time() - os.lstat(path).st_mtime < min_age:
                     return None
             except FileNotFoundError:
+                self._inventory.removed(cid)
                 return False
             except OSError as exc:
                 raise StoreError(f"cannot stat block {cid} at {path}: {exc}") from exc
@@ -339,28 +349,35 @@ class DirectoryStore(BlockStore):
         try:
             os.unlink(path)
         except FileNotFoundError:
+            self._inventory.removed(cid)  # gone meanwhile (another process): out of the account
             return False
         except OSError as exc:
             raise StoreError(f"cannot delete block {cid} at {path}: {exc}") from exc
+        self._inventory.removed(cid)
         if self.fsync:
             _fsync_dir(os.path.dirname(path))
-        # A shard left empty goes, so that listings (and retention's walk) cost what the store
-        # holds, not every shard it ever used (up to 65,536: a walk of ~150 ms at 16,384);
-        # a writer that finds its shard gone makes it again. Mostly ENOTEMPTY, cheaply.
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(path))
+        # The shard stays, empty or not: the next block in it needs no mkdir. A rescan
+        # removes shards left empty for EMPTY_SHARD_AGE (``inventory``).
         return True
 
     # ── listing ──────────────────────────────────────────────────────────────
-    def _scan(self) -> Iterator[tuple[Cid, os.DirEntry[str]]]:
-        """Every block file with its CID, shard by shard; temp and foreign files skipped."""
+    def _scan(self, prune_before: float | None = None) -> Iterator[tuple[Cid, os.DirEntry[str]]]:
+        """Every block file with its CID, shard by shard; temp and foreign files skipped.
+        ``prune_before`` (a ``time.time()``): shards found empty and unchanged since then are
+        removed (``rmdir`` removes only an empty directory: a block written into it meanwhile
+        stays, and its writer makes a shard it finds gone again)."""
         for top in _list_dir(self._blocks):
             if not _is_shard(top):
                 continue
             for sub in _list_dir(top.path):
                 if not _is_shard(sub):
                     continue
-                for entry in _list_dir(sub.path):
+                entries = _list_dir(sub.path)
+                if not entries and prune_before is not None:
+                    with contextlib.suppress(OSError):
+                        if sub.stat(follow_symlinks=False).st_mtime < prune_before:
+                            os.rmdir(sub.path)
+                for entry in entries:
                     if entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
                         continue
                     try:
@@ -373,6 +390,20 @@ class DirectoryStore(BlockStore):
     def __iter__(self) -> Iterator[Cid]:
         """A live scan of the shards: blocks added or removed meanwhile may or may not appear."""
         return (cid for cid, _ in self._scan())
+
+    def inventory(self, *, rescan: bool = False) -> list[Cid]:
+        """The blocks this store object knows it holds: what its last rescan found, plus what
+        it has put since, less what it has deleted (``store._inventory``). Without walking the
+        shards, so its cost follows the blocks; but blocks other processes (or other store
+        objects on the same directory) put since the last rescan are missing, and ones they
+        deleted may be listed. ``rescan=True``, and the first call, walk the shards instead,
+        removing those left empty for ``EMPTY_SHARD_AGE`` seconds."""
+        if not rescan:
+            known = self._inventory.snapshot()
+            if known is not None:
+                return known
+        prune_before = time.time() - EMPTY_SHARD_AGE
+        return self._inventory.rescan(lambda: (cid for cid, _ in self._scan(prune_before)))
 
     def size(self) -> StoreSize:
         """Counted by scanning the directory tree (cost grows with the number of blocks)."""
