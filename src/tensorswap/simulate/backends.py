@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar
 
-from tensorswap.demo.fleet import child_env
+from tensorswap.simulate._env import sim_env
 from tensorswap.simulate.errors import SimulationError
 
 __all__ = ["READY_TIMEOUT_S", "Backend", "ProcessBackend", "gather_or_cancel", "make_backend"]
@@ -66,7 +66,7 @@ class ProcessBackend:
         self.procs: list[_Proc] = []
 
     async def start(self, specs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        env = child_env()
+        env = sim_env()
         for index in range(len(specs)):
             log = open(self.out / f"worker-{index}.log", "wb")  # noqa: SIM115 - closed in aclose
             try:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from tensorswap.demo.fleet import child_env
+from tensorswap.simulate._env import sim_env
 from tensorswap.simulate.errors import SimulationError
 
 __all__ = ["Coordinator"]
@@ -84,7 +84,7 @@ class Coordinator:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=self._log,
             stderr=self._log,
-            env=child_env(),
+            env=sim_env(),
         )
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:

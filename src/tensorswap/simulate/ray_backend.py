@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tensorswap.demo.fleet import child_env
+from tensorswap.simulate._env import MALLOC_SETTINGS, sim_env
 from tensorswap.simulate.backends import READY_TIMEOUT_S, STOP_TIMEOUT_S, gather_or_cancel
 from tensorswap.simulate.errors import SimulationError
 
@@ -78,9 +78,10 @@ class RayBackend:
                 "the ray backend needs Ray: pip install 'tensorswap[ray]'"
             ) from None
         if not ray.is_initialized():
-            env = {k: v for k, v in child_env().items() if k.endswith("THREADS")}
+            wanted = set(MALLOC_SETTINGS)
+            env = {k: v for k, v in sim_env().items() if k.endswith("THREADS") or k in wanted}
             if self.address is None:
-                env["PYTHONPATH"] = child_env()["PYTHONPATH"]
+                env["PYTHONPATH"] = sim_env()["PYTHONPATH"]
                 ray.init(
                     num_cpus=max(len(specs), os.cpu_count() or 1),
                     include_dashboard=False,
