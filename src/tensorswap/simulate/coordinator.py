@@ -18,7 +18,7 @@ from tensorswap.simulate.errors import SimulationError
 __all__ = ["Coordinator"]
 
 READY_TIMEOUT_S = 120.0
-GC_GRACE_S = 0.5
+GC_GRACE_S = 0.25
 """Seconds an unreferenced block is spared after it was stored or offered (``--gc-grace``)."""
 MARKER = ".tensorswap-simulate"
 """Marks a directory a simulation's coordinator used: only such a directory is emptied."""
