@@ -257,14 +257,14 @@ def test_puts_and_deletes_during_a_rescan_are_kept_in_the_account(
 def test_a_write_whose_shard_goes_meanwhile_makes_it_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A delete may remove the shard between a writer's check of it and its file's creation;
-    the writer makes it again."""
+    """A rescan (a shard long empty) or another process may remove the shard between a
+    writer's check of it and its file's creation; the writer makes it again."""
     store = DirectoryStore(tmp_path)
     write, gone = DirectoryStore._write_file_atomic, []
 
     def shard_removed_first(self: DirectoryStore, path: str, data: memoryview) -> os.stat_result:
         if not gone:
-            os.rmdir(os.path.dirname(path))  # as a delete of its last other block would
+            os.rmdir(os.path.dirname(path))  # as a rescan pruning it would
             gone.append(path)
         return write(self, path, data)
 
