@@ -271,3 +271,16 @@ def test_a_write_whose_shard_goes_meanwhile_makes_it_again(
     monkeypatch.setattr(DirectoryStore, "_write_file_atomic", shard_removed_first)
     cid = store.put(b"written anyway")
     assert gone and store.get(cid) == b"written anyway"
+
+
+def test_an_account_past_its_limit_is_dropped_and_the_store_walked(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path)
+    store._inventory.limit = 2
+    first, second = store.put(b"one"), store.put(b"two")
+    assert sorted(store.inventory(), key=str) == sorted([first, second], key=str)
+    assert store._inventory.snapshot() is not None
+    third = store.put(b"three")  # past the limit: no account kept
+    assert store._inventory.snapshot() is None
+    assert sorted(store.inventory(), key=str) == sorted([first, second, third], key=str)
+    assert store._inventory.snapshot() is None  # the walk found too many to keep, too
+    assert store.delete(third) and store.inventory() and store._inventory.snapshot() is not None

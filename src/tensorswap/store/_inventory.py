@@ -18,18 +18,24 @@ from collections.abc import Callable, Iterable
 
 from tensorswap.cid import Cid
 
-__all__ = ["Inventory"]
+__all__ = ["MAX_KNOWN", "Inventory"]
+
+MAX_KNOWN = 1 << 20
+"""Blocks an account holds at most (~200 bytes each); a store with more is walked each time,
+as before there was an account, rather than held in memory."""
 
 
 class Inventory:
     """The CIDs one store object holds, as far as it knows. Thread-safe.
 
-    Unknown (``snapshot`` is None) until the first ``rescan``. A put or delete while a rescan
-    walks is applied over the walk's result, so a block put during a rescan is never lost
-    from the account whether or not the walk saw its file.
+    Unknown (``snapshot`` is None) until the first ``rescan``, and again once it would hold
+    more than ``limit`` blocks. A put or delete while a rescan walks is applied over the
+    walk's result, so a block put during a rescan is never lost from the account whether or
+    not the walk saw its file.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_KNOWN) -> None:
+        self.limit = limit
         self._lock = threading.Lock()
         self._known: set[Cid] | None = None
         self._walks: list[tuple[set[Cid], set[Cid]]] = []  # (added, removed) per walk running
@@ -38,6 +44,8 @@ class Inventory:
         with self._lock:
             if self._known is not None:
                 self._known.add(cid)
+                if len(self._known) > self.limit:
+                    self._known = None  # too many to hold: walked each time instead
             for added, removed in self._walks:
                 added.add(cid)
                 removed.discard(cid)
@@ -69,7 +77,6 @@ class Inventory:
                 self._walks = [w for w in self._walks if w is not changes]
                 if found is not None:
                     added, removed = changes
-                    self._known = (found - removed) | added
-        assert self._known is not None
-        with self._lock:
-            return list(self._known)
+                    found = (found - removed) | added
+                    self._known = found if len(found) <= self.limit else None
+        return list(found)
