@@ -42,7 +42,9 @@ class BlockSink:
         self.failed = asyncio.Event()
         """Set once a submitted block failed to be checked or stored (``drain`` raises it)."""
         self._pending: deque[tuple[Cid, asyncio.Future[int]]] = deque()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-sink")
+        # made at the first block that needs it: most connections (inline submits, status,
+        # tasks) never push one (an executor is ~3 us and a few objects per connection)
+        self._pool: ThreadPoolExecutor | None = None
 
     def _put(self, block: BlockFrame) -> int:
         block.check_crc()  # a frame whose CRC32C is still due is checked first
@@ -81,6 +83,8 @@ class BlockSink:
                     self.nbytes += nbytes
                     return
             else:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-sink")
                 future = loop.run_in_executor(self._pool, self._put, block)
         except BaseException:
             if reservation is not None:
@@ -130,4 +134,5 @@ class BlockSink:
                 self.blocks += 1
                 self.nbytes += nbytes
         finally:
-            self._pool.shutdown(wait=False)
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
