@@ -9,6 +9,9 @@ into fresh memory, 33 ms into freed pages). ``sim_env`` fixes the two thresholds
 round frees stays in the heap for the next one: in one run, 3 simulations each way (1,000
 clients, 100 a round, 1 MiB), 0.49-0.72 s per round against 0.53-0.85 s, for 20-30 MiB more
 peak memory of the whole simulation (~4%). A value set in the environment already is kept.
+The coordinator, ``tensorswap serve``, then sets its own mmap threshold (1 MiB,
+``serve_cmd.release_large_frees``: its resident memory stays near what is live), so there only
+the trim threshold holds; the workers keep both.
 """
 
 from __future__ import annotations
