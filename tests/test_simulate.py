@@ -55,6 +55,18 @@ def _no_children_left() -> None:
         ({"clients": 10, "per_round": 2, "rounds": 1, "ray_address": "auto"}, "--backend ray"),
         ({"clients": 10, "per_round": 2, "rounds": 1, "workers": 0}, "workers"),
         ({"clients": 10, "per_round": 2, "rounds": 1, "keep_rounds": -1}, "keep_rounds"),
+        ({"clients": 10, "per_round": 2, "rounds": 1, "strategy": "nope"}, "unknown strategy"),
+        (
+            {
+                "clients": 10,
+                "per_round": 2,
+                "rounds": 1,
+                "optimizer": "fedadam",
+                "optimizer_params": {"beta": 1},
+            },
+            "fedadam",
+        ),
+        ({"clients": 10, "per_round": 2, "rounds": 1, "optimizer": "sgd"}, "server optimizer"),
     ],
 )
 def test_bad_configs_are_typed_errors(kwargs: dict[str, Any], message: str) -> None:
@@ -80,7 +92,7 @@ def test_cli_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--help"]) == 0
     text = capsys.readouterr().out
     options = ("--clients", "--per-round", "--rounds", "--model-mib", "--backend", "--out")
-    for option in (*options, "--keep-rounds"):
+    for option in (*options, "--keep-rounds", "--strategy", "--optimizer", "--opt"):
         assert option in text
     assert main(["--help"]) == 0
     assert "simulate" in capsys.readouterr().out
@@ -96,6 +108,9 @@ def test_cli_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
         (["--clients", "500", "--per-round", "6", "--rounds", "1", "--task", "digits"], "200"),
         ([*SMALL, "--ray-address", "auto"], "--backend ray"),
         ([*SMALL, "--listen", "nowhere"], "listen"),
+        ([*SMALL, "--opt", "eta=fast"], "a number is expected"),
+        ([*SMALL, "--param", "trim_fraction"], "NAME=VALUE"),
+        ([*SMALL, "--optimizer", "sgd"], "server optimizer"),
     ],
 )
 def test_cli_bad_options_exit_2(
@@ -181,6 +196,20 @@ def test_process_backend_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert (out / "coordinator.log").exists() and (out / "worker-1.log").exists()
     # old rounds' blocks are collected as rounds end (--keep-rounds 1 by default)
     assert "keeping the newest 1 round number(s)" in (out / "coordinator.log").read_text()
+    _no_children_left()
+
+
+def test_a_server_optimizer_and_a_robust_strategy_run_the_simulation(tmp_path: Path) -> None:
+    out = tmp_path / "sim"
+    more = ["--optimizer", "fedadam", "--opt", "eta=0.05", "--strategy", "trimmed_mean"]
+    argv = ["simulate", *SMALL, "--rounds", "3", *more, "--param", "trim_fraction=0.25"]
+    assert main([*argv, "--out", str(out), "--no-plot"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    config = summary["config"]
+    assert (config["optimizer"], config["optimizer_params"]) == ("fedadam", {"eta": 0.05})
+    assert (config["strategy"], config["params"]) == ("trimmed_mean", {"trim_fraction": 0.25})
+    losses = [r["loss"] for r in summary["rounds"]]
+    assert losses[2] < losses[1] < losses[0] < 0.5  # 0.5: the initial model's loss
     _no_children_left()
 
 

@@ -12,7 +12,7 @@ import os
 import ssl
 import stat
 import tokenize
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +185,31 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, ssl.SSLError):
         return exc.strerror
     return str(exc) or type(exc).__name__
+
+
+def parse_options(params: Sequence[str]) -> dict[str, float | int | str]:
+    """``k=v`` pairs; numbers become numbers."""
+    out: dict[str, float | int | str] = {}
+    for item in params:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise click.BadParameter(f"expected NAME=VALUE, got {item!r}")
+        for kind in (int, float):
+            try:
+                out[name] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[name] = value
+    return out
+
+
+def parse_numbers(params: Sequence[str]) -> dict[str, float]:
+    """``k=v`` pairs whose values must be numbers (server optimizer hyper-parameters)."""
+    out = {}
+    for name, value in parse_options(params).items():
+        if isinstance(value, str):
+            raise click.BadParameter(f"{name}={value!r}: a number is expected", param_hint="--opt")
+        out[name] = float(value)
+    return out

@@ -13,7 +13,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tensorswap.cli._util import SECONDS, client_tls, parse_host_port
+from tensorswap.cli._util import (
+    SECONDS,
+    client_tls,
+    parse_host_port,
+    parse_numbers,
+    parse_options,
+)
 from tensorswap.cli.send_cmd import load_tensors
 from tensorswap.cli.serve_cmd import resolve_key
 from tensorswap.codec import TensorBlock
@@ -53,34 +59,6 @@ class _Timeout(click.ParamType):
             return SECONDS.convert(value, param, ctx)
         except click.BadParameter:
             self.fail(f"{value!r} is neither seconds > 0 nor 'auto'", param, ctx)
-
-
-def _options(params: Sequence[str]) -> dict[str, float | int | str]:
-    """``k=v`` pairs; numbers become numbers."""
-    out: dict[str, float | int | str] = {}
-    for item in params:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise click.BadParameter(f"expected NAME=VALUE, got {item!r}")
-        for kind in (int, float):
-            try:
-                out[name] = kind(value)
-                break
-            except ValueError:
-                continue
-        else:
-            out[name] = value
-    return out
-
-
-def _numbers(params: Sequence[str]) -> dict[str, float]:
-    """``k=v`` pairs whose values must be numbers (server optimizer hyper-parameters)."""
-    out = {}
-    for name, value in _options(params).items():
-        if isinstance(value, str):
-            raise click.BadParameter(f"{name}={value!r}: a number is expected", param_hint="--opt")
-        out[name] = float(value)
-    return out
 
 
 def run_json(row: RunRow) -> dict[str, object]:
@@ -403,9 +381,9 @@ def create(
             deadline_cap_s=deadline_cap,
             deadline_k=deadline_k,
             strategy=strategy,
-            params=_options(params),
+            params=parse_options(params),
             optimizer=optimizer,
-            optimizer_params=_numbers(opts),
+            optimizer_params=parse_numbers(opts),
             seed=seed,
             rounds=rounds,
             buffer=buffer,

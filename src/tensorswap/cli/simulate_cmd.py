@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from tensorswap.cli._util import parse_host_port
+from tensorswap.cli._util import parse_host_port, parse_numbers, parse_options
 
 
 @click.command("simulate")
@@ -113,6 +113,32 @@ from tensorswap.cli._util import parse_host_port
     help="Rounds whose blocks the coordinator keeps; older contributions and models are "
     "deleted as rounds end (0: keep everything; a round of K clients stores K updates).",
 )
+@click.option(
+    "--strategy",
+    default="fedavg",
+    show_default=True,
+    help="How a round aggregates: fedavg, mean, median, trimmed_mean, krum, multi_krum.",
+)
+@click.option(
+    "--param",
+    "params",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="A strategy option (repeatable), e.g. trim_fraction=0.2.",
+)
+@click.option(
+    "--optimizer",
+    default="fedavg",
+    show_default=True,
+    help="The server optimizer: fedavg, fedavgm, fedadam, fedyogi, fedadagrad, nesterov.",
+)
+@click.option(
+    "--opt",
+    "opts",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="A server optimizer hyper-parameter (repeatable), e.g. eta=0.01.",
+)
 @click.option("--no-plot", is_flag=True, help="Skip simulate.png.")
 def simulate(
     clients: int,
@@ -132,6 +158,10 @@ def simulate(
     out: Path,
     data: Path | None,
     keep_rounds: int,
+    strategy: str,
+    params: tuple[str, ...],
+    optimizer: str,
+    opts: tuple[str, ...],
     no_plot: bool,
 ) -> None:
     """Simulate N clients, K sampled per round, for R rounds, against a real coordinator.
@@ -166,6 +196,10 @@ def simulate(
             listen=listen,
             advertise=advertise,
             keep_rounds=keep_rounds,
+            strategy=strategy,
+            params=parse_options(params),
+            optimizer=optimizer,
+            optimizer_params=parse_numbers(opts),
         )
     except InvalidSimulation as exc:
         raise click.UsageError(str(exc)) from None

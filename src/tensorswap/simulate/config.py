@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tensorswap.runs.errors import InvalidRunSpec
+from tensorswap.runs.model import RunSpec
+from tensorswap.runs.step import check_policies
 from tensorswap.simulate.errors import InvalidSimulation
 
 __all__ = ["BACKENDS", "DIGITS_MAX_CLIENTS", "TASKS", "SimConfig"]
@@ -46,6 +50,10 @@ class SimConfig:
     connections: int = 2
     chunk: int = 16
     keep_rounds: int = 1
+    strategy: str = "fedavg"
+    params: Mapping[str, float | int | str] = field(default_factory=dict)
+    optimizer: str = "fedavg"
+    optimizer_params: Mapping[str, float] = field(default_factory=dict)
     """Rounds whose blocks the coordinator keeps (0: every round's, as ``serve`` does)."""
 
     def __post_init__(self) -> None:
@@ -94,6 +102,27 @@ class SimConfig:
             )
         if self.ray_address is not None and self.backend != "ray":
             raise InvalidSimulation("--ray-address is for --backend ray")
+        self.run_spec()  # the strategy and server optimizer exist, with those options
+
+    def run_spec(self) -> RunSpec:
+        """The sync run the driver creates: ``per_round`` sampled of every client, all of
+        them needed (quorum 1), aggregated by ``strategy`` and stepped by ``optimizer``."""
+        try:
+            spec = RunSpec(
+                per_round=self.per_round,
+                min_clients=self.per_round,
+                rounds=self.rounds,
+                seed=self.seed,
+                quorum=1.0,
+                strategy=self.strategy,
+                params=dict(self.params),
+                optimizer=self.optimizer,
+                optimizer_params=dict(self.optimizer_params),
+            )
+            check_policies(spec)
+        except InvalidRunSpec as exc:
+            raise InvalidSimulation(str(exc)) from None
+        return spec
 
     @property
     def resolved_task(self) -> str:
@@ -132,4 +161,8 @@ class SimConfig:
             "local_epochs": self.local_epochs,
             "lr": self.lr,
             "ray_address": self.ray_address,
+            "strategy": self.strategy,
+            "params": dict(self.params),
+            "optimizer": self.optimizer,
+            "optimizer_params": dict(self.optimizer_params),
         }

@@ -106,7 +106,6 @@ async def run_simulation(cfg: SimConfig, on_event: Listener | None = None) -> Si
     """Run ``cfg`` to its last round; ``on_event(kind, data)`` hears ``ready`` (the worker
     reports), ``round`` (a RoundRow) as they happen."""
     from tensorswap.cid import Cid
-    from tensorswap.runs import RunSpec
     from tensorswap.runs.client import RunClient
     from tensorswap.store import ModelUpdate
 
@@ -138,13 +137,7 @@ async def run_simulation(cfg: SimConfig, on_event: Listener | None = None) -> Si
         ]
         notify("ready", await backend.start(specs))
         memory.extra = tuple(backend.pids())
-        spec = RunSpec(
-            per_round=cfg.per_round,
-            min_clients=cfg.per_round,
-            rounds=cfg.rounds,
-            seed=cfg.seed,
-            quorum=1.0,
-        )
+        spec = cfg.run_spec()
         await client.create_run(RUN_NAME, spec, ModelUpdate(task.initial()))
         result.setup_s = time.perf_counter() - started
         previous = time.perf_counter()
