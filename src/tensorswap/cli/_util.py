@@ -12,9 +12,9 @@ import os
 import ssl
 import stat
 import tokenize
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -213,3 +213,44 @@ def parse_numbers(params: Sequence[str]) -> dict[str, float]:
             raise click.BadParameter(f"{name}={value!r}: a number is expected", param_hint="--opt")
         out[name] = float(value)
     return out
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_POLICY_OPTIONS = (
+    click.option(
+        "--strategy",
+        default="fedavg",
+        show_default=True,
+        help="How a round aggregates: fedavg, mean, median, trimmed_mean, krum, multi_krum.",
+    ),
+    click.option(
+        "--param",
+        "params",
+        multiple=True,
+        metavar="NAME=VALUE",
+        help="A strategy option (repeatable), e.g. trim_fraction=0.2.",
+    ),
+    click.option(
+        "--optimizer",
+        default="fedavg",
+        show_default=True,
+        help="The server optimizer: fedavg, fedavgm, fedadam, fedyogi, fedadagrad, nesterov.",
+    ),
+    click.option(
+        "--opt",
+        "opts",
+        multiple=True,
+        metavar="NAME=VALUE",
+        help="A server optimizer hyper-parameter (repeatable), e.g. eta=0.01.",
+    ),
+)
+
+
+def policy_options(command: F) -> F:
+    """``--strategy``/``--param`` and ``--optimizer``/``--opt`` (a run's aggregation and server
+    optimizer; parse with ``parse_options`` / ``parse_numbers``), as ``run create`` and
+    ``simulate`` take them."""
+    for option in reversed(_POLICY_OPTIONS):
+        command = option(command)
+    return command

@@ -19,6 +19,7 @@ from tensorswap.cli._util import (
     parse_host_port,
     parse_numbers,
     parse_options,
+    policy_options,
 )
 from tensorswap.cli.send_cmd import load_tensors
 from tensorswap.cli.serve_cmd import resolve_key
@@ -205,32 +206,7 @@ def run() -> None:
     help="Auto deadlines: median + K x MAD of the quorum-th arrival.",
 )
 @click.option("--rounds", type=click.IntRange(min=1), help="Stop after this many versions.")
-@click.option(
-    "--strategy",
-    default="fedavg",
-    show_default=True,
-    help="How a round aggregates: fedavg, mean, median, trimmed_mean, krum, multi_krum.",
-)
-@click.option(
-    "--param",
-    "params",
-    multiple=True,
-    metavar="NAME=VALUE",
-    help="A strategy option (repeatable), e.g. trim_fraction=0.2.",
-)
-@click.option(
-    "--optimizer",
-    default="fedavg",
-    show_default=True,
-    help="The server optimizer: fedavg, fedavgm, fedadam, fedyogi, fedadagrad, nesterov.",
-)
-@click.option(
-    "--opt",
-    "opts",
-    multiple=True,
-    metavar="NAME=VALUE",
-    help="A server optimizer hyper-parameter (repeatable), e.g. eta=0.01.",
-)
+@policy_options
 @click.option(
     "--seed",
     type=click.IntRange(min=0),

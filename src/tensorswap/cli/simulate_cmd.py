@@ -8,7 +8,12 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from tensorswap.cli._util import parse_host_port, parse_numbers, parse_options
+from tensorswap.cli._util import (
+    parse_host_port,
+    parse_numbers,
+    parse_options,
+    policy_options,
+)
 
 
 @click.command("simulate")
@@ -113,32 +118,7 @@ from tensorswap.cli._util import parse_host_port, parse_numbers, parse_options
     help="Rounds whose blocks the coordinator keeps; older contributions and models are "
     "deleted as rounds end (0: keep everything; a round of K clients stores K updates).",
 )
-@click.option(
-    "--strategy",
-    default="fedavg",
-    show_default=True,
-    help="How a round aggregates: fedavg, mean, median, trimmed_mean, krum, multi_krum.",
-)
-@click.option(
-    "--param",
-    "params",
-    multiple=True,
-    metavar="NAME=VALUE",
-    help="A strategy option (repeatable), e.g. trim_fraction=0.2.",
-)
-@click.option(
-    "--optimizer",
-    default="fedavg",
-    show_default=True,
-    help="The server optimizer: fedavg, fedavgm, fedadam, fedyogi, fedadagrad, nesterov.",
-)
-@click.option(
-    "--opt",
-    "opts",
-    multiple=True,
-    metavar="NAME=VALUE",
-    help="A server optimizer hyper-parameter (repeatable), e.g. eta=0.01.",
-)
+@policy_options
 @click.option("--no-plot", is_flag=True, help="Skip simulate.png.")
 def simulate(
     clients: int,
