@@ -78,10 +78,10 @@ class RayBackend:
                 "the ray backend needs Ray: pip install 'tensorswap[ray]'"
             ) from None
         if not ray.is_initialized():
-            wanted = set(MALLOC_SETTINGS)
-            env = {k: v for k, v in sim_env().items() if k.endswith("THREADS") or k in wanted}
+            full = sim_env()
+            env = {k: v for k, v in full.items() if k.endswith("THREADS") or k in MALLOC_SETTINGS}
             if self.address is None:
-                env["PYTHONPATH"] = sim_env()["PYTHONPATH"]
+                env["PYTHONPATH"] = full["PYTHONPATH"]
                 ray.init(
                     num_cpus=max(len(specs), os.cpu_count() or 1),
                     include_dashboard=False,
