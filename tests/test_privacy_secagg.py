@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import struct
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("cryptography")
 
+from helpers.secagg import DIM, Round
 from tensorswap.errors import TensorSwapError
 from tensorswap.privacy.secagg import (
     ConflictingUnmaskRequest,
@@ -29,8 +30,6 @@ from tensorswap.privacy.secagg import (
     Quantizer,
     ReconstructionMismatch,
     ReplayedMessage,
-    SecAggClient,
-    SecAggConfig,
     SecAggConfigError,
     SecAggError,
     SecAggServer,
@@ -48,7 +47,6 @@ from tensorswap.privacy.secagg.graph import default_degree, neighbour_graph
 from tensorswap.privacy.secagg.protocol import (
     KeysAdvert,
     MaskedInput,
-    Message,
     PeerKeys,
     SharesDelivery,
     SharesUpload,
@@ -217,61 +215,6 @@ def test_graph_depends_on_the_seed_and_degree_grows_with_log_n() -> None:
 
 # ── the protocol ─────────────────────────────────────────────────────────────
 
-DIM = 257
-
-
-def _updates(peers: Collection[int], dim: int = DIM) -> dict[int, tuple[np.ndarray, int]]:
-    rng = np.random.default_rng(2026)
-    return {p: (rng.normal(0, 0.3, dim).astype(np.float32), 10 + 7 * p) for p in peers}
-
-
-def _wire(message: Message) -> Message:
-    return decode(encode(message))
-
-
-class Round:
-    """An in-process round: the server and one client per peer, messages through msgpack."""
-
-    def __init__(self, config: SecAggConfig) -> None:
-        self.config = config
-        self.updates = _updates(config.peers, config.dim)
-        self.clients = {
-            p: SecAggClient(p, u, w, rng=np.random.default_rng(p))
-            for p, (u, w) in self.updates.items()
-        }
-        self.server = SecAggServer(config)
-        self.outbox: dict[int, Message] = self.server.setup_messages()
-        self.sent: dict[int, list[Message]] = {p: [] for p in config.peers}
-
-    def phase(self, skip: Collection[int] = ()) -> None:
-        """Every peer not in ``skip`` answers its message; then the server closes the phase."""
-        for peer, message in sorted(self.outbox.items()):
-            if peer in skip:
-                continue
-            reply = self.clients[peer].handle(_wire(message))
-            self.sent[peer].append(reply)
-            self.server.receive(_wire(reply))
-        self.outbox = self.server.close_phase()
-
-    def run(self, drop_masked: Collection[int] = (), drop_unmask: Collection[int] = ()) -> None:
-        self.phase()
-        self.phase()
-        self.phase(skip=drop_masked)
-        self.phase(skip=drop_unmask)
-
-    def plain_sum(self, peers: Collection[int]) -> np.ndarray:
-        total = np.zeros(self.config.dim + 1, dtype=np.uint64)
-        for p in peers:
-            quantized = self.clients[p].quantized
-            assert quantized is not None
-            total += quantized
-        return (total % MODULUS).astype(np.uint32)
-
-    def fedavg(self, peers: Collection[int]) -> np.ndarray:
-        weights = sum(self.updates[p][1] for p in peers)
-        clipped = {p: np.clip(self.updates[p][0].astype(np.float64), -1, 1) for p in peers}
-        return sum(clipped[p] * self.updates[p][1] for p in peers) / weights
-
 
 def test_unmasked_sum_equals_the_plain_sum_of_the_quantized_inputs() -> None:
     r = Round(make_config(range(8), DIM))
@@ -344,7 +287,10 @@ def test_a_peer_whose_share_holders_vanished_fails_the_round_by_name() -> None:
     assert (info.value.owner, info.value.have, info.value.need) == (victim, 2, 3)
 
 
-def test_tampered_encrypted_shares_are_refused() -> None:
+def test_a_tampered_or_swapped_share_is_reported_not_fatal() -> None:
+    """A ciphertext that does not open (flipped bit, or another route's ciphertext: the route
+    is bound as associated data) is the sender's fault: the recipient masks without it and
+    accuses it in its masked input, instead of aborting (see test_privacy_secagg_malicious)."""
     r = Round(make_config(range(8), DIM))
     r.phase()
     r.phase()
@@ -356,16 +302,20 @@ def test_tampered_encrypted_shares_are_refused() -> None:
     tampered = SharesDelivery(
         round_id=delivery.round_id, ciphertexts={**delivery.ciphertexts, source: flipped}
     )
-    with pytest.raises(ShareDecryptionFailed) as info:
-        r.clients[target].handle(tampered)
-    assert (info.value.source, info.value.destination) == (source, target)
-    # Swapping two sources' ciphertexts fails too: the route is bound as associated data.
+    reply = r.clients[target].handle(tampered)
+    assert isinstance(reply, MaskedInput) and reply.accused == (source,)
+    failure = r.clients[target].accusations[source]
+    assert isinstance(failure, ShareDecryptionFailed)
+    assert (failure.source, failure.destination) == (source, target)
+    assert source not in r.clients[target].mask_partners
     other = r.outbox[target + 1]
     assert isinstance(other, SharesDelivery)
     s1, s2 = list(other.ciphertexts)[:2]
     swapped = {**other.ciphertexts, s1: other.ciphertexts[s2], s2: other.ciphertexts[s1]}
-    with pytest.raises(ShareDecryptionFailed):
-        r.clients[target + 1].handle(SharesDelivery(round_id=other.round_id, ciphertexts=swapped))
+    reply = r.clients[target + 1].handle(
+        SharesDelivery(round_id=other.round_id, ciphertexts=swapped)
+    )
+    assert isinstance(reply, MaskedInput) and reply.accused == tuple(sorted((s1, s2)))
 
 
 def test_corrupted_unmask_shares_are_caught_by_the_commitments() -> None:

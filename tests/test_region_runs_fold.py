@@ -168,7 +168,7 @@ async def test_a_secure_run_is_refused_at_a_region_with_the_reason(tmp_path: Pat
         ]
         for peer in peers:
             await peer.register({"num_samples": 10})
-        spec = RunSpec(per_round=2, min_clients=2, secagg=True)
+        spec = RunSpec(per_round=2, min_clients=2, secagg=True, secagg_min_survivors=2)
         async with await RunClient.connect("127.0.0.1", up.server.port, peer="driver") as d:
             await d.create_run(RUN, spec, ModelUpdate(initial()))
         with pytest.raises(SecureRunThroughRegion, match="masks do not compose"):

@@ -14,6 +14,13 @@ import pytest
 
 pytest.importorskip("cryptography")
 
+from helpers.secagg_runs import TIMEOUT, Served, serve_secure_runs
+from helpers.secagg_runs import aggregate as _aggregate
+from helpers.secagg_runs import base_model as _model
+from helpers.secagg_runs import peer_delta as _delta
+from helpers.secagg_runs import secagg_row as _secagg_row
+from helpers.secagg_runs import secure_task as _task
+from helpers.secagg_runs import train as _train
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.privacy.secagg import (
     MalformedSecAggMessage,
@@ -21,7 +28,6 @@ from tensorswap.privacy.secagg import (
     Quantizer,
     ReplayedMessage,
     SecureRoundFailed,
-    ShareDecryptionFailed,
     UnknownParticipant,
     decode,
     encode,
@@ -29,106 +35,21 @@ from tensorswap.privacy.secagg import (
 from tensorswap.privacy.secagg import client as secagg_client
 from tensorswap.privacy.secagg.protocol import KeysAdvert, MaskedInput, PeerKeys, SharesUpload
 from tensorswap.privacy.secagg.quantize import max_bits
-from tensorswap.rounds import Coordinator, FakeClock
 from tensorswap.rounds._tiered import CoordinatorStore
-from tensorswap.rounds.server import RoundServer
 from tensorswap.rounds.state import Complete, Failed, RoundId
-from tensorswap.runs import InvalidRunSpec, RunManager, RunSpec
+from tensorswap.runs import InvalidRunSpec, RunSpec
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.errors import RunsError
 from tensorswap.runs.manager import Task
 from tensorswap.runs.messages import SecAggRequest
-from tensorswap.runs.service import RunService
 from tensorswap.store import DirectoryStore, ModelUpdate, get_update
 from tensorswap.store.manifest import UpdateManifest, read_manifest
-
-KEY = b"secagg-service-key"
-TIMEOUT = 30.0
-
-
-def _model() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    return {"w": rng.standard_normal((8, 4)).astype(np.float32), "b": np.zeros(4, np.float32)}
-
-
-def _delta(i: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(100 + i)
-    return {
-        "w": (rng.uniform(-0.5, 0.5, (8, 4))).astype(np.float32),
-        "b": rng.uniform(-0.5, 0.5, 4).astype(np.float32),
-    }
-
-
-class Served:
-    def __init__(self, server: RoundServer, manager: RunManager, clock: FakeClock) -> None:
-        self.server, self.manager, self.clock = server, manager, clock
-
-    async def client(self, name: str) -> RunClient:
-        client = await RunClient.connect("127.0.0.1", self.server.port, peer=name, key=KEY)
-        await client.register({"num_samples": 10})
-        return client
-
-    async def advance_until(
-        self,
-        ready: asyncio.Future[object],
-        absent: set[str],
-        seconds: float,
-        phase: str | None = None,
-    ) -> None:
-        """Until ``ready``: whenever the open secure phase (``phase`` only, if given: the one
-        the absent peers skip; before it they may merely be the last to answer) waits only for
-        peers in ``absent`` (they will never answer), move the fake clock past its deadline."""
-        while not ready.done():
-            await asyncio.sleep(0.02)
-            for session in list(self.manager.secure._sessions._sessions.values()):  # type: ignore[union-attr]
-                if phase is not None and session.phase != phase:
-                    continue
-                waiting = {session.names[i] for i in session._expected - session._answered}
-                if waiting and waiting <= absent and session.deadline is not None:
-                    self.clock.advance(seconds)
 
 
 @pytest.fixture
 async def served(tmp_path: Path) -> AsyncIterator[Served]:
-    clock = FakeClock()
-    coord = Coordinator.open(tmp_path, clock=clock, durable=False)
-    runs = RunManager.open(coord, durable=False)
-    server = RoundServer(coord, key=KEY, max_wait=30)
-    RunService(runs, server)
-    try:
-        await server.start("127.0.0.1", 0)
-        yield Served(server, runs, clock)
-    finally:
-        await server.aclose()
-        runs.close()
-        coord.close()
-
-
-async def _task(client: RunClient, run: str = "fl") -> Task:
-    task = await client.next_task(run, timeout=TIMEOUT)
-    assert task is not None and task.secagg
-    return task
-
-
-async def _train(client: RunClient, i: int, run: str = "fl") -> object:
-    task = await _task(client, run)
-    model = await client.fetch_model(task)
-    delta = _delta(i)
-    return await client.submit(task, {k: model[k] + delta[k] for k in model}, num_samples=10 + i)
-
-
-def _secagg_row(manager: RunManager, run: str, round: int) -> tuple[str, ...]:
-    row = manager.secure._row(run, round)
-    assert row is not None
-    return row  # type: ignore[return-value]
-
-
-async def _aggregate(manager: RunManager, run: str, round: int) -> dict[str, np.ndarray]:
-    info = await asyncio.to_thread(manager.wait_version, run, 1, TIMEOUT)
-    assert info.version == 1
-    phase, _, _, cid, _ = _secagg_row(manager, run, round)
-    assert phase == "done" and cid
-    return dict(get_update(manager.store, Cid.parse(cid)).tensors)
+    async with serve_secure_runs(tmp_path) as running:
+        yield running
 
 
 async def test_the_unmasked_sum_is_exactly_the_sum_of_the_quantized_inputs(
@@ -247,7 +168,7 @@ async def test_a_peer_that_closes_with_a_begun_task_leaves_nothing_running(
 ) -> None:
     peers = [await served.client(f"p{i}") for i in range(2)]
     try:
-        spec = RunSpec(per_round=2, min_clients=2, rounds=1, secagg=True)
+        spec = RunSpec(per_round=2, min_clients=2, rounds=1, secagg=True, secagg_min_survivors=2)
         await peers[0].create_run("fl", spec, ModelUpdate(_model()))
         await _task(peers[0])  # its key phases wait for p1, which never asks
         held = peers[0]._secure._held["fl"][1]
@@ -267,7 +188,10 @@ async def test_a_begun_task_of_a_round_that_failed_gives_way_to_the_next_round(
     connection is closed, never reused half-read), and round 2 goes through."""
     p0, p1 = await served.client("p0"), await served.client("p1")
     try:
-        spec = RunSpec(per_round=2, min_clients=2, rounds=1, secagg=True, round_timeout_s=10.0)
+        spec = RunSpec(
+            per_round=2, min_clients=2, rounds=1, secagg=True, round_timeout_s=10.0,
+            secagg_min_survivors=2,
+        )  # fmt: skip
         await p0.create_run("fl", spec, ModelUpdate(_model()))
         first = await _task(p0)
         waiting = p0._secure._held["fl"][1]
@@ -456,11 +380,12 @@ async def test_replayed_forged_and_malformed_messages_are_refused_typed(
         stranger = SharesUpload(rid, index or 0, {**shares.ciphertexts, 99: b"x"})
         with pytest.raises(UnknownParticipant):
             await me._call(call(2, encode(stranger)), long=True)
-        # a tampered ciphertext: its recipients refuse it (the AEAD), typed, in their submit
+        # tampered ciphertexts: their recipients accuse this peer (it is dropped) and carry
+        # on; two usable inputs miss the quorum (and the floor): nothing is unmasked
         tampered = {d: c[:-1] + bytes([c[-1] ^ 1]) for d, c in shares.ciphertexts.items()}
         upload = encode(SharesUpload(rid, index or 0, tampered))
         await me._call(call(2, upload, timeout=0.0), long=True)
-        with pytest.raises(ShareDecryptionFailed):
+        with pytest.raises(SecureRoundFailed, match=r"p0. dropped: .*could not open its shares"):
             await others
     finally:
         for p in peers:
@@ -499,14 +424,23 @@ def test_secure_specs_are_checked() -> None:
     with pytest.raises(InvalidRunSpec, match="need secagg"):
         RunSpec(secagg_threshold=3)
     with pytest.raises(InvalidRunSpec, match="dp_clipping='client'"):
-        RunSpec(min_clients=2, secagg=True, dp_clip=1.0)
+        RunSpec(min_clients=3, secagg=True, dp_clip=1.0)
     with pytest.raises(InvalidRunSpec, match="auto"):
-        RunSpec(min_clients=2, secagg=True, round_timeout_s="auto")
-    RunSpec(min_clients=2, secagg=True, dp_clip=1.0, dp_clipping="client", dp_noise=0.5)
+        RunSpec(min_clients=3, secagg=True, round_timeout_s="auto")
+    RunSpec(min_clients=3, secagg=True, dp_clip=1.0, dp_clipping="client", dp_noise=0.5)
+    # the survivor floor (3 by default): a 2-peer secure run must say it accepts that each
+    # peer learns the other's delta
+    with pytest.raises(InvalidRunSpec, match="secagg_min_survivors=3 needs min_clients >= 3"):
+        RunSpec(min_clients=2, secagg=True)
+    RunSpec(min_clients=2, secagg=True, secagg_min_survivors=2)
+    with pytest.raises(InvalidRunSpec, match="secagg_min_survivors must be an int >= 2"):
+        RunSpec(min_clients=3, secagg=True, secagg_min_survivors=1)
+    with pytest.raises(InvalidRunSpec, match="need secagg"):
+        RunSpec(secagg_min_survivors=4)
     from tensorswap.runs.step import check_policies
 
     with pytest.raises(InvalidRunSpec, match="threshold"):
-        check_policies(RunSpec(per_round=8, min_clients=2, secagg=True, secagg_threshold=2))
+        check_policies(RunSpec(per_round=8, min_clients=3, secagg=True, secagg_threshold=2))
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.8])

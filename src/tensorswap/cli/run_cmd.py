@@ -300,6 +300,14 @@ def run() -> None:
     "phase, where peers train, lasts until --round-timeout at least; without one it waits for "
     "every peer).",
 )
+@click.option(
+    "--secagg-min-survivors",
+    type=click.IntRange(min=2),
+    default=3,
+    show_default=True,
+    help="SecAgg+: the fewest peers a round's sum is unmasked over (and never fewer than the "
+    "threshold); a round with fewer fails. 2 lets each survivor learn the other's delta.",
+)
 @_with_common
 def create(
     address: str,
@@ -334,6 +342,7 @@ def create(
     secagg_clip: float | None,
     secagg_bits: int | None,
     secagg_phase_timeout: float,
+    secagg_min_survivors: int,
     key: str | None,
     key_file: str | None,
     tls_ca: str | None,
@@ -376,6 +385,7 @@ def create(
             secagg_clip=secagg_clip,
             secagg_bits=secagg_bits,
             secagg_phase_timeout_s=secagg_phase_timeout,
+            secagg_min_survivors=secagg_min_survivors,
         )
     except InvalidRunSpec as exc:
         raise click.UsageError(str(exc)) from exc

@@ -125,15 +125,20 @@ def _check_run_options(cfg: DemoConfig) -> None:
         sampled = cfg.sample or cfg.peers
         if cfg.run_mode == "async":
             raise DemoError("--secagg applies to --mode sync (sampled rounds)")
-        if sampled < 2:
-            raise DemoError("--secagg needs at least 2 peers a round (a sum of one is one)")
+        if sampled < 3:
+            raise DemoError(
+                "--secagg needs at least 3 peers a round (a sum is never unmasked over fewer: "
+                "with 2, each would learn the other's delta)"
+            )
         if cfg.secagg_threshold is not None and not 2 <= cfg.secagg_threshold <= sampled:
             raise DemoError(
                 f"--secagg-threshold {cfg.secagg_threshold} must be in [2, {sampled}] "
                 "(the peers sampled per round)"
             )
-        if cfg.kill_peer is not None and cfg.secagg_threshold is None and sampled < 3:
-            raise DemoError("--kill-peer with --secagg needs at least 3 peers a round")
+        if cfg.kill_peer is not None and sampled < 4:
+            raise DemoError(
+                "--kill-peer with --secagg needs at least 4 peers a round (3 survivors at least)"
+            )
     if cfg.run_mode == "async":
         if cfg.sample is not None:
             raise DemoError("--sample applies to --mode sync (an async run takes any peer)")

@@ -118,6 +118,7 @@ def check_secagg_options(spec: Any) -> None:
                 ("secagg_threshold", None),
                 ("secagg_clip", None),
                 ("secagg_bits", None),
+                ("secagg_min_survivors", 3),
             )
             if getattr(spec, name) != default
         ]
@@ -143,6 +144,12 @@ def check_secagg_options(spec: Any) -> None:
     if weight >= 1 << 31:
         raise InvalidRunSpec(f"secagg_max_weight must be below 2^31, got {weight}")
     _finite("secagg_phase_timeout_s", spec.secagg_phase_timeout_s, 0.0)
+    floor = _int_at_least("secagg_min_survivors", spec.secagg_min_survivors, 2)
+    if spec.min_clients < floor:
+        raise InvalidRunSpec(
+            f"secagg_min_survivors={floor} needs min_clients >= {floor}: a secure round's sum "
+            f"is never unmasked over fewer peers (with 2, each learns the other's delta)"
+        )
     if spec.strategy not in DP_STRATEGIES:
         raise InvalidRunSpec(
             f"a secure run sums the peers' deltas (FedAvg-weighted by num_samples); strategy "

@@ -84,7 +84,9 @@ class RunSpec:
     ``secagg_bits`` (None: the most the sample size allows), ``secagg_max_weight`` (the
     largest num_samples; a DP run weighs every peer 1), ``secagg_phase_timeout_s`` (each
     phase after the first closes when all answered or after this long; the masked-input
-    phase, where peers train, not before ``round_timeout_s``, and with none it waits for all).
+    phase, where peers train, not before ``round_timeout_s``, and with none it waits for all),
+    ``secagg_min_survivors`` (the floor: a round's sum is unmasked over at least this many
+    peers, and the threshold t; fewer fail the round, so no sum exposes one peer's delta).
     """
 
     mode: RunMode = RunMode.SYNC
@@ -123,6 +125,7 @@ class RunSpec:
     secagg_bits: int | None = None
     secagg_max_weight: int = 1 << 16
     secagg_phase_timeout_s: float = 30.0
+    secagg_min_survivors: int = 3  # privacy.secagg.protocol.DEFAULT_MIN_SURVIVORS
 
     @property
     def auto_deadline(self) -> bool:
@@ -217,6 +220,11 @@ class RunSpec:
         data = json.loads(text)
         if not isinstance(data, dict):
             raise InvalidRunSpec(f"a run spec is a JSON object, got {type(data).__name__}")
+        if data.get("secagg") is True and "secagg_min_survivors" not in data:
+            # journaled before the floor existed: the floor its min_clients can serve, so the
+            # run goes on (a 2-peer run stays one, as it was created)
+            clients = data.get("min_clients", 1)
+            data["secagg_min_survivors"] = min(3, clients) if isinstance(clients, int) else 3
         try:
             return cls(**data)
         except TypeError as exc:

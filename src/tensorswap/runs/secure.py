@@ -172,6 +172,7 @@ class RunSecurity:
                 bits=spec.secagg_bits,
                 clip=clip,
                 max_weight=secagg_weight(spec),
+                min_survivors=spec.secagg_min_survivors,
             )
         except SecAggError as exc:
             self._failed(rid, f"{type(exc).__name__}: {exc}")
@@ -348,6 +349,14 @@ class RunSecurity:
                     self._failed(rid, f"storing the unmasked aggregate failed: {exc}")
                     return
                 blocks = self._end(session.key, delete=False)
+                for peer, accusers in out.implicated.items():
+                    log.warning(
+                        "run %s: round %d: peer %r dropped: %s could not open its shares",
+                        meta.run,
+                        meta.round,
+                        peer,
+                        list(accusers),
+                    )
                 log.info(
                     "run %s: round %d unmasked: %d survivors, %d dropped",
                     meta.run,

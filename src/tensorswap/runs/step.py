@@ -61,6 +61,7 @@ def _check_secagg(spec: RunSpec) -> None:
             bits=spec.secagg_bits,
             clip=spec.secagg_clip or spec.dp_clip or 1.0,
             max_weight=secagg_weight(spec),
+            min_survivors=spec.secagg_min_survivors,
         )
     except SecAggError as exc:
         raise InvalidRunSpec(f"run spec: {exc}") from exc

@@ -10,6 +10,7 @@ the server side of one run round by peer name, with phase deadlines; ``runs.secu
 
 from tensorswap.privacy.secagg.client import ClientPhase, SecAggClient
 from tensorswap.privacy.secagg.errors import (
+    BelowSurvivorFloor,
     ConflictingUnmaskRequest,
     DuplicateShareIndex,
     ForeignRound,
@@ -37,6 +38,7 @@ from tensorswap.privacy.secagg.quantize import Quantizer
 from tensorswap.privacy.secagg.server import SecAggResult, SecAggServer, ServerPhase
 
 __all__ = [
+    "BelowSurvivorFloor",
     "ClientPhase",
     "ConflictingUnmaskRequest",
     "DuplicateShareIndex",

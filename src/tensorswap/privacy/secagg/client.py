@@ -3,9 +3,12 @@
 The client never touches the network: the caller hands it each server message and sends
 what it returns. It refuses, with typed errors, any message its phase does not take
 (``OutOfPhase``), a repeat of one it already handled (``ReplayedMessage``), another round's
-message (``ForeignRound``), tampered shares (``ShareDecryptionFailed``) and an unmask
-request that asks for both shares of one peer (``ConflictingUnmaskRequest``). It answers
-at most one unmask request, so no sequence of requests can extract both shares either.
+message (``ForeignRound``) and an unmask request that asks for both shares of one peer
+(``ConflictingUnmaskRequest``) or unmasks a sum of fewer peers than the config's floor
+(``TooFewSurvivors``). A share ciphertext that fails (tampered, swapped, misaddressed) is
+the sender's fault: the peer masks without that sender and accuses it in its masked input,
+so one peer cannot make another abort. It answers at most one unmask request, so no
+sequence of requests can extract both shares either.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ import numpy as np
 
 from tensorswap.privacy.secagg import crypto
 from tensorswap.privacy.secagg.errors import (
+    BelowSurvivorFloor,
     ConflictingUnmaskRequest,
     ForeignRound,
     KeyAdvertRejected,
+    MalformedSecAggMessage,
     OutOfPhase,
     QuantizationError,
     ReplayedMessage,
+    SecAggError,
+    ShareDecryptionFailed,
     ShareMisaddressed,
     TooFewSurvivors,
     UnknownParticipant,
@@ -122,6 +129,9 @@ class SecAggClient:
         self._key_shares: dict[int, bytes] = {}
         self.mask_partners: frozenset[int] = frozenset()
         """The neighbours this peer masked with (known after the masked-input phase)."""
+        self.accusations: dict[int, SecAggError] = {}
+        """The neighbours whose share ciphertext failed here, with the failure: reported in
+        the masked input, left out of the masks (known after the masked-input phase)."""
         self.quantized: np.ndarray | None = None
         """This peer's quantized input, before masking (kept for tests and audits)."""
         self._prep_lock = threading.Lock()  # guards the masked vector being built
@@ -289,36 +299,58 @@ class SecAggClient:
         if self.peer_id in sources or not sources <= set(self._keys):
             stray = min(sources - (set(self._keys) - {self.peer_id}))
             raise UnknownParticipant(stray, "shares from a peer that is no live neighbour")
-        if len(sources) + 1 < config.threshold:
-            raise TooFewSurvivors("masked input", len(sources) + 1, config.threshold)
+        accused: dict[int, SecAggError] = {}
         for source, blob in sorted(message.ciphertexts.items()):
-            key = crypto.agree(
-                self._enc_sk,
-                self._keys[source].encryption_key,
-                round_id=config.round_id,
-                info=crypto.INFO_SHARE_KEY,
-            )
-            plain = decode_plaintext(
-                crypto.decrypt(
-                    key, blob, round_id=config.round_id, source=source, destination=self.peer_id
-                )
-            )
-            route = (plain.source, plain.destination)
-            if route != (source, self.peer_id) or plain.round_id != config.round_id:
-                raise ShareMisaddressed(route, (source, self.peer_id))
+            try:
+                plain = self._open_share(source, blob)
+            except (ShareDecryptionFailed, ShareMisaddressed, MalformedSecAggMessage) as exc:
+                # The sender's fault, not ours: it is reported, we mask without it, and the
+                # server drops it. Aborting here would let one peer exclude another.
+                accused[source] = exc
+                continue
             self._seed_shares[source] = plain.seed_share
             self._key_shares[source] = plain.key_share
+        partners = frozenset(sources - set(accused))
+        if len(partners) + 1 < config.threshold:
+            raise TooFewSurvivors("masked input", len(partners) + 1, config.threshold)
         with self._prep_lock:  # y = q + PRG(b) + sum_v +-PRG(s_uv) over the share senders
             if self._update is None:
                 raise QuantizationError("no input to mask: provide() it before the shares")
             self._sealed = True
-            masked = self._build_masked(frozenset(sources))
+            masked = self._build_masked(partners)
             self._masked = None
-        self.mask_partners = frozenset(sources)
+        self.mask_partners = partners
+        self.accusations = accused
         self.phase = ClientPhase.MASKED
         # the words as a buffer, not a fresh bytes copy (encoders and stores take buffers)
         words = masked.astype("<u4", copy=False).view(np.uint8).data
-        return MaskedInput(round_id=config.round_id, sender=self.peer_id, masked=words)  # type: ignore[arg-type]
+        return MaskedInput(
+            round_id=config.round_id,
+            sender=self.peer_id,
+            masked=words,  # type: ignore[arg-type]
+            accused=tuple(sorted(accused)),
+        )
+
+    def _open_share(self, source: int, blob: bytes) -> SharePlaintext:
+        """The share pair ``source`` sent this peer: ShareDecryptionFailed (tampered, swapped,
+        not for us), MalformedSecAggMessage (no plaintext), ShareMisaddressed (another route
+        or round inside)."""
+        config = self.config
+        key = crypto.agree(
+            self._enc_sk,
+            self._keys[source].encryption_key,
+            round_id=config.round_id,
+            info=crypto.INFO_SHARE_KEY,
+        )
+        plain = decode_plaintext(
+            crypto.decrypt(
+                key, blob, round_id=config.round_id, source=source, destination=self.peer_id
+            )
+        )
+        route = (plain.source, plain.destination)
+        if route != (source, self.peer_id) or plain.round_id != config.round_id:
+            raise ShareMisaddressed(route, (source, self.peer_id))
+        return plain
 
     def _on_unmask(self, message: UnmaskRequest) -> UnmaskResponse:
         config = self.config
@@ -327,8 +359,8 @@ class SecAggClient:
         both = (survivors & dropped) | ({self.peer_id} & dropped)
         if both:
             raise ConflictingUnmaskRequest(both)
-        if len(survivors) < config.threshold:
-            raise TooFewSurvivors("unmask", len(survivors), config.threshold)
+        if len(survivors) < config.floor:  # a sum of too few would reveal an input
+            raise BelowSurvivorFloor(len(survivors), config.floor)
         holders = self.mask_partners | {self.peer_id}
         seed_shares = {p: self._seed_shares[p] for p in sorted(survivors & holders)}
         key_shares = {p: self._key_shares[p] for p in sorted(dropped & self.mask_partners)}

@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from tensorswap.privacy.secagg.errors import (
+    BelowSurvivorFloor,
     OutOfPhase,
     PeerDropped,
     SecAggError,
@@ -43,12 +44,14 @@ PHASES = ("setup", "advertise", "share", "masked input", "unmask")
 @dataclass(frozen=True)
 class SecAggOutcome:
     """A finished session: who survived (their sum is in ``mean``), who dropped, the FedAvg
-    weighted mean (float32) and the survivors' total weight."""
+    weighted mean (float32), the survivors' total weight, and the peers dropped because
+    neighbours could not open their shares (``implicated``: peer -> its accusers)."""
 
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
     mean: np.ndarray
     weight_sum: int
+    implicated: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 class SecAggSession:
@@ -137,7 +140,9 @@ class SecAggSession:
                 )
             self.server.receive(message)
             self._answered.add(i)
-            closed = self._answered >= self._expected and self._close()
+            # an accused peer is dropped whatever it sends: the phase need not wait for it
+            waiting = self._expected - self._answered - set(self.server.implicated)
+            closed = not waiting and self._close()
         if closed:
             self._changed()
 
@@ -186,16 +191,17 @@ class SecAggSession:
     def _close(self) -> bool:
         """Close the phase collecting now (the caller holds the lock); True: it changed."""
         server = self.server
-        if server.phase is ServerPhase.MASK and len(self._answered) < self._quorum:
+        if server.phase is ServerPhase.MASK and server.usable_inputs() < self._quorum:
             self._fail(
-                f"{len(self._answered)} of {len(self.names)} peers sent a masked input "
-                f"(quorum {self._quorum})"
+                f"{server.usable_inputs()} of {len(self.names)} peers sent a usable masked "
+                f"input (quorum {self._quorum}){self._blame(server.implicated)}"
             )
             return True
         try:
             out = server.close_phase()
         except SecAggError as exc:
-            self._fail(f"{type(exc).__name__}: {exc}")
+            blame = "" if isinstance(exc, BelowSurvivorFloor) else self._blame(server.implicated)
+            self._fail(f"{type(exc).__name__}: {exc}{blame}")
             return True
         if server.phase is ServerPhase.DONE:
             result = server.result
@@ -205,6 +211,10 @@ class SecAggSession:
                 tuple(self.names[p] for p in result.dropped),
                 result.mean,
                 result.weight_sum,
+                {
+                    self.names[p]: tuple(self.names[a] for a in by)
+                    for p, by in result.implicated.items()
+                },
             )
             self.deadline = None
             return True
@@ -218,6 +228,12 @@ class SecAggSession:
             first = self._round_deadline
             self.deadline = None if first is None else max(self.deadline, first)
         return True
+
+    def _blame(self, implicated: dict[int, tuple[int, ...]]) -> str:
+        return "".join(
+            f"; {self.names[p]!r} dropped: {[self.names[a] for a in by]} could not open its shares"
+            for p, by in implicated.items()
+        )
 
     def _changed(self) -> None:
         if self._on_change is not None:

@@ -20,6 +20,7 @@
         ├── ConflictingUnmaskRequest   a server asking for both shares of one peer
         ├── KeyAdvertRejected          a key broadcast that misrepresents or repeats keys
         ├── TooFewSurvivors            fewer than t peers left: the round fails
+        │   └── BelowSurvivorFloor     fewer survivors than the floor: their sum stays masked
         ├── TooFewShares               fewer than t shares of one peer's secret arrived
         ├── ReconstructionMismatch     a reconstructed secret fails its commitment
         ├── PeerDropped                a peer asks for a phase it was dropped from
@@ -185,6 +186,26 @@ class TooFewSurvivors(SecAggError):
         super().__init__(
             f"secagg round failed in phase {phase}: {survivors} peers remain, the "
             f"threshold is {threshold}"
+        )
+
+
+class BelowSurvivorFloor(TooFewSurvivors):
+    """Fewer survivors than the config's floor (``max(min_survivors, threshold)``): their sum
+    is not unmasked, since with so few inputs in it a peer (or a few colluding) could read
+    another's from it. ``implicated`` names peers dropped for bad shares, and who said so."""
+
+    def __init__(
+        self, survivors: int, floor: int, implicated: dict[int, tuple[int, ...]] | None = None
+    ) -> None:
+        self.implicated = dict(implicated or {})
+        super().__init__("unmask", survivors, floor)
+        blamed = "".join(
+            f"; peer {bad} dropped: peers {list(by)} could not open its shares"
+            for bad, by in sorted(self.implicated.items())
+        )
+        self.args = (
+            f"secagg round failed: {survivors} survivors, fewer than the floor of {floor} "
+            f"a sum is unmasked over (secagg_min_survivors){blamed}",
         )
 
 

@@ -31,6 +31,9 @@ PRGS = ("aes256-ctr", "chacha20")
 """The mask PRGs a config may name (``SecAggConfig.prg``; ``crypto.keystream``)."""
 DEFAULT_PRG = "aes256-ctr"
 KEY_BYTES = 32
+DEFAULT_MIN_SURVIVORS = 3
+"""The default floor: with 3 survivors and one malicious peer among them, the sum it sees
+still mixes two honest inputs. 2 is allowed (each survivor then learns the other's input)."""
 
 
 class SecAggConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -42,7 +45,9 @@ class SecAggConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     quantizer; ``dim``: the update's length in float32 values; ``graph_seed``: public seed
     of the neighbour graph; ``round_id``: 16 bytes naming the round (the HKDF salt);
     ``prg``: the stream cipher that expands mask seeds (one of ``PRGS``; no default, so a
-    peer never guesses it: a config without it is refused as malformed).
+    peer never guesses it: a config without it is refused as malformed);
+    ``min_survivors``: the fewest peers whose sum may be unmasked (the floor, never below
+    ``threshold``: ``floor``), so that a sum never reveals one peer's input to the others.
     """
 
     round_id: bytes
@@ -55,6 +60,12 @@ class SecAggConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dim: int
     graph_seed: bytes
     prg: str
+    min_survivors: int = DEFAULT_MIN_SURVIVORS
+
+    @property
+    def floor(self) -> int:
+        """The fewest survivors a sum is unmasked over: ``max(min_survivors, threshold)``."""
+        return max(self.min_survivors, self.threshold)
 
     def validate(self) -> None:
         """Refuse parameters that cannot run or would be unsafe (``SecAggConfigError``)."""
@@ -80,6 +91,17 @@ class SecAggConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise SecAggConfigError("prg", self.prg, f"must be one of {', '.join(PRGS)}")
         if len(self.graph_seed) < 16:
             raise SecAggConfigError("graph_seed", self.graph_seed.hex(), "needs >= 16 bytes")
+        if isinstance(self.min_survivors, bool) or not self.min_survivors >= 2:
+            raise SecAggConfigError(
+                "min_survivors", self.min_survivors, "must be >= 2 (a sum of one is one input)"
+            )
+        if self.floor > n:
+            raise SecAggConfigError(
+                "min_survivors",
+                self.min_survivors,
+                f"the floor max(min_survivors, threshold) = {self.floor} exceeds the {n} peers: "
+                f"no sum could ever be unmasked",
+            )
         self.quantizer().check_capacity(n)
 
     def quantizer(self) -> Quantizer:
@@ -107,10 +129,12 @@ def make_config(
     round_id: bytes | None = None,
     graph_seed: bytes | None = None,
     prg: str = DEFAULT_PRG,
+    min_survivors: int = DEFAULT_MIN_SURVIVORS,
 ) -> SecAggConfig:
     """A validated config; defaults: k = 2 ceil(log2 n), t = (k + 1) // 2 + 1, the most bits
     n peers allow (``max_bits``: 29 for 8 peers), clip 1.0, max_weight 65536, and a random
-    round id and graph seed (``os.urandom``), the ``aes256-ctr`` mask PRG.
+    round id and graph seed (``os.urandom``), the ``aes256-ctr`` mask PRG, a floor of 3
+    survivors.
     """
     ordered = tuple(sorted(peers))
     k = default_degree(len(ordered)) if neighbours is None else neighbours
@@ -125,6 +149,7 @@ def make_config(
         dim=dim,
         graph_seed=os.urandom(32) if graph_seed is None else graph_seed,
         prg=prg,
+        min_survivors=min_survivors,
     )
     config.validate()
     return config
@@ -175,11 +200,14 @@ class SharesDelivery(msgspec.Struct, frozen=True, tag=True, forbid_unknown_field
 
 
 class MaskedInput(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
-    """Phase 3, peer to server: the masked vector, ``dim + 1`` little-endian uint32."""
+    """Phase 3, peer to server: the masked vector, ``dim + 1`` little-endian uint32, and the
+    neighbours whose share ciphertext failed for this peer (``accused``, sorted): it masked
+    without them, and the server drops them."""
 
     round_id: bytes
     sender: int
     masked: bytes
+    accused: tuple[int, ...] = ()
 
 
 class UnmaskRequest(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):

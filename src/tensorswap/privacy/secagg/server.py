@@ -10,6 +10,7 @@ phase, peer by peer. A round below the threshold fails with ``TooFewSurvivors`` 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ import numpy as np
 from tensorswap.privacy.secagg import crypto
 from tensorswap.privacy.secagg.client import pair_sign, seed_commitment, self_mask_key
 from tensorswap.privacy.secagg.errors import (
+    BelowSurvivorFloor,
     ForeignRound,
     KeyAdvertRejected,
     MalformedSecAggMessage,
@@ -75,6 +77,8 @@ class SecAggResult:
     total: np.ndarray
     mean: np.ndarray
     weight_sum: int
+    implicated: dict[int, tuple[int, ...]]
+    """Peers dropped because a neighbour could not open their shares: peer -> accusers."""
 
 
 def _prune(alive: set[int], graph: dict[int, frozenset[int]], threshold: int) -> set[int]:
@@ -101,8 +105,11 @@ class SecAggServer:
         self._expected: set[int] = set(config.peers)
         self._keys: dict[int, PeerKeys] = {}
         self._uploads: dict[int, dict[int, bytes]] = {}
-        self._masked: set[int] = set()  # who sent a masked vector (each folded on arrival)
-        self._total: np.ndarray | None = None  # their sum mod 2^32, grown as they arrive
+        self._masked: set[int] = set()  # who sent a masked vector
+        self._pending: dict[int, np.ndarray] = {}  # vectors whose sender may yet be accused
+        self._accused: dict[int, frozenset[int]] = {}  # peer -> whom it accused
+        self._implicated: dict[int, set[int]] = {}  # peer -> who accused it
+        self._total: np.ndarray | None = None  # the folded vectors' sum mod 2^32
         self._responses: dict[int, UnmaskResponse] = {}
         self._live: dict[int, frozenset[int]] = {}  # peer -> its neighbours that shared
         self._survivors: tuple[int, ...] = ()
@@ -128,7 +135,7 @@ class SecAggServer:
         elif isinstance(message, SharesUpload):
             self._take_upload(sender, message.ciphertexts)
         elif isinstance(message, MaskedInput):
-            self._take_masked(sender, message.masked)
+            self._take_masked(sender, message.masked, message.accused)
         else:
             self._take_response(sender, message)
 
@@ -155,25 +162,48 @@ class SecAggServer:
             )
         self._uploads[sender] = dict(ciphertexts)
 
-    def _take_masked(self, sender: int, masked: bytes) -> None:
+    def _take_masked(self, sender: int, masked: bytes, accused: tuple[int, ...]) -> None:
         self._refuse_replay(self._masked, sender)
         if len(masked) != 4 * (self.config.dim + 1):
             raise MalformedSecAggMessage(
                 f"peer {sender}'s masked vector has {len(masked)} bytes, "
                 f"{4 * (self.config.dim + 1)} expected"
             )
-        vector = np.frombuffer(masked, dtype="<u4")
-        if self._total is None:  # the first: a copy (the message's buffer is not ours)
-            self._total = vector.astype(np.uint32)
-        else:  # mod 2^32; folded now, so unmasking does not wait for the sum
-            np.add(self._total, vector, out=self._total)
+        blamed = frozenset(accused)
+        if len(blamed) != len(accused) or not blamed <= self._live[sender]:
+            raise UnknownParticipant(
+                min(blamed - self._live[sender], default=sender),
+                f"peer {sender} may accuse only live neighbours that sent it shares, once each",
+            )
         self._masked.add(sender)
+        self._accused[sender] = blamed
+        for peer in blamed:
+            self._implicated.setdefault(peer, set()).add(sender)
+            self._pending.pop(peer, None)  # never folded: its sender is dropped
+        if sender not in self._implicated:
+            # held until every peer that got its shares has reported (only those can accuse
+            # it), then folded: so an accused peer's vector never enters the sum
+            self._pending[sender] = np.frombuffer(masked, dtype="<u4")
+        self._fold_settled(lambda peer: self._live[peer] <= self._masked)
+
+    def _fold_settled(self, settled: Callable[[int], bool]) -> None:
+        """Fold every held vector whose sender can no longer be accused (``settled``)."""
+        for peer in sorted(p for p in self._pending if settled(p)):
+            vector = self._pending.pop(peer)
+            if self._total is None:  # the first: a copy (the message's buffer is not ours)
+                self._total = vector.astype(np.uint32)
+            else:  # mod 2^32
+                np.add(self._total, vector, out=self._total)
+
+    def _partners(self, peer: int) -> frozenset[int]:
+        """Whom ``peer`` masked with: its live neighbours but those it accused."""
+        return self._live[peer] - self._accused.get(peer, frozenset())
 
     def _take_response(self, sender: int, response: UnmaskResponse) -> None:
         self._refuse_replay(self._responses, sender)  # type: ignore[arg-type]
-        holders = self._live[sender] | {sender}
-        seeds_ok = set(response.seed_shares) <= set(self._survivors) & holders
-        keys_ok = set(response.key_shares) <= set(self._dropped) & self._live[sender]
+        partners = self._partners(sender)
+        seeds_ok = set(response.seed_shares) <= set(self._survivors) & (partners | {sender})
+        keys_ok = set(response.key_shares) <= set(self._dropped) & partners
         if not (seeds_ok and keys_ok):
             raise MalformedSecAggMessage(f"peer {sender} answered shares it was not asked for")
         self._responses[sender] = response
@@ -231,8 +261,12 @@ class SecAggServer:
         }
 
     def _close_mask(self) -> dict[int, Message]:
-        alive = set(self._masked)
+        alive = self._masked - set(self._implicated)
+        self._fold_settled(lambda peer: peer in alive)  # who did not report cannot accuse
         self._require(alive)
+        implicated = self.implicated
+        if len(alive) < self.config.floor:
+            raise BelowSurvivorFloor(len(alive), self.config.floor, implicated)
         self._survivors = tuple(sorted(alive))
         self._dropped = tuple(sorted(self._expected - alive))
         self._expected = alive
@@ -241,6 +275,15 @@ class SecAggServer:
             round_id=self.config.round_id, survivors=self._survivors, dropped=self._dropped
         )
         return {p: request for p in self._survivors}
+
+    @property
+    def implicated(self) -> dict[int, tuple[int, ...]]:
+        """Peers accused of shares that would not open, with their accusers (sorted)."""
+        return {p: tuple(sorted(by)) for p, by in sorted(self._implicated.items())}
+
+    def usable_inputs(self) -> int:
+        """How many masked inputs would enter the sum if the phase closed now."""
+        return len(self._masked - set(self._implicated))
 
     def _shares_of(self, owner: int, field: str) -> list[bytes]:
         return [
@@ -271,10 +314,13 @@ class SecAggServer:
                 raise ReconstructionMismatch(peer, "self-mask seed")
             masks.append((self_mask_key(seed, rid), -1))
         for gone in self._dropped:
+            masked_with = sorted(p for p in self._survivors if gone in self._partners(p))
+            if not masked_with:  # no survivor added a mask with it: nothing to remove
+                continue
             secret_key = self._rebuild(gone, "key_shares", "mask key")
             if crypto.public_key_of(secret_key) != self._keys[gone].mask_key:
                 raise ReconstructionMismatch(gone, "mask key")
-            for peer in sorted(self._live[gone] & set(self._survivors)):
+            for peer in masked_with:
                 seed = crypto.agree(
                     secret_key, self._keys[peer].mask_key, round_id=rid, info=crypto.INFO_PAIR_MASK
                 )
@@ -288,4 +334,5 @@ class SecAggServer:
             total=total,
             mean=mean,
             weight_sum=int(total[-1]),
+            implicated=self.implicated,
         )
