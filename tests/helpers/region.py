@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tensorswap.region import Backoff, RegionalTier, UpstreamLink
+from tensorswap.region import Backoff, RegionalTier, RegionGate, UpstreamLink
 from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.deadline import Clock
@@ -45,8 +45,12 @@ def values(i: int, size: int = SIZE) -> np.ndarray:
 
 
 @asynccontextmanager
-async def serve(coordinator: Coordinator) -> AsyncIterator[RoundServer]:
+async def serve(
+    coordinator: Coordinator, link: UpstreamLink | None = None
+) -> AsyncIterator[RoundServer]:
+    """A coordinator's server with its region gate (a region's: ``link``'s)."""
     server = RoundServer(coordinator)
+    RegionGate(server, link=link)
     await server.start("127.0.0.1", 0)
     try:
         yield server
@@ -60,7 +64,7 @@ async def region(tmp: Path, name: str, port: int, backoff: Backoff = FAST) -> As
     tier = await asyncio.to_thread(RegionalTier.open, tmp / name, link, durable=False)
     assert tier.coordinator is not None
     try:
-        async with serve(tier.coordinator) as server:
+        async with serve(tier.coordinator, link) as server:
             await tier.start()
             try:
                 yield Region(tier, server)

@@ -27,6 +27,8 @@ from tensorswap.cli._util import (
     read_key,
     server_tls,
 )
+from tensorswap.region.gate import RegionGate
+from tensorswap.region.identity import coordinator_id
 from tensorswap.region.runs_proxy import RunsProxy
 from tensorswap.rounds.batch import PeerKeys
 from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
@@ -134,6 +136,10 @@ async def _run(
             peer_keys=None if peer_keys is None else PeerKeys.load(peer_keys),
         )
         SwarmTracker(coordinator.store).attach(server.blocks)  # peers that serve results
+        if tier is not None:  # regions below say hello: names checked, loops refused
+            RegionGate(server, link=tier.link)
+        else:
+            RegionGate(server, await asyncio.to_thread(coordinator_id, data))
         if runs is not None:
             RunService(runs, server)
         elif tier is not None:

@@ -1,5 +1,6 @@
 """UpstreamLink: a regional coordinator's RoundClient of the tier above, reconnected with
-backoff; it counts every byte it moves."""
+backoff; it says who it is on every connection (``region.identity``) and counts every byte
+it moves."""
 
 from __future__ import annotations
 
@@ -7,19 +8,21 @@ import asyncio
 import logging
 import ssl as ssl_module
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
 from tensorswap.cid import Cid
 from tensorswap.errors import RoundsError
-from tensorswap.region.errors import UpstreamUnavailable
+from tensorswap.region.errors import RegionError, RegionLoop, UpstreamUnavailable
+from tensorswap.region.identity import DOWNSTREAM, MAX_CHAIN, new_coordinator_id, say_hello
+from tensorswap.region.throttle import DialThrottle
 from tensorswap.rounds.batch import BatchItem, BatchSubmitRequest, submit_proof
 from tensorswap.rounds.client import RoundClient, SubmitResult
 from tensorswap.rounds.errors import RoundNotFound
 from tensorswap.rounds.messages import RoundRow
-from tensorswap.rounds.reconnect import RETRYABLE, RETRYABLE_CODES, Backoff
+from tensorswap.rounds.reconnect import RETRYABLE, RETRYABLE_CODES, Backoff, retryable
 from tensorswap.rounds.state import RoundId, RoundStatus
 from tensorswap.rounds.virtual import request_submit_batch
 from tensorswap.store import BlockStore
@@ -65,6 +68,16 @@ class UpstreamLink:
     one after a backoff; it raises UpstreamUnavailable once it has failed for
     ``backoff.patience`` seconds in a row. Refusals from the upstream (a RoundsError) and
     authentication or protocol failures are raised at once.
+
+    Every new connection starts with the ``region`` hello: the region's name and the chain
+    of coordinator ids the connection passes through (the ``DOWNSTREAM`` chain of the
+    request being relayed, then ``identity``; connections are pooled per chain). Dials are
+    paced link-wide (``DialThrottle``): after failed dials (busy, refused, a refused hello)
+    no dial is made for a growing, capped, jittered delay, then one probe; meanwhile an
+    operation that needs a new connection takes the last failure as its own (a transient
+    one is retried on its own backoff, a refusal raised at once). A RegionLoop (from the upstream's
+    gate, or found here in the upstream's path) stops the link for good (``stop``): every
+    operation then raises it without dialling, and ``state`` says so.
     """
 
     def __init__(
@@ -81,6 +94,7 @@ class UpstreamLink:
         limits: WireLimits | None = None,
         backoff: Backoff | None = None,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not region:
             raise ValueError("a region needs a non-empty name (its peer name upstream)")
@@ -92,8 +106,18 @@ class UpstreamLink:
         """The region's own key where the upstream holds per-peer keys: its submits carry
         the proof (``rounds.batch.submit_proof``)."""
         self.backoff = backoff or DEFAULT_BACKOFF
-        self._sleep = sleep
-        self._idle: list[RoundClient] = []
+        self._sleep, self._clock = sleep, clock
+        self.identity = new_coordinator_id()
+        """This coordinator's id on chains (``RegionalTier.open`` sets its data dir's)."""
+        self.upstream_path: tuple[str, ...] = ()
+        """The upstream's id and those above it, from its last hello answer."""
+        self.stopped: RegionLoop | None = None
+        """Why the link stopped for good (a loop), or None."""
+        self.below: Callable[[], Collection[str]] = tuple
+        """The coordinator ids below this one (its gate's ``below``): an upstream path that
+        names one of them is a loop."""
+        self.throttle = DialThrottle(self.backoff, clock=clock)
+        self._idle: dict[tuple[str, ...], list[RoundClient]] = {}
         self._busy: set[RoundClient] = set()
         self._fetching: dict[Cid, asyncio.Future[None]] = {}
         self._sent = self._received = self._connections = 0
@@ -103,9 +127,27 @@ class UpstreamLink:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def state(self) -> str:
+        """``ok``, ``backing off`` (with the last refusal) or ``stopped`` (with the loop)."""
+        if self.stopped is not None:
+            return f"stopped: {self.stopped}"
+        if self.throttle.last is not None:
+            return f"backing off: {self.throttle.last}"
+        return "ok"
+
+    def stop(self, reason: RegionLoop) -> None:
+        """Stop relaying for good: every operation from now raises ``reason`` (logged once)."""
+        if self.stopped is None:
+            self.stopped = reason
+            log.error("upstream %s: stopped relaying upstream: %s", self.address, reason)
+
+    def _clients(self) -> list[RoundClient]:
+        return [*(c for pool in self._idle.values() for c in pool), *self._busy]
+
     def traffic(self) -> LinkTraffic:
         """Bytes over every connection so far, live ones included (the transports' counts)."""
-        live = [*self._idle, *self._busy]
+        live = self._clients()
         sent = self._sent + sum(c.blocks.transport.bytes_sent for c in live)
         received = self._received + sum(c.blocks.transport.bytes_received for c in live)
         return LinkTraffic(sent, received, self._connections)
@@ -193,7 +235,7 @@ class UpstreamLink:
     async def aclose(self) -> None:
         """Close every connection (operations in progress fail with a transport error)."""
         self._closed = True
-        for client in [*self._idle, *self._busy]:
+        for client in self._clients():
             await self._discard(client)
 
     # ── internals ────────────────────────────────────────────────────────────
@@ -221,7 +263,7 @@ class UpstreamLink:
                     raise  # a refusal (PeerNotAuthorised is an OSError too), not a broken link
                 if isinstance(exc, RemoteError) and exc.code not in _RETRIED_CODES:
                     raise
-                now, delay = time.monotonic(), next(delays)
+                now, delay = self._clock(), next(delays)
                 failing_since = now if failing_since is None else failing_since
                 if self._closed or now - failing_since >= patience:
                     waited = now - failing_since
@@ -235,14 +277,18 @@ class UpstreamLink:
     async def _lease(self) -> AsyncIterator[RoundClient]:
         if self._closed:
             raise UpstreamUnavailable(self.address, "closing", 0.0, "the link is closed")
-        client = self._idle.pop() if self._idle else await self._connect()
+        if self.stopped is not None:
+            raise self.stopped.with_traceback(None)  # raised again and again: no tb grows
+        chain = (*DOWNSTREAM.get(), self.identity)
+        pool = self._idle.get(chain)
+        client = pool.pop() if pool else await self._connect(chain)
         self._busy.add(client)
         try:
             yield client
         except BaseException as exc:
             self._busy.discard(client)
             if isinstance(exc, Exception) and _keeps_connection(exc):
-                self._idle.append(client)  # a refusal: the connection is still in sync
+                self._idle.setdefault(chain, []).append(client)  # a refusal: still in sync
             else:
                 await self._discard(client)
             raise
@@ -250,11 +296,35 @@ class UpstreamLink:
         if self._closed:
             await self._discard(client)
         else:
-            self._idle.append(client)
+            self._idle.setdefault(chain, []).append(client)
 
-    async def _connect(self) -> RoundClient:
+    async def _connect(self, chain: tuple[str, ...]) -> RoundClient:
         if self.store is None:
             raise RuntimeError("the upstream link has no store yet (RegionalTier.attach sets it)")
+        if len(chain) > MAX_CHAIN:
+            raise RegionError(f"a chain of {len(chain)} coordinators: at most {MAX_CHAIN}")
+        blocked = self.throttle.admit()
+        if blocked is not None:  # backing off: the last dial's failure stands for this one
+            raise blocked.with_traceback(None)
+        try:
+            client = await self._dial(chain)
+        except Exception as exc:
+            if isinstance(exc, RegionLoop):
+                self.throttle.abandoned()  # the link is stopped: no dial follows
+            else:
+                delay = self.throttle.failed(exc, refused=not retryable(exc))
+                log.info("upstream %s: dial failed (%s); next in %.2fs", self.address, exc, delay)
+            raise
+        except BaseException:
+            self.throttle.abandoned()
+            raise
+        self.throttle.succeeded()
+        self._connections += 1
+        return client
+
+    async def _dial(self, chain: tuple[str, ...]) -> RoundClient:
+        """A new connection that said hello with ``chain`` (RegionLoop stops the link)."""
+        assert self.store is not None
         client = await RoundClient.connect(
             self.host,
             self.port,
@@ -266,11 +336,37 @@ class UpstreamLink:
             limits=self._limits,
             timeouts=self._timeouts,
         )
-        self._connections += 1
+        try:
+            reply = await say_hello(client.blocks, self.region, chain)
+            if reply is not None:
+                path = (reply.coordinator, *reply.above)
+                self._check_path(chain, path)
+                self.upstream_path = path
+        except BaseException as exc:
+            client.blocks.transport.abort()
+            self._sent += client.blocks.transport.bytes_sent
+            self._received += client.blocks.transport.bytes_received
+            if isinstance(exc, RegionLoop):
+                self.stop(exc)
+            raise
         return client
 
+    def _check_path(self, chain: tuple[str, ...], path: tuple[str, ...]) -> None:
+        """RegionLoop if the upstream's path up names this coordinator or one below it."""
+        where = " -> ".join((*chain, *path))
+        if self.identity in path:
+            raise RegionLoop(self.identity, where, "found in the upstream's path up")
+        below = set(self.below())
+        hit = next((c for c in path if c in below), None)
+        if hit is not None:
+            raise RegionLoop(self.identity, where, f"{hit}, above, is below this coordinator too")
+
     async def _discard(self, client: RoundClient) -> None:
-        self._idle = [c for c in self._idle if c is not client]
+        for chain, pool in list(self._idle.items()):
+            if client in pool:
+                pool.remove(client)
+            if not pool:
+                del self._idle[chain]
         self._busy.discard(client)
         transport = client.blocks.transport
         self._sent += transport.bytes_sent

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.errors import BlockNotFound, TensorSwapError
-from tensorswap.region.errors import UpstreamIncompatible
+from tensorswap.region.errors import ForeignContribution, UpstreamIncompatible
+from tensorswap.region.identity import coordinator_id
 from tensorswap.region.journal import Forward, ForwardState, RegionJournal
 from tensorswap.region.link import UpstreamLink
 from tensorswap.rounds.coordinator import Coordinator
@@ -51,6 +52,8 @@ class TierStats:
     upstream_bytes_sent: int
     upstream_bytes_received: int
     upstream_connections: int
+    upstream_state: str = "ok"
+    """The link's ``state``: ``ok``, ``backing off: ...`` or ``stopped: ...`` (a loop)."""
 
 
 class RegionalTier:
@@ -70,7 +73,10 @@ class RegionalTier:
       too late (the upper round closed) still serves the global result to its peers.
     - Every step is journaled (``RegionJournal``) before the next: after kill -9 the
       coordinator aggregates the round again, and the tier goes on from the journaled partial
-      and state: never a second submission, never a second partial.
+      and state: never a second submission, never a second partial. A submit refused as a
+      duplicate counts as the region's own earlier one only when the upstream holds this
+      very partial (its CID); another CID under the region's name is someone else's
+      (ForeignContribution): the regional round fails, its peers told why.
     """
 
     def __init__(self, link: UpstreamLink) -> None:
@@ -94,7 +100,8 @@ class RegionalTier:
     ) -> RegionalTier:
         """A tier over ``Coordinator.open(data_dir, finish=...)`` (kwargs go there) and a
         ``RegionJournal`` in its database; ``link.store`` is replaced by the coordinator's
-        store. Call ``start`` on the event loop that should run it; ``close`` closes all."""
+        store, and ``link.identity`` by the coordinator id kept in ``data_dir``. Call ``start``
+        on the event loop that should run it; ``close`` closes all."""
         tier = cls(link)
         coordinator = Coordinator.open(
             data_dir,
@@ -104,6 +111,7 @@ class RegionalTier:
         )
         try:
             assert coordinator.journal is not None  # Coordinator.open always journals
+            link.identity = coordinator_id(data_dir)
             tier.attach(coordinator, RegionJournal(coordinator.journal.path, durable=durable))
         except BaseException:
             coordinator.close()
@@ -213,14 +221,29 @@ class RegionalTier:
         try:
             await self.link.submit(rid, Cid.parse(record.partial))
             self._count("forwarded")
-        except DuplicateContribution:
-            pass  # accepted before a crash cut the answer off: the upstream holds it
+        except DuplicateContribution as exc:
+            self._check_own(record, exc)  # accepted before a crash cut the answer off
         except (RoundClosed, RoundAlreadyTerminal) as exc:
             log.warning("round %s: too late upstream (%s); serving the global result", rid, exc)
             self._count("late")
             state = ForwardState.LATE
         await asyncio.to_thread(journal.set_state, rid, state)
         return Forward(rid, record.partial, state)
+
+    def _check_own(self, record: Forward, exc: DuplicateContribution) -> None:
+        """Raise ForeignContribution unless the upstream's contribution under the region's
+        name is ``record``'s partial (an upstream that does not name it is trusted, warned)."""
+        held = getattr(exc, "cid", None)  # set only by upstreams that name it
+        if held is None:
+            log.warning(
+                "round %s: the upstream does not say which update it holds from %r; taking "
+                "it for this region's earlier submit",
+                record.round_id,
+                self.link.region,
+            )
+        elif str(held) != record.partial:
+            key = record.round_id.as_key()
+            raise ForeignContribution(key, self.link.region, str(held), record.partial) from exc
 
     def _holds(self, record: Forward) -> bool:
         """Whether every block of the journaled partial is still in the store."""
@@ -265,6 +288,7 @@ class RegionalTier:
             upstream_bytes_sent=traffic.bytes_sent,
             upstream_bytes_received=traffic.bytes_received,
             upstream_connections=traffic.connections,
+            upstream_state=self.link.state,
         )
 
     async def aclose(self) -> None:

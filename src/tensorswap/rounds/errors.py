@@ -79,12 +79,20 @@ class RoundClosed(RoundsError, RuntimeError):
 
 
 class DuplicateContribution(RoundsError, ValueError):
-    """The peer already has an accepted contribution in this round; the first one stands."""
+    """The peer already has an accepted contribution in this round; the first one stands.
 
-    def __init__(self, key: str, peer: str) -> None:
+    ``cid`` (an attribute only when the coordinator names it: older ones do not) is the
+    update CID the round holds for the peer, so a client that resubmits after a lost answer
+    can tell its own earlier submit from someone else's under the same name."""
+
+    def __init__(self, key: str, peer: str, cid: str | None = None) -> None:
         self.key = key
         self.peer = peer
-        super().__init__(f"peer {peer!r} already contributed to round {key}")
+        held = ""
+        if cid is not None:
+            self.cid = cid
+            held = f" (update {cid})"
+        super().__init__(f"peer {peer!r} already contributed to round {key}{held}")
 
 
 class PeerNotAuthorised(RoundsError, PermissionError):

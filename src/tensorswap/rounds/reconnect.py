@@ -95,13 +95,27 @@ class Backoff:
         if give_up is not None and (not math.isfinite(give_up) or give_up < 0):
             raise ValueError(f"give_up_after must be a number >= 0 or None, got {give_up!r}")
 
+    def delay(self, failures: int, draw: float = 0.0) -> float:
+        """The wait after ``failures`` (>= 1) failures in a row, for a uniform ``draw`` in
+        [0, 1) (the jitter's randomness, passed in: a pure function of its arguments)."""
+        if failures < 1:
+            raise ValueError(f"failures must be >= 1, got {failures}")
+        if not 0.0 <= draw <= 1.0:
+            raise ValueError(f"draw must be in [0, 1], got {draw}")
+        exponent = 0
+        if self.factor > 1 and self.first > 0:
+            # the growths until ``cap`` is reached, and one more: factor ** exponent stays finite
+            to_cap = math.log(max(self.cap / self.first, 1.0)) / math.log(self.factor)
+            exponent = min(failures - 1, math.ceil(to_cap) + 1)
+        return min(self.cap, self.first * self.factor**exponent) * (1 - self.jitter * draw)
+
     def delays(self, rng: random.Random | None = None) -> Iterator[float]:
         """The waits before attempts 2, 3, ...: endless, each at most ``cap``."""
         rng = rng or random.Random()
-        wait = self.first
+        failures = 0
         while True:
-            yield min(self.cap, wait) * (1 - self.jitter * rng.random())
-            wait *= self.factor
+            failures += 1
+            yield self.delay(failures, rng.random())
 
 
 async def retrying(

@@ -7,7 +7,7 @@ import logging
 import math
 import ssl as ssl_module
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Self, assert_never
 
@@ -148,6 +148,8 @@ class RoundServer:
         self.peer_keys = None if peer_keys is None else PeerKeys(peer_keys)
         """Per-peer keys: when set, every contribution must prove its peer's key
         (``rounds.batch``); the plain ``submit`` op is refused."""
+        self.stat_sources: list[Callable[[], Mapping[str, float | int | str]]] = []
+        """More counters for ``status`` answers' stats (services attached to this server)."""
         coordinator.subscribe(self._on_change)
 
     # ── lifecycle: the block server's ───────────────────────────────────────
@@ -443,6 +445,8 @@ class RoundServer:
             inflight_waits=wire.inflight_waits,
             inflight_refused=wire.inflight_refused,
         )
+        for source in self.stat_sources:
+            stats.update(source())
         return stats
 
 

@@ -477,8 +477,8 @@ class RoundTracker:
         key = entry.id.as_key()
         if entry.status.is_terminal:
             raise RoundAlreadyTerminal(key, entry.status.name)
-        if peer in entry.contributions or peer in entry.pending:
-            raise DuplicateContribution(key, peer)
+        if (held := entry.contributions.get(peer) or entry.pending.get(peer)) is not None:
+            raise DuplicateContribution(key, peer, held.update_cid)
         received = len(entry.contributions) + len(entry.pending)
         expected = entry.spec.expected_peers
         if isinstance(entry.status, Aggregating) or received >= expected:
