@@ -77,6 +77,28 @@ async def test_the_nowait_fast_paths_keep_order_and_counts(pair: Pair) -> None:
     assert b.receive_nowait(bytearray(4)) == 0  # nothing left
 
 
+async def test_readable_waits_without_consuming_and_buffered_counts_what_nowait_takes(
+    pair: Pair,
+) -> None:
+    a, b = pair
+    waiting = asyncio.ensure_future(b.readable())
+    await asyncio.sleep(0)
+    waiting.cancel()  # a cancelled wait for bytes costs nothing
+    await asyncio.wait([waiting])
+    await a.send(b"abcdef")
+    await b.readable()
+    await b.readable()  # bytes there: at once, still nothing taken
+    ahead = b.buffered()
+    assert 0 <= ahead <= 6
+    first = bytearray(6)
+    assert b.receive_nowait(first) == ahead  # exactly what buffered() said
+    got = ahead + await b.receive_into(memoryview(first)[ahead:])
+    assert got == 6 and bytes(first) == b"abcdef"
+    assert b.buffered() == 0 and b.bytes_received == 6
+    await a.aclose()
+    await b.readable()  # EOF is readable too
+
+
 async def test_many_small_reads_after_one_send(pair: Pair) -> None:
     a, b = pair
     payload = bytes(range(200))

@@ -234,7 +234,7 @@ class RoundClient:
         read = self.blocks.conn.timeouts.read
         limit = None if wait is None or read is None else wait + read
         async with self._lock:
-            start, wire_start = time.perf_counter(), self.blocks.transport.bytes_sent
+            start, wire_start = time.perf_counter(), self.blocks.bytes_sent
             if small and not isinstance(update, Cid):
                 closure = _children_first(self.store, cid)
             else:
@@ -261,7 +261,7 @@ class RoundClient:
                 offered=len(closure),
                 sent_blocks=sent_blocks,
                 sent_bytes=sent,
-                wire_bytes=self.blocks.transport.bytes_sent - wire_start,
+                wire_bytes=self.blocks.bytes_sent - wire_start,
                 seconds=time.perf_counter() - start,
             )
         status = _status(answer)
@@ -304,7 +304,7 @@ class RoundClient:
         proof = b"" if key is None else submit_proof(key, round_id, self.peer, cid)
         body = encode_inline(round_id, self.peer, cid, blocks, proof)
         async with self._lock:
-            start, wire_start = time.perf_counter(), self.blocks.transport.bytes_sent
+            start, wire_start = time.perf_counter(), self.blocks.bytes_sent
             try:
                 reply = await self.blocks.request(APP_INLINE, body)
             except RemoteError as exc:
@@ -320,7 +320,7 @@ class RoundClient:
                 offered=len(closure),
                 sent_blocks=len(closure),
                 sent_bytes=nbytes,
-                wire_bytes=self.blocks.transport.bytes_sent - wire_start,
+                wire_bytes=self.blocks.bytes_sent - wire_start,
                 seconds=time.perf_counter() - start,
             )
         return SubmitResult(cid, _status(answer), push)

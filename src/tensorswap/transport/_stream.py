@@ -152,6 +152,17 @@ class StreamProtocol(asyncio.BufferedProtocol):
             self._resume_reading()
         return got + take
 
+    @property
+    def buffered(self) -> int:
+        """Read-ahead bytes ``take_buffered`` would copy now."""
+        return self._end - self._start
+
+    async def readable(self) -> None:
+        """Wait for read-ahead bytes, EOF or loss; consumes nothing (cancel-safe)."""
+        while self._end == self._start and not self.eof:
+            self._resume_reading()
+            await self._wait_reader(nothing_yet=True)
+
     async def receive_into(self, view: memoryview, got: int = 0) -> int:
         """Fill ``view`` from ``view[got:]`` on (fewer bytes only at EOF); the bytes filled."""
         total = view.nbytes

@@ -32,7 +32,10 @@ class Transport(ABC):
     - ``receive_into`` fills the given buffer completely, or returns fewer bytes only because
       the peer ended the stream (``send_eof``/``aclose``); 0 means EOF before any byte.
       A cancelled ``receive_into`` may have consumed a prefix into the buffer: the stream is
-      then out of frame sync and should be closed.
+      then out of frame sync and should be closed. ``readable`` waits for bytes without
+      consuming any (a cancel there costs nothing), and ``buffered`` says how many a
+      ``receive_nowait`` would copy now: together they let a reader take a frame only once
+      it is whole (see ``wire._exchange``).
     - OS-level failures surface as ConnectionFailed; use after ``aclose`` as TransportClosed.
     - ``aclose`` flushes and closes (idempotent); ``abort`` drops the connection at once.
     """
@@ -80,6 +83,17 @@ class Transport(ABC):
         many (0 when none, or where the transport has no such fast path). ``receive_into``
         goes on from there."""
         return 0
+
+    def buffered(self) -> int:
+        """How many bytes ``receive_nowait`` would copy now (read ahead, no waiting); 0
+        where the transport has no such fast path."""
+        return 0
+
+    async def readable(self) -> None:
+        """Return once bytes, EOF or a failure are there to receive, consuming nothing: a
+        cancel here leaves the stream as it was. By default at once (a transport without
+        read-ahead then has ``buffered`` 0, and the caller reads as usual)."""
+        return
 
     async def receive_exactly(self, buffer: Buffer, what: str = "data") -> None:
         """Fill ``buffer`` completely or raise UnexpectedEof naming ``what``."""

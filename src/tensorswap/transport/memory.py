@@ -91,6 +91,27 @@ class MemoryTransport(Transport):
             await self._in.wait()
         return got
 
+    def buffered(self) -> int:
+        return 0 if self._closed or self._in.reset else len(self._in.buffer)
+
+    def receive_nowait(self, buffer: Buffer) -> int:
+        if self._closed or self._in.reset or not self._in.buffer:
+            return 0
+        view = byte_view(buffer)
+        take = min(len(self._in.buffer), view.nbytes)
+        view[:take] = self._in.buffer[:take]
+        del self._in.buffer[:take]
+        self.bytes_received += take
+        self._in.notify()
+        return take
+
+    async def readable(self) -> None:
+        if self._closed:
+            raise TransportClosed(self.peer)
+        pipe = self._in
+        while not (pipe.buffer or pipe.eof or pipe.reset or self._closed):
+            await pipe.wait()
+
     async def send_eof(self) -> None:
         self._check_open()
         self._out.eof = True

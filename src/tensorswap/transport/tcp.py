@@ -179,6 +179,14 @@ class TcpTransport(Transport):
         self.bytes_received += got
         return got
 
+    def buffered(self) -> int:
+        return 0 if self._closed else self._protocol.buffered
+
+    async def readable(self) -> None:
+        if self._closed:
+            raise TransportClosed(self.peer)
+        await self._protocol.readable()
+
     async def receive_into(self, buffer: Buffer) -> int:
         if self._closed:
             raise TransportClosed(self.peer)

@@ -45,7 +45,7 @@ class FetchPath(ClientBase):
         asked for or sends one twice, or if its Got does not name exactly the requested
         blocks it did not send.
         """
-        async with self._lock:
+        async with self._exchange():
             missing, _, _ = await self._get(cids, into)
             return missing
 
@@ -74,7 +74,9 @@ class FetchPath(ClientBase):
                 if below is not None:  # each batch's answer may bring a linked block once
                     below.received.clear()
                 get = Get(cids=wire_cids(batch), manifests=manifests, closure=closure, have=held)
-                await self.conn.send_message(get, self._next_stream())
+                stream = self.exchanges.next_stream()
+                await self.conn.send_message(get, stream)
+                self.exchanges.expect(stream, FrameKind.GOT)
                 missing += await self._receive_answer(batch, wanted, below, sink)
             await sink.drain()
         finally:
@@ -87,7 +89,7 @@ class FetchPath(ClientBase):
         """The BLOCK frames and the Got answering a Get of ``batch`` (``wanted``: those not
         received yet), each block into ``sink``; the CIDs the server said it lacks."""
         while True:
-            frame = await self.conn.receive_frame(defer_block_crc=True)
+            frame = await self.exchanges.receive(defer_block_crc=True)
             if frame.header.kind is not FrameKind.BLOCK:
                 got = self.conn.expect(frame, Got)
                 assert isinstance(got, Got)  # expect() checked the type
@@ -119,8 +121,8 @@ class FetchPath(ClientBase):
         The same errors as ``request`` (``unsupported``: no such application there, and
         nothing follows), and as ``get_blocks`` for the blocks."""
         start = time.perf_counter()
-        async with self._lock:
-            reply = await self._request(app, body, timeout)
+        async with self._exchange():
+            reply = await self._request(app, body, timeout, then_blocks=True)
             roots = list(dict.fromkeys(roots_of(reply)))
             sink = BlockSink(into)
             try:
@@ -153,7 +155,7 @@ class FetchPath(ClientBase):
         start = time.perf_counter()
         frontier = [root]
         blocks = fetched = fetched_bytes = 0
-        async with self._lock:
+        async with self._exchange():
             while frontier:
                 blocks += len(frontier)
                 lacking = await asyncio.to_thread(into.missing, frontier)

@@ -19,7 +19,7 @@ from tensorswap.wire._client_base import _CIDS_PER_MESSAGE, ClientBase
 from tensorswap.wire._pipeline import cpu_workers, prefetched
 from tensorswap.wire.connection import PreparedBlock, prepare_block
 from tensorswap.wire.errors import FrameTooLarge, ProtocolViolation
-from tensorswap.wire.frames import Compression, CompressionChoice, choose_compression
+from tensorswap.wire.frames import Compression, CompressionChoice, FrameKind, choose_compression
 from tensorswap.wire.messages import Commit, Committed, Offer, Want, parse_cids, wire_cids
 
 __all__ = ["Progress", "PushPath", "PushResult"]
@@ -72,16 +72,18 @@ class PushPath(ClientBase):
     # ── dedup ────────────────────────────────────────────────────────────────
     async def missing(self, cids: Sequence[Cid]) -> list[Cid]:
         """The CIDs of ``cids`` the server lacks, in order (sent in batches as Offers)."""
-        async with self._lock:
+        async with self._exchange():
             return await self._missing(cids)
 
     async def _missing(self, cids: Sequence[Cid]) -> list[Cid]:
         lacking: list[Cid] = []
+        ex = self.exchanges
         for start in range(0, len(cids), _CIDS_PER_MESSAGE):
             batch = cids[start : start + _CIDS_PER_MESSAGE]
-            stream = self._next_stream()
+            stream = ex.next_stream()
             await self.conn.send_message(Offer(cids=wire_cids(batch)), stream)
-            want, _ = await self.conn.receive_message(Want)
+            ex.expect(stream, FrameKind.WANT)
+            want = await ex.message(Want)
             answer = parse_cids(want.cids, "Want")
             if not set(answer) <= set(batch):
                 raise ProtocolViolation("Want names CIDs that were not offered")
@@ -107,8 +109,8 @@ class PushPath(ClientBase):
         """
         root_list = [roots] if isinstance(roots, Cid) else list(roots)
         start = time.perf_counter()
-        wire_start = self.transport.bytes_sent
-        async with self._lock:
+        wire_start = self.bytes_sent
+        async with self._exchange():
             closure = await asyncio.to_thread(_closure, store, root_list)
             lacking = await self._missing(closure)
             sent_bytes = await self._send_blocks(store, lacking, compression, progress, prefetch)
@@ -118,7 +120,7 @@ class PushPath(ClientBase):
             offered=len(closure),
             sent_blocks=len(lacking),
             sent_bytes=sent_bytes,
-            wire_bytes=self.transport.bytes_sent - wire_start,
+            wire_bytes=self.bytes_sent - wire_start,
             seconds=time.perf_counter() - start,
         )
 
@@ -144,15 +146,15 @@ class PushPath(ClientBase):
         equals ``put_tensor(store, tensor, chunk_bytes=..., hash=...)``. The tensor must not
         be modified until this returns.
         """
-        async with self._lock:
-            tally = _Tally(time.perf_counter(), self.transport.bytes_sent)
+        async with self._exchange():
+            tally = _Tally(time.perf_counter(), self.bytes_sent)
             offers = _Offers(self, tally, progress, tensor.nbytes)
             root = await self._stream_tensor(
                 tensor, offers, chunk_bytes, hash, compression, prefetch, batch
             )
             await offers.flush()
             await self._commit([root], tally.sent_blocks, tally.sent_bytes)
-        return tally.result([root], self.transport.bytes_sent)
+        return tally.result([root], self.bytes_sent)
 
     async def push_update(
         self,
@@ -169,8 +171,8 @@ class PushPath(ClientBase):
 
         The root equals ``put_update(store, update, chunk_bytes=..., hash=...)``.
         """
-        async with self._lock:
-            tally = _Tally(time.perf_counter(), self.transport.bytes_sent)
+        async with self._exchange():
+            tally = _Tally(time.perf_counter(), self.bytes_sent)
             total = sum(int(values.nbytes) for values in update.tensors.values())
             offers = _Offers(self, tally, progress, total)
             tensors: list[tuple[str, Cid]] = []
@@ -191,7 +193,7 @@ class PushPath(ClientBase):
             await offers.offer([manifest])
             await offers.flush()
             await self._commit([manifest.cid], tally.sent_blocks, tally.sent_bytes)
-        return tally.result([manifest.cid], self.transport.bytes_sent)
+        return tally.result([manifest.cid], self.bytes_sent)
 
     async def _stream_tensor(
         self,
@@ -236,20 +238,21 @@ class PushPath(ClientBase):
         progress: Progress | None = None,
     ) -> int:
         """Send these blocks from ``store`` as they are (no offer, no commit); their bytes."""
-        async with self._lock:
+        async with self._exchange():
             return await self._send_blocks(store, cids, compression, progress, 2)
 
     async def commit(self, roots: Sequence[Cid], blocks: int = 0, nbytes: int = 0) -> Committed:
         """Ask the server to confirm everything sent is stored and ``roots`` are complete."""
-        async with self._lock:
+        async with self._exchange():
             return await self._commit(list(roots), blocks, nbytes)
 
     async def _commit(self, roots: list[Cid], blocks: int, nbytes: int) -> Committed:
-        stream = self._next_stream()
+        ex = self.exchanges
+        stream = ex.next_stream()
         commit = Commit(roots=wire_cids(roots), blocks=blocks, nbytes=nbytes)
         await self.conn.send_message(commit, stream)
-        committed, _ = await self.conn.receive_message(Committed)
-        return committed
+        ex.expect(stream, FrameKind.COMMITTED)
+        return await ex.message(Committed)
 
     async def _send_blocks(
         self,
@@ -308,9 +311,11 @@ class _Offers:
         for chunk in fresh:
             if chunk.frame.raw_len > limit:
                 raise FrameTooLarge(f"block {chunk.cid}", chunk.frame.raw_len, limit)
-        stream = self.client._next_stream()
+        ex = self.client.exchanges
+        stream = ex.next_stream()
         offer = Offer(cids=wire_cids([c.cid for c in fresh]))
         await self.client.conn.send_message(offer, stream)
+        ex.expect(stream, FrameKind.WANT)
         self.pending.append((fresh, stream))
         while len(self.pending) > 1:
             await self._send_oldest()
@@ -321,11 +326,9 @@ class _Offers:
             await self._send_oldest()
 
     async def _send_oldest(self) -> None:
-        chunks, stream = self.pending.popleft()
+        chunks, _stream = self.pending.popleft()  # the exchanges check the Want's stream
         conn = self.client.conn
-        want, answered = await conn.receive_message(Want)
-        if answered != stream:
-            raise ProtocolViolation(f"Want on stream {answered}, expected {stream}")
+        want = await self.client.exchanges.message(Want)
         wanted = set(parse_cids(want.cids, "Want"))
         if not wanted <= {c.cid for c in chunks}:
             raise ProtocolViolation("Want names CIDs that were not offered")

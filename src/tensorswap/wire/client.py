@@ -10,18 +10,44 @@ from tensorswap.wire._client_push import Progress, PushPath, PushResult
 from tensorswap.wire.auth import client_handshake
 from tensorswap.wire.connection import FrameConnection, Timeouts, WireLimits
 from tensorswap.wire.frames import CompressionChoice
+from tensorswap.wire.messages import Welcome
 from tensorswap.wire.tcp import connect_tcp
 from tensorswap.wire.transport import Transport
 
 __all__ = ["BlockClient", "CompressionChoice", "Progress", "PullResult", "PushResult"]
 
 
+async def _handshake(
+    transport: Transport,
+    key: bytes | None,
+    limits: WireLimits | None,
+    timeouts: Timeouts | None,
+    name: str,
+) -> tuple[FrameConnection, Welcome]:
+    """The client's handshake on ``transport``; on failure the transport is aborted."""
+    conn = FrameConnection(transport, limits=limits, timeouts=timeouts)
+    try:
+        welcome = await client_handshake(conn, key, name=name)
+    except BaseException:
+        transport.abort()
+        raise
+    return conn, welcome
+
+
 class BlockClient(PushPath, FetchPath):
     """One authenticated connection to a BlockServer; requests run one at a time.
 
     Open with ``await BlockClient.connect(...)`` (TCP/TLS) or ``await BlockClient.open(t)``
-    (any Transport); close with ``aclose`` or ``async with``. After any error the connection
-    is out of sync: close it and connect again (a push then resumes where it stopped).
+    (any Transport); close with ``aclose`` or ``async with``.
+
+    Cancelling a call (``asyncio.timeout``, ``wait_for``, a task's cancel) at any await point
+    leaves the connection usable: the answers it did not read are read and dropped by the
+    next call before its own request (counted in ``exchange_stats``); no partial frame is
+    left behind. The server may still have acted on a request whose answer was dropped (a
+    block stored, a submit accepted). Where a send was cut inside a frame, where a wire error
+    came inside an answer, or where the answer owed is a wait's (it may take long), the
+    connection is given up: the next call reconnects (a client from ``connect``; a push
+    resumes where it stopped) or raises ConnectionBroken (one from ``open``).
     """
 
     @classmethod
@@ -34,13 +60,12 @@ class BlockClient(PushPath, FetchPath):
         timeouts: Timeouts | None = None,
         name: str = "tensorswap",
     ) -> Self:
-        """Run the handshake on ``transport``; on failure the transport is aborted."""
-        conn = FrameConnection(transport, limits=limits, timeouts=timeouts)
-        try:
-            welcome = await client_handshake(conn, key, name=name)
-        except BaseException:
-            transport.abort()
-            raise
+        """Run the handshake on ``transport``; on failure the transport is aborted.
+
+        Such a client cannot dial again: once its connection is broken (see the class
+        docstring) its calls raise ConnectionBroken.
+        """
+        conn, welcome = await _handshake(transport, key, limits, timeouts, name)
         return cls(conn, welcome)
 
     @classmethod
@@ -55,14 +80,24 @@ class BlockClient(PushPath, FetchPath):
         limits: WireLimits | None = None,
         timeouts: Timeouts | None = None,
     ) -> Self:
-        """Connect (within ``timeouts.connect``), then authenticate (``timeouts.handshake``)."""
+        """Connect (within ``timeouts.connect``), then authenticate (``timeouts.handshake``).
+
+        A broken connection (see the class docstring) is replaced the same way by the next
+        call."""
         timeouts = timeouts or Timeouts()
-        transport = await connect_tcp(
-            host, port, ssl=ssl, server_hostname=server_hostname, timeout=timeouts.connect
-        )
-        return await cls.open(transport, key=key, limits=limits, timeouts=timeouts)
+
+        async def dial() -> tuple[FrameConnection, Welcome]:
+            transport = await connect_tcp(
+                host, port, ssl=ssl, server_hostname=server_hostname, timeout=timeouts.connect
+            )
+            return await _handshake(transport, key, limits, timeouts, "tensorswap")
+
+        client = cls(*await dial())
+        client.redial = dial
+        return client
 
     async def aclose(self) -> None:
+        self.exchanges.close()
         await self.conn.transport.aclose()
 
     async def __aenter__(self) -> Self:
@@ -70,6 +105,7 @@ class BlockClient(PushPath, FetchPath):
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc is not None and not isinstance(exc, Exception):
+            self.exchanges.close()
             self.conn.transport.abort()
         else:
             await self.aclose()
@@ -91,5 +127,5 @@ class BlockClient(PushPath, FetchPath):
         ``app`` (the connection stays usable), RemoteError for an Error frame (the server
         then closes the connection), PeerTimeout or ProtocolViolation.
         """
-        async with self._lock:
+        async with self._exchange():
             return await self._request(app, body, timeout)

@@ -229,6 +229,11 @@ class FrameConnection:
     def peer(self) -> str:
         return self.transport.peer
 
+    @property
+    def send_broken(self) -> bool:
+        """A send stopped inside a frame (a cancel, a timeout): the stream is out of sync."""
+        return self._send_broken
+
     # ── sending ──────────────────────────────────────────────────────────────
     async def _send(self, what: str, *parts: Buffer) -> None:
         """Send one whole frame within ``Timeouts.read`` (PeerTimeout: the peer stopped
@@ -295,6 +300,7 @@ class FrameConnection:
         max_payload: int | None = None,
         whole_frame: bool = False,
         admit: Admit | None = None,
+        header: FrameHeader | None = None,
     ) -> Frame:
         """The next frame, CRC-checked.
 
@@ -310,31 +316,13 @@ class FrameConnection:
         awaited once the header (and of a BLOCK frame its prefix: CID and raw_len, or None if
         malformed) is read and before the payload is allocated or read further; the payload
         then has ``Timeouts.read`` from its return (the server waits there for memory).
+        ``header``: the frame's header, already taken (``_exchange``): its payload follows.
         """
         loop = asyncio.get_running_loop()
         seconds = self._seconds(timeout)
         deadline = None if seconds is None else loop.time() + seconds
-        # Bytes already read ahead need no wait, so no timeout scope (a pipelined peer's
-        # frames, a payload that came with its header).
-        got = self.transport.receive_nowait(self._header)
-        if got < HEADER_SIZE:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    got += await self.transport.receive_into(memoryview(self._header)[got:])
-            except TimeoutError as exc:
-                raise PeerTimeout("a frame header", seconds or 0.0, self.peer) from exc
-        if got == 0:
-            raise StreamEnded(f"connection from {self.peer}")
-        if got < HEADER_SIZE:
-            raise UnexpectedEof("frame header", got, HEADER_SIZE)
-        message_limit = self.limits.max_message_bytes
-        block_limit = self.limits.max_block_payload
-        if max_payload is not None:
-            message_limit = min(message_limit, max_payload)
-            block_limit = min(block_limit, max_payload)
-        header = FrameHeader.unpack(
-            self._header, max_payload=message_limit, max_block_payload=block_limit
-        )
+        if header is None:
+            header = await self._receive_header(seconds, deadline, max_payload)
         what = f"{header.kind.name} payload ({header.payload_len} bytes)"
         if not whole_frame:
             seconds = self.timeouts.read
@@ -371,6 +359,34 @@ class FrameConnection:
             return Frame(header, payload, checked=False)
         _check_crc(header, payload)
         return Frame(header, payload)
+
+    async def _receive_header(
+        self, seconds: float | None, deadline: float | None, max_payload: int | None
+    ) -> FrameHeader:
+        # Bytes already read ahead need no wait, so no timeout scope (a pipelined peer's
+        # frames, a payload that came with its header).
+        got = self.transport.receive_nowait(self._header)
+        if got < HEADER_SIZE:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    got += await self.transport.receive_into(memoryview(self._header)[got:])
+            except TimeoutError as exc:
+                raise PeerTimeout("a frame header", seconds or 0.0, self.peer) from exc
+        if got == 0:
+            raise StreamEnded(f"connection from {self.peer}")
+        if got < HEADER_SIZE:
+            raise UnexpectedEof("frame header", got, HEADER_SIZE)
+        return self._unpack_header(max_payload)
+
+    def _unpack_header(self, max_payload: int | None = None) -> FrameHeader:
+        message_limit = self.limits.max_message_bytes
+        block_limit = self.limits.max_block_payload
+        if max_payload is not None:
+            message_limit = min(message_limit, max_payload)
+            block_limit = min(block_limit, max_payload)
+        return FrameHeader.unpack(
+            self._header, max_payload=message_limit, max_block_payload=block_limit
+        )
 
     async def _receive_block_prefix(
         self, header: FrameHeader, what: str, seconds: float | None, deadline: float | None

@@ -7,7 +7,9 @@
     ├── TransportError         (tensorswap.transport.errors; re-exported here)
     │   ├── UnexpectedEof      the peer closed inside a frame (received < expected bytes)
     │   ├── ConnectionFailed   connect/read/write failed at the OS level (refused, reset, ...)
-    │   │   └── ServerBusy     the server is at its connection cap and said so (ERROR busy)
+    │   │   ├── ServerBusy     the server is at its connection cap and said so (ERROR busy)
+    │   │   └── ConnectionBroken  a client's connection given up (a frame cut by a cancel, a
+    │   │                      failure inside an answer) and no way to dial it again
     │   ├── PeerTimeout        (also TimeoutError) connect or a frame read took too long
     │   └── TransportClosed    (also RuntimeError) local use of a closed transport
     ├── ProtocolViolation      the peer sent bytes or messages the protocol forbids
@@ -39,6 +41,7 @@ __all__ = [
     "BlockHashMismatch",
     "ChecksumMismatch",
     "ChunkIndexOutOfRange",
+    "ConnectionBroken",
     "ConnectionFailed",
     "DuplicateChunk",
     "FrameTooLarge",
@@ -70,6 +73,17 @@ class StreamEnded(WireError):
     def __init__(self, what: str = "stream") -> None:
         self.what = what
         super().__init__(f"{what} ended before the first frame (peer closed the connection)")
+
+
+class ConnectionBroken(ConnectionFailed):
+    """A client's connection is out of frame sync and was given up: a send cut inside a
+    frame (a cancel during a write), or a failure in the middle of an answer. ``reason``
+    says which. Raised by the calls after it on a client that cannot dial again (one opened
+    over a given Transport); one from ``BlockClient.connect`` reconnects instead."""
+
+    def __init__(self, peer: str, reason: str) -> None:
+        self.reason = reason
+        super().__init__(peer, f"connection broken ({reason}); connect again")
 
 
 class ProtocolViolation(WireError):

@@ -242,6 +242,8 @@ class BlockServer(ServerHandlers):
             if not serving.done():
                 serving.cancel()
                 await asyncio.wait([serving])
+            if not serving.cancelled():
+                serving.exception()  # retrieved: raised below, or superseded by a cancel
         if not serving.cancelled():
             serving.result()  # its own failure, if it ended first
         if sink.failed.is_set():
