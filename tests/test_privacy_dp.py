@@ -34,12 +34,12 @@ from tensorswap.rounds.persist import DB_FILENAME
 from tensorswap.rounds.state import Complete, RoundId
 from tensorswap.runs import (
     ClientRegistry,
+    FutureVersion,
     InvalidRunSpec,
     RunDatabase,
     RunManager,
     RunsError,
     RunSpec,
-    StaleContribution,
 )
 from tensorswap.runs.service import row_of
 from tensorswap.store import ModelUpdate, get_update, put_update
@@ -316,8 +316,9 @@ def test_client_side_clipping_refuses_an_update_above_the_norm(tmp_path: Path) -
         tensors = dict(get_update(coord.store, big).tensors)
         clipped, bit = clip_update(tensors, 1.0)
         ok = put_update(coord.store, ModelUpdate(clipped))
-        with pytest.raises(StaleContribution):
+        with pytest.raises(FutureVersion) as future:  # a version not made yet: not "stale"
             manager.submit(task.round_id, peer, ok, trained_on=task.version + 1)
+        assert (future.value.trained_on, future.value.current) == (task.version + 1, 0)
         manager.submit(task.round_id, peer, ok, trained_on=task.version, clipped=bit)
         assert manager.privacy.ledger.clip_bits("dp", 1) == {(peer, str(ok)): True}
 

@@ -271,10 +271,12 @@ def test_a_collection_never_falls_between_storing_a_version_and_naming_it(
 ) -> None:
     """Retention with no grace at all: the new global model is a block no root names until the
     step records it, so the step runs with collections held off (``no_collection``); one
-    started meanwhile waits, then keeps the model. (It once deleted it, and the run stopped.)"""
+    started meanwhile waits, then keeps the model. (It once deleted it, and the run stopped.)
+    The step is made at the round's release (``runs.publish``), and the version it holds
+    is a root until the manager records it."""
     import threading
 
-    from tensorswap.runs import manager as manager_module
+    from tensorswap.runs import publish as manager_module
 
     clock = FakeClock()
     coord = Coordinator.open(

@@ -26,8 +26,9 @@ from tensorswap.cli.serve_cmd import resolve_key
 from tensorswap.codec import TensorBlock
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.errors import InvalidRunSpec
+from tensorswap.runs.finite import check_tensors
 from tensorswap.runs.messages import RunRow
-from tensorswap.runs.model import AUTO, RunMode, RunSpec, Staleness
+from tensorswap.runs.model import AUTO, MAX_PEERS_PER_ROUND, RunMode, RunSpec, Staleness
 from tensorswap.store import ModelUpdate
 from tensorswap.wire.connection import Timeouts
 
@@ -158,7 +159,11 @@ def run() -> None:
 @click.option(
     "--mode", type=click.Choice([m.value for m in RunMode]), default="sync", show_default=True
 )
-@click.option("--per-round", type=click.IntRange(min=1), help="Peers sampled per round (K).")
+@click.option(
+    "--per-round",
+    type=click.IntRange(1, MAX_PEERS_PER_ROUND),
+    help="Peers sampled per round (K).",
+)
 @click.option(
     "--fraction",
     type=click.FloatRange(0, 1, min_open=True),
@@ -166,7 +171,7 @@ def run() -> None:
 )
 @click.option(
     "--min-clients",
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, MAX_PEERS_PER_ROUND),
     default=1,
     show_default=True,
     help="A round starts once this many peers are active (and samples at least this many).",
@@ -216,7 +221,7 @@ def run() -> None:
 )
 @click.option(
     "--buffer",
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, MAX_PEERS_PER_ROUND),
     default=4,
     show_default=True,
     help="Async: contributions per new version.",
@@ -234,6 +239,12 @@ def run() -> None:
     default="sqrt",
     show_default=True,
     help="Async: how a stale delta is scaled.",
+)
+@click.option(
+    "--max-samples-per-peer",
+    type=click.IntRange(min=1),
+    help="Refuse a contribution claiming more samples than this (its FedAvg weight, the "
+    "peer's own word: TooManySamples); a region's fold may claim it once per peer it covers.",
 )
 @click.option(
     "--dp-clip",
@@ -331,6 +342,7 @@ def create(
     buffer: int,
     max_staleness: int,
     staleness: str,
+    max_samples_per_peer: int | None,
     dp_clip: float | None,
     dp_noise: float,
     dp_delta: float,
@@ -374,6 +386,7 @@ def create(
             buffer=buffer,
             max_staleness=max_staleness,
             staleness=Staleness(staleness),
+            max_samples_per_peer=max_samples_per_peer,
             dp_clip=dp_clip,
             dp_noise=dp_noise,
             dp_delta=dp_delta,
@@ -393,6 +406,7 @@ def create(
     update = (
         ModelUpdate({loaded.name: loaded.values}) if isinstance(loaded, TensorBlock) else loaded
     )
+    check_tensors(name, update.tensors.items(), "initial model")  # NonFiniteModel: not sent
     host, port, kwargs = _connection(address, key, key_file, tls_ca, timeout)
 
     async def go() -> RunRow:

@@ -30,8 +30,10 @@ from tensorswap.cli._util import (
 from tensorswap.region.gate import RegionGate
 from tensorswap.region.identity import coordinator_id
 from tensorswap.region.runs_proxy import RunsProxy
+from tensorswap.rounds._dirlock import DataDirLock
 from tensorswap.rounds.batch import PeerKeys
 from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
+from tensorswap.rounds.errors import DataDirInUse
 from tensorswap.rounds.server import RoundServer
 from tensorswap.runs.manager import RunManager
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER
@@ -97,6 +99,7 @@ async def _run(
     peer_keys: str | None = None,
     sync_blocks: bool = False,
     result_chunk: int = DEFAULT_CHUNK_BYTES,
+    max_samples_per_peer: int | None = None,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -120,6 +123,7 @@ async def _run(
     else:
         coordinator = await asyncio.to_thread(Coordinator.open, data, **opened)
     coordinator.result_chunk_bytes = result_chunk
+    coordinator.samples.limit = max_samples_per_peer
     runs: RunManager | None = None
     try:
         if tier is None:
@@ -285,6 +289,15 @@ async def _run(
     "chunks let more peers trade a result among themselves (swarm); 4 KiB to 64 MiB.",
 )
 @click.option(
+    "--max-samples-per-peer",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Refuse a contribution that claims more than N samples (its update's num_samples, "
+    "its FedAvg weight: the peer's own word) with TooManySamples; a run's "
+    "--max-samples-per-peer can be tighter (default: any claim).",
+)
+@click.option(
     "--event-loop",
     type=click.Choice([c.value for c in EventLoop]),
     default=EventLoop.ASYNCIO.value,
@@ -319,6 +332,7 @@ def serve(
     sync_blocks: bool,
     no_group_commit: bool,
     result_chunk: int,
+    max_samples_per_peer: int | None,
     event_loop: str,
     log_level: str,
     upstream: str | None,
@@ -334,7 +348,8 @@ def serve(
     Round state lives in SQLite (WAL) under DATA and blocks in a directory store under
     DATA/blocks: stop or kill the server at any point, start it again on the same DATA, and
     rounds go on with every accepted contribution. Prints "listening on HOST:PORT" to stderr
-    once ready; stops cleanly on SIGINT or SIGTERM.
+    once ready; stops cleanly on SIGINT or SIGTERM. One server per DATA: it holds the lock
+    DATA/serve.lock while it runs, and a second one on the same DATA refuses to start.
     """
     host, port = parse_host_port(listen)
     secret = resolve_key(key, key_file)
@@ -364,30 +379,38 @@ def serve(
     logging.getLogger(__name__).info("event loop: %s", loop.value)
     timeouts = Timeouts(read=timeout)
     durable = not fast_commit
-    run_loop(
-        _run(
-            host,
-            port,
-            data,
-            secret,
-            ssl,
-            timeouts,
-            durable,
-            keep_rounds,
-            gc_grace,
-            max_wait,
-            max_connections,
-            reset,
-            max_inflight_bytes,
-            inactive_after,
-            tier,
-            group_commit=not no_group_commit,
-            peer_keys=peer_keys,
-            sync_blocks=sync_blocks,
-            result_chunk=result_chunk,
-        ),
-        loop,
-    )
+    try:  # held until serve returns; the kernel drops it if the process dies
+        lock = DataDirLock(data).acquire()
+    except DataDirInUse as exc:  # one line, not a traceback: another server holds DATA
+        raise click.ClickException(str(exc)) from exc
+    try:
+        run_loop(
+            _run(
+                host,
+                port,
+                data,
+                secret,
+                ssl,
+                timeouts,
+                durable,
+                keep_rounds,
+                gc_grace,
+                max_wait,
+                max_connections,
+                reset,
+                max_inflight_bytes,
+                inactive_after,
+                tier,
+                group_commit=not no_group_commit,
+                peer_keys=peer_keys,
+                sync_blocks=sync_blocks,
+                result_chunk=result_chunk,
+                max_samples_per_peer=max_samples_per_peer,
+            ),
+            loop,
+        )
+    finally:
+        lock.release()
 
 
 if __name__ == "__main__":  # `python -m tensorswap.cli.serve_cmd` before the group lists it

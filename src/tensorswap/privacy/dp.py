@@ -116,17 +116,25 @@ def adaptive_noise(noise_multiplier: float, clipped_count_stddev: float) -> floa
 
 
 def next_clip(
-    clip: float, clipped_fraction: float, target_clipped_quantile: float, lr: float
+    clip: float,
+    clipped_fraction: float,
+    target_clipped_quantile: float,
+    lr: float,
+    ceiling: float = math.inf,
 ) -> float:
     """The clipping norm of the next round: a geometric step towards the norm that clips the
-    target fraction of updates, ``clip * exp(lr * (clipped_fraction - target))``.
+    target fraction of updates, ``clip * exp(lr * (clipped_fraction - target))``, never
+    above ``ceiling`` (a noised fraction far outside [0, 1] cannot overflow it).
 
     This is Andrew et al.'s update, ``C exp(-lr (b - gamma))``, written with the clipped
     fraction ``1 - b`` and Flower's target ``1 - gamma``: too many updates clipped raises the
     norm, too few lowers it. (Flower 1.42 applies ``exp(-lr * (clipped_fraction - target))``,
     which moves the norm away from the target; see docs/privacy.md.)
     """
-    return float(clip * math.exp(lr * (clipped_fraction - target_clipped_quantile)))
+    exponent = lr * (clipped_fraction - target_clipped_quantile)
+    if clip > 0 and math.isfinite(ceiling) and exponent >= math.log(ceiling / clip):
+        return float(ceiling)
+    return float(min(clip * math.exp(min(exponent, 700.0)), ceiling))
 
 
 def add_noise(

@@ -11,7 +11,13 @@ from tensorswap.runs.errors import InvalidRunSpec
 __all__ = [
     "CLIPPING_MODES",
     "DP_STRATEGIES",
+    "MAX_DP_CLIP",
+    "MAX_DP_CLIP_NORM_LR",
+    "MAX_DP_COUNT_STDDEV",
+    "MAX_DP_NOISE",
+    "MAX_DP_NOISE_NORM",
     "check_dp_options",
+    "check_dp_scale",
     "check_secagg_options",
     "default_count_stddev",
 ]
@@ -25,17 +31,43 @@ DP_STRATEGIES = ("fedavg", "mean")
 the clipped deltas (DP-FedAvg's uniform weights, Flower's noise calibration)."""
 
 
+MAX_DP_NOISE = 1e6
+"""The largest noise multiplier z (practice: 0.1 to 10; z = 1e6 already drowns any update)."""
+
+MAX_DP_CLIP = 1e9
+"""The largest clipping norm C, also the ceiling adaptive clipping never moves C above; so
+z x C <= 1e15: the noise stddev on each value of the sum of clipped updates (squares of
+such values stay finite in float32, whose largest value is 3.4e38)."""
+
+MAX_DP_NOISE_NORM = 1e18
+"""The largest z x C x sqrt(values in the model): the expected L2 norm of the noise added
+to the sum of the clipped updates. Its square (1e36) still fits in float32, so noised
+models, their norms and the server optimizer's squared moments stay finite. Checked when a
+run is created, against its initial model's size."""
+
+MAX_DP_CLIP_NORM_LR = 10.0
+"""The largest adaptive-clipping learning rate (Andrew et al. use 0.2): C moves by at most
+a factor exp(lr) per round, as it was meant to."""
+
+MAX_DP_COUNT_STDDEV = 1e6
+"""The largest stddev of the noise on the clipped count (default: sampled peers / 20)."""
+
+
 def default_count_stddev(num_sampled: int) -> float:
     """The clipped-count noise when none is given: ``num_sampled / 20`` (Andrew et al.,
     Flower's default)."""
     return num_sampled / 20
 
 
-def _finite(name: str, value: object, low: float, *, strict: bool = True) -> float:
+def _finite(
+    name: str, value: object, low: float, *, strict: bool = True, high: float | None = None
+) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise InvalidRunSpec(f"{name} must be a finite number, got {value!r}")
     if value < low or (strict and value == low):
         raise InvalidRunSpec(f"{name} must be {'>' if strict else '>='} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise InvalidRunSpec(f"{name} must be <= {high:g}, got {value!r}")
     return float(value)
 
 
@@ -55,8 +87,8 @@ def check_dp_options(spec: Any) -> None:
         if given:
             raise InvalidRunSpec(f"{', '.join(given)} need dp_clip (the clipping norm)")
         return
-    _finite("dp_clip", spec.dp_clip, 0.0)
-    _finite("dp_noise", spec.dp_noise, 0.0, strict=False)
+    _finite("dp_clip", spec.dp_clip, 0.0, high=MAX_DP_CLIP)
+    _finite("dp_noise", spec.dp_noise, 0.0, strict=False, high=MAX_DP_NOISE)
     delta = _finite("dp_delta", spec.dp_delta, 0.0)
     if delta >= 1:
         raise InvalidRunSpec(f"dp_delta must be in (0, 1), got {delta!r}")
@@ -73,9 +105,10 @@ def check_dp_options(spec: Any) -> None:
     )
     if quantile > 1:
         raise InvalidRunSpec(f"dp_target_clipped_quantile must be in [0, 1], got {quantile!r}")
-    _finite("dp_clip_norm_lr", spec.dp_clip_norm_lr, 0.0)
+    _finite("dp_clip_norm_lr", spec.dp_clip_norm_lr, 0.0, high=MAX_DP_CLIP_NORM_LR)
     if spec.dp_clipped_count_stddev is not None:
-        _finite("dp_clipped_count_stddev", spec.dp_clipped_count_stddev, 0.0, strict=False)
+        stddev = spec.dp_clipped_count_stddev
+        _finite("dp_clipped_count_stddev", stddev, 0.0, strict=False, high=MAX_DP_COUNT_STDDEV)
     if spec.mode.value != "sync":
         raise InvalidRunSpec("differential privacy needs a sync run (sampled rounds)")
     if spec.strategy not in DP_STRATEGIES:
@@ -95,6 +128,21 @@ def check_dp_options(spec: Any) -> None:
                 f"clipped count (stddev {count:.4g}); it needs dp_noise < 2 x that stddev: "
                 f"raise dp_clipped_count_stddev (or min_clients) or lower dp_noise"
             )
+
+
+def check_dp_scale(spec: Any, size: int) -> None:
+    """InvalidRunSpec unless a DP run's noise on a model of ``size`` values stays well inside
+    float32: ``dp_noise x dp_clip x sqrt(size) <= MAX_DP_NOISE_NORM`` (checked by
+    ``RunManager.create_run``, which knows the model; ``check_dp_options`` bounds z and C)."""
+    if spec.dp_clip is None or spec.dp_noise == 0:
+        return
+    norm = spec.dp_noise * spec.dp_clip * math.sqrt(max(size, 1))
+    if norm > MAX_DP_NOISE_NORM:
+        raise InvalidRunSpec(
+            f"dp_noise x dp_clip x sqrt(model size) = {spec.dp_noise:g} x {spec.dp_clip:g} x "
+            f"sqrt({size}) = {norm:.3g}, above {MAX_DP_NOISE_NORM:g}: noise that large would "
+            f"leave float32 (lower dp_noise or dp_clip)"
+        )
 
 
 def _int_at_least(name: str, value: object, low: int) -> int:

@@ -21,11 +21,12 @@ from tensorswap.privacy.dp import (
 )
 from tensorswap.privacy.errors import ClipBoundExceeded, PrivacyBudgetExhausted
 from tensorswap.privacy.ledger import PrivacyLedger, PrivacyRound, PrivacyStep
-from tensorswap.privacy.params import default_count_stddev
+from tensorswap.privacy.params import MAX_DP_CLIP, default_count_stddev
 from tensorswap.rounds.fold import load_pieces
 from tensorswap.rounds.state import Contribution
 from tensorswap.rounds.updates import inspect_update
-from tensorswap.runs.errors import NotSelected, RunsError, StaleContribution
+from tensorswap.runs.errors import FutureVersion, NotSelected, RunsError, StaleContribution
+from tensorswap.runs.finite import FiniteGuard
 from tensorswap.runs.stream import stream_noised
 from tensorswap.store import BlockStore
 
@@ -109,6 +110,8 @@ class RunPrivacy:
                 f"run {info.name!r} is differentially private: submit the delta from the task's "
                 f"model with trained_on=<version> (RunClient.submit does)"
             )
+        if trained_on > info.version:
+            raise FutureVersion(info.name, peer, trained_on, info.version)
         if trained_on != info.version:
             raise StaleContribution(info.name, peer, trained_on, info.version, 0)
         clip = self._round(info.name, round).clip
@@ -136,7 +139,9 @@ class RunPrivacy:
         """The round's noised mean delta: recorded already (a redone step), or drawn now:
         ``sum of clipped deltas / sampled + N(0, (z C / sampled)**2)`` (the fixed denominator of
         DP-FedAvg: a dropped peer lowers the sum, never the sensitivity), stored and journaled
-        with the next clipping norm and ε before it is returned."""
+        with the next clipping norm and ε before it is returned. Each noised chunk is checked
+        before it is stored: NaN or Inf raises NonFiniteStep (stage ``DP release``) and
+        nothing is released or journaled (no ε spent)."""
         spec, name = info.spec, info.name
         steps = self.ledger.steps(name)
         for step in steps:
@@ -158,8 +163,16 @@ class RunPrivacy:
         std = noise_std(z, entry.clip, m)
         meta = {"run": name, "round": str(info.round), "dp": "noised mean delta"}
         # chunk by chunk, a few chunks in memory: sum of clipped deltas / m, plus the noise
+        guard = FiniteGuard.of(info, contributions)
         cid = stream_noised(
-            store, aggregate, kept / m, std, rng, metadata=meta, name=f"{name}@{info.round}/dp"
+            store,
+            aggregate,
+            kept / m,
+            std,
+            rng,
+            metadata=meta,
+            name=f"{name}@{info.round}/dp",
+            guard=guard,
         )
         noised_clipped, upcoming = float(clipped), entry.clip
         if spec.dp_adaptive:
@@ -169,6 +182,7 @@ class RunPrivacy:
                 noised_clipped / max(kept, 1),
                 spec.dp_target_clipped_quantile,
                 spec.dp_clip_norm_lr,
+                MAX_DP_CLIP,
             )
         rates = [s.rate for s in steps] + [entry.rate]
         eps = epsilon(spec.dp_noise, rates, spec.dp_delta)

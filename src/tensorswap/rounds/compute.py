@@ -4,7 +4,7 @@ dropped (and recorded), the result stored as a model update in the round's layou
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Iterable, Sized
 
 import numpy as np
 
@@ -13,11 +13,17 @@ from tensorswap.aggregate import aggregate
 from tensorswap.cid import Cid
 from tensorswap.codec import DType
 from tensorswap.errors import BlockNotFound, CorruptBlock
-from tensorswap.rounds.errors import ContributionsLost, RoundsError
+from tensorswap.rounds.errors import ContributionsLost, NonFiniteAggregate, RoundsError
 from tensorswap.rounds.fold import RoundWork, assemble, load_chunk, load_pieces
 from tensorswap.rounds.result import put_pieces
 from tensorswap.rounds.state import Contribution, Layout, RoundInfo
-from tensorswap.rounds.updates import STREAMING_KINDS, UpdateFacts, aggregator_spec, inspect_update
+from tensorswap.rounds.updates import (
+    STREAMING_KINDS,
+    UpdateFacts,
+    aggregator_spec,
+    count_nonfinite,
+    inspect_update,
+)
 from tensorswap.store import (
     DEFAULT_CHUNK_BYTES,
     BlockStore,
@@ -62,8 +68,11 @@ def compute_aggregate(
     a restart, or a rebuild); other strategies read every contribution back. Every block is
     re-hashed on the read that feeds the aggregate. A contribution whose blocks fail that
     check or are missing is dropped through ``drop`` with the reason; if fewer than the
-    round's quorum remain, ContributionsLost is raised and nothing is stored. Errors from
-    storing the result (a full disk) propagate for the caller to retry.
+    round's quorum remain, ContributionsLost is raised and nothing is stored. An aggregate
+    that would hold NaN or Inf (finite contributions whose sum overflowed) raises
+    NonFiniteAggregate and nothing is stored, unless the strategy propagates non-finite
+    values on purpose (``non_finite=propagate``). Errors from storing the result (a full
+    disk) propagate for the caller to retry.
     """
     spec = aggregator_spec(info.spec)
     gone = info.dropped_peers
@@ -101,7 +110,8 @@ def compute_aggregate(
             _check_quorum(info, len(kept), lost)
             # shared chunks are exact only when no contribution is clipped or scaled
             exact = spec.max_norm is None and all(c.scale == 1.0 for c in kept)
-            return _store_streaming(store, info, kept[0], work, exact, chunk_bytes)
+            guard = None if spec.non_finite.value == "propagate" else kept
+            return _store_streaming(store, info, kept[0], work, exact, chunk_bytes, guard)
         inputs = []
         for c in live:
             try:
@@ -122,6 +132,8 @@ def compute_aggregate(
             want = DType.parse(layer.dtype).numpy
             if values[layer.name].dtype != want:
                 values[layer.name] = values[layer.name].astype(want)
+        if spec.non_finite.value != "propagate":
+            _check_finite(info, values.items(), [c for c in live if c.peer not in lost])
     metadata = result_metadata(info, result.used, result.dropped)
     update = ModelUpdate(values, result.total_samples, metadata, name=info.round_id.as_key())
     return put_update(store, update, chunk_bytes=chunk_bytes)
@@ -142,9 +154,11 @@ def _store_streaming(
     work: RoundWork,
     exact_shared: bool,
     chunk_bytes: int,
+    finite_among: list[Contribution] | None = None,
 ) -> Cid:
     """Store the streaming sums' result; the caller holds ``work.lock``. ``first``: a folded
-    contribution, whose layout is the round's when the round has none recorded."""
+    contribution, whose layout is the round's when the round has none recorded; with
+    ``finite_among`` (the folded contributions) NonFiniteAggregate for a non-finite piece."""
     assert work.acc is not None and work.bounds is not None
     result, bounds, same = work.acc.result(), work.bounds, work.same or {}
     work.reset()  # free the sums before building and storing the result
@@ -163,6 +177,9 @@ def _store_streaming(
                     log.warning(
                         "round %s: shared chunk unreadable, sum kept: %s", info.round_id, exc
                     )
+    if finite_among is not None:
+        named = ((key.partition("@")[2], piece) for key, piece in pieces.items())
+        _check_finite(info, named, finite_among)
     metadata = result_metadata(info, result.used, result.dropped)
     name = info.round_id.as_key()
     # chunk by chunk from the pieces when they are cut as put_update cuts
@@ -181,6 +198,19 @@ def _store_streaming(
     values = assemble(pieces, bounds, layout)
     update = ModelUpdate(values, result.total_samples, metadata, name=name)
     return put_update(store, update, chunk_bytes=chunk_bytes)
+
+
+def _check_finite(
+    info: RoundInfo, values: Iterable[tuple[str, np.ndarray]], contributions: list[Contribution]
+) -> None:
+    """NonFiniteAggregate naming the first tensor in ``values`` (name, values) with NaN or
+    Inf (one pass, in bounded steps: ``count_nonfinite``)."""
+    for name, piece in values:
+        bad = count_nonfinite(piece)
+        if bad:
+            peers = ", ".join(repr(c.peer) for c in contributions[:8])
+            more = f" and {len(contributions) - 8} more" if len(contributions) > 8 else ""
+            raise NonFiniteAggregate(info.round_id.as_key(), name, bad, f"peers {peers}{more}")
 
 
 def result_metadata(info: RoundInfo, used: Sized, dropped: Sized) -> dict[str, str]:

@@ -29,7 +29,7 @@ from tensorswap.rounds.deadline import (
 )
 from tensorswap.rounds.errors import RoundFailed
 from tensorswap.rounds.fold import RoundWork
-from tensorswap.rounds.intake import intake
+from tensorswap.rounds.intake import SampleCap, intake
 from tensorswap.rounds.persist import RoundDatabase
 from tensorswap.rounds.retention import DEFAULT_GC_GRACE, Retention, RetentionWorker
 from tensorswap.rounds.retry import RetryPolicy, RetrySchedule
@@ -131,6 +131,7 @@ class Coordinator:
         differentially private run releases the noised aggregate, so the clean one is never
         published). What it raises is treated as an aggregation failure (retried when
         transient). Must be idempotent: a restart may call it again for the same round."""
+        self.samples = SampleCap()  # the num_samples a contribution may claim (rounds.intake)
         self.result_chunk_bytes = DEFAULT_CHUNK_BYTES
         """Chunk size of the aggregates' tensors (``serve --result-chunk``; see compute)."""
         self._work: dict[RoundId, RoundWork] = {}

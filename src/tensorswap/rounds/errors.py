@@ -11,12 +11,15 @@
     ├── UnknownUpdate           (also LookupError) the update CID is not in the store
     ├── UpdateMismatch          (also ValueError) layer names, dtypes or shapes differ
     ├── InvalidUpdate           (also ValueError) the update's values cannot be aggregated
+    ├── TooManySamples          (also ValueError) a contribution claims more samples than the cap
+    ├── NonFiniteAggregate      a round's aggregate would hold NaN or Inf: the round fails
     ├── RoundFailed             the round ended Failed; its reason is attached
     ├── ContributionsLost       too few readable contributions left to aggregate (quorum)
     ├── InvalidRoundSpec        (also ValueError) a round configuration that cannot work
     ├── RoundTimeout            (also TimeoutError) waiting for a round's result timed out
     ├── JournalMissing          the journal is missing or empty next to a store with blocks
-    └── JournalDamaged          SQLite finds the journal damaged (quick_check, not a database)
+    ├── JournalDamaged          SQLite finds the journal damaged (quick_check, not a database)
+    └── DataDirInUse            another process (a second ``serve``) holds the data directory
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ from tensorswap.errors import RoundsError
 
 __all__ = [
     "ContributionsLost",
+    "DataDirInUse",
     "DuplicateContribution",
     "InvalidRoundSpec",
     "InvalidUpdate",
     "JournalDamaged",
     "JournalMissing",
+    "NonFiniteAggregate",
     "PeerNotAuthorised",
     "RoundAlreadyTerminal",
     "RoundClosed",
@@ -39,6 +44,7 @@ __all__ = [
     "RoundNotFound",
     "RoundTimeout",
     "RoundsError",
+    "TooManySamples",
     "UnknownUpdate",
     "UpdateMismatch",
 ]
@@ -140,6 +146,38 @@ class InvalidUpdate(RoundsError, ValueError):
         super().__init__(f"update from peer {peer!r} refused for round {key}: {detail}")
 
 
+class TooManySamples(RoundsError, ValueError):
+    """A contribution claims more samples (its update's num_samples, its FedAvg weight)
+    than the cap allows (``max_samples_per_peer``): refused, nothing recorded. A claim is
+    the peer's word; the cap bounds how far one peer can outweigh the others."""
+
+    def __init__(self, key: str, peer: str, claimed: int, cap: int) -> None:
+        self.key = key
+        self.peer = peer
+        self.claimed = claimed
+        self.cap = cap
+        super().__init__(
+            f"update from peer {peer!r} for round {key} claims {claimed} samples, above the "
+            f"cap of {cap} (max_samples_per_peer); submit with num_samples <= {cap}"
+        )
+
+
+class NonFiniteAggregate(RoundsError):
+    """A round's aggregate of finite contributions would hold NaN or Inf (a sum that
+    overflowed its dtype): nothing is stored or published, the round fails with this."""
+
+    def __init__(self, key: str, tensor: str, count: int, peers: str) -> None:
+        self.key = key
+        self.tensor = tensor
+        self.count = count
+        self.peers = peers
+        super().__init__(
+            f"round {key}: the aggregate of tensor {tensor!r} would hold {count} non-finite "
+            f"value(s) (NaN or Inf: a sum overflowed); nothing published; contributions from "
+            f"{peers}"
+        )
+
+
 class RoundFailed(RoundsError):
     """A round whose result was asked for ended Failed."""
 
@@ -209,4 +247,19 @@ class JournalDamaged(RoundsError):
         super().__init__(
             f"round journal {path} is damaged: {detail} (restore it from a backup, or start "
             f"a fresh journal with tensorswap serve --reset, which keeps this one aside)"
+        )
+
+
+class DataDirInUse(RoundsError):
+    """Another process (a second ``tensorswap serve``) holds the data directory's lock: two
+    coordinators over one journal and store would corrupt each other's rounds."""
+
+    def __init__(self, path: Path, lock: Path, pid: int | None) -> None:
+        self.path = str(path)
+        self.lock = str(lock)
+        self.pid = pid
+        holder = f"process {pid}" if pid is not None else "another process"
+        super().__init__(
+            f"data directory {path} is in use by {holder}, which holds its lock {lock}; "
+            f"stop that server first, or give another data directory"
         )

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tensorswap.cid import Cid
 from tensorswap.errors import RoundsError
+from tensorswap.rounds.errors import TooManySamples
 from tensorswap.rounds.fold import RoundWork
 from tensorswap.rounds.screen import check_layout, screen
 from tensorswap.rounds.state import Contribution, RoundId, RoundStatus, Ticket
@@ -17,9 +19,27 @@ from tensorswap.store import BlockStore
 if TYPE_CHECKING:
     from tensorswap.rounds.coordinator import Coordinator
 
-__all__ = ["intake"]
+__all__ = ["SampleCap", "intake"]
 
 log = logging.getLogger("tensorswap.rounds.coordinator")
+
+
+@dataclass(slots=True)
+class SampleCap:
+    """The most samples one contribution may claim (its update's num_samples: its FedAvg
+    weight, the peer's word): ``limit`` per peer in every round (``serve
+    --max-samples-per-peer``; None: any), refined per round by ``refine(round_id, peer,
+    limit)`` when set (a run: its own ``max_samples_per_peer``, times the peers a region's
+    fold stands for). A claim above the cap is refused with TooManySamples before anything
+    is recorded; none is clamped."""
+
+    limit: int | None = None
+    refine: Callable[[RoundId, str, int | None], int | None] | None = None
+
+    def check(self, round_id: RoundId, peer: str, claimed: int) -> None:
+        cap = self.limit if self.refine is None else self.refine(round_id, peer, self.limit)
+        if cap is not None and claimed > cap:
+            raise TooManySamples(round_id.as_key(), peer, claimed, cap)
 
 
 def intake(
@@ -59,6 +79,7 @@ def intake(
             info = tracker.check_submit(round_id, peer)
             cid = parse_update_cid(update_cid, key, peer)
             facts = inspect_update(store, cid, key, peer, verify=verify)
+            coordinator.samples.check(round_id, peer, facts.num_samples)
             check_layout(info, facts.layout, peer)
             spec = aggregator_spec(info.spec)
             with work.lock:

@@ -3,7 +3,10 @@ sampling, server optimizers, asynchronous buffered aggregation)."""
 
 from tensorswap.runs.errors import (
     BufferBusy,
+    FutureVersion,
     InvalidRunSpec,
+    NonFiniteModel,
+    NonFiniteStep,
     NotRegistered,
     NotSelected,
     RunExists,
@@ -21,7 +24,10 @@ __all__ = [
     "BufferBusy",
     "ClientInfo",
     "ClientRegistry",
+    "FutureVersion",
     "InvalidRunSpec",
+    "NonFiniteModel",
+    "NonFiniteStep",
     "NotRegistered",
     "NotSelected",
     "RunDatabase",

@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from tensorswap.rounds._sqlite import open_wal, transaction
-from tensorswap.runs.errors import RunsError
+from tensorswap.runs.errors import NonFiniteStep, RunsError
 from tensorswap.runs.model import ClientInfo, Param, RunInfo, RunSpec, VersionRecord
 
 __all__ = ["RunDatabase"]
@@ -65,6 +65,19 @@ CREATE TABLE IF NOT EXISTS run_deadlines (
     round      INTEGER NOT NULL,
     deadline_s REAL    NOT NULL,
     reason     TEXT    NOT NULL,
+    PRIMARY KEY (run, round),
+    FOREIGN KEY (run) REFERENCES runs (name) ON DELETE CASCADE
+);
+CREATE TABLE IF NOT EXISTS run_refusals (
+    run      TEXT    NOT NULL,
+    round    INTEGER NOT NULL,
+    version  INTEGER NOT NULL,
+    current  INTEGER NOT NULL,
+    stage    TEXT    NOT NULL,
+    tensor   TEXT    NOT NULL,
+    count    INTEGER NOT NULL,
+    peers    TEXT    NOT NULL,
+    at       REAL    NOT NULL,
     PRIMARY KEY (run, round),
     FOREIGN KEY (run) REFERENCES runs (name) ON DELETE CASCADE
 );
@@ -242,6 +255,30 @@ class RunDatabase:
             "SELECT peer, version FROM run_trained_on WHERE run = ? AND round = ?", (run, round)
         )
         return {str(p): int(v) for p, v in rows}  # type: ignore[call-overload]
+
+    def add_refusal(self, refused: NonFiniteStep, at: float) -> None:
+        """Record that round ``refused.round`` of ``refused.run`` was refused its version
+        (a step that would publish NaN or Inf), with the facts of the refusal."""
+        r = refused
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO run_refusals VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (r.run, r.round, r.version, r.current, r.stage, r.tensor, r.count, r.peers, at),
+            )
+
+    def refusals(self, run: str, round: int | None = None) -> list[NonFiniteStep]:
+        """The refused steps of ``run`` (of round ``round`` only, if given), oldest first,
+        as the errors that refused them."""
+        where, args = ("run = ? AND round = ?", (run, round)) if round else ("run = ?", (run,))
+        rows = self._query(
+            "SELECT run, round, version, current, stage, tensor, count, peers FROM run_refusals"
+            f" WHERE {where} ORDER BY round",
+            args,
+        )
+        return [
+            NonFiniteStep(str(a), int(b), int(c), int(d), str(e), str(f), int(g), str(h))  # type: ignore[call-overload]
+            for a, b, c, d, e, f, g, h in rows
+        ]
 
     # ── clients ──────────────────────────────────────────────────────────────
     def register(self, name: str, facts: Mapping[str, Param], at: float) -> None:

@@ -7,10 +7,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import replace
 
 from tensorswap.cid import Cid
 from tensorswap.privacy.errors import PrivacyBudgetExhausted
+from tensorswap.privacy.params import check_dp_scale
 from tensorswap.privacy.run import RunPrivacy, is_private
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.errors import RoundAlreadyTerminal, RoundClosed
@@ -20,11 +22,13 @@ from tensorswap.rounds.updates import inspect_update
 from tensorswap.runs.deadlines import journaled_deadline
 from tensorswap.runs.errors import (
     BufferBusy,
+    NonFiniteStep,
     NotSelected,
     RunExists,
     RunNotFound,
     RunsError,
 )
+from tensorswap.runs.finite import check_initial
 from tensorswap.runs.journal import RunDatabase
 from tensorswap.runs.model import (
     RunInfo,
@@ -34,11 +38,12 @@ from tensorswap.runs.model import (
     VersionRecord,
     check_run_name,
 )
+from tensorswap.runs.publish import Publisher, await_release
 from tensorswap.runs.regional import RunUnits
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER, ClientRegistry
 from tensorswap.runs.sampling import sample_peers
-from tensorswap.runs.secure import SECURE_ONLY, RunSecurity, is_secure
-from tensorswap.runs.step import apply_step, check_policies, check_staleness
+from tensorswap.runs.secure import SECURE_ONLY, RunSecurity, is_secure, layout_size
+from tensorswap.runs.step import check_policies, check_staleness
 
 __all__ = ["RunManager", "Task"]
 
@@ -62,7 +67,11 @@ class RunManager:
       same version.
     - An async run (FedBuff) accepts deltas from any active registered peer, each scaled by
       ``spec.scale_for(staleness)``; every ``buffer`` contributions are stepped into a new
-      version. A delta staler than ``max_staleness`` is refused (StaleContribution).
+      version. A delta staler than ``max_staleness`` is refused (StaleContribution), one
+      from a version not made yet too (FutureVersion).
+    - Only finite models: the initial one is checked (NonFiniteModel), each step at its
+      round's release (``runs.publish``): NaN or Inf refuses it (NonFiniteStep, journaled,
+      the round's failure reason) and the run goes on from its last version.
     - Listeners (``subscribe``) hear of every change (a round started, a version made), so
       peers long-polling for a task wake at once. Thread-safe.
     """
@@ -83,6 +92,7 @@ class RunManager:
         self.privacy = RunPrivacy(journal)
         self.secure = RunSecurity(coordinator, journal, self._release, self._notify)
         self.units = RunUnits(registry)  # regions fold their sampled peers (runs.regional)
+        self.publisher = Publisher(self.store, journal, self.privacy)  # steps made at release
         self._listeners: list[Callable[[str], None]] = []
         self._closed = False
         self._owns_journal = False
@@ -92,6 +102,7 @@ class RunManager:
         coordinator.release = self._release
         coordinator.subscribe(self._on_round)
         coordinator.add_root_source(self.roots)
+        coordinator.samples.refine = self._sample_cap  # a run's max_samples_per_peer
         registry.subscribe(self._on_registration)
         for name in list(self._runs):
             self._queue(name)  # resume whatever each run was doing
@@ -123,12 +134,15 @@ class RunManager:
         """Start run ``name`` from the model update ``initial`` (in the store) at version 0.
 
         Idempotent: the same name, spec and initial model return the run as it is;
-        RunExists for the same name with another spec or model.
+        RunExists for the same name with another spec or model; NonFiniteModel for a model
+        holding NaN or Inf; InvalidRunSpec for DP noise too large for the model's size.
         """
         check_run_name(name)
         check_policies(spec)
         cid = initial if isinstance(initial, Cid) else Cid.parse(initial)
         facts = inspect_update(self.store, cid, name, "run", verify=True)
+        check_dp_scale(spec, layout_size(facts.layout))
+        check_initial(self.store, facts, name)
         with self._lock:
             known = self._runs.get(name)
             if known is not None:
@@ -163,13 +177,13 @@ class RunManager:
             return round_id.initiator in self._runs
 
     def roots(self) -> list[Cid]:
-        """The blocks every run still needs (its global model and optimizer state): roots for
-        the coordinator's retention."""
+        """The blocks every run still needs (its global model and optimizer state, and the
+        versions made but not yet recorded): roots for the coordinator's retention."""
         with self._lock:
             runs = list(self._runs.values())
         cids = [Cid.parse(r.global_cid) for r in runs]
         cids += [Cid.parse(r.state_cid) for r in runs if r.state_cid is not None]
-        return cids
+        return cids + self.publisher.roots()
 
     def subscribe(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(run_name)`` after every change of that run (from any thread)."""
@@ -250,11 +264,17 @@ class RunManager:
         self.journal.note_trained_on(info.name, rid.round, peer, trained_on)
         self._local.via_manager = True
         try:
-            return self.coordinator.submit(rid, peer, update, scale=scale)
+            status = self.coordinator.submit(rid, peer, update, scale=scale)
         except (RoundClosed, RoundAlreadyTerminal):
             raise BufferBusy(info.name, info.round, peer) from None  # filled meanwhile
         finally:
             self._local.via_manager = False
+        return await_release(self.coordinator, self.journal, rid, status)  # its step refused?
+
+    def _sample_cap(self, rid: RoundId, peer: str, limit: int | None) -> int | None:
+        with self._lock:
+            info = self._runs.get(rid.initiator)
+        return limit if info is None else self.units.sample_cap(info, peer, limit)
 
     def buffer_open(self, name: str, peer: str) -> bool:
         """Whether an asynchronous run's current buffer would take ``peer``'s delta now
@@ -328,7 +348,8 @@ class RunManager:
                 self.secure.resume(info)  # a secure round a restart cut short fails cleanly
                 return  # collecting or aggregating: the coordinator goes on by itself
             if isinstance(status, Complete) and info.version < self._version_of_round(info):
-                with self.coordinator.no_collection():  # the new model is a root when done
+                # the new model is a root when done; a refused step (journaled) stays
+                with self.coordinator.no_collection(), suppress(NonFiniteStep):
                     info = self._step(info, status)
             elif isinstance(status, Failed):
                 log.warning("run %s: round %d failed (%s)", name, info.round, status.reason)
@@ -353,24 +374,21 @@ class RunManager:
         return [c for c in self.coordinator.contributions(rid) if c.peer not in left_out]
 
     def _release(self, rid: RoundId, aggregate: Cid) -> Cid:
-        """The coordinator's release hook: a DP run's round is Complete with its noised
-        aggregate (journaled first, drawn once), never the clean mean of clipped deltas."""
+        """The coordinator's (and RunSecurity's) release hook, before Complete names anything:
+        a DP run's round is Complete with its noised aggregate, never the clean mean of
+        clipped deltas; its step is made and checked now (``runs.publish``)."""
         with self._lock:
             info = self._runs.get(rid.initiator)
-        if info is None or not is_private(info.spec) or rid.round != info.round:
+        if info is None or rid.round != info.round:
             return aggregate
-        return self.privacy.noised_aggregate(self.store, info, aggregate, self._kept(rid))
+        trained_on = self.journal.trained_on(info.name, info.round)
+        return self.publisher.release(info, aggregate, self._kept(rid), trained_on)
 
     def _step(self, info: RunInfo, status: Complete) -> RunInfo:
         rid = RoundId(info.round, info.name)
         contributions = self._kept(rid)
         trained_on = self.journal.trained_on(info.name, info.round)
-        aggregate = Cid.parse(status.cid)
-        private = is_private(info.spec)
-        if private:  # the noised aggregate (released already, or a round that ended before)
-            aggregate = self.privacy.noised_aggregate(self.store, info, aggregate, contributions)
-        delta = private or is_secure(info.spec)
-        record = apply_step(self.store, info, aggregate, contributions, trained_on, delta=delta)
+        record = self.publisher.take(info, Cid.parse(status.cid), contributions, trained_on)
         finished = info.spec.rounds is not None and record.version >= info.spec.rounds
         self.journal.add_version(info.name, record, finished)
         new = replace(

@@ -15,6 +15,8 @@ from tensorswap.runs.errors import InvalidRunSpec
 
 __all__ = [
     "AUTO",
+    "MAX_DEADLINE_WINDOW",
+    "MAX_PEERS_PER_ROUND",
     "MAX_RUN_NAME",
     "ClientInfo",
     "RunInfo",
@@ -50,6 +52,16 @@ class Staleness(StrEnum):
     SQRT = "sqrt"
     POLY = "poly"
 
+
+MAX_PEERS_PER_ROUND = 1_000_000
+"""The most peers a round may sample or wait for (``per_round``, ``min_clients``, an async
+``buffer``): past it, SecAgg+ configurations and per-round tables stop being sane sizes."""
+
+MAX_DEADLINE_WINDOW = 1000
+"""The most earlier rounds an ``auto`` deadline is computed from (``deadline_window``)."""
+
+MAX_SAMPLES_CLAIM = 1 << 53
+"""The largest ``max_samples_per_peer`` (counts stay exact in a float64 weight)."""
 
 Param = float | int | str
 
@@ -87,6 +99,11 @@ class RunSpec:
     phase, where peers train, not before ``round_timeout_s``, and with none it waits for all),
     ``secagg_min_survivors`` (the floor: a round's sum is unmasked over at least this many
     peers, and the threshold t; fewer fail the round, so no sum exposes one peer's delta).
+
+    ``max_samples_per_peer`` (None: any) refuses a contribution whose num_samples (its FedAvg
+    weight, the peer's own claim) is above it (TooManySamples); a region's fold may claim it
+    once per peer it covers. Sizes are bounded: ``per_round``, ``min_clients`` and ``buffer``
+    by ``MAX_PEERS_PER_ROUND``, ``deadline_window`` by ``MAX_DEADLINE_WINDOW``.
     """
 
     mode: RunMode = RunMode.SYNC
@@ -126,6 +143,7 @@ class RunSpec:
     secagg_max_weight: int = 1 << 16
     secagg_phase_timeout_s: float = 30.0
     secagg_min_survivors: int = 3  # privacy.secagg.protocol.DEFAULT_MIN_SURVIVORS
+    max_samples_per_peer: int | None = None
 
     @property
     def auto_deadline(self) -> bool:
@@ -142,10 +160,10 @@ class RunSpec:
         object.__setattr__(self, "optimizer_params", MappingProxyType(dict(self.optimizer_params)))
         if self.per_round is not None and self.fraction is not None:
             raise InvalidRunSpec("give per_round or fraction, not both")
-        _positive_int("min_clients", self.min_clients)
-        _positive_int("buffer", self.buffer)
+        _positive_int("min_clients", self.min_clients, MAX_PEERS_PER_ROUND)
+        _positive_int("buffer", self.buffer, MAX_PEERS_PER_ROUND)
         if self.per_round is not None:
-            _positive_int("per_round", self.per_round)
+            _positive_int("per_round", self.per_round, MAX_PEERS_PER_ROUND)
             if self.per_round < self.min_clients:
                 raise InvalidRunSpec(
                     f"per_round ({self.per_round}) is below min_clients ({self.min_clients})"
@@ -171,6 +189,13 @@ class RunSpec:
             raise InvalidRunSpec(f"staleness_exponent must be >= 0, got {self.staleness_exponent}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InvalidRunSpec(f"seed must be an int >= 0, got {self.seed!r}")
+        if self.max_samples_per_peer is not None:
+            _positive_int("max_samples_per_peer", self.max_samples_per_peer, MAX_SAMPLES_CLAIM)
+            if self.secagg:
+                raise InvalidRunSpec(
+                    "a secure run's weights travel masked: bound them with secagg_max_weight, "
+                    "not max_samples_per_peer"
+                )
         check_dp_options(self)
         check_secagg_options(self)
 
@@ -182,7 +207,7 @@ class RunSpec:
             )
         if not (_number(k) and k >= 0):
             raise InvalidRunSpec(f"deadline_k must be >= 0, got {k!r}")
-        _positive_int("deadline_window", self.deadline_window)
+        _positive_int("deadline_window", self.deadline_window, MAX_DEADLINE_WINDOW)
         initial = self.deadline_initial_s
         if initial is not None and not (_number(initial) and initial > 0):
             raise InvalidRunSpec(f"deadline_initial_s must be > 0, got {initial!r}")
@@ -236,9 +261,11 @@ def _number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _positive_int(name: str, value: object) -> None:
+def _positive_int(name: str, value: object, most: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidRunSpec(f"{name} must be an int >= 1, got {value!r}")
+    if most is not None and value > most:
+        raise InvalidRunSpec(f"{name} must be at most {most}, got {value}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,16 @@ class RunUnits:
             self._cache[info.name] = entry
         return entry
 
+    def sample_cap(self, info: RunInfo, peer: str, limit: int | None) -> int | None:
+        """The most samples ``peer``'s contribution to round ``info.round`` may claim: the
+        tighter of ``limit`` (the coordinator's) and the run's ``max_samples_per_peer``, times
+        the sampled peers its unit stands for (a region's fold claims their sum); None: any."""
+        caps = [c for c in (limit, info.spec.max_samples_per_peer) if c is not None]
+        if not caps:
+            return None
+        covers = len(self.of(info).get(peer, ())) if info.spec.mode is RunMode.SYNC else 1
+        return min(caps) * max(covers, 1)
+
 
 def part_for(manager: RunManager, region: str, run: str) -> PartWire:
     """What ``region`` folds in ``run``'s current round: the sampled peers registered

@@ -31,7 +31,7 @@ import numpy as np
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.rounds.model import Contribution, Layout
 from tensorswap.rounds.state import RoundId
-from tensorswap.runs.errors import NotSelected, RunsError
+from tensorswap.runs.errors import NonFiniteStep, NotSelected, RunsError
 from tensorswap.store import ModelUpdate, put_update
 
 if TYPE_CHECKING:  # the secagg package needs ``cryptography``: imported when a round opens
@@ -311,8 +311,15 @@ class RunSecurity:
         return [Contribution(rid, str(peer), "") for peer in survivors]
 
     def _release(self, rid: RoundId, cid: Cid) -> None:
-        """Complete the coordinator round with the unmasked aggregate (as released)."""
-        self.coordinator.complete_round(rid, self._release_hook(rid, cid))
+        """Complete the coordinator round with the unmasked aggregate (as released); a
+        release the hook refuses (NonFiniteStep: its step would publish NaN or Inf) fails
+        the round with the refusal as reason."""
+        try:
+            released = self._release_hook(rid, cid)
+        except NonFiniteStep as exc:
+            self._failed(rid, str(exc))
+            return
+        self.coordinator.complete_round(rid, released)
 
     def reason(self, run: str, round: int) -> str:
         row = self._row(run, round)

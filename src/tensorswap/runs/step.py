@@ -9,12 +9,14 @@ from typing import Any
 import numpy as np
 
 from tensorswap.aggregate import server_optimizer
+from tensorswap.aggregate._kernels import quiet
 from tensorswap.aggregate.server_opt import ServerOptimizer
 from tensorswap.cid import Cid
 from tensorswap.errors import AggregationError, RoundsError
 from tensorswap.rounds.state import Contribution, RoundSpec
 from tensorswap.rounds.updates import aggregator_spec
-from tensorswap.runs.errors import InvalidRunSpec, StaleContribution
+from tensorswap.runs.errors import FutureVersion, InvalidRunSpec, StaleContribution
+from tensorswap.runs.finite import FiniteGuard
 from tensorswap.runs.model import RunInfo, RunMode, RunSpec, VersionRecord
 from tensorswap.runs.stream import stream_step
 from tensorswap.store import BlockStore, ModelUpdate, get_update, put_update
@@ -69,12 +71,14 @@ def _check_secagg(spec: RunSpec) -> None:
 
 def check_staleness(info: RunInfo, peer: str, trained_on: int | None) -> float:
     """The scale of an asynchronous contribution trained on version ``trained_on``:
-    ``spec.scale_for(current - trained_on)``. StaleContribution past ``max_staleness`` (or
-    from a version that does not exist yet); ValueError without ``trained_on``."""
+    ``spec.scale_for(current - trained_on)``. StaleContribution past ``max_staleness``,
+    FutureVersion from a version that does not exist yet; ValueError without ``trained_on``."""
     if trained_on is None:
         raise ValueError(f"run {info.name!r} is asynchronous: submit with trained_on=<version>")
+    if trained_on > info.version:
+        raise FutureVersion(info.name, peer, trained_on, info.version)
     staleness = info.version - trained_on
-    if staleness < 0 or staleness > info.spec.max_staleness:
+    if staleness > info.spec.max_staleness:
         raise StaleContribution(info.name, peer, trained_on, info.version, info.spec.max_staleness)
     return info.spec.scale_for(staleness)
 
@@ -87,6 +91,7 @@ def apply_step(
     trained_on: dict[str, int] | None = None,
     *,
     delta: bool = False,
+    source: str = "aggregate",
 ) -> VersionRecord:
     """Version ``info.version + 1``: the server optimizer (with the state journaled for the
     current version) stepped from the current global model and the round's aggregate; both
@@ -97,6 +102,10 @@ def apply_step(
     the global model they trained from): the optimizer sees ``current + delta`` as Flower's
     aggregated model. So in a differentially private run (``delta``): its aggregate is the
     noised mean delta.
+
+    Nothing non-finite is ever named: the aggregate (``source``: what released it), the new
+    model and the new state are checked chunk by chunk as they are made, and NaN or Inf
+    raises NonFiniteStep (``FiniteGuard``) before any manifest names the result.
     """
     spec = info.spec
     version = info.version + 1
@@ -106,6 +115,7 @@ def apply_step(
     name = f"{info.name}@{version}"
     state = None if info.state_cid is None else Cid.parse(info.state_cid)
     delta = delta or spec.mode is RunMode.ASYNC
+    guard = FiniteGuard.of(info, contributions)
     streamed = stream_step(
         store,
         optimizer,
@@ -116,9 +126,13 @@ def apply_step(
         delta=delta,
         metadata=meta,
         name=name,
+        guard=guard,
+        source=source,
     )
     if streamed is None:  # not laid out for chunk-by-chunk: whole models, same result
-        streamed = _whole_step(store, info, optimizer, aggregate_cid, version, delta, meta, name)
+        streamed = _whole_step(
+            store, info, optimizer, aggregate_cid, version, delta, meta, name, (guard, source)
+        )
     global_cid, state_cid = streamed
     peers = tuple(c.peer for c in contributions)
     seen = trained_on or {}
@@ -134,6 +148,7 @@ def apply_step(
     )
 
 
+@quiet  # overflow is not a warning here: the guard refuses what it made
 def _whole_step(
     store: BlockStore,
     info: RunInfo,
@@ -143,10 +158,14 @@ def _whole_step(
     delta: bool,
     meta: dict[str, str],
     name: str,
+    checked: tuple[FiniteGuard, str],
 ) -> tuple[Cid, Cid | None]:
-    """``stream_step``'s result from whole models in memory (any dtype, any chunking)."""
+    """``stream_step``'s result from whole models in memory (any dtype, any chunking),
+    checked by ``checked`` (the guard, the aggregate's source) before anything is stored."""
+    guard, source = checked
     current = {k: np.asarray(v) for k, v in _load(store, info.global_cid).items()}
     aggregate = _load(store, str(aggregate_cid))
+    guard.check_all(source, aggregate)
     if delta:
         aggregate = {
             k: current[k] + np.asarray(v, dtype=current[k].dtype) for k, v in aggregate.items()
@@ -155,6 +174,8 @@ def _whole_step(
         optimizer.load_state(_load(store, info.state_cid))
     stepped = optimizer.step(current, aggregate, version)
     new = {k: stepped[k].astype(current[k].dtype, copy=False) for k in current}
+    guard.check_all("optimizer step", new)
+    guard.check_all("optimizer state", optimizer.state)
     global_cid = put_update(store, ModelUpdate(new, 0, meta, name=name))
     state = optimizer.state
     state_cid = (

@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tensorswap.aggregate._kernels import quiet
 from tensorswap.aggregate.server_opt import ServerOptimizer
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.codec import DType, TensorBlock, encode_block
@@ -25,11 +27,15 @@ from tensorswap.store import (
     update_manifest,
 )
 
+if TYPE_CHECKING:
+    from tensorswap.runs.finite import FiniteGuard
+
 __all__ = ["stream_noised", "stream_step"]
 
 _STREAMED = frozenset({"float32", "float64"})
 
 
+@quiet  # overflow is not a warning here: the guard refuses what it made
 def stream_step(
     store: BlockStore,
     optimizer: ServerOptimizer,
@@ -41,6 +47,8 @@ def stream_step(
     delta: bool,
     metadata: Mapping[str, str],
     name: str,
+    guard: FiniteGuard | None = None,
+    source: str = "aggregate",
 ) -> tuple[Cid, Cid | None] | None:
     """``(new global CID, new state CID)``, the very updates ``put_update`` would store for
     ``optimizer.step`` over the whole models (same chunks, same manifests), computed chunk
@@ -48,7 +56,9 @@ def stream_step(
     aggregate``. None (nothing decided, maybe some chunks stored) when the models are not
     laid out for it: a dtype other than float32/float64, or chunks not cut where
     ``put_update`` cuts them; the caller steps whole models then. Every chunk is re-hashed
-    as it is read."""
+    as it is read. With ``guard``, each chunk of the aggregate (as ``source``), of the new
+    model and of the new state is checked as it is made: NonFiniteStep at the first NaN or
+    Inf (the chunks stored until then are unnamed blocks, for retention to collect)."""
     cur_u, agg_u = _update(store, current), _update(store, aggregate)
     state_u = _update(store, state) if state is not None else None
     agg_refs = {ref.name: ref.cid for ref in agg_u.tensors}
@@ -81,6 +91,8 @@ def stream_step(
         for i, chunk in enumerate(cur_t.chunks):
             cur = decode_chunk(store.get(chunk.cid, verify=True), cur_t, i)
             agg = decode_chunk(store.get(agg_t.chunks[i].cid, verify=True), agg_t, i)
+            if guard is not None:
+                guard.check(source, tensor_name, agg)
             if delta:
                 agg = cur + agg
             pieces = {}
@@ -92,6 +104,10 @@ def stream_step(
                     pieces[prefix] = decode_chunk(view, kept, i).copy()
             out = np.empty(cur.size, cur.dtype)
             optimizer.step_piece(server_round, cur, agg, pieces, out)
+            if guard is not None:
+                guard.check("optimizer step", tensor_name, out)
+                for prefix, piece in pieces.items():
+                    guard.check("optimizer state", f"{prefix}/{tensor_name}", piece)
             new_chunks.append(_put_chunk(store, out))
             for prefix, piece in pieces.items():
                 kept_chunks[prefix].append(_put_chunk(store, piece))
@@ -117,6 +133,7 @@ def stream_noised(
     metadata: Mapping[str, str],
     name: str,
     workers: int | None = None,
+    guard: FiniteGuard | None = None,
 ) -> Cid:
     """``aggregate`` x ``factor`` plus independent ``N(0, std**2)`` noise per value (drawn and
     added in float64, cast back to each tensor's dtype; ``privacy.dp.add_noise``), stored
@@ -126,7 +143,8 @@ def stream_noised(
     The chunks are shared among ``workers`` threads (default: the CPUs, at most 4), chunk
     ``i`` to thread ``i mod workers``, each drawing from its own child of ``rng``
     (``Generator.spawn``): numpy draws without the GIL, so the draw, the dominant cost,
-    runs on every core; the result depends on ``rng`` and ``workers`` only."""
+    runs on every core; the result depends on ``rng`` and ``workers`` only. With ``guard``,
+    each noised chunk is checked before it is stored (NonFiniteStep, stage ``DP release``)."""
     from tensorswap.privacy.dp import add_noise
 
     source = _update(store, aggregate)
@@ -136,11 +154,15 @@ def stream_noised(
     generators = rng.spawn(count) if count > 1 else [rng]
     done: dict[tuple[int, int], ChunkRef] = {}
 
+    @quiet  # in each worker thread: numpy's error state is per thread
     def work(w: int) -> None:
         for t, i in jobs[w::count]:
-            tensor = tensors[t][1]
+            tensor_name, tensor = tensors[t]
             values = decode_chunk(store.get(tensor.chunks[i].cid, verify=True), tensor, i)
-            done[(t, i)] = _put_chunk(store, add_noise(values, factor, std, generators[w]))
+            noised = add_noise(values, factor, std, generators[w])
+            if guard is not None:
+                guard.check("DP release", tensor_name, noised)
+            done[(t, i)] = _put_chunk(store, noised)
 
     if count == 1:
         work(0)
