@@ -264,3 +264,30 @@ def test_a_second_serve_on_a_data_directory_in_use_refuses_to_start(
     assert str(data) in second.stderr and "Traceback" not in second.stderr
     first.kill()  # SIGKILL: the kernel drops its lock, no stale file blocks a restart
     servers.append(Server(data))
+
+
+def test_a_run_journaled_before_its_bounds_existed_does_not_stop_a_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+    import sqlite3
+
+    from tensorswap.rounds.persist import DB_FILENAME
+
+    with Coordinator.open(tmp_path, run_timer=False, durable=False) as coord:
+        manager = RunManager.open(coord, durable=False)
+        manager.create_run("old", RunSpec(per_round=2), put_update(coord.store, ModelUpdate(_w(0))))
+        manager.close()
+    with sqlite3.connect(tmp_path / DB_FILENAME) as db:  # as an older version journaled it
+        (text,) = db.execute("SELECT spec FROM runs WHERE name = 'old'").fetchone()
+        db.execute(
+            "UPDATE runs SET spec = ?", (json.dumps({**json.loads(text), "per_round": 2**62}),)
+        )
+    db.close()
+    with Coordinator.open(tmp_path, run_timer=False, durable=False) as coord:
+        manager = RunManager.open(coord, durable=False)  # starts; the run is left out
+        try:
+            assert manager.runs() == []
+            assert "run old is not resumed" in caplog.text and "per_round" in caplog.text
+        finally:
+            manager.close()

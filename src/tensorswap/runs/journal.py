@@ -9,6 +9,7 @@ was sampled for each round and the deadline an ``auto`` run chose for it, with w
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -17,10 +18,12 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from tensorswap.rounds._sqlite import open_wal, transaction
-from tensorswap.runs.errors import NonFiniteStep, RunsError
+from tensorswap.runs.errors import InvalidRunSpec, NonFiniteStep, RunsError
 from tensorswap.runs.model import ClientInfo, Param, RunInfo, RunSpec, VersionRecord
 
 __all__ = ["RunDatabase"]
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -166,6 +169,9 @@ class RunDatabase:
             )
 
     def load_runs(self) -> list[RunInfo]:
+        """Every run as journaled; one whose spec no longer validates (journaled before a
+        bound it breaks existed, e.g. ``per_round`` of 2^62) is left out, with a warning, so
+        the coordinator still starts; its rows stay."""
         rows = self._query(
             "SELECT name, spec, version, global_cid, state_cid, round, finished, created_at"
             " FROM runs ORDER BY created_at, name"
@@ -183,10 +189,17 @@ class RunDatabase:
         out = []
         for name, spec, version, global_cid, state_cid, rnd, finished, created in rows:
             deadline, reason = deadlines.get((name, rnd), (None, ""))
+            try:
+                loaded = RunSpec.from_json(str(spec))
+            except InvalidRunSpec as exc:  # journaled before a bound existed: not resumed
+                log.warning(
+                    "run %s is not resumed: its journaled spec is refused now: %s", name, exc
+                )
+                continue
             out.append(
                 RunInfo(
                     str(name),
-                    RunSpec.from_json(str(spec)),
+                    loaded,
                     int(version),  # type: ignore[call-overload]
                     str(global_cid),
                     None if state_cid is None else str(state_cid),

@@ -120,7 +120,9 @@ class Publisher:
         except NonFiniteStep as exc:
             self.refuse(exc)
             raise
-        with self._lock:
+        with self._lock:  # an earlier round's held version was never taken: its round ended
+            for key in [k for k in self._held if k[0] == info.name and k[1] < info.round]:
+                del self._held[key]  # otherwise (failed after its release): let it go
             self._held[(info.name, info.round)] = (str(aggregate), record)
 
     def refuse(self, refused: NonFiniteStep) -> None:
