@@ -56,57 +56,50 @@ def _attack(monkeypatch: pytest.MonkeyPatch, ids: dict[int, str], attacker: str,
     monkeypatch.setattr(secagg_client.SecAggClient, "_on_keys", on_keys)
 
 
-async def test_the_probe_three_peers_quorum_06_unmask_nothing(
-    served: Served, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def _attacked_round(served: Served, monkeypatch: pytest.MonkeyPatch, n: int) -> list[object]:
+    """A secure run of ``n`` peers (quorum 0.6) whose round 1 peer p0 attacks by sending p1
+    a corrupted share; every peer's submit result (or exception), peers closed after."""
     ids: dict[int, str] = {}
     _attack(monkeypatch, ids, attacker="p0", victim="p1")
-    peers = [await served.client(f"p{i}") for i in range(3)]
+    peers = [await served.client(f"p{i}") for i in range(n)]
     try:
-        spec = RunSpec(per_round=3, min_clients=3, quorum=0.6, rounds=1, secagg=True)
+        spec = RunSpec(per_round=n, min_clients=n, quorum=0.6, rounds=1, secagg=True)
         await peers[0].create_run("fl", spec, ModelUpdate(base_model()))
         ids.update(enumerate(sorted(p.peer for p in peers)))
-        results = await asyncio.gather(
+        return await asyncio.gather(
             *(train(p, i) for i, p in enumerate(peers)), return_exceptions=True
         )
-        # nobody aborts on the bad share (before: p1's submit raised ShareDecryptionFailed)
-        assert not any(isinstance(r, ShareDecryptionFailed) for r in results)
-        assert all(isinstance(r, SecureRoundFailed) for r in results[1:])
-        phase, survivors, _, cid, reason = secagg_row(served.manager, "fl", 1)
-        assert phase == "failed" and not cid and survivors == "[]"  # no sum was released
-        assert "fewer than the floor of 3" in reason and "peer 0 dropped" in reason
-        status = served.manager.coordinator.status(RoundId(1, "fl"))
-        assert isinstance(status, Failed) and "BelowSurvivorFloor" in status.reason
     finally:
         for p in peers:
             await p.aclose()
+
+
+async def test_the_probe_three_peers_quorum_06_unmask_nothing(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results = await _attacked_round(served, monkeypatch, 3)
+    # nobody aborts on the bad share (before: p1's submit raised ShareDecryptionFailed)
+    assert not any(isinstance(r, ShareDecryptionFailed) for r in results)
+    assert all(isinstance(r, SecureRoundFailed) for r in results[1:])
+    phase, survivors, _, cid, reason = secagg_row(served.manager, "fl", 1)
+    assert phase == "failed" and not cid and survivors == "[]"  # no sum was released
+    assert "fewer than the floor of 3" in reason and "peer 0 dropped" in reason
+    status = served.manager.coordinator.status(RoundId(1, "fl"))
+    assert isinstance(status, Failed) and "BelowSurvivorFloor" in status.reason
 
 
 async def test_with_five_peers_the_attacker_is_dropped_and_the_honest_mean_released(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ids: dict[int, str] = {}
-    _attack(monkeypatch, ids, attacker="p0", victim="p1")
-    peers = [await served.client(f"p{i}") for i in range(5)]
-    try:
-        # k = 4, t = 3: the attacker's mask key is rebuilt from its 3 other holders
-        spec = RunSpec(per_round=5, min_clients=5, quorum=0.6, rounds=1, secagg=True)
-        await peers[0].create_run("fl", spec, ModelUpdate(base_model()))
-        ids.update(enumerate(sorted(p.peer for p in peers)))
-        results = await asyncio.gather(
-            *(train(p, i) for i, p in enumerate(peers)), return_exceptions=True
-        )
-        assert not any(isinstance(r, Exception) for r in results[1:])  # the honest finish
-        mean = await aggregate(served.manager, "fl", 1)
-        _, survivors, dropped, _, _ = secagg_row(served.manager, "fl", 1)
-        assert json.loads(survivors) == ["p1", "p2", "p3", "p4"]
-        assert json.loads(dropped) == ["p0"]
-        weights = {i: 10 + i for i in (1, 2, 3, 4)}
-        plain = sum(w * peer_delta(i)["w"].astype(np.float64) for i, w in weights.items())
-        np.testing.assert_allclose(mean["w"], plain / sum(weights.values()), atol=1e-3)
-    finally:
-        for p in peers:
-            await p.aclose()
+    results = await _attacked_round(served, monkeypatch, 5)
+    assert not any(isinstance(r, Exception) for r in results[1:])  # the honest finish
+    mean = await aggregate(served.manager, "fl", 1)
+    _, survivors, dropped, _, _ = secagg_row(served.manager, "fl", 1)
+    assert json.loads(survivors) == ["p1", "p2", "p3", "p4"]
+    assert json.loads(dropped) == ["p0"]
+    weights = {i: 10 + i for i in (1, 2, 3, 4)}
+    plain = sum(w * peer_delta(i)["w"].astype(np.float64) for i, w in weights.items())
+    np.testing.assert_allclose(mean["w"], plain / sum(weights.values()), atol=1e-3)
 
 
 async def test_an_attacker_whose_key_cannot_be_rebuilt_fails_the_round_by_name(
@@ -115,20 +108,8 @@ async def test_an_attacker_whose_key_cannot_be_rebuilt_fails_the_round_by_name(
     """With 4 peers (k = 3, t = 3) one corrupted share leaves the attacker's mask key with 2
     holders: its masks cannot be removed, so the round fails (as it would for any peer that
     sends bad shares) and the reason names the attacker; nothing is unmasked."""
-    ids: dict[int, str] = {}
-    _attack(monkeypatch, ids, attacker="p0", victim="p1")
-    peers = [await served.client(f"p{i}") for i in range(4)]
-    try:
-        spec = RunSpec(per_round=4, min_clients=4, quorum=0.6, rounds=1, secagg=True)
-        await peers[0].create_run("fl", spec, ModelUpdate(base_model()))
-        ids.update(enumerate(sorted(p.peer for p in peers)))
-        results = await asyncio.gather(
-            *(train(p, i) for i, p in enumerate(peers)), return_exceptions=True
-        )
-        assert not any(isinstance(r, ShareDecryptionFailed) for r in results)
-        phase, _, _, cid, reason = secagg_row(served.manager, "fl", 1)
-        assert phase == "failed" and not cid
-        assert "TooFewShares" in reason and "'p0' dropped: ['p1'] could not open" in reason
-    finally:
-        for p in peers:
-            await p.aclose()
+    results = await _attacked_round(served, monkeypatch, 4)
+    assert not any(isinstance(r, ShareDecryptionFailed) for r in results)
+    phase, _, _, cid, reason = secagg_row(served.manager, "fl", 1)
+    assert phase == "failed" and not cid
+    assert "TooFewShares" in reason and "'p0' dropped: ['p1'] could not open" in reason
