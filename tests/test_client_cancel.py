@@ -21,7 +21,13 @@ import numpy as np
 import pytest
 
 from helpers.cancel import CancelAt, Stepwise, sweep
-from tensorswap.rounds import Coordinator, DuplicateContribution, FakeClock, RoundClient
+from tensorswap.rounds import (
+    Coordinator,
+    DuplicateContribution,
+    FakeClock,
+    RoundAlreadyTerminal,
+    RoundClient,
+)
 from tensorswap.rounds.paging import page_peers
 from tensorswap.rounds.protocol import APP as ROUNDS_APP
 from tensorswap.rounds.server import RoundServer
@@ -356,8 +362,9 @@ async def test_a_submit_with_wait_and_its_pushed_result_cancelled_at_each_await_
             rid = RoundId(k, "fetch")
             if not (await client.status(rid)).is_terminal:  # the cancelled submit not in yet
                 assert cancelled
-                # DuplicateContribution: it was, the coordinator ran it after all
-                with contextlib.suppress(DuplicateContribution):
+                # it was, the coordinator ran it after all: DuplicateContribution, or the
+                # round already complete with it
+                with contextlib.suppress(DuplicateContribution, RoundAlreadyTerminal):
                     await client.submit(rid, _update(k), 1, wait=60)
             result = await client.fetch_result(rid, timeout=60)
             for name, mine in _update(k).items():
