@@ -87,8 +87,16 @@ class RoundClient:
 
     ``peer`` names this client in the rounds it joins. Every call either returns what the
     coordinator answered or raises: the same RoundsError leaf the coordinator raised (e.g.
-    DuplicateContribution, with its facts), or a wire error. After a wire error the connection
-    is out of sync: close it and connect again; a submit then resends only missing blocks.
+    DuplicateContribution, with its facts), or a wire error.
+
+    A call cancelled at any await point (``asyncio.timeout`` around it, a task cancelled)
+    leaves the connection usable for the next: the answers it did not read are dropped
+    before the next request, or, where its answer is a wait's or a frame was cut half-sent,
+    the next call reconnects (see ``BlockClient``; a client made over a given BlockClient
+    without ``redial`` raises ConnectionBroken instead). A wire error breaks the connection
+    the same way. What a cancelled call asked for may still happen on the coordinator: a
+    cancelled submit may be accepted (submitted again, DuplicateContribution); a resubmit
+    sends only the blocks still missing.
     """
 
     def __init__(
@@ -349,7 +357,9 @@ class RoundClient:
 
         ``timeout`` None (or infinite) waits as long as it takes; a negative one is 0. The
         coordinator ends each wait request after its own ``max_wait`` at most; this call then
-        asks again, so it still waits as long as asked.
+        asks again, so it still waits as long as asked. Cancelled while the coordinator holds
+        the wait, it leaves that answer owed: the next call reconnects rather than wait for
+        it (see the class docstring).
         """
         settled = self._settled.get(round_id)
         if settled is not None:  # a submit's answer said so (terminal: final)

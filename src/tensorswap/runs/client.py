@@ -46,6 +46,11 @@ class RunClient:
     """A peer in runs on the coordinator ``rounds`` is connected to (a RoundClient: same
     connection, same store). Every call is one request the peer makes: peers only dial out.
 
+    Any call may be cancelled at any await point (a timeout around ``next_task``, say): the
+    next call gets its own answer, as for RoundClient (what a cancel leaves behind is said
+    there). A task handed out to a cancelled ``next_task`` is handed out again while its
+    round is current and it is not submitted; a cancelled ``submit`` may have been accepted.
+
     A peer's loop::
 
         async with await RunClient.connect(host, port, peer="site-3", key=key) as client:

@@ -125,7 +125,9 @@ class BlockClient(PushPath, FetchPath):
         bounds the wait for the reply (default ``Timeouts.read``; None waits forever).
         Raises RemoteError with code ``unsupported`` when the server has no handler for
         ``app`` (the connection stays usable), RemoteError for an Error frame (the server
-        then closes the connection), PeerTimeout or ProtocolViolation.
+        then closes the connection), PeerTimeout or ProtocolViolation (the connection is
+        then broken: the next call reconnects or raises ConnectionBroken). Cancelled, the
+        request may still be handled there; its reply is dropped by the next call.
         """
         async with self._exchange():
             return await self._request(app, body, timeout)
