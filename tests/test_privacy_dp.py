@@ -41,7 +41,7 @@ from tensorswap.runs import (
     RunsError,
     RunSpec,
 )
-from tensorswap.runs.service import row_of
+from tensorswap.runs.views import row_of
 from tensorswap.store import ModelUpdate, get_update, put_update
 
 dp_accounting = pytest.importorskip("dp_accounting")

@@ -20,7 +20,7 @@ from tensorswap.rounds.state import Failed, RoundId
 from tensorswap.runs import InvalidRunSpec, RunManager, RunSpec
 from tensorswap.runs.deadlines import BACKOFF, RoundArrivals, auto_deadline
 from tensorswap.runs.messages import RunAnswer, decode_answer, encode
-from tensorswap.runs.service import row_of
+from tensorswap.runs.views import row_of
 from tensorswap.store import ModelUpdate, put_update
 from test_runs import _model, _register_all, _train, federation
 

@@ -82,6 +82,11 @@ def run_json(row: RunRow) -> dict[str, object]:
         "dp_delta": row.dp_delta,
         "stop_reason": row.stop_reason,
         "secagg": row.secagg,
+        "selected_count": row.selected_count,
+        "participant_count": row.participant_count,
+        "hidden": row.hidden,
+        "you_selected": row.you_selected,
+        "you_took_part": row.you_took_part,
     }
 
 
@@ -95,6 +100,8 @@ def render_runs(rows: Sequence[RunRow], console: Console) -> None:
         table.add_column(column, justify="right" if column in ("version", "round") else "left")
     for row in rows:
         shown = ", ".join(row.participants[:6]) + (" …" if len(row.participants) > 6 else "")
+        if row.hidden:  # a DP run seen by a peer: counts only (runs.views)
+            shown = f"{row.participant_count} (names hidden: DP run)"
         state = " (stopped: privacy budget)" if row.stop_reason else " (finished)"
         extra = []
         if private:
@@ -431,7 +438,11 @@ def show(
     tls_ca: str | None,
     timeout: float,
 ) -> None:
-    """Show the runs on the coordinator at HOST:PORT (or run NAME)."""
+    """Show the runs on the coordinator at HOST:PORT (or run NAME).
+
+    A DP run's sample is secret: peers are shown counts and their own part only; the
+    coordinator's operator key (`serve --operator-key-file`, given here as --key-file)
+    shows the names."""
     host, port, kwargs = _connection(address, key, key_file, tls_ca, timeout)
 
     async def go() -> list[RunRow]:

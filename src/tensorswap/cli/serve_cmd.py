@@ -100,6 +100,7 @@ async def _run(
     sync_blocks: bool = False,
     result_chunk: int = DEFAULT_CHUNK_BYTES,
     max_samples_per_peer: int | None = None,
+    operator_key: bytes | None = None,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -138,6 +139,7 @@ async def _run(
             max_connections=max_connections,
             max_inflight_bytes=max_inflight_bytes,
             peer_keys=None if peer_keys is None else PeerKeys.load(peer_keys),
+            operator_key=operator_key,
         )
         SwarmTracker(coordinator.store).attach(server.blocks)  # peers that serve results
         if tier is not None:  # regions below say hello: names checked, loops refused
@@ -268,6 +270,12 @@ async def _run(
     "key (submit_batch proofs, see docs/scale.md); plain submits are refused.",
 )
 @click.option(
+    "--operator-key-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="A second secret, for the operator: a client proving it instead of the shared key "
+    "is shown what peers are not, such as the names in a DP run's sample (docs/privacy.md).",
+)
+@click.option(
     "--sync-blocks",
     is_flag=True,
     help="Flush received blocks to disk (syncfs) before each journal commit that names them, "
@@ -329,6 +337,7 @@ def serve(
     max_inflight_bytes: int,
     inactive_after: float,
     peer_keys: str | None,
+    operator_key_file: str | None,
     sync_blocks: bool,
     no_group_commit: bool,
     result_chunk: int,
@@ -364,6 +373,12 @@ def serve(
     )
     if tls_key and not tls_cert:
         raise click.UsageError("--tls-key needs --tls-cert")
+    operator_key = None if operator_key_file is None else read_key(operator_key_file)
+    if operator_key is not None and (secret is None or operator_key == secret):
+        raise click.BadParameter(
+            "needs a shared key (--key, --key-file, $TENSORSWAP_KEY) and must differ from it",
+            param_hint="--operator-key-file",
+        )
     if not MIN_RESULT_CHUNK <= result_chunk <= MAX_RESULT_CHUNK:
         raise click.BadParameter("must be 4 KiB to 64 MiB", param_hint="--result-chunk")
     ssl = server_tls(tls_cert, tls_key) if tls_cert else None
@@ -406,6 +421,7 @@ def serve(
                 sync_blocks=sync_blocks,
                 result_chunk=result_chunk,
                 max_samples_per_peer=max_samples_per_peer,
+                operator_key=operator_key,
             ),
             loop,
         )

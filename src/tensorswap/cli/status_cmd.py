@@ -100,6 +100,7 @@ def to_json(report: ServerStatus) -> dict[str, object]:
             "created_at": row.created_at,
             "deadline": row.deadline,
             "dropped": [{"peer": peer, "reason": why} for peer, why in row.dropped],
+            "hidden": row.hidden,
         }
         for row in report.rounds
     ]
@@ -147,6 +148,8 @@ def render(report: ServerStatus, console: Console, now: float | None = None) -> 
         shown = ", ".join(row.peers[:_PEERS_SHOWN])
         rest = max(row.received, len(row.peers)) - min(len(row.peers), _PEERS_SHOWN)
         more = f" +{rest}" if rest > 0 else ""
+        if row.hidden:  # a DP run's round seen by a peer: counts only
+            more = " (names hidden: DP run)"
         table.add_row(
             f"{row.round}-{row.initiator}",
             _status_text(row),
@@ -214,7 +217,8 @@ def status(
     participants), its rounds (status, peers, contributions, bytes) and counters.
 
     With --limit, one page of rounds (a large coordinator answers in well under a second);
-    with --peers-of, one page of a round's peers."""
+    with --peers-of, one page of a round's peers. A DP run's rounds list counts, not
+    names, except to the operator key (`serve --operator-key-file`, given as --key-file)."""
     host, port = parse_host_port(address)
     secret = resolve_key(key, key_file)
     ssl = client_tls(tls_ca) if tls or tls_ca else None

@@ -73,6 +73,8 @@ class ProgressUi:
             f"{p}(+{s})" if s else p
             for p, s in zip(v.participants, v.staleness or [0] * len(v.participants), strict=False)
         )
+        if v.hidden is not None:
+            who = f"{v.hidden} peers (names hidden)"
         eps = "" if v.epsilon is None else f"  ε {v.epsilon:.2f}"
         self.console.print(
             f"[green]✓[/green] version {v.version:>2}/{total}  acc {v.accuracy:.3f}  "

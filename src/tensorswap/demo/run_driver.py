@@ -43,6 +43,8 @@ class VersionReport:
     global_cid: str
     epsilon: float | None = None
     killed: str | None = None
+    hidden: int | None = None
+    """A DP run: how many peers made the version (their names are hidden, ``runs.views``)."""
 
 
 @dataclass
@@ -232,6 +234,7 @@ async def _follow_versions(
                 elapsed_s=time.perf_counter() - start,
                 global_cid=row.global_cid,
                 epsilon=row.epsilon,
+                hidden=row.participant_count if row.hidden else None,
             )
             if follow.killed is not None:
                 entry.killed, follow.killed = follow.killed, None

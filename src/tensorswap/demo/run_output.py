@@ -58,6 +58,8 @@ def run_table(cfg: DemoConfig, report: DemoReport, console: Console) -> None:
     for v in report.versions:
         stale = v.staleness or [0] * len(v.participants)
         who = ", ".join(f"{p} ({s})" for p, s in zip(v.participants, stale, strict=False))
+        if v.hidden is not None:
+            who = f"{v.hidden} peers (names hidden: DP run)"
         row = [str(v.version), str(v.round), f"{v.accuracy:.3f}", f"{v.elapsed_s:.1f}", who]
         if v.killed:
             row[-1] += f"; {v.killed} killed"

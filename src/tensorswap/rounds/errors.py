@@ -44,6 +44,7 @@ __all__ = [
     "RoundNotFound",
     "RoundTimeout",
     "RoundsError",
+    "SampleHidden",
     "TooManySamples",
     "UnknownUpdate",
     "UpdateMismatch",
@@ -159,6 +160,19 @@ class TooManySamples(RoundsError, ValueError):
         super().__init__(
             f"update from peer {peer!r} for round {key} claims {claimed} samples, above the "
             f"cap of {cap} (max_samples_per_peer); submit with num_samples <= {cap}"
+        )
+
+
+class SampleHidden(RoundsError, PermissionError):
+    """A round of a DP run lists no peer names to peers: its sample is secret (the privacy
+    accountant amplifies ε by it). Counts stay visible; the operator (a connection that
+    proved the server's operator key) sees the names."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(
+            f"round {key} belongs to a DP run: its peers are hidden from peers (counts only); "
+            "connect with the operator key to list them"
         )
 
 

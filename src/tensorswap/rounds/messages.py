@@ -332,7 +332,9 @@ class ErrorInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 class RoundRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
     """One round as ``status`` reports it; ``dropped`` (left out while empty) lists the
-    accepted contributions left out of its aggregate, as ``[peer, reason]``."""
+    accepted contributions left out of its aggregate, as ``[peer, reason]``. ``hidden``: a
+    DP run's round shown to a peer, its ``peers`` and ``dropped`` left empty (``received``
+    still counts them)."""
 
     round: int
     initiator: str
@@ -346,6 +348,7 @@ class RoundRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_de
     created_at: float
     deadline: float | None
     dropped: list[tuple[str, str]] = []
+    hidden: bool = False
 
 
 class RoundAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

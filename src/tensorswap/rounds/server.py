@@ -24,7 +24,7 @@ from tensorswap.rounds.batch import (
     refusal,
 )
 from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.errors import PeerNotAuthorised, RoundNotFound, RoundTimeout
+from tensorswap.rounds.errors import PeerNotAuthorised, RoundNotFound, RoundTimeout, SampleHidden
 from tensorswap.rounds.inline import (
     APP_INLINE,
     Blocks,
@@ -120,12 +120,14 @@ class RoundServer:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         peer_keys: Mapping[str, bytes] | None = None,
+        operator_key: bytes | None = None,
     ) -> None:
         if not (isinstance(max_wait, int | float) and math.isfinite(max_wait) and max_wait > 0):
             raise ValueError(f"max_wait must be a finite number of seconds > 0, got {max_wait!r}")
         self.blocks = BlockServer(
             coordinator.store,
             key=key,
+            operator_key=operator_key,
             limits=limits,
             timeouts=timeouts,
             name=name,
@@ -150,6 +152,9 @@ class RoundServer:
         (``rounds.batch``); the plain ``submit`` op is refused."""
         self.stat_sources: list[Callable[[], Mapping[str, float | int | str]]] = []
         """More counters for ``status`` answers' stats (services attached to this server)."""
+        self.concealed: list[Callable[[RoundId], bool]] = []
+        """Whether a round's peer names are hidden from peers (a DP run's: the runs service
+        adds its test); only a connection with the operator key is shown them."""
         coordinator.subscribe(self._on_change)
 
     # ── lifecycle: the block server's ───────────────────────────────────────
@@ -238,13 +243,15 @@ class RoundServer:
         if isinstance(call, BatchSubmitRequest):
             return _encoder.encode(await self._submit_batch(call))
         if isinstance(call, RoundsPageRequest | PeersPageRequest):
-            return _encoder.encode(self._page(call))
+            return _encoder.encode(self._page(call, operator=request.operator))
         if isinstance(call, SubmitRequest) and self.peer_keys is not None:
             refused = PeerNotAuthorised(
                 call.round_id.as_key(), call.peer, "this coordinator takes only proven submits"
             )
             return encode_answer(RoundAnswer(error=error_info(refused)))
         answer = await self._call(call)
+        if answer.rounds and not request.operator:
+            answer = msgspec.structs.replace(answer, rounds=self._conceal(answer.rounds))
         body = encode_answer(answer)
         if len(body) > self._reply_budget and answer.rounds:
             body = encode_answer(self._trimmed(answer))
@@ -364,17 +371,34 @@ class RoundServer:
                     results[index] = ItemResult(status=status_to_wire(outcome))
         return BatchAnswer(results=[r for r in results if r is not None])
 
-    def _page(self, call: RoundsPageRequest | PeersPageRequest) -> PageAnswer:
+    def _hides(self, rid: RoundId) -> bool:
+        return any(test(rid) for test in self.concealed)
+
+    def _conceal(self, rows: list[RoundRow]) -> list[RoundRow]:
+        """``rows`` as a peer may see them: a hidden round's without its peer names."""
+        if not self.concealed:
+            return rows
+        return [
+            msgspec.structs.replace(row, peers=[], dropped=[], hidden=True)
+            if self._hides(RoundId(row.round, row.initiator))
+            else row
+            for row in rows
+        ]
+
+    def _page(self, call: RoundsPageRequest | PeersPageRequest, *, operator: bool) -> PageAnswer:
         tracker = self.coordinator.tracker
         if isinstance(call, RoundsPageRequest):
             infos, total = tracker.page(call.start, call.limit, call.peers)
             rows = [row_of(info) for info in infos]
+            rows = rows if operator else self._conceal(rows)
             stats = self._stats() if call.stats else {}
             after = next_start(call.start, len(rows), total)
             return PageAnswer(rounds=rows, total=total, next=after, stats=stats)
         try:
             names, total = tracker.peers_page(call.round_id, call.start, call.limit)
-        except RoundNotFound as exc:
+            if not operator and self._hides(call.round_id):
+                raise SampleHidden(call.round_id.as_key())
+        except (RoundNotFound, SampleHidden) as exc:
             return PageAnswer(error=error_info(exc))
         return PageAnswer(peers=names, total=total, next=next_start(call.start, len(names), total))
 

@@ -419,9 +419,8 @@ class RunManager:
                 with self._lock:
                     self._runs[info.name] = replace(info, selected=())
                 return
-            selected = sample_peers(
-                active, spec.sample_size(len(active)), spec.seed, info.round + 1
-            )
+            size, secret = spec.sample_size(len(active)), spec.dp_clip is not None
+            selected = sample_peers(active, size, spec.seed, info.round + 1, secret=secret)
             try:
                 self.privacy.before_round(info, info.round + 1, len(selected), len(active))
             except PrivacyBudgetExhausted as exc:

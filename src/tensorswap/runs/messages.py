@@ -229,6 +229,12 @@ class VersionRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     at: float
     epsilon: float | None = None
     """A DP run: its ε after this version's round (at the run's ``dp_delta``)."""
+    participant_count: int = 0
+    """How many peers' updates made it (``participants`` names them unless ``hidden``)."""
+    hidden: bool = False
+    """A DP run seen by a peer: ``participants`` is left empty (``runs.views``)."""
+    you_took_part: bool | None = None
+    """With ``hidden``: whether the asking peer's update is among them."""
 
 
 class RunRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
@@ -256,6 +262,17 @@ class RunRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defa
     """Why a run finished early (its privacy budget), "" otherwise."""
     secagg: bool = False
     """Whether the run aggregates securely (SecAgg+)."""
+    selected_count: int = 0
+    """How many peers the current round sampled (``selected`` names them unless hidden)."""
+    participant_count: int = 0
+    """How many peers made the last version (``participants`` names them unless hidden)."""
+    hidden: bool = False
+    """A DP run seen by a peer: ``selected`` and ``participants`` left empty, since the
+    accountant's subsampling amplification needs the sample secret (``runs.views``)."""
+    you_selected: bool | None = None
+    """With ``hidden``: whether the asking peer is in the current round's sample."""
+    you_took_part: bool | None = None
+    """With ``hidden``: whether the asking peer's update made the last version."""
 
 
 class TaskWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

@@ -28,7 +28,6 @@ from tensorswap.runs.messages import (
     RegisterRequest,
     RunAnswer,
     RunRequest,
-    RunRow,
     RunsRequest,
     SecAggRequest,
     TaskRequest,
@@ -38,39 +37,15 @@ from tensorswap.runs.messages import (
     decode_request,
     encode,
 )
-from tensorswap.runs.model import RunInfo, RunSpec, VersionRecord
+from tensorswap.runs.model import RunSpec
 from tensorswap.runs.regional import part_for
+from tensorswap.runs.views import Viewer, hides_sample, row_of, version_row
 from tensorswap.wire import AppRequest, ProtocolViolation
 
-__all__ = ["RunService", "row_of", "task_wire"]
+__all__ = ["RunService", "task_wire"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-
-
-def row_of(manager: RunManager, info: RunInfo) -> RunRow:
-    versions = manager.journal.versions(info.name)
-    last = versions[-1] if versions else None
-    return RunRow(
-        name=info.name,
-        mode=info.spec.mode.value,
-        version=info.version,
-        global_cid=info.global_cid,
-        state_cid=info.state_cid,
-        round=info.round,
-        selected=list(info.selected),
-        finished=info.finished,
-        optimizer=info.spec.optimizer,
-        strategy=info.spec.strategy,
-        participants=list(last.participants) if last is not None else [],
-        created_at=info.created_at,
-        deadline_s=info.deadline_s,
-        deadline_reason=info.deadline_reason,
-        epsilon=manager.privacy.spent(info),
-        dp_delta=info.spec.dp_delta if info.spec.dp_clip is not None else None,
-        stop_reason=manager.privacy.stop_reason(info.name),
-        secagg=info.spec.secagg,
-    )
 
 
 def task_wire(task: Task) -> TaskWire:
@@ -101,6 +76,7 @@ class RunService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[str, set[asyncio.Event]] = {}
         server.blocks.handlers[APP] = self._on_request
+        server.concealed.append(lambda rid: hides_sample(manager, rid))
         manager.subscribe(self._on_change)
         self.batches = RunBatches(self)
         """The batched ops (``runs.batch``) and the grouped registrations."""
@@ -114,13 +90,13 @@ class RunService:
         except RecursionError:
             raise ProtocolViolation("bad runs request: nested too deeply") from None
         try:
-            return encode(await self._answer(call))
+            return encode(await self._answer(call, Viewer(call.peer, request.operator)))
         except TensorSwapError as exc:
             if isinstance(exc, ProtocolViolation):
                 raise
             return encode(RunAnswer(error=error_info(exc)))
 
-    async def _answer(self, call: RunRequest) -> RunAnswer:
+    async def _answer(self, call: RunRequest, viewer: Viewer) -> RunAnswer:
         manager, registry = self.manager, self.manager.registry
         match call:
             case RegisterRequest():
@@ -134,13 +110,13 @@ class RunService:
                 info = await asyncio.to_thread(
                     manager.create_run, call.run, spec, Cid.parse(call.initial)
                 )
-                return RunAnswer(runs=[row_of(manager, info)])
+                return RunAnswer(runs=[row_of(manager, info, viewer)])
             case RunsRequest():
                 infos = [manager.run(call.run)] if call.run else manager.runs()
-                rows = [row_of(manager, info) for info in infos]
+                rows = [row_of(manager, info, viewer) for info in infos]
                 return RunAnswer(runs=rows, clients=len(registry), active=len(registry.active()))
             case VersionsRequest():
-                return RunAnswer(versions=await self._versions(call))
+                return RunAnswer(versions=await self._versions(call, viewer))
             case TaskRequest():
                 task = await self._task(call)
                 return RunAnswer(task=None if task is None else task_wire(task))
@@ -215,7 +191,7 @@ class RunService:
 
         return RunAnswer(secagg=await self._wait(call.run, call.timeout, probe))
 
-    async def _versions(self, call: VersionsRequest) -> list[VersionRow]:
+    async def _versions(self, call: VersionsRequest, viewer: Viewer) -> list[VersionRow]:
         if call.wait is not None:
 
             def made() -> tuple[bool, None]:
@@ -225,10 +201,14 @@ class RunService:
             await self._wait(call.run, call.wait, made)
 
         def read() -> list[VersionRow]:
+            info = self.manager.run(call.run)
             records = self.manager.versions(call.run)
             spent = {s.round: s.epsilon for s in self.manager.privacy.steps(call.run)}
             picked = [r for r in records if r.version >= call.since][:MAX_VERSIONS]
-            return [_version_row(r, spent.get(r.round) if r.version else None) for r in picked]
+            return [
+                version_row(info, r, spent.get(r.round) if r.version else None, viewer)
+                for r in picked
+            ]
 
         return await asyncio.to_thread(read)
 
@@ -265,16 +245,3 @@ class RunService:
     def _wake(self, run: str) -> None:
         for event in self._waiters.get(run, ()):
             event.set()
-
-
-def _version_row(r: VersionRecord, epsilon: float | None) -> VersionRow:
-    return VersionRow(
-        r.version,
-        r.global_cid,
-        r.state_cid,
-        r.round,
-        list(r.participants),
-        list(r.staleness),
-        r.at,
-        epsilon,
-    )

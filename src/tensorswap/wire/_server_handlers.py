@@ -35,6 +35,9 @@ class AppRequest:
     peer: str
     """The client's address, for logs and errors."""
     stream_id: int
+    operator: bool = False
+    """Whether the connection proved the operator key (``BlockServer(operator_key=...)``):
+    an application may show the operator what it hides from peers."""
 
 
 class BlocksReply(bytes):
@@ -72,14 +75,14 @@ class ServerHandlers:
         def stats(self) -> ServerStats: ...
 
     async def _answer_request(
-        self, message: Request, peer: str, stream_id: int
+        self, message: Request, peer: str, stream_id: int, *, operator: bool = False
     ) -> tuple[Reply, BlocksReply | None]:
         """The handler's Reply, and the blocks to send after it (a BlocksReply) if any."""
         self.stats.requests += 1
         handler = self.handlers.get(message.app)
         if handler is None:
             return Reply(app=message.app, body=b"", handled=False), None
-        body = await handler(AppRequest(message.app, message.body, peer, stream_id))
+        body = await handler(AppRequest(message.app, message.body, peer, stream_id, operator))
         then = body if isinstance(body, BlocksReply) else None
         return Reply(app=message.app, body=bytes(body)), then
 

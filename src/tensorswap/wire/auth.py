@@ -89,14 +89,23 @@ def busy_refusal(max_connections: int) -> Callable[[Transport], Awaitable[None]]
 
 
 async def server_handshake(
-    conn: FrameConnection, key: bytes | None, *, name: str = "tensorswap"
+    conn: FrameConnection,
+    key: bytes | None,
+    *,
+    name: str = "tensorswap",
+    operator_key: bytes | None = None,
 ) -> Hello:
     """Run the server side: Welcome, check the client's Hello, answer Ready.
 
     With a key, a client must prove it (else AuthenticationFailed, after telling the client
-    with an Error frame); the Ready carries the server's own proof. Nothing else is read
-    from the client before this returns.
+    with an Error frame); the Ready carries the server's own proof. A client that proves
+    ``operator_key`` instead (a second secret, only with ``key``) is the operator: the
+    server proves that key back and marks the connection (``conn.operator``), so the
+    applications above may show it what peers are not shown. Nothing else is read from the
+    client before this returns.
     """
+    if operator_key is not None and (key is None or not operator_key or operator_key == key):
+        raise ValueError("an operator key needs a shared key, and must differ from it")
     nonce = secrets.token_bytes(NONCE_BYTES)
     seconds = conn.timeouts.handshake
     await conn.send_message(
@@ -126,11 +135,16 @@ async def server_handshake(
         reason = "this server requires a shared key; the client sent none"
         await conn.send_error("auth_required", reason)
         raise AuthenticationFailed(conn.peer, reason)
+    proven = key
     if not hmac.compare_digest(hello.mac, client_proof(key, nonce, hello.nonce)):
-        reason = "wrong shared key (client proof does not verify)"
-        await conn.send_error("auth_failed", reason)
-        raise AuthenticationFailed(conn.peer, reason)
-    await conn.send_message(Ready(mac=server_proof(key, nonce, hello.nonce)))
+        if operator_key is None or not hmac.compare_digest(
+            hello.mac, client_proof(operator_key, nonce, hello.nonce)
+        ):
+            reason = "wrong shared key (client proof does not verify)"
+            await conn.send_error("auth_failed", reason)
+            raise AuthenticationFailed(conn.peer, reason)
+        proven, conn.operator = operator_key, True
+    await conn.send_message(Ready(mac=server_proof(proven, nonce, hello.nonce)))
     return hello
 
 

@@ -224,6 +224,8 @@ class FrameConnection:
         self.timeouts = timeouts or Timeouts()
         self._header = bytearray(HEADER_SIZE)
         self._send_broken = False
+        self.operator = False
+        """Whether the client proved the server's operator key (``server_handshake``)."""
 
     @property
     def peer(self) -> str:

@@ -100,6 +100,7 @@ class BlockServer(ServerHandlers):
         store: BlockStore,
         *,
         key: bytes | None = None,
+        operator_key: bytes | None = None,
         limits: WireLimits | None = None,
         timeouts: Timeouts | None = None,
         compression: Compression = Compression.NONE,
@@ -115,7 +116,11 @@ class BlockServer(ServerHandlers):
         if max_inflight_bytes < 1:
             raise ValueError(f"max_inflight_bytes must be at least 1, got {max_inflight_bytes}")
         self.store = store
+        if operator_key is not None and (key is None or not operator_key or operator_key == key):
+            raise ValueError("an operator key needs a shared key, and must differ from it")
         self.key = key
+        self.operator_key = operator_key
+        """A second secret: clients proving it are the operator (``AppRequest.operator``)."""
         self.limits = limits or WireLimits()
         self.timeouts = timeouts or Timeouts()
         self.compression = compression
@@ -198,7 +203,7 @@ class BlockServer(ServerHandlers):
         conn = FrameConnection(transport, limits=self.limits, timeouts=self.timeouts)
         sink = BlockSink(self.store, self.store_depth)
         try:
-            await server_handshake(conn, self.key, name=self.name)
+            await server_handshake(conn, self.key, name=self.name, operator_key=self.operator_key)
             await self._serve_watched(conn, sink)
         except (TensorSwapError, OSError) as exc:
             self._failed(exc, transport)
@@ -319,7 +324,9 @@ class BlockServer(ServerHandlers):
                 await self._answer_get(conn, cids, stream_id, below=below, have=have)
             elif isinstance(message, Request):
                 await sink.drain()
-                reply, then = await self._answer_request(message, conn.peer, stream_id)
+                reply, then = await self._answer_request(
+                    message, conn.peer, stream_id, operator=conn.operator
+                )
                 await conn.send_message(reply, stream_id)
                 if then is not None:
                     await self._answer_get(
