@@ -33,7 +33,7 @@ from tensorswap.wire import AuthenticationFailed
 
 KEY = b"peers-shared-key"
 OPERATOR = b"the-operators-own-key"
-PEERS = ("p0", "p1", "p2")
+PEERS = ("peer-0", "peer-1", "peer-2")  # no base32 CID holds a "-"
 
 
 def _model(value: float) -> dict[str, np.ndarray]:
@@ -74,7 +74,7 @@ async def served(root: Path) -> AsyncIterator[Served]:
 
 async def _play(s: Served, run: str, spec: RunSpec) -> set[str]:
     """Create ``run``, let every sampled peer train its one round; who took part."""
-    await s.peers["p0"].create_run(run, spec, ModelUpdate(_model(0.0)))
+    await s.peers["peer-0"].create_run(run, spec, ModelUpdate(_model(0.0)))
     took_part: set[str] = set()
 
     async def peer(name: str) -> None:
@@ -87,8 +87,8 @@ async def _play(s: Served, run: str, spec: RunSpec) -> set[str]:
         took_part.add(name)
 
     await asyncio.gather(*(peer(name) for name in PEERS))
-    while (await s.peers["p0"].run(run)).version < 1:
-        await s.peers["p0"].versions(run, 1, wait=5)
+    while (await s.peers["peer-0"].run(run)).version < 1:
+        await s.peers["peer-0"].versions(run, 1, wait=5)
     return took_part
 
 
@@ -124,7 +124,7 @@ async def test_the_coordinator_rounds_of_a_dp_run_list_no_names(tmp_path: Path) 
     async with served(tmp_path) as s:
         took_part = await _play(s, "dp", DP)
         rid = RoundId(1, "dp")
-        peer = s.peers["p1"].rounds
+        peer = s.peers["peer-1"].rounds
         (row,) = [r for r in (await peer.server_status()).rounds if r.initiator == "dp"][:1]
         assert row.hidden and row.peers == [] and row.received == 2
         page = await page_rounds(peer, 0, 10, peers=10)
@@ -174,10 +174,10 @@ async def test_status_json_and_run_show_of_a_key_holder_name_no_other_peer(
 async def test_runs_without_dp_still_name_their_peers(tmp_path: Path) -> None:
     async with served(tmp_path) as s:
         took_part = await _play(s, "plain", RunSpec(per_round=2, rounds=2, seed=3))
-        row = await s.peers["p2"].run("plain")
+        row = await s.peers["peer-2"].run("plain")
         assert not row.hidden and set(row.participants) == took_part
         assert row.participant_count == 2 and row.you_took_part is None
-        rows = (await s.peers["p2"].rounds.server_status()).rounds
+        rows = (await s.peers["peer-2"].rounds.server_status()).rounds
         assert set(rows[0].peers) == took_part
 
 

@@ -189,7 +189,7 @@ def test_dp_noise_too_large_for_the_model_is_refused_at_create_run(tmp_path: Pat
 
 def test_an_adaptive_clip_never_overflows() -> None:
     from tensorswap.privacy.dp import next_clip
-    from tensorswap.privacy.params import MAX_DP_CLIP
+    from tensorswap.runs.dp_params import MAX_DP_CLIP
 
     # a noised clipped fraction far above 1 (count noise of 1e6 over 2 peers)
     assert next_clip(1.0, 5e5, 0.5, 10.0, MAX_DP_CLIP) == MAX_DP_CLIP

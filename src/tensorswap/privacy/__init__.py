@@ -1,8 +1,8 @@
-"""Privacy for runs: differential privacy (DP-FedAvg's clipping and Gaussian noise, fixed or
-adaptive clipping, accounted with dp-accounting) and secure aggregation (``privacy.secagg``)."""
-
-# The runs package first: its manager imports privacy modules, which import runs.errors.
-import tensorswap.runs  # noqa: F401  isort: skip
+"""Privacy as a pure library: differential privacy's mechanisms (DP-FedAvg's clipping and
+Gaussian noise, fixed or adaptive clipping), the accountant (dp-accounting) and secure
+aggregation (``privacy.secagg``). It imports no runs code: what makes a run private (its
+ledger, its release, its parameters) lives in ``tensorswap.runs.dp``, ``runs.dp_ledger`` and
+``runs.dp_params``."""
 
 from tensorswap.privacy.accountant import epsilon, round_epsilons
 from tensorswap.privacy.dp import (
@@ -20,17 +20,12 @@ from tensorswap.privacy.errors import (
     PrivacyBudgetExhausted,
     PrivacyError,
 )
-from tensorswap.privacy.ledger import PrivacyRound, PrivacyStep
-from tensorswap.privacy.run import RunPrivacy
 
 __all__ = [
     "AccountantUnavailable",
     "ClipBoundExceeded",
     "PrivacyBudgetExhausted",
     "PrivacyError",
-    "PrivacyRound",
-    "PrivacyStep",
-    "RunPrivacy",
     "adaptive_noise",
     "clip_factor",
     "clip_update",

@@ -16,9 +16,8 @@ from typing import get_args
 
 import msgspec
 
-from tensorswap.errors import TensorSwapError
-from tensorswap.rounds import errors as rounds_errors
-from tensorswap.rounds.errors import InvalidRoundSpec, RoundsError
+from tensorswap.errors import TensorSwapError, remote_types
+from tensorswap.rounds.errors import InvalidRoundSpec
 from tensorswap.rounds.messages import (
     MAX_LAYER_DIMS,
     MAX_LAYER_ELEMENTS,
@@ -239,11 +238,9 @@ def peer_of(call: RoundCall | SubmitRequest) -> str:
 
 
 # ── errors across the wire ───────────────────────────────────────────────────
-REMOTE_TYPES: dict[str, type[TensorSwapError]] = {  # layers above add their leaves
-    name: cls
-    for name in rounds_errors.__all__
-    if isinstance(cls := getattr(rounds_errors, name), type) and issubclass(cls, RoundsError)
-}
+REMOTE_TYPES: Mapping[str, type[TensorSwapError]] = remote_types()
+"""The refusals a client raises typed (``tensorswap.errors.register_remote``: every built-in
+one is registered once ``tensorswap.errors`` is imported, whatever else the process has)."""
 
 
 def error_info(exc: TensorSwapError) -> ErrorInfo:

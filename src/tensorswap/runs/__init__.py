@@ -1,6 +1,8 @@
 """Runs: federations over the coordinator (a global model across rounds, client registry and
 sampling, server optimizers, asynchronous buffered aggregation)."""
 
+from tensorswap.runs.dp import RunPrivacy
+from tensorswap.runs.dp_ledger import PrivacyRound, PrivacyStep
 from tensorswap.runs.errors import (
     BufferBusy,
     FutureVersion,
@@ -30,12 +32,15 @@ __all__ = [
     "NonFiniteStep",
     "NotRegistered",
     "NotSelected",
+    "PrivacyRound",
+    "PrivacyStep",
     "RunDatabase",
     "RunExists",
     "RunInfo",
     "RunManager",
     "RunMode",
     "RunNotFound",
+    "RunPrivacy",
     "RunSpec",
     "RunsError",
     "StaleContribution",

@@ -12,14 +12,14 @@ from dataclasses import replace
 
 from tensorswap.cid import Cid
 from tensorswap.privacy.errors import PrivacyBudgetExhausted
-from tensorswap.privacy.params import check_dp_scale
-from tensorswap.privacy.run import RunPrivacy, is_private
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.errors import RoundAlreadyTerminal, RoundClosed
 from tensorswap.rounds.model import Contribution
 from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec, RoundStatus
 from tensorswap.rounds.updates import inspect_update
 from tensorswap.runs.deadlines import journaled_deadline
+from tensorswap.runs.dp import RunPrivacy, is_private
+from tensorswap.runs.dp_params import check_dp_scale
 from tensorswap.runs.errors import (
     BufferBusy,
     NonFiniteStep,

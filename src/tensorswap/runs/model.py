@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from types import MappingProxyType
 
-from tensorswap.privacy.params import check_dp_options, check_secagg_options
 from tensorswap.rounds.model import RoundId
+from tensorswap.runs.dp_params import check_dp_options, check_secagg_options
 from tensorswap.runs.errors import InvalidRunSpec
 
 __all__ = [

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 from tensorswap.cid import Cid
 from tensorswap.errors import RoundsError
-from tensorswap.privacy.run import RunPrivacy, is_private
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.state import (
     Aggregating,
@@ -21,6 +20,7 @@ from tensorswap.rounds.state import (
     RoundId,
     RoundStatus,
 )
+from tensorswap.runs.dp import RunPrivacy, is_private
 from tensorswap.runs.errors import NonFiniteStep
 from tensorswap.runs.journal import RunDatabase
 from tensorswap.runs.model import RunInfo, VersionRecord

@@ -20,17 +20,17 @@ from tensorswap.privacy.dp import (
     update_norm,
 )
 from tensorswap.privacy.errors import ClipBoundExceeded, PrivacyBudgetExhausted
-from tensorswap.privacy.ledger import PrivacyLedger, PrivacyRound, PrivacyStep
-from tensorswap.privacy.params import MAX_DP_CLIP, default_count_stddev
 from tensorswap.rounds.fold import load_pieces
 from tensorswap.rounds.state import Contribution
 from tensorswap.rounds.updates import inspect_update
+from tensorswap.runs.dp_ledger import PrivacyLedger, PrivacyRound, PrivacyStep
+from tensorswap.runs.dp_params import MAX_DP_CLIP, default_count_stddev
 from tensorswap.runs.errors import FutureVersion, NotSelected, RunsError, StaleContribution
 from tensorswap.runs.finite import FiniteGuard
 from tensorswap.runs.stream import stream_noised
 from tensorswap.store import BlockStore
 
-if TYPE_CHECKING:  # runs.model imports privacy.params: no runs.model import at import time
+if TYPE_CHECKING:  # runs.model imports runs.dp_params: no runs.model import at import time
     from tensorswap.runs.journal import RunDatabase
     from tensorswap.runs.model import RunInfo, RunSpec
 

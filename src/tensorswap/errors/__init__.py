@@ -23,7 +23,11 @@
     ├── WireError                  (wire: leaves in tensorswap.wire.errors)
     │   └── TransportError         (transport: byte streams under wire and delta; leaves in
     │                              tensorswap.transport.errors, re-exported by wire.errors)
-    ├── RoundsError                (rounds: leaves in tensorswap.rounds.errors)
+    ├── RoundsError                (rounds: leaves in tensorswap.errors.rounds; its RunsError
+    │                              branch in tensorswap.errors.runs, region's leaves in
+    │                              tensorswap.errors.region)
+    ├── PrivacyError               (privacy: DP leaves in tensorswap.errors.privacy, and the
+    │   └── SecAggError            SecAgg+ branch in tensorswap.errors.secagg)
     ├── DeltaError                 (delta: leaves next to their raisers in tensorswap.delta)
     ├── FlowError                  (flow: leaves in tensorswap.flow.errors)
     ├── NetlabError                (netlab: the network lab of namespaces; leaves in
@@ -35,14 +39,17 @@
                                    (in tensorswap._eventloop)
 
 Layer packages define further leaves next to their raisers, always under the branch of
-their layer, and no two error classes share a name (tests/test_error_tree.py checks both).
+their layer (the rounds, runs, privacy, secagg and region leaves live in this package, so
+that importing it registers every refusal a coordinator may send: ``register_remote``),
+and no two error classes share a name (tests/test_error_tree.py checks both).
 Lower-level exceptions (pyarrow, zmq, OSError) are translated at the layer boundary with
 ``raise ... from exc``. Every error carries its facts as attributes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 
 class TensorSwapError(Exception):
@@ -227,6 +234,40 @@ class NetlabError(TensorSwapError):
     """The network lab (namespaces, links, shaping, relays) could not be built or driven."""
 
 
+class PrivacyError(TensorSwapError):
+    """Privacy: a differentially private run could not do what was asked, or a secure
+    aggregation (SecAgg+) failed. Leaves in ``tensorswap.errors.privacy`` (DP) and
+    ``tensorswap.errors.secagg`` (its ``SecAggError`` branch)."""
+
+
+# ── the remote error registry ────────────────────────────────────────────────
+_REMOTE: dict[str, type[TensorSwapError]] = {}
+
+
+def register_remote(*classes: type[TensorSwapError]) -> None:
+    """Make error types known to every client as a coordinator's refusals: a refusal that
+    names ``cls.__name__`` (the wire's code) is raised as ``cls`` with its facts (see
+    ``tensorswap.rounds.protocol.raise_remote``); any other code is a bare RemoteError.
+
+    Each errors module calls this for its leaves where they are defined, and this package
+    imports every built-in one, so which type a client raises never depends on what else the
+    process imported. A second, different class under a taken name is a ValueError."""
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, TensorSwapError)):
+            raise TypeError(f"only TensorSwapError types cross the wire, not {cls!r}")
+        held = _REMOTE.setdefault(cls.__name__, cls)
+        if held is not cls:
+            raise ValueError(
+                f"two remote error types are named {cls.__name__}: "
+                f"{held.__module__} and {cls.__module__}"
+            )
+
+
+def remote_types() -> Mapping[str, type[TensorSwapError]]:
+    """Every registered remote error type by name (a live, read-only view)."""
+    return MappingProxyType(_REMOTE)
+
+
 __all__ = [
     "AggregateShapeMismatch",
     "AggregationError",
@@ -244,6 +285,7 @@ __all__ = [
     "MalformedBlock",
     "NetlabError",
     "NonFiniteValues",
+    "PrivacyError",
     "RoundsError",
     "ShapeMismatch",
     "StoreError",
@@ -252,4 +294,23 @@ __all__ = [
     "TruncatedData",
     "UnsupportedDtype",
     "WireError",
+    "register_remote",
+    "remote_types",
+]
+
+# The leaves of the rounds, runs, privacy and region branches: defined here (not in their
+# rooms, whose ``errors`` modules re-export them), so importing tensorswap.errors registers
+# every built-in remote refusal without importing those rooms.
+from tensorswap.errors import privacy, region, rounds, runs, secagg  # noqa: E402
+from tensorswap.errors.privacy import *  # noqa: E402, F403
+from tensorswap.errors.region import *  # noqa: E402, F403
+from tensorswap.errors.rounds import *  # noqa: E402, F403
+from tensorswap.errors.runs import *  # noqa: E402, F403
+from tensorswap.errors.secagg import *  # noqa: E402, F403
+
+__all__ += [
+    name
+    for leaves in (privacy, region, rounds, runs, secagg)
+    for name in leaves.__all__
+    if name not in __all__
 ]

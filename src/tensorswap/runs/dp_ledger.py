@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from tensorswap.runs.errors import RunsError
 
-if TYPE_CHECKING:  # runs.model imports privacy.params: no runs imports at import time
+if TYPE_CHECKING:  # runs.model imports runs.dp_params: no runs imports at import time
     from tensorswap.runs.journal import RunDatabase
 
 __all__ = ["PrivacyLedger", "PrivacyRound", "PrivacyStep"]
