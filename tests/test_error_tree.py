@@ -87,3 +87,20 @@ def test_error_names_are_unique_across_the_package() -> None:
 def test_misuse_errors_keep_their_builtin_base(module: str, name: str, builtin: type) -> None:
     cls = getattr(importlib.import_module(module), name)
     assert issubclass(cls, TensorSwapError) and issubclass(cls, builtin)
+
+
+def test_the_whole_tree_is_reachable_from_tensorswap_errors() -> None:
+    """``tensorswap.errors.NAME`` is every error class of the package (issue 24): the root's
+    branches and the rounds, runs, privacy, secagg and region leaves defined there, the
+    others through ``errors._index`` at the module that defines them."""
+    import tensorswap.errors as errors
+    from tensorswap.errors._index import ELSEWHERE
+
+    for cls in _tensorswap_exceptions():
+        if cls.__name__.startswith("_") or "<locals>" in cls.__qualname__:
+            continue
+        assert getattr(errors, cls.__name__, None) is cls, f"{cls.__module__}.{cls.__name__}"
+    for name, where in ELSEWHERE.items():
+        assert getattr(importlib.import_module(where), name).__module__ == where, name
+    with pytest.raises(AttributeError):
+        errors.NoSuchError  # noqa: B018

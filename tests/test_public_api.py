@@ -34,33 +34,24 @@ def test_errors_share_one_root() -> None:
             assert issubclass(obj, tensorswap.TensorSwapError), name
 
 
-# The layers whose API ``tensorswap`` re-exports: whatever they raise is public too.
-_REEXPORTED_LAYERS = (
-    "errors",
-    "cid",
-    "codec",
-    "codec.garw",
-    "codec.ipfrs",
-    "aggregate",
-    "store",
-    "delta",
-    "wire",
-    "rounds",
-)
+def test_the_top_level_is_user_sized() -> None:
+    """What a user starts with, not every name of every room (issue 24): at most 90 names,
+    at most 15 of them exceptions; the whole error tree is in ``tensorswap.errors``."""
+    errors = [
+        n
+        for n in tensorswap.__all__
+        if isinstance(c := getattr(tensorswap, n), type) and issubclass(c, BaseException)
+    ]
+    assert len(tensorswap.__all__) <= 90, len(tensorswap.__all__)
+    assert len(errors) <= 15, errors
+    for name in ("RunClient", "RunSpec", "RoundClient", "BlockingRoundClient", "put_update"):
+        assert name in tensorswap.__all__, name
+    for name in ("DweBus", "GarwBlock", "encode_ipfrs_gradient", "ChecksumMismatch"):
+        assert name not in tensorswap.__all__, name  # one level down
 
 
-@pytest.mark.parametrize("layer", _REEXPORTED_LAYERS)
-def test_every_error_a_reexported_layer_raises_is_public(layer: str) -> None:
-    module = importlib.import_module(f"tensorswap.{layer}")
-    for name in module.__all__:
-        obj = getattr(module, name)
-        if isinstance(obj, type) and issubclass(obj, BaseException):
-            assert name in tensorswap.__all__, f"tensorswap.{layer}.{name}"
-            assert getattr(tensorswap, name) is obj, name
-
-
-def test_the_errors_users_catch_import_from_the_top() -> None:
-    from tensorswap import (  # noqa: F401 - the import is the test
+def test_the_errors_users_catch_import_from_tensorswap_errors() -> None:
+    from tensorswap.errors import (  # noqa: F401 - the import is the test
         AuthenticationFailed,
         BlockHashMismatch,
         ChecksumMismatch,
@@ -78,6 +69,16 @@ def test_the_errors_users_catch_import_from_the_top() -> None:
         UnknownUpdate,
         UpdateMismatch,
     )
+
+
+def test_the_readme_imports_from_the_top_or_one_level_down() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for module in re.findall(r"from (tensorswap[\w.]*) import", readme):
+        assert module.count(".") <= 1, module
+        importlib.import_module(module)
+    for names in re.findall(r"from tensorswap import ([\w, ]+)", readme):
+        for name in names.split(","):
+            assert hasattr(tensorswap, name.strip()), name
 
 
 def test_subpackages_are_not_shadowed_by_reexports() -> None:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import tensorswap
+import tensorswap.errors
 from tensorswap.aggregate import (
     SERVER_OPTIMIZERS,
     InvalidServerOptimizer,
@@ -968,7 +968,7 @@ def test_the_errors_are_public_aggregation_errors() -> None:
         ServerOptimizerStateMismatch,
     ):
         assert issubclass(cls, AggregationError) and issubclass(cls, ValueError)
-        assert getattr(tensorswap, cls.__name__) is cls
+        assert getattr(tensorswap.errors, cls.__name__) is cls  # the whole tree is there
 
 
 def test_unknown_kind_and_option() -> None:

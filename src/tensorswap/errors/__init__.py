@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
+from typing import Any
 
 
 class TensorSwapError(Exception):
@@ -314,3 +315,22 @@ __all__ += [
     for name in leaves.__all__
     if name not in __all__
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The rest of the tree (wire, transport, codec, store, aggregate, delta, flow, swarm,
+    netlab, simulate, demo errors): imported from the module that defines it on first use."""
+    import importlib
+
+    from tensorswap.errors._index import ELSEWHERE
+
+    where = ELSEWHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'tensorswap.errors' has no attribute {name!r}")
+    return getattr(importlib.import_module(where), name)
+
+
+def __dir__() -> list[str]:
+    from tensorswap.errors._index import ELSEWHERE
+
+    return sorted(set(globals()) | set(ELSEWHERE))

@@ -1,6 +1,7 @@
 """Runs: federations over the coordinator (a global model across rounds, client registry and
 sampling, server optimizers, asynchronous buffered aggregation)."""
 
+from tensorswap.runs.client import RunClient
 from tensorswap.runs.dp import RunPrivacy
 from tensorswap.runs.dp_ledger import PrivacyRound, PrivacyStep
 from tensorswap.runs.errors import (
@@ -34,6 +35,7 @@ __all__ = [
     "NotSelected",
     "PrivacyRound",
     "PrivacyStep",
+    "RunClient",
     "RunDatabase",
     "RunExists",
     "RunInfo",
