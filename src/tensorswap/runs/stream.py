@@ -35,7 +35,6 @@ __all__ = ["stream_noised", "stream_step"]
 _STREAMED = frozenset({"float32", "float64"})
 
 
-@quiet  # overflow is not a warning here: the guard refuses what it made
 def _plans(
     store: BlockStore,
     optimizer: ServerOptimizer,
@@ -70,6 +69,7 @@ def _plans(
     return plans
 
 
+@quiet  # overflow is not a warning here: the guard refuses what it made
 def stream_step(
     store: BlockStore,
     optimizer: ServerOptimizer,
