@@ -61,5 +61,15 @@ def test_no_function_is_over_the_line_limit() -> None:
 
 
 def test_the_counts_see_decorators_and_methods() -> None:
-    source = "class A:\n    @staticmethod\n    def f():\n        pass\n\n\ndef g():\n    def h():\n        pass\n"
+    source = (
+        "class A:\n"
+        "    @staticmethod\n"
+        "    def f():\n"
+        "        pass\n"
+        "\n"
+        "\n"
+        "def g():\n"
+        "    def h():\n"
+        "        pass\n"
+    )
     assert _function_sizes(ast.parse(source)) == {"A.f": 3, "g": 3, "g.h": 2}
