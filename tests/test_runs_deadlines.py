@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from tensorswap.cli.run_cmd import _Timeout, render_runs, run_json
+from tensorswap.cli._run_options import _Timeout
+from tensorswap.cli.run_cmd import render_runs, run_json
 from tensorswap.rounds import Coordinator, FakeClock
 from tensorswap.rounds.state import Failed, RoundId
 from tensorswap.runs import InvalidRunSpec, RunManager, RunSpec

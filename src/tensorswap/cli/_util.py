@@ -254,3 +254,15 @@ def policy_options(command: F) -> F:
     for option in reversed(_POLICY_OPTIONS):
         command = option(command)
     return command
+
+
+def option_group(*options: Callable[[Any], Any]) -> Callable[[F], F]:
+    """One decorator that applies ``options`` in the order given, as if each were written
+    above the command in that order (so ``--help`` lists them so)."""
+
+    def apply(command: F) -> F:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply

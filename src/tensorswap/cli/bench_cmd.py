@@ -117,6 +117,82 @@ def _suites(directory: Path) -> list[str]:
     return sorted(p.stem.removeprefix("bench_") for p in directory.glob("bench_*.py"))
 
 
+def _benchmarks_folder(directory: Path | None) -> Path:
+    """The benchmarks folder to run (``--dir``, else the source tree's); a usage error
+    without one."""
+    found = find_benchmarks(directory)
+    if found is None and directory is not None:
+        raise click.ClickException(
+            f"{directory} is not a benchmarks folder (it has no __main__.py): `tensorswap "
+            "bench` needs the source tree's benchmarks/ folder."
+        )
+    if found is None:
+        raise click.ClickException(
+            "no benchmarks folder: `tensorswap bench` needs the source tree (benchmarks/ next "
+            "to src/); this tensorswap is installed without it. Clone the repository and run "
+            "it there, or pass --dir."
+        )
+    return found
+
+
+def _run_suite(
+    found: Path, name: str, quick: bool, timeout: float, env: dict[str, str], console: Console
+) -> tuple[str, int]:
+    """Run suite ``name`` in a process of its own: its output and exit status (-1: timed
+    out)."""
+    cmd = [sys.executable, "-m", found.name, *(["--quick"] if quick else []), name]
+    with console.status(f"running {name}..."):
+        try:
+            proc = subprocess.run(
+                cmd,
+                cwd=found.parent,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+            output, rc = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout or ""
+            output = out.decode(errors="replace") if isinstance(out, bytes) else out
+            rc = -1
+            output += f"\n(timed out after {timeout:g}s)"
+    return output, rc
+
+
+def _print_table(
+    console: Console,
+    ratios: list[Ratio],
+    suites: int,
+    timings: dict[str, float],
+    bad: list[str],
+    quick: bool,
+) -> None:
+    """The table of ratios and the line under it: goals met, and the suites in ``bad``
+    (failed, or reporting a missed goal)."""
+    table = Table(title="tensorswap benchmarks" + (" (--quick)" if quick else ""))
+    table.add_column("suite")
+    table.add_column("ratio")
+    table.add_column("value", justify="right")
+    table.add_column("goal", justify="right")
+    table.add_column("", justify="center")
+    for r in ratios:
+        verdict = {True: "[green]met[/green]", False: "[red]missed[/red]", None: ""}[r.met]
+        goal = f"{r.op} {r.goal:g}x" if r.op is not None and r.goal is not None else ""
+        table.add_row(r.suite, r.name, f"{r.value:.2f}x", goal, verdict)
+    console.print(table)
+    total = sum(timings.values())
+    judged = [r for r in ratios if r.met is not None]
+    met = sum(1 for r in judged if r.met)
+    console.print(
+        f"{suites} suite(s) in {total:.0f}s; goals met: {met} of {len(judged)}; "
+        f"suites that failed or report a missed goal: {', '.join(bad) or 'none'}"
+    )
+    if quick:
+        console.print("(--quick: small sizes; several goals are judged at full size only)")
+
+
 @click.command("bench")
 @click.argument("names", nargs=-1)
 @click.option("--quick", is_flag=True, help="Small sizes: a smoke run (goals mean little).")
@@ -145,18 +221,7 @@ def bench(
     Each ratio compares tensorswap with a baseline measured in the same run; a goal is met
     or missed as the suite states it. Exit status 1 when a suite failed or missed a goal.
     """
-    found = find_benchmarks(directory)
-    if found is None and directory is not None:
-        raise click.ClickException(
-            f"{directory} is not a benchmarks folder (it has no __main__.py): `tensorswap "
-            "bench` needs the source tree's benchmarks/ folder."
-        )
-    if found is None:
-        raise click.ClickException(
-            "no benchmarks folder: `tensorswap bench` needs the source tree (benchmarks/ next "
-            "to src/); this tensorswap is installed without it. Clone the repository and run "
-            "it there, or pass --dir."
-        )
+    found = _benchmarks_folder(directory)
     available = _suites(found)
     chosen = list(names) or available
     unknown = sorted(set(chosen) - set(available))
@@ -172,25 +237,8 @@ def bench(
     failed: list[str] = []
     timings: dict[str, float] = {}
     for name in chosen:
-        cmd = [sys.executable, "-m", found.name, *(["--quick"] if quick else []), name]
         start = time.perf_counter()
-        with console.status(f"running {name}..."):
-            try:
-                proc = subprocess.run(
-                    cmd,
-                    cwd=found.parent,
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=timeout,
-                    check=False,
-                )
-                output, rc = proc.stdout + proc.stderr, proc.returncode
-            except subprocess.TimeoutExpired as exc:
-                out = exc.stdout or ""
-                output = out.decode(errors="replace") if isinstance(out, bytes) else out
-                rc = -1
-                output += f"\n(timed out after {timeout:g}s)"
+        output, rc = _run_suite(found, name, quick, timeout, env, console)
         timings[name] = time.perf_counter() - start
         if show_output:
             console.print(f"[bold]=== {name}[/bold]")
@@ -214,24 +262,5 @@ def bench(
         }
         click.echo(json.dumps(payload, indent=2))
     else:
-        table = Table(title="tensorswap benchmarks" + (" (--quick)" if quick else ""))
-        table.add_column("suite")
-        table.add_column("ratio")
-        table.add_column("value", justify="right")
-        table.add_column("goal", justify="right")
-        table.add_column("", justify="center")
-        for r in ratios:
-            verdict = {True: "[green]met[/green]", False: "[red]missed[/red]", None: ""}[r.met]
-            goal = f"{r.op} {r.goal:g}x" if r.op is not None and r.goal is not None else ""
-            table.add_row(r.suite, r.name, f"{r.value:.2f}x", goal, verdict)
-        console.print(table)
-        total = sum(timings.values())
-        judged = [r for r in ratios if r.met is not None]
-        met = sum(1 for r in judged if r.met)
-        console.print(
-            f"{len(chosen)} suite(s) in {total:.0f}s; goals met: {met} of {len(judged)}; "
-            f"suites that failed or report a missed goal: {', '.join(failed + missed) or 'none'}"
-        )
-        if quick:
-            console.print("(--quick: small sizes; several goals are judged at full size only)")
+        _print_table(console, ratios, len(chosen), timings, failed + missed, quick)
     return 1 if failed or missed else 0

@@ -14,7 +14,14 @@ from typing import Any
 import click
 import numpy as np
 
-from tensorswap.cli._util import SECONDS, client_tls, parse_host_port, read_key, reading
+from tensorswap.cli._util import (
+    SECONDS,
+    client_tls,
+    option_group,
+    parse_host_port,
+    read_key,
+    reading,
+)
 from tensorswap.codec import TensorBlock, decode_block, is_tensorswap_block
 from tensorswap.codec.ipfrs import decode_ipfrs_gradient, is_ipfrs_gradient_file
 from tensorswap.store import DEFAULT_CHUNK_BYTES, ModelUpdate
@@ -172,6 +179,24 @@ async def _send_ipfrs(
     )
 
 
+# Who may read the stream, and how long a frame may take.
+_CONNECTION_OPTIONS = option_group(
+    click.option(
+        "--key-file",
+        type=click.Path(exists=True, dir_okay=False),
+        help="Read the shared key for HMAC authentication from a file (default: the key "
+        "itself in $TENSORSWAP_KEY, if set).",
+    ),
+    click.option("--tls", is_flag=True, help="Use TLS (system CAs unless --tls-ca)."),
+    click.option(
+        "--tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA/cert to trust."
+    ),
+    click.option(
+        "--timeout", type=SECONDS, default=60.0, show_default=True, help="Seconds per frame."
+    ),
+)
+
+
 @click.command("send")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--to", "to", required=True, metavar="HOST:PORT", help="The receiver.")
@@ -198,15 +223,7 @@ async def _send_ipfrs(
     show_default=True,
     help="Values per ipfrs chunk (--ipfrs; 0 means 1, as in ipfrs).",
 )
-@click.option(
-    "--key-file",
-    type=click.Path(exists=True, dir_okay=False),
-    help="Read the shared key for HMAC authentication from a file (default: the key "
-    "itself in $TENSORSWAP_KEY, if set).",
-)
-@click.option("--tls", is_flag=True, help="Use TLS (system CAs unless --tls-ca).")
-@click.option("--tls-ca", type=click.Path(exists=True, dir_okay=False), help="CA/cert to trust.")
-@click.option("--timeout", type=SECONDS, default=60.0, show_default=True, help="Seconds per frame.")
+@_CONNECTION_OPTIONS
 @click.option(
     "--progress/--no-progress",
     default=None,

@@ -15,14 +15,18 @@ from typing import Any
 import click
 
 from tensorswap._collector import settle_heap
-from tensorswap._eventloop import EventLoop, UvloopMissing
+from tensorswap._eventloop import UvloopMissing
 from tensorswap._eventloop import resolve as resolve_loop
 from tensorswap._eventloop import run as run_loop
 from tensorswap.cli._region import RegionArgs, open_tier, region_args, region_options
+from tensorswap.cli._serve_options import (
+    JOURNAL_OPTIONS,
+    LIMIT_OPTIONS,
+    LISTEN_OPTIONS,
+    PEER_OPTIONS,
+    PROCESS_OPTIONS,
+)
 from tensorswap.cli._util import (
-    BYTES,
-    SECONDS,
-    FiniteFloatRange,
     parse_host_port,
     read_key,
     server_tls,
@@ -79,6 +83,71 @@ def resolve_key(key: str | None, key_file: str | None) -> bytes | None:
     return read_key(key_file)
 
 
+async def _announce(
+    host: str,
+    port: int,
+    data: str,
+    coordinator: Coordinator,
+    runs: RunManager | None,
+    tier: Any,
+    region: RegionArgs | None,
+    keep_rounds: int | None,
+) -> None:
+    """Say on stderr where the server listens and what it restored (and start a region's
+    link upstream, once the server is up)."""
+    active = coordinator.tracker.active_count()
+    click.echo(f"listening on {host}:{port}", err=True)
+    restored = "" if runs is None else f" and {len(runs.runs())} run(s)"
+    click.echo(f"data in {data}; {active} active round(s){restored} restored", err=True)
+    if tier is not None and region is not None:
+        await tier.start()
+        up = f"{region.host}:{region.port}"
+        click.echo(f"region {region.name}: rounds finish upstream at {up}", err=True)
+    if keep_rounds is not None:
+        click.echo(
+            f"keeping the newest {keep_rounds} round number(s); older rounds and "
+            f"blocks nothing references are collected as rounds end",
+            err=True,
+        )
+
+
+async def _round_server(
+    coordinator: Coordinator,
+    runs: RunManager | None,
+    tier: Any,
+    data: str,
+    key: bytes | None,
+    timeouts: Timeouts,
+    max_wait: float,
+    max_connections: int,
+    max_inflight_bytes: int,
+    peer_keys: str | None,
+    operator_key: bytes | None = None,
+) -> RoundServer:
+    """The round server over ``coordinator``, with the swarm tracker, the region gate and
+    the runs (served here, or proxied to the top of a region's tier) attached."""
+    server = RoundServer(
+        coordinator,
+        key=key,
+        timeouts=timeouts,
+        max_wait=max_wait,
+        max_connections=max_connections,
+        max_inflight_bytes=max_inflight_bytes,
+        peer_keys=None if peer_keys is None else PeerKeys.load(peer_keys),
+        operator_key=operator_key,
+    )
+    SwarmTracker(coordinator.store).attach(server.blocks)  # peers that serve results
+    if tier is not None:  # regions below say hello: names checked, loops refused
+        RegionGate(server, link=tier.link)
+    else:
+        RegionGate(server, await asyncio.to_thread(coordinator_id, data))
+    if runs is not None:
+        RunService(runs, server)
+    elif tier is not None:
+        RunsProxy(tier.link, server, tier.journal)  # runs live at the top; folded here
+    return server
+
+
 async def _run(
     host: str,
     port: int,
@@ -131,41 +200,22 @@ async def _run(
             runs = await asyncio.to_thread(
                 RunManager.open, coordinator, durable=durable, inactive_after=inactive_after
             )
-        server = RoundServer(
+        server = await _round_server(
             coordinator,
-            key=key,
-            timeouts=timeouts,
-            max_wait=max_wait,
-            max_connections=max_connections,
-            max_inflight_bytes=max_inflight_bytes,
-            peer_keys=None if peer_keys is None else PeerKeys.load(peer_keys),
-            operator_key=operator_key,
+            runs,
+            tier,
+            data,
+            key,
+            timeouts,
+            max_wait,
+            max_connections,
+            max_inflight_bytes,
+            peer_keys,
+            operator_key,
         )
-        SwarmTracker(coordinator.store).attach(server.blocks)  # peers that serve results
-        if tier is not None:  # regions below say hello: names checked, loops refused
-            RegionGate(server, link=tier.link)
-        else:
-            RegionGate(server, await asyncio.to_thread(coordinator_id, data))
-        if runs is not None:
-            RunService(runs, server)
-        elif tier is not None:
-            RunsProxy(tier.link, server, tier.journal)  # runs live at the top; folded here
         async with await server.start(host, port, ssl=ssl):
             settle_heap()  # what start-up made stays: out of the collector's sight
-            active = coordinator.tracker.active_count()
-            click.echo(f"listening on {host}:{server.port}", err=True)
-            restored = "" if runs is None else f" and {len(runs.runs())} run(s)"
-            click.echo(f"data in {data}; {active} active round(s){restored} restored", err=True)
-            if tier is not None and region is not None:
-                await tier.start()
-                up = f"{region.host}:{region.port}"
-                click.echo(f"region {region.name}: rounds finish upstream at {up}", err=True)
-            if keep_rounds is not None:
-                click.echo(
-                    f"keeping the newest {keep_rounds} round number(s); older rounds and "
-                    f"blocks nothing references are collected as rounds end",
-                    err=True,
-                )
+            await _announce(host, server.port, data, coordinator, runs, tier, region, keep_rounds)
             await stop.wait()
     finally:
         if runs is not None:
@@ -177,180 +227,25 @@ async def _run(
             await asyncio.to_thread(coordinator.close)
 
 
+def _operator_key(path: str | None, secret: bytes | None) -> bytes | None:
+    """``--operator-key-file``'s key: it needs a shared key and must differ from it."""
+    operator_key = None if path is None else read_key(path)
+    if operator_key is not None and (secret is None or operator_key == secret):
+        raise click.BadParameter(
+            "needs a shared key (--key, --key-file, $TENSORSWAP_KEY) and must differ from it",
+            param_hint="--operator-key-file",
+        )
+    return operator_key
+
+
 @click.command("serve")
-@click.option("--listen", required=True, metavar="HOST:PORT", help="Where to listen (port 0: any).")
-@click.option(
-    "--data",
-    required=True,
-    type=click.Path(file_okay=False),
-    help="Directory for the round database and the block store (created if absent).",
-)
-@click.option("--key", help="Shared secret clients must prove (HMAC-SHA256).")
-@click.option(
-    "--key-file",
-    type=click.Path(exists=True, dir_okay=False),
-    help="Read the shared secret from a file (default: the key itself in $TENSORSWAP_KEY, if set).",
-)
-@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), help="TLS certificate.")
-@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="TLS private key.")
-@click.option("--timeout", type=SECONDS, default=60.0, show_default=True, help="Seconds per frame.")
-@click.option(
-    "--fast-commit",
-    is_flag=True,
-    help="SQLite synchronous=NORMAL: survives a crash of the server, maybe not of the machine.",
-)
-@click.option(
-    "--keep-rounds",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="N",
-    help="After each round ends, forget finished rounds older than the newest N round numbers "
-    "and delete the blocks no remaining round references (default: keep everything).",
-)
-@click.option(
-    "--gc-grace",
-    type=FiniteFloatRange(min=0),
-    default=DEFAULT_GC_GRACE,
-    show_default=True,
-    metavar="SECONDS",
-    help="Spare unreferenced blocks stored or offered this recently (pushes still to be "
-    "submitted).",
-)
-@click.option(
-    "--max-wait",
-    type=SECONDS,
-    default=300.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="Longest a client's wait call is held open; clients ask again, so waits still last "
-    "as long as asked.",
-)
-@click.option(
-    "--max-connections",
-    type=click.IntRange(min=1),
-    default=DEFAULT_MAX_CONNECTIONS,
-    show_default=True,
-    metavar="N",
-    help="Clients served at once (each holds a file descriptor); at the cap a newcomer closes "
-    "the connection idle the longest (1 s or more), else it is refused with ERROR busy.",
-)
-@click.option(
-    "--reset",
-    is_flag=True,
-    help="Start a fresh round journal over the existing block store: the old "
-    "DATA/rounds.sqlite3 (if any) is kept as DATA/rounds.sqlite3.reset-<UTC time> and its "
-    "rounds are forgotten. Without it, serve refuses to start over a damaged journal, or a "
-    "missing or empty one while DATA/blocks holds blocks.",
-)
-@click.option(
-    "--max-inflight-bytes",
-    type=BYTES,
-    default="1GiB",
-    show_default=True,
-    metavar="SIZE",
-    help="Memory all connections together may hold in received blocks not yet stored "
-    "(compressed blocks count at their decompressed size, before decompressing). A client "
-    "whose next block does not fit waits (the server stops reading it); a block larger than "
-    "the whole budget is refused (error over_budget). Bytes, or with a unit: 512MiB, 2GiB.",
-)
-@click.option(
-    "--inactive-after",
-    type=SECONDS,
-    default=DEFAULT_INACTIVE_AFTER,
-    show_default=True,
-    metavar="S",
-    help="Seconds without a heartbeat (or any request) after which a peer registered for "
-    "runs counts as inactive and is no longer sampled.",
-)
+@LISTEN_OPTIONS
+@JOURNAL_OPTIONS
+@LIMIT_OPTIONS
 @region_options
-@click.option(
-    "--peer-keys",
-    type=click.Path(exists=True, dir_okay=False),
-    help="File of '<peer> <hex key>' lines: every contribution must then prove its peer's own "
-    "key (submit_batch proofs, see docs/scale.md); plain submits are refused.",
-)
-@click.option(
-    "--operator-key-file",
-    type=click.Path(exists=True, dir_okay=False),
-    help="A second secret, for the operator: a client proving it instead of the shared key "
-    "is shown what peers are not, such as the names in a DP run's sample (docs/privacy.md).",
-)
-@click.option(
-    "--sync-blocks",
-    is_flag=True,
-    help="Flush received blocks to disk (syncfs) before each journal commit that names them, "
-    "so an accepted contribution's blocks survive a power loss too (once per group commit).",
-)
-@click.option(
-    "--no-group-commit",
-    is_flag=True,
-    help="Journal each contribution in a transaction of its own (the behaviour before group "
-    "commit; for comparison).",
-)
-@click.option(
-    "--result-chunk",
-    type=BYTES,
-    default="4MiB",
-    show_default=True,
-    metavar="SIZE",
-    help="Chunk size of the rounds' aggregates (each tensor cut every SIZE bytes): smaller "
-    "chunks let more peers trade a result among themselves (swarm); 4 KiB to 64 MiB.",
-)
-@click.option(
-    "--max-samples-per-peer",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="N",
-    help="Refuse a contribution that claims more than N samples (its update's num_samples, "
-    "its FedAvg weight: the peer's own word) with TooManySamples; a run's "
-    "--max-samples-per-peer can be tighter (default: any claim).",
-)
-@click.option(
-    "--event-loop",
-    type=click.Choice([c.value for c in EventLoop]),
-    default=EventLoop.ASYNCIO.value,
-    show_default=True,
-    help="The event loop: asyncio's own, uvloop (the tensorswap[fast] extra; it measured "
-    "within the noise of asyncio's CPU per request, docs/scale.md), or auto (uvloop when "
-    "installed).",
-)
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="info",
-    show_default=True,
-)
-def serve(
-    listen: str,
-    data: str,
-    key: str | None,
-    key_file: str | None,
-    tls_cert: str | None,
-    tls_key: str | None,
-    timeout: float,
-    fast_commit: bool,
-    keep_rounds: int | None,
-    gc_grace: float,
-    max_wait: float,
-    max_connections: int,
-    reset: bool,
-    max_inflight_bytes: int,
-    inactive_after: float,
-    peer_keys: str | None,
-    operator_key_file: str | None,
-    sync_blocks: bool,
-    no_group_commit: bool,
-    result_chunk: int,
-    max_samples_per_peer: int | None,
-    event_loop: str,
-    log_level: str,
-    upstream: str | None,
-    region: str | None,
-    upstream_key_file: str | None,
-    upstream_tls_ca: str | None,
-    upstream_patience: float,
-    upstream_peer_key_file: str | None,
-) -> None:
+@PEER_OPTIONS
+@PROCESS_OPTIONS
+def serve(**o: Any) -> None:
     """Run a coordinator: rounds (start, submit, status, wait), federated runs (register,
     tasks, a global model across rounds) and blocks on one port.
 
@@ -360,42 +255,30 @@ def serve(
     once ready; stops cleanly on SIGINT or SIGTERM. One server per DATA: it holds the lock
     DATA/serve.lock while it runs, and a second one on the same DATA refuses to start.
     """
-    host, port = parse_host_port(listen)
-    secret = resolve_key(key, key_file)
-    tier = region_args(
-        upstream,
-        region,
-        upstream_key_file,
-        upstream_tls_ca,
-        upstream_patience,
-        secret,
-        upstream_peer_key_file,
-    )
-    if tls_key and not tls_cert:
+    host, port = parse_host_port(o["listen"])
+    secret = resolve_key(o["key"], o["key_file"])
+    upstream = (o["upstream"], o["region"], o["upstream_key_file"], o["upstream_tls_ca"])
+    tier = region_args(*upstream, o["upstream_patience"], secret, o["upstream_peer_key_file"])
+    if o["tls_key"] and not o["tls_cert"]:
         raise click.UsageError("--tls-key needs --tls-cert")
-    operator_key = None if operator_key_file is None else read_key(operator_key_file)
-    if operator_key is not None and (secret is None or operator_key == secret):
-        raise click.BadParameter(
-            "needs a shared key (--key, --key-file, $TENSORSWAP_KEY) and must differ from it",
-            param_hint="--operator-key-file",
-        )
-    if not MIN_RESULT_CHUNK <= result_chunk <= MAX_RESULT_CHUNK:
+    operator_key = _operator_key(o["operator_key_file"], secret)
+    if not MIN_RESULT_CHUNK <= o["result_chunk"] <= MAX_RESULT_CHUNK:
         raise click.BadParameter("must be 4 KiB to 64 MiB", param_hint="--result-chunk")
-    ssl = server_tls(tls_cert, tls_key) if tls_cert else None
+    ssl = server_tls(o["tls_cert"], o["tls_key"]) if o["tls_cert"] else None
     try:
-        loop = resolve_loop(event_loop)
+        loop = resolve_loop(o["event_loop"])
     except UvloopMissing as exc:
         raise click.BadParameter(str(exc), param_hint="--event-loop") from None
     release_large_frees()
     logging.basicConfig(
-        level=getattr(logging, log_level.upper()),
+        level=getattr(logging, o["log_level"].upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger(__name__).info("event loop: %s", loop.value)
-    timeouts = Timeouts(read=timeout)
-    durable = not fast_commit
+    timeouts = Timeouts(read=o["timeout"])
+    durable = not o["fast_commit"]
     try:  # held until serve returns; the kernel drops it if the process dies
-        lock = DataDirLock(data).acquire()
+        lock = DataDirLock(o["data"]).acquire()
     except DataDirInUse as exc:  # one line, not a traceback: another server holds DATA
         raise click.ClickException(str(exc)) from exc
     try:
@@ -403,24 +286,24 @@ def serve(
             _run(
                 host,
                 port,
-                data,
+                o["data"],
                 secret,
                 ssl,
                 timeouts,
                 durable,
-                keep_rounds,
-                gc_grace,
-                max_wait,
-                max_connections,
-                reset,
-                max_inflight_bytes,
-                inactive_after,
+                o["keep_rounds"],
+                o["gc_grace"],
+                o["max_wait"],
+                o["max_connections"],
+                o["reset"],
+                o["max_inflight_bytes"],
+                o["inactive_after"],
                 tier,
-                group_commit=not no_group_commit,
-                peer_keys=peer_keys,
-                sync_blocks=sync_blocks,
-                result_chunk=result_chunk,
-                max_samples_per_peer=max_samples_per_peer,
+                group_commit=not o["no_group_commit"],
+                peer_keys=o["peer_keys"],
+                sync_blocks=o["sync_blocks"],
+                result_chunk=o["result_chunk"],
+                max_samples_per_peer=o["max_samples_per_peer"],
                 operator_key=operator_key,
             ),
             loop,

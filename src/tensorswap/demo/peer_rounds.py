@@ -21,10 +21,44 @@ def _closure_bytes(store: Any, cid: Any) -> int:
     return sum(store.get(c).nbytes for c in manifest_closure(store, cid))
 
 
+async def _store_update(
+    state: PeerState, store: Any, trained: dict[str, Any], base: dict[str, Any]
+) -> Any:
+    """Put what this peer sends into ``store``: its weights, or (compressed) its delta from
+    ``base`` plus the residual the last lossy encoding left, keeping the new residual."""
+    from tensorswap.store import ModelUpdate, get_update, put_update
+
+    n = state.shard.num_samples
+    compression = state.args.compression
+    if compression == "none":
+        cid = await asyncio.to_thread(put_update, store, ModelUpdate(trained, n))
+    else:
+        delta = {k: trained[k] - base[k] for k in base}
+        if state.residual is not None:
+            delta = {k: delta[k] + state.residual[k] for k in delta}
+        update = ModelUpdate(delta, n)
+        cid = await asyncio.to_thread(put_update, store, update, encoding=compression)
+        sent = get_update(store, cid).tensors  # what the coordinator will decode
+        state.residual = {k: delta[k] - sent[k] for k in delta}
+    return cid
+
+
+async def _pull_aggregate(state: PeerState, client: Any, agg_cid: Any) -> tuple[int, int]:
+    """Fetch the round's aggregate into the client's store: bytes from the coordinator, and
+    from other peers (--swarm)."""
+    if state.swarm is None:
+        pulled = (await client.blocks.pull(agg_cid, client.store)).fetched_bytes
+        from_peers = 0
+    else:  # --swarm: from the coordinator and the peers that hold it, each block CID-checked
+        fetched = await state.swarm.fetch(client.blocks, agg_cid)
+        pulled, from_peers = fetched.from_coordinator, fetched.from_peers
+    return pulled, from_peers
+
+
 async def star_round(state: PeerState, client: Any, cmd: Mapping[str, Any]) -> None:
     from tensorswap.cid import Cid
     from tensorswap.rounds import Complete, RoundAlreadyTerminal, RoundClosed, RoundId
-    from tensorswap.store import ModelUpdate, get_update, put_update
+    from tensorswap.store import get_update
 
     number = int(cmd["round"])
     rid = RoundId(number, str(cmd["initiator"]))
@@ -33,19 +67,9 @@ async def star_round(state: PeerState, client: Any, cmd: Mapping[str, Any]) -> N
     base, loss = await asyncio.to_thread(state.train, number)
     trained = state.weights()
     emit("trained", peer=state.name, round=number, loss=loss)
-    n = state.shard.num_samples
     compression = state.args.compression
     dense_bytes = sum(v.nbytes for v in trained.values())
-    if compression == "none":
-        cid = await asyncio.to_thread(put_update, client.store, ModelUpdate(trained, n))
-    else:
-        delta = {k: trained[k] - base[k] for k in base}
-        if state.residual is not None:
-            delta = {k: delta[k] + state.residual[k] for k in delta}
-        update = ModelUpdate(delta, n)
-        cid = await asyncio.to_thread(put_update, client.store, update, encoding=compression)
-        sent = get_update(client.store, cid).tensors  # what the coordinator will decode
-        state.residual = {k: delta[k] - sent[k] for k in delta}
+    cid = await _store_update(state, client.store, trained, base)
     stored = _closure_bytes(client.store, cid)
     late = ""
     sent_bytes = saved = 0
@@ -82,12 +106,7 @@ async def star_round(state: PeerState, client: Any, cmd: Mapping[str, Any]) -> N
         )
         return
     agg_cid = Cid.parse(status.cid)
-    if state.swarm is None:
-        pulled = (await client.blocks.pull(agg_cid, client.store)).fetched_bytes
-        from_peers = 0
-    else:  # --swarm: from the coordinator and the peers that hold it, each block CID-checked
-        fetched = await state.swarm.fetch(client.blocks, agg_cid)
-        pulled, from_peers = fetched.from_coordinator, fetched.from_peers
+    pulled, from_peers = await _pull_aggregate(state, client, agg_cid)
     aggregate = await asyncio.to_thread(get_update, client.store, agg_cid)
     pulled_total = _closure_bytes(client.store, agg_cid)
     if compression == "none":

@@ -9,13 +9,13 @@ import ssl as ssl_module
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, Self
 
 import numpy as np
 
 from tensorswap.cid import Cid
 from tensorswap.rounds.batch import submit_proof
+from tensorswap.rounds.client_results import ServerStatus, SubmitResult
 from tensorswap.rounds.errors import RoundFailed, RoundTimeout, UnknownUpdate
 from tensorswap.rounds.inline import APP_INLINE, INLINE_SEND_BYTES, encode_inline
 from tensorswap.rounds.protocol import (
@@ -56,30 +56,6 @@ from tensorswap.wire.frames import CompressionChoice
 __all__ = ["RoundClient", "ServerStatus", "SubmitResult"]
 
 _SUBMITS_REMEMBERED = 8
-
-
-@dataclass(frozen=True, slots=True)
-class SubmitResult:
-    """What a submit did: the update's CID, the round's status after it, the transfer."""
-
-    cid: Cid
-    status: RoundStatus
-    push: PushResult
-
-
-@dataclass(frozen=True, slots=True)
-class ServerStatus:
-    """Every round the coordinator holds, and its counters.
-
-    Each row's ``status`` is a typed wire status (``row.status.to_status()`` is the
-    RoundStatus; ``row.status["status"]`` its name, as when it was a dict). ``omitted``
-    counts the rounds the coordinator left out to keep its answer within its message limit
-    (live rounds and the newest are listed first).
-    """
-
-    rounds: list[RoundRow]
-    stats: dict[str, float | int | str]
-    omitted: int = 0
 
 
 class RoundClient:
@@ -247,22 +223,9 @@ class RoundClient:
                 closure = _children_first(self.store, cid)
             else:
                 closure = await asyncio.to_thread(_children_first, self.store, cid)
-            lacking = [] if known else await self.blocks.missing(closure)
-            sent = await self.blocks.put_blocks(self.store, lacking, compression=compression)
-            sent_blocks = len(lacking)
-            # The server stores every block sent before it runs the submit: no separate
-            # commit, one round trip.
-            try:
-                answer = await self._submit_call(call, limit)
-            except UnknownUpdate:
-                # A block the coordinator held failed its hash check there (it quarantined
-                # it) or went away: it now lacks it, so push what it lacks once more.
-                lacking = await self.blocks.missing(closure)
-                if not lacking:
-                    raise
-                sent += await self.blocks.put_blocks(self.store, lacking, compression=compression)
-                sent_blocks += len(lacking)
-                answer = await self._submit_call(call, limit)
+            answer, sent, sent_blocks = await self._push_and_call(
+                call, closure, known, compression, limit
+            )
             self._remember(round_id, closure)
             push = PushResult(
                 roots=(cid,),
@@ -278,6 +241,35 @@ class RoundClient:
             while len(self._settled) > _SUBMITS_REMEMBERED:
                 self._settled.popitem(last=False)
         return SubmitResult(cid, status, push)
+
+    async def _push_and_call(
+        self,
+        call: SubmitRequest,
+        closure: list[Cid],
+        known: bool,
+        compression: CompressionChoice,
+        limit: float | None,
+    ) -> tuple[RoundAnswer, int, int]:
+        """Push the blocks of ``closure`` the coordinator lacks (none when ``known``), then
+        submit (the lock held): the answer, bytes and blocks sent. Pushes once more if the
+        coordinator turns out to lack a block after all."""
+        lacking = [] if known else await self.blocks.missing(closure)
+        sent = await self.blocks.put_blocks(self.store, lacking, compression=compression)
+        sent_blocks = len(lacking)
+        # The server stores every block sent before it runs the submit: no separate
+        # commit, one round trip.
+        try:
+            answer = await self._submit_call(call, limit)
+        except UnknownUpdate:
+            # A block the coordinator held failed its hash check there (it quarantined
+            # it) or went away: it now lacks it, so push what it lacks once more.
+            lacking = await self.blocks.missing(closure)
+            if not lacking:
+                raise
+            sent += await self.blocks.put_blocks(self.store, lacking, compression=compression)
+            sent_blocks += len(lacking)
+            answer = await self._submit_call(call, limit)
+        return answer, sent, sent_blocks
 
     async def _submit_call(self, call: SubmitRequest, limit: float | None) -> RoundAnswer:
         """The submit's answer (the lock held); a submit that waits goes to ``rounds/fetch``,

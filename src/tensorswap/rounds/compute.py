@@ -53,6 +53,27 @@ def facts_of(store: BlockStore, contribution: Contribution) -> UpdateFacts:
     return inspect_update(store, cid, key, contribution.peer, verify=True)
 
 
+def _read_inputs(
+    store: BlockStore,
+    live: list[Contribution],
+    lose: Callable[[Contribution, Exception], None],
+) -> list[AggregateInput]:
+    """Every live contribution read back (re-hashed), scaled by its staleness factor; one
+    that is unreadable goes to ``lose`` instead."""
+    inputs = []
+    for c in live:
+        try:
+            update = get_update(store, Cid.parse(c.update_cid), verify=True)
+        except UNREADABLE as exc:
+            lose(c, exc)
+            continue
+        tensors = dict(update.tensors)
+        if c.scale != 1.0:  # an asynchronous run's staleness factor
+            tensors = {k: v * v.dtype.type(c.scale) for k, v in tensors.items()}
+        inputs.append(AggregateInput(tensors, c.num_samples))
+    return inputs
+
+
 def compute_aggregate(
     store: BlockStore,
     info: RoundInfo,
@@ -112,17 +133,7 @@ def compute_aggregate(
             exact = spec.max_norm is None and all(c.scale == 1.0 for c in kept)
             guard = None if spec.non_finite.value == "propagate" else kept
             return _store_streaming(store, info, kept[0], work, exact, chunk_bytes, guard)
-        inputs = []
-        for c in live:
-            try:
-                update = get_update(store, Cid.parse(c.update_cid), verify=True)
-            except UNREADABLE as exc:
-                lose(c, exc)
-                continue
-            tensors = dict(update.tensors)
-            if c.scale != 1.0:  # an asynchronous run's staleness factor
-                tensors = {k: v * v.dtype.type(c.scale) for k, v in tensors.items()}
-            inputs.append(AggregateInput(tensors, c.num_samples))
+        inputs = _read_inputs(store, live, lose)
         _check_quorum(info, len(inputs), lost)
         result = aggregate(inputs, spec)
         del inputs

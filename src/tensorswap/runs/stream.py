@@ -35,6 +35,40 @@ __all__ = ["stream_noised", "stream_step"]
 _STREAMED = frozenset({"float32", "float64"})
 
 
+def _plans(
+    store: BlockStore,
+    optimizer: ServerOptimizer,
+    cur_u: UpdateManifest,
+    agg_u: UpdateManifest,
+    state_u: UpdateManifest | None,
+) -> list[tuple[str, TensorManifest, TensorManifest, dict[str, TensorManifest | None]]] | None:
+    """Per tensor of the current model: its manifest, the aggregate's and the state's (by
+    prefix; None: no state yet); None when they are not laid out for a streamed step."""
+    agg_refs = {ref.name: ref.cid for ref in agg_u.tensors}
+    state_refs = {ref.name: ref.cid for ref in state_u.tensors} if state_u else {}
+    plans = []
+    for ref in cur_u.tensors:
+        cur_t = _tensor(store, ref.cid)
+        agg_cid = agg_refs.get(ref.name)
+        if agg_cid is None or cur_t.dtype not in _STREAMED:
+            return None
+        agg_t = _tensor(store, agg_cid)
+        state_t: dict[str, TensorManifest | None] = {}
+        for prefix in optimizer.prefixes:
+            kept_cid = state_refs.get(f"{prefix}/{ref.name}")
+            if kept_cid is None and state_u is not None:
+                return None
+            state_t[prefix] = None if kept_cid is None else _tensor(store, kept_cid)
+        tensors = [cur_t, agg_t, *(t for t in state_t.values() if t is not None)]
+        if any(t.dtype != cur_t.dtype or t.shape != cur_t.shape for t in tensors):
+            return None
+        want = chunk_bounds(cur_t.size, DType.parse(cur_t.dtype).itemsize)
+        if any(_bounds(t) != want for t in tensors):
+            return None
+        plans.append((ref.name, cur_t, agg_t, state_t))
+    return plans
+
+
 @quiet  # overflow is not a warning here: the guard refuses what it made
 def stream_step(
     store: BlockStore,
@@ -61,28 +95,9 @@ def stream_step(
     Inf (the chunks stored until then are unnamed blocks, for retention to collect)."""
     cur_u, agg_u = _update(store, current), _update(store, aggregate)
     state_u = _update(store, state) if state is not None else None
-    agg_refs = {ref.name: ref.cid for ref in agg_u.tensors}
-    state_refs = {ref.name: ref.cid for ref in state_u.tensors} if state_u else {}
-    plans = []
-    for ref in cur_u.tensors:
-        cur_t = _tensor(store, ref.cid)
-        agg_cid = agg_refs.get(ref.name)
-        if agg_cid is None or cur_t.dtype not in _STREAMED:
-            return None
-        agg_t = _tensor(store, agg_cid)
-        state_t: dict[str, TensorManifest | None] = {}
-        for prefix in optimizer.prefixes:
-            kept_cid = state_refs.get(f"{prefix}/{ref.name}")
-            if kept_cid is None and state_u is not None:
-                return None
-            state_t[prefix] = None if kept_cid is None else _tensor(store, kept_cid)
-        tensors = [cur_t, agg_t, *(t for t in state_t.values() if t is not None)]
-        if any(t.dtype != cur_t.dtype or t.shape != cur_t.shape for t in tensors):
-            return None
-        want = chunk_bounds(cur_t.size, DType.parse(cur_t.dtype).itemsize)
-        if any(_bounds(t) != want for t in tensors):
-            return None
-        plans.append((ref.name, cur_t, agg_t, state_t))
+    plans = _plans(store, optimizer, cur_u, agg_u, state_u)
+    if plans is None:
+        return None
     model_refs: list[tuple[str, Cid]] = []
     state_out: list[tuple[str, Cid]] = []
     for tensor_name, cur_t, agg_t, state_t in plans:

@@ -102,6 +102,34 @@ def partition(clients: int, workers: int) -> list[list[int]]:
 Listener = Callable[[str, Any], None]
 
 
+def _round_row(
+    r: int,
+    participants: list[str],
+    metric: float,
+    reports: list[dict[str, Any]],
+    by_worker: dict[int, list[int]],
+    seconds: float,
+) -> RoundRow:
+    """Round ``r`` as the summary lists it, from the workers' reports (its training loss
+    weighted by the clients each worker ran), ``seconds`` after the round before."""
+    losses = [rep["train_loss"] for rep in reports if rep.get("train_loss") is not None]
+    counts = [len(idx) for idx in by_worker.values()]
+    return RoundRow(
+        round=r,
+        participants=participants,
+        metric=metric,
+        train_loss=(
+            sum(loss * n for loss, n in zip(losses, counts, strict=False)) / sum(counts)
+            if losses
+            else None
+        ),
+        seconds=seconds,
+        work_s=max(float(rep.get("seconds", 0.0)) for rep in reports),
+        sent_bytes=sum(int(rep.get("sent_bytes", 0)) for rep in reports),
+        received_bytes=sum(int(rep.get("received_bytes", 0)) for rep in reports),
+    )
+
+
 async def run_simulation(cfg: SimConfig, on_event: Listener | None = None) -> SimResult:
     """Run ``cfg`` to its last round; ``on_event(kind, data)`` hears ``ready`` (the worker
     reports), ``round`` (a RoundRow) as they happen."""
@@ -160,22 +188,8 @@ async def run_simulation(cfg: SimConfig, on_event: Listener | None = None) -> Si
             for block in list(client.rounds.store):
                 client.rounds.store.delete(block)
             now = time.perf_counter()
-            losses = [rep["train_loss"] for rep in reports if rep.get("train_loss") is not None]
-            counts = [len(idx) for idx in by_worker.values()]
-            done = RoundRow(
-                round=r,
-                participants=list(row.participants),
-                metric=metric,
-                train_loss=(
-                    sum(loss * n for loss, n in zip(losses, counts, strict=False)) / sum(counts)
-                    if losses
-                    else None
-                ),
-                seconds=now - previous,
-                work_s=max(float(rep.get("seconds", 0.0)) for rep in reports),
-                sent_bytes=sum(int(rep.get("sent_bytes", 0)) for rep in reports),
-                received_bytes=sum(int(rep.get("received_bytes", 0)) for rep in reports),
-            )
+            participants = list(row.participants)
+            done = _round_row(r, participants, metric, reports, by_worker, now - previous)
             previous = now
             result.rounds.append(done)
             notify("round", done)

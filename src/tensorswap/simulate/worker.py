@@ -18,12 +18,15 @@ import sys
 import time
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorswap.cid import Cid
 from tensorswap.simulate.errors import InvalidSimulation
 from tensorswap.simulate.task import SimTask, make_task
 from tensorswap.store import ModelUpdate, put_update
+
+if TYPE_CHECKING:
+    from tensorswap.rounds.state import RoundId
 
 __all__ = ["MAX_INFLIGHT", "SimWorker", "client_name", "main"]
 
@@ -80,13 +83,11 @@ class SimWorker:
             received += int(transport.bytes_received)
         return sent, received
 
-    async def round(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
-        """Train and submit the sampled clients ``cmd["clients"]`` of round ``cmd["round"]``
-        of run ``cmd["run"]`` from the model ``cmd["global_cid"]``; the round's report."""
+    def _round_command(self, cmd: Mapping[str, Any]) -> tuple[RoundId, Cid, list[int]]:
+        """A round command's round, global model and clients; InvalidSimulation for a
+        malformed one, or one naming clients this worker does not host."""
         from tensorswap.rounds.state import RoundId
-        from tensorswap.rounds.virtual import PeerSubmit
 
-        assert self.task is not None and self.pool is not None, "start() first"
         try:
             rid = RoundId(int(cmd["round"]), str(cmd["run"]))
             cid = Cid.parse(str(cmd["global_cid"]))
@@ -96,6 +97,15 @@ class SimWorker:
         strangers = sorted(set(chosen) - self.hosted)
         if strangers:
             raise InvalidSimulation(f"clients {strangers[:5]} are not hosted by this worker")
+        return rid, cid, chosen
+
+    async def round(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
+        """Train and submit the sampled clients ``cmd["clients"]`` of round ``cmd["round"]``
+        of run ``cmd["run"]`` from the model ``cmd["global_cid"]``; the round's report."""
+        from tensorswap.rounds.virtual import PeerSubmit
+
+        assert self.task is not None and self.pool is not None, "start() first"
+        rid, cid, chosen = self._round_command(cmd)
         start = time.perf_counter()
         sent0, received0 = self._traffic()
         model = await self.pool.reader.fetch(cid)

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
 import secrets
 import stat as statmod
-import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, CorruptBlock, InvalidCid, StoreError
+from tensorswap.store._files import fsync_dir, identity, is_shard, list_dir, syncfs
 from tensorswap.store._inventory import Inventory
 from tensorswap.store.base import BlockStore, StoreSize
 
@@ -30,22 +28,11 @@ FORMAT_LINE = b"tensorswap-blockstore 1\n"
 
 _TMP_SUFFIX = ".tmp"
 _WRITE_STEP = 1 << 30  # os.write moves at most ~2 GiB per call on Linux; write in 1 GiB steps
-_HEX = frozenset("0123456789abcdef")
 EMPTY_SHARD_AGE = 600.0
 """Seconds a shard directory must have stayed empty before a rescan removes it: a delete
 leaves its shard in place, since a busy store writes into it again (see ``_inventory``)."""
 
 
-def _find_syncfs() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).syncfs
-    except (OSError, AttributeError):
-        return None
-
-
-_syncfs = _find_syncfs()
 _READ_SMALL = 64 * 1024  # blocks up to this size are read into memory rather than mapped
 _OWN_WRITES_KEPT = 1 << 16  # blocks remembered as written by this store (trust_own_writes)
 # A block file is a regular file the store wrote: a symlink is never followed, and opening a
@@ -155,7 +142,7 @@ class DirectoryStore(BlockStore):
         self._inventory.added(cid)
         if self.trust_own_writes:
             with self._own_lock:
-                self._own[cid] = _identity(written)
+                self._own[cid] = identity(written)
                 if len(self._own) > _OWN_WRITES_KEPT:
                     self._own.popitem(last=False)
 
@@ -167,7 +154,7 @@ class DirectoryStore(BlockStore):
         with contextlib.suppress(FileExistsError):
             os.mkdir(directory)
             if self.fsync:
-                _fsync_dir(parent)
+                fsync_dir(parent)
 
     def _write_file_atomic(self, path: str, data: memoryview) -> os.stat_result:
         """Write ``data`` to ``path`` atomically; the written file's stat."""
@@ -191,7 +178,7 @@ class DirectoryStore(BlockStore):
                 os.unlink(tmp)
             raise
         if self.fsync:
-            _fsync_dir(directory)
+            fsync_dir(directory)
         return written
 
     # ── reading ──────────────────────────────────────────────────────────────
@@ -232,7 +219,7 @@ class DirectoryStore(BlockStore):
         check = self.verify_reads if verify is None else verify
         if check and verify is None and self.trust_own_writes:
             with self._own_lock:
-                check = self._own.get(cid) != _identity(stat)
+                check = self._own.get(cid) != identity(stat)
         if check and not cid.matches(view):
             actual = Cid.of(view, codec=cid.codec, hash=cid.hash)
             view.release()
@@ -355,7 +342,7 @@ class DirectoryStore(BlockStore):
             raise StoreError(f"cannot delete block {cid} at {path}: {exc}") from exc
         self._inventory.removed(cid)
         if self.fsync:
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         # The shard stays, empty or not: the next block in it needs no mkdir. A rescan
         # removes shards left empty for EMPTY_SHARD_AGE (``inventory``).
         return True
@@ -366,13 +353,13 @@ class DirectoryStore(BlockStore):
         ``prune_before`` (a ``time.time()``): shards found empty and unchanged since then are
         removed (``rmdir`` removes only an empty directory: a block written into it meanwhile
         stays, and its writer makes a shard it finds gone again)."""
-        for top in _list_dir(self._blocks):
-            if not _is_shard(top):
+        for top in list_dir(self._blocks):
+            if not is_shard(top):
                 continue
-            for sub in _list_dir(top.path):
-                if not _is_shard(sub):
+            for sub in list_dir(top.path):
+                if not is_shard(sub):
                     continue
-                entries = _list_dir(sub.path)
+                entries = list_dir(sub.path)
                 if not entries and prune_before is not None:
                     with contextlib.suppress(OSError):
                         if sub.stat(follow_symlinks=False).st_mtime < prune_before:
@@ -419,13 +406,13 @@ class DirectoryStore(BlockStore):
     def temp_files(self) -> list[str]:
         """Paths of temp files left in the shards (writes in progress or abandoned by a crash)."""
         found: list[str] = []
-        for top in _list_dir(self._blocks):
-            if _is_shard(top):
-                for sub in _list_dir(top.path):
-                    if _is_shard(sub):
+        for top in list_dir(self._blocks):
+            if is_shard(top):
+                for sub in list_dir(top.path):
+                    if is_shard(sub):
                         found.extend(
                             e.path
-                            for e in _list_dir(sub.path)
+                            for e in list_dir(sub.path)
                             if e.name.startswith(".")
                             and e.name.endswith(_TMP_SUFFIX)
                             and not e.is_dir(follow_symlinks=False)  # the store writes files
@@ -442,7 +429,7 @@ class DirectoryStore(BlockStore):
         except OSError as exc:
             raise StoreError(f"cannot open {self._blocks} to sync it: {exc}") from exc
         try:
-            if _syncfs is None or _syncfs(fd) != 0:
+            if syncfs is None or syncfs(fd) != 0:
                 os.sync()
         finally:
             os.close(fd)
@@ -478,36 +465,5 @@ def _read_format(path: Path) -> bytes | str:
         if not statmod.S_ISREG(mode):
             return f"a {statmod.filemode(mode)} entry"
         return os.read(fd, len(FORMAT_LINE) + 1)
-    finally:
-        os.close(fd)
-
-
-def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
-    """What must stay the same for a file to count as the one this store wrote. The status
-    change time is in it because no process can set it back: a file written in place and
-    given its old modification time again (``os.utime``) is no longer trusted."""
-    return (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
-
-
-def _list_dir(path: str) -> list[os.DirEntry[str]]:
-    """Entries of a directory, the scandir handle closed before returning (no ResourceWarning)."""
-    try:
-        with os.scandir(path) as it:
-            return sorted(it, key=lambda e: e.name)
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        raise StoreError(f"cannot list {path}: {exc}") from exc
-
-
-def _is_shard(entry: os.DirEntry[str]) -> bool:
-    name = entry.name
-    return len(name) == 2 and _HEX.issuperset(name) and entry.is_dir(follow_symlinks=False)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)

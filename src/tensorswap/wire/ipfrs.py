@@ -273,16 +273,7 @@ class GradientStreamSession:
                             stream, assembler, header, template, scratch, what
                         )
                     if check is None:
-                        payload = await _read(stream, header.payload_len, what, partial_ok=False)
-                        assert payload is not None
-                        chunk = GradientChunk(
-                            self.session_id,
-                            header.chunk_index,
-                            header.total_chunks,
-                            payload,
-                            header.checksum,
-                        )
-                        check = _Check(chunk, None)
+                        check = await self._receive_copied(stream, header, what)
             except TimeoutError as exc:
                 raise PeerTimeout(
                     "an ipfrs frame", self.read_timeout or 0.0, _peer(stream)
@@ -293,6 +284,21 @@ class GradientStreamSession:
             if len(batch) >= _BATCH or assembler.claimed == assembler.total:
                 await flush()
         await flush()
+
+    async def _receive_copied(
+        self, stream: StreamReader, header: IpfrsFrameHeader, what: str
+    ) -> _Check:
+        """Read a frame's payload into bytes of its own: the chunk, its check still to run."""
+        payload = await _read(stream, header.payload_len, what, partial_ok=False)
+        assert payload is not None
+        chunk = GradientChunk(
+            self.session_id,
+            header.chunk_index,
+            header.total_chunks,
+            payload,
+            header.checksum,
+        )
+        return _Check(chunk, None)
 
     async def _receive_in_place(
         self,
