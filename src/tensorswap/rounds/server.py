@@ -57,6 +57,7 @@ from tensorswap.rounds.protocol import (
 )
 from tensorswap.rounds.push import APP_FETCH, result_push
 from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.rounds.visibility import Visibility
 from tensorswap.store import BlockStore
 from tensorswap.wire import (
     AppRequest,
@@ -152,9 +153,9 @@ class RoundServer:
         (``rounds.batch``); the plain ``submit`` op is refused."""
         self.stat_sources: list[Callable[[], Mapping[str, float | int | str]]] = []
         """More counters for ``status`` answers' stats (services attached to this server)."""
-        self.concealed: list[Callable[[RoundId], bool]] = []
-        """Whether a round's peer names are hidden from peers (a DP run's: the runs service
-        adds its test); only a connection with the operator key is shown them."""
+        self.visibility = Visibility()
+        """Whose rounds' peer names peers are not shown (a DP run's: the runs service adds
+        its test); a connection with the operator key is shown them."""
         coordinator.subscribe(self._on_change)
 
     # ── lifecycle: the block server's ───────────────────────────────────────
@@ -251,7 +252,7 @@ class RoundServer:
             return encode_answer(RoundAnswer(error=error_info(refused)))
         answer = await self._call(call)
         if answer.rounds and not request.operator:
-            answer = msgspec.structs.replace(answer, rounds=self._conceal(answer.rounds))
+            answer = msgspec.structs.replace(answer, rounds=self.visibility.rows(answer.rounds))
         body = encode_answer(answer)
         if len(body) > self._reply_budget and answer.rounds:
             body = encode_answer(self._trimmed(answer))
@@ -371,32 +372,18 @@ class RoundServer:
                     results[index] = ItemResult(status=status_to_wire(outcome))
         return BatchAnswer(results=[r for r in results if r is not None])
 
-    def _hides(self, rid: RoundId) -> bool:
-        return any(test(rid) for test in self.concealed)
-
-    def _conceal(self, rows: list[RoundRow]) -> list[RoundRow]:
-        """``rows`` as a peer may see them: a hidden round's without its peer names."""
-        if not self.concealed:
-            return rows
-        return [
-            msgspec.structs.replace(row, peers=[], dropped=[], hidden=True)
-            if self._hides(RoundId(row.round, row.initiator))
-            else row
-            for row in rows
-        ]
-
     def _page(self, call: RoundsPageRequest | PeersPageRequest, *, operator: bool) -> PageAnswer:
         tracker = self.coordinator.tracker
         if isinstance(call, RoundsPageRequest):
             infos, total = tracker.page(call.start, call.limit, call.peers)
             rows = [row_of(info) for info in infos]
-            rows = rows if operator else self._conceal(rows)
+            rows = rows if operator else self.visibility.rows(rows)
             stats = self._stats() if call.stats else {}
             after = next_start(call.start, len(rows), total)
             return PageAnswer(rounds=rows, total=total, next=after, stats=stats)
         try:
             names, total = tracker.peers_page(call.round_id, call.start, call.limit)
-            if not operator and self._hides(call.round_id):
+            if not operator and self.visibility.hides(call.round_id):
                 raise SampleHidden(call.round_id.as_key())
         except (RoundNotFound, SampleHidden) as exc:
             return PageAnswer(error=error_info(exc))

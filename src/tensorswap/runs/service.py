@@ -76,7 +76,7 @@ class RunService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[str, set[asyncio.Event]] = {}
         server.blocks.handlers[APP] = self._on_request
-        server.concealed.append(lambda rid: hides_sample(manager, rid))
+        server.visibility.add(lambda rid: hides_sample(manager, rid))
         manager.subscribe(self._on_change)
         self.batches = RunBatches(self)
         """The batched ops (``runs.batch``) and the grouped registrations."""
