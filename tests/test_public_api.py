@@ -20,6 +20,16 @@ def test_all_is_sorted() -> None:
     assert list(tensorswap.__all__) == sorted(tensorswap.__all__)
 
 
+def test_all_holds_no_future_feature() -> None:
+    """``from __future__ import annotations`` binds a name; ``__all__`` must not export it."""
+    import __future__
+
+    leaked = [
+        n for n in tensorswap.__all__ if getattr(__future__, n, None) is getattr(tensorswap, n)
+    ]
+    assert leaked == []
+
+
 def test_readme_python_example_runs(capsys: object) -> None:
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     code = re.search(r"```python\n(.*?)```", readme, re.S)

@@ -144,6 +144,32 @@ def test_every_refusal_class_in_the_tree_is_registered() -> None:
     assert not missing, f"not registered as remote refusals: {missing}"
 
 
+def test_no_refusal_class_anywhere_in_the_package_is_left_unregistered() -> None:
+    """The walk above sees ``tensorswap.errors``; this one imports every module and checks
+    every subclass of the two refusal branches, wherever it is defined."""
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.walk_packages(tensorswap.__path__, "tensorswap."):
+        try:
+            importlib.import_module(info.name)
+        except ModuleNotFoundError as exc:  # an optional extra (torch, ray, ...) not installed
+            if (exc.name or "").partition(".")[0] == "tensorswap":
+                raise
+    found: set[type] = set()
+    todo: list[type] = [RoundsError, PrivacyError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found and sub.__module__.startswith("tensorswap."):
+                found.add(sub)
+                todo.append(sub)
+    assert len(found) > 50, "the walk found too few refusal classes"
+    missing = sorted(
+        f"{c.__module__}.{c.__qualname__}" for c in found if remote_types().get(c.__name__) is not c
+    )
+    assert not missing, f"not registered as remote refusals: {missing}"
+
+
 def test_privacy_is_one_branch_under_the_root() -> None:
     """DP and SecAgg+ errors share the privacy branch: ``except PrivacyError`` catches both,
     and neither is a rounds or runs error any more."""

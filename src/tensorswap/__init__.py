@@ -144,7 +144,6 @@ __all__ = [
     "VirtualClients",
     "WireError",
     "WireLimits",
-    "annotations",
     "as_numpy",
     "client_ssl_context",
     "clip_contributions",

@@ -1,12 +1,14 @@
-"""The privacy errors, under ``PrivacyError`` (a branch of ``RunsError``).
+"""The differential-privacy errors, under ``PrivacyError`` (a branch of the root, which
+SecAgg+'s ``SecAggError`` shares: ``tensorswap.errors.secagg``).
 
 ::
 
-    RunsError
-    └── PrivacyError              a differentially private run could not do what was asked
+    TensorSwapError
+    └── PrivacyError              a private run could not do what was asked
         ├── PrivacyBudgetExhausted  the next round would spend more than ``dp_max_epsilon``
         ├── ClipBoundExceeded       a client-clipped update above the round's clipping norm
-        └── AccountantUnavailable   ``dp-accounting`` is not installed (the ``privacy`` extra)
+        ├── AccountantUnavailable   ``dp-accounting`` is not installed (the ``privacy`` extra)
+        └── SecAggError             SecAgg+ failures (``tensorswap.errors.secagg``)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ::
 
-    TensorSwapError
+    PrivacyError                       (its DP leaves: tensorswap.errors.privacy)
     └── SecAggError                    (privacy.secagg)
         ├── SecAggConfigError          (also ValueError) parameters that cannot run safely
         ├── ShamirError                a share set that cannot be combined

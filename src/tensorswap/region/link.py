@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from tensorswap.cid import Cid
-from tensorswap.errors import RoundsError
+from tensorswap.errors import PrivacyError, RoundsError
 from tensorswap.region.errors import RegionError, RegionLoop, UpstreamUnavailable
 from tensorswap.region.identity import DOWNSTREAM, MAX_CHAIN, new_coordinator_id, say_hello
 from tensorswap.region.throttle import DialThrottle
@@ -382,5 +382,6 @@ _RETRIED_CODES = RETRYABLE_CODES | {"internal", "checksum_mismatch", "block_hash
 
 
 def _keeps_connection(exc: Exception) -> bool:
-    """Whether the connection stays usable after ``exc`` (the upstream answered a refusal)."""
-    return isinstance(exc, RoundsError)
+    """Whether the connection stays usable after ``exc`` (the upstream answered a refusal;
+    a DP refusal is one too, though PrivacyError is no longer a RoundsError)."""
+    return isinstance(exc, RoundsError | PrivacyError)
