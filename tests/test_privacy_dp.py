@@ -380,7 +380,7 @@ async def test_peers_submit_models_and_the_client_makes_clipped_deltas(tmp_path:
                 update=cid.to_bytes(),
                 trained_on=task.version,
             )
-            await client._call(request)
+            await client.call(request)
 
         async def loop(client: RunClient) -> int:
             done = 0

@@ -165,7 +165,7 @@ async def test_with_peer_keys_a_contribution_needs_its_peers_proof(
         plain = RunClient(pool.client_for("v3"))
         with pytest.raises(PeerNotAuthorised, match="only proven"):
             update = Cid.parse(items[0].task.global_cid).to_bytes()
-            await plain._call(ContributeRequest(peer="v3", run="fl", round=1, update=update))
+            await plain.call(ContributeRequest(peer="v3", run="fl", round=1, update=update))
     assert sorted(c.peer for c in runs.coordinator.contributions(RoundId(1, "fl"))) == names[:3]
 
 

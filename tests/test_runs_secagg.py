@@ -137,9 +137,7 @@ async def test_a_peer_runs_the_key_phases_as_it_takes_its_task(served: Served) -
         spec = RunSpec(per_round=3, min_clients=3, rounds=1, secagg=True)
         await peers[0].create_run("fl", spec, ModelUpdate(_model()))
         tasks = [await _task(p) for p in peers]
-        sessions = served.manager.secure._sessions
-        assert sessions is not None
-        session = sessions.get(tasks[0].round_id.as_key())
+        session = served.manager.secure.session(tasks[0].round_id.as_key())
         assert session is not None
         for _ in range(500):  # no peer has trained or submitted: the keys are exchanged
             if session.phase == "masked input":
@@ -171,13 +169,14 @@ async def test_a_peer_that_closes_with_a_begun_task_leaves_nothing_running(
         spec = RunSpec(per_round=2, min_clients=2, rounds=1, secagg=True, secagg_min_survivors=2)
         await peers[0].create_run("fl", spec, ModelUpdate(_model()))
         await _task(peers[0])  # its key phases wait for p1, which never asks
-        held = peers[0]._secure._held["fl"][1]
+        held = peers[0].secure_tasks.work("fl")
+        assert held is not None
         await asyncio.sleep(0.05)
         assert not held.done()
     finally:
         for p in peers:
             await p.aclose()
-    assert held.cancelled() and peers[0]._secure._sides == {}
+    assert held.cancelled() and peers[0].secure_tasks.connected() == []
 
 
 async def test_a_begun_task_of_a_round_that_failed_gives_way_to_the_next_round(
@@ -194,10 +193,9 @@ async def test_a_begun_task_of_a_round_that_failed_gives_way_to_the_next_round(
         )  # fmt: skip
         await p0.create_run("fl", spec, ModelUpdate(_model()))
         first = await _task(p0)
-        waiting = p0._secure._held["fl"][1]
-        sessions = served.manager.secure._sessions
-        assert sessions is not None
-        session = sessions.get(first.round_id.as_key())
+        waiting = p0.secure_tasks.work("fl")
+        assert waiting is not None
+        session = served.manager.secure.session(first.round_id.as_key())
         assert session is not None
         for _ in range(500):  # p0 has joined: its setup request came
             if session.joined:
@@ -211,7 +209,7 @@ async def test_a_begun_task_of_a_round_that_failed_gives_way_to_the_next_round(
             await asyncio.sleep(0.01)
         second = await _task(p0)  # the held round-1 task gives way
         assert second.round_id.round == 2 and waiting.done()
-        assert p0._secure._held["fl"][0] == second
+        assert p0.secure_tasks.held("fl") == second
         other = await _task(p1)
 
         async def train(i: int, peer: RunClient, task: Task) -> None:
@@ -309,7 +307,7 @@ async def test_a_refused_masked_input_leaves_no_block(served: Served) -> None:
         me = peers[0]
         me.secure_ahead = False  # this test speaks the phases itself
         task = await _task(me)
-        answer = await me._call(SecAggRequest(peer=me.peer, run="fl", round=1, after=0))
+        answer = await me.call(SecAggRequest(peer=me.peer, run="fl", round=1, after=0))
         setup = decode(answer.secagg or b"")
         local = me.rounds.store
         cid = local.put(bytes(4 * 37), codec=Multicodec.TENSORSWAP_MASKED)  # 36 values + weight
@@ -321,7 +319,7 @@ async def test_a_refused_masked_input_leaves_no_block(served: Served) -> None:
             message=encode(early), block=cid.to_bytes(),
         )  # fmt: skip
         with pytest.raises(OutOfPhase):  # the keys are still being advertised
-            await me._call(request, long=True)
+            await me.call(request, long=True)
         assert not served.manager.store.has(cid)
     finally:
         for p in peers:
@@ -345,7 +343,7 @@ async def test_replayed_forged_and_malformed_messages_are_refused_typed(
                 message=message, timeout=timeout,
             )  # fmt: skip
 
-        answer = await me._call(call(0))
+        answer = await me.call(call(0))
         setup = decode(answer.secagg or b"")
         rid, index = setup.config.round_id, answer.secagg_peer  # type: ignore[union-attr]
         client = secagg_client.SecAggClient(index or 0, np.zeros(36, np.float32), 1)
@@ -354,37 +352,37 @@ async def test_replayed_forged_and_malformed_messages_are_refused_typed(
         other = (index or 0) + 1
         forged = KeysAdvert(round_id=rid, sender=other, keys=advert.keys)
         with pytest.raises(UnknownParticipant):  # speaking for another peer
-            await me._call(call(1, encode(forged)), long=True)
+            await me.call(call(1, encode(forged)), long=True)
         foreign = KeysAdvert(round_id=b"x" * 16, sender=index or 0, keys=advert.keys)
         from tensorswap.privacy.secagg import ForeignRound
 
         with pytest.raises(ForeignRound):
-            await me._call(call(1, encode(foreign)), long=True)
+            await me.call(call(1, encode(foreign)), long=True)
         with pytest.raises(MalformedSecAggMessage):
-            await me._call(call(1, b"\x93garbage"), long=True)
-        first = await me._call(call(1, encode(advert), timeout=0.0), long=True)
+            await me.call(call(1, b"\x93garbage"), long=True)
+        first = await me.call(call(1, encode(advert), timeout=0.0), long=True)
         assert first.secagg is None  # the phase waits for the two others
         with pytest.raises(ReplayedMessage):
-            await me._call(call(1, encode(advert)), long=True)
+            await me.call(call(1, encode(advert)), long=True)
         bad_keys = PeerKeys(b"\x01" * 32, b"\x02" * 32, advert.keys.seed_commitment)
         with pytest.raises(ReplayedMessage):  # a second advert, other keys: still a replay
-            await me._call(call(1, encode(KeysAdvert(rid, index or 0, bad_keys))), long=True)
+            await me.call(call(1, encode(KeysAdvert(rid, index or 0, bad_keys))), long=True)
         # a plain contribution to a secure run is refused: it would show the update
         with pytest.raises(RunsError, match="securely"):
             await me.rounds.submit(task.round_id, ModelUpdate(_model()), 1)
         # the two others join; the phase closes; this peer's share upload to a stranger fails
         others = asyncio.gather(*(_train(p, i) for i, p in enumerate(peers[1:], 1)))
-        keys = decode((await me._call(call(1), long=True)).secagg or b"")
+        keys = decode((await me.call(call(1), long=True)).secagg or b"")
         shares = client.handle(keys)
         assert isinstance(shares, SharesUpload)
         stranger = SharesUpload(rid, index or 0, {**shares.ciphertexts, 99: b"x"})
         with pytest.raises(UnknownParticipant):
-            await me._call(call(2, encode(stranger)), long=True)
+            await me.call(call(2, encode(stranger)), long=True)
         # tampered ciphertexts: their recipients accuse this peer (it is dropped) and carry
         # on; two usable inputs miss the quorum (and the floor): nothing is unmasked
         tampered = {d: c[:-1] + bytes([c[-1] ^ 1]) for d, c in shares.ciphertexts.items()}
         upload = encode(SharesUpload(rid, index or 0, tampered))
-        await me._call(call(2, upload, timeout=0.0), long=True)
+        await me.call(call(2, upload, timeout=0.0), long=True)
         with pytest.raises(SecureRoundFailed, match=r"p0. dropped: .*could not open its shares"):
             await others
     finally:

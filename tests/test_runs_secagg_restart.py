@@ -70,16 +70,16 @@ async def _into_the_share_phase(port: int) -> None:
             assert (await client.next_task("fl", timeout=60)) is not None
         machines = []
         for i, client in enumerate(clients):
-            answer = await client._call(_call(client, 0))
+            answer = await client.call(_call(client, 0))
             machines.append(SecAggClient(answer.secagg_peer or 0, _delta(i), 5))
             advert = machines[-1].handle(decode(answer.secagg or b""))
-            await client._call(_call(client, 1, encode(advert), wait=False))
+            await client.call(_call(client, 1, encode(advert), wait=False))
         for client, machine in zip(clients[:2], machines[:2], strict=True):
-            keys = decode((await client._call(_call(client, 1), long=True)).secagg or b"")
+            keys = decode((await client.call(_call(client, 1), long=True)).secagg or b"")
             assert isinstance(keys, KeysBroadcast)
             shares = machine.handle(keys)
             assert isinstance(shares, SharesUpload)
-            await client._call(_call(client, 2, encode(shares), wait=False))
+            await client.call(_call(client, 2, encode(shares), wait=False))
     finally:
         for client in clients:
             await client.aclose()
@@ -90,7 +90,7 @@ async def _after_restart(port: int) -> None:
     try:
         # round 1's session is gone: a peer still in it is told so, typed
         with pytest.raises(SecureRoundFailed, match="restarted during phase 'share'"):
-            await clients[2]._call(_call(clients[2], 1), long=True)
+            await clients[2].call(_call(clients[2], 1), long=True)
         status = await clients[0].rounds.status(RoundId(1, "fl"))
         assert isinstance(status, Failed) and "restarted during phase 'share'" in status.reason
 

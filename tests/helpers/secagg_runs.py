@@ -57,10 +57,10 @@ class Served:
         peers in ``absent`` (they will never answer), move the fake clock past its deadline."""
         while not ready.done():
             await asyncio.sleep(0.02)
-            for session in list(self.manager.secure._sessions._sessions.values()):  # type: ignore[union-attr]
+            for session in self.manager.secure.sessions():
                 if phase is not None and session.phase != phase:
                     continue
-                waiting = {session.names[i] for i in session._expected - session._answered}
+                waiting = session.waiting
                 if waiting and waiting <= absent and session.deadline is not None:
                     self.clock.advance(seconds)
 
@@ -79,7 +79,7 @@ async def train(client: RunClient, i: int, run: str = "fl") -> object:
 
 
 def secagg_row(manager: RunManager, run: str, round: int) -> tuple[str, ...]:
-    row = manager.secure._row(run, round)
+    row = manager.secure.row(run, round)
     assert row is not None
     return row  # type: ignore[return-value]
 

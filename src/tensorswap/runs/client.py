@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from tensorswap.runs.messages import (
 from tensorswap.runs.model import RunMode, RunSpec
 from tensorswap.store import ModelUpdate, get_update, put_update
 from tensorswap.wire import BlockClient, ProtocolViolation, RemoteError
+
+if TYPE_CHECKING:
+    from tensorswap.runs.secure_peer import SecureTasks
 
 __all__ = ["RunClient"]
 
@@ -302,6 +305,17 @@ class RunClient:
         if answer.error is not None:
             raise_remote(answer.error, blocks.conn.peer)
         return answer
+
+    async def call(self, request: RunRequest, *, long: bool = False) -> RunAnswer:
+        """Send one request of the runs protocol and return its answer, a remote error
+        raised typed; ``long``: no read timeout (a request that waits on the coordinator).
+        For tools and tests that speak the protocol by hand (e.g. a SecAgg+ phase)."""
+        return await self._call(request, long=long)
+
+    @property
+    def secure_tasks(self) -> SecureTasks:
+        """This client's secure tasks whose key phases began as it took them (read-only)."""
+        return self._secure
 
 
 def _one(answer: RunAnswer) -> RunRow:

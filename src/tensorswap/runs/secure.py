@@ -454,3 +454,19 @@ class RunSecurity:
             sessions, self._sessions = self._sessions, None
         if sessions is not None:
             sessions.close()
+
+    # ── for tools and tests ──────────────────────────────────────────────────
+    def session(self, key: str) -> SecAggSession | None:
+        """The secure session of the round ``key`` (``RoundId.as_key()``), None if none."""
+        return self._session(key)
+
+    def sessions(self) -> list[SecAggSession]:
+        """The secure sessions held now, open or just finished."""
+        with self._lock:
+            sessions = self._sessions
+        return [] if sessions is None else sessions.all()
+
+    def row(self, run: str, round: int) -> tuple[str, str, str, str | None, str] | None:
+        """The journal's row of a secure round: phase, survivors and dropped (JSON lists),
+        the aggregate's CID, the reason it failed; None before its session opened."""
+        return self._row(run, round)

@@ -255,6 +255,16 @@ class SecureTasks:
         for side in sides:
             await side.aclose()
 
+    def work(self, run: str) -> asyncio.Task[_Keyed] | None:
+        """The background key phases of ``run``'s held task (as begun: done, failed or
+        cancelled ones too), None when none is held; for tools and tests."""
+        held = self._held.get(run)
+        return None if held is None else held[1]
+
+    def connected(self) -> list[str]:
+        """The runs whose key phases hold a connection of their own now."""
+        return list(self._sides)
+
 
 def _quiet(work: asyncio.Task[_Keyed]) -> None:
     """Retrieve a background task's failure (its submit raises it, or the peer never asks)."""

@@ -100,6 +100,11 @@ class SecAggSession:
         return PHASES[len(self._outboxes)]
 
     @property
+    def waiting(self) -> set[str]:
+        """The names of the peers whose message the open phase expects and has not had."""
+        return {self.names[i] for i in self._expected - self._answered}
+
+    @property
     def finished(self) -> bool:
         return self.failure is not None or self.outcome is not None
 
@@ -307,3 +312,8 @@ class SecAggSessions:
             self._sessions.clear()
         for session in sessions:
             session.fail("the coordinator stopped")
+
+    def all(self) -> list[SecAggSession]:
+        """The sessions held now (a copy)."""
+        with self._lock:
+            return list(self._sessions.values())
