@@ -21,8 +21,8 @@ from tensorswap.cid import Cid
 from tensorswap.errors import TensorSwapError
 from tensorswap.region.journal import RegionJournal
 from tensorswap.region.link import UpstreamLink
+from tensorswap.rounds import Admission, CoordinatorHooks
 from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.hooks import Admission, CoordinatorHooks
 from tensorswap.rounds.model import Layout
 from tensorswap.rounds.state import RoundId, RoundSpec, RoundStatus
 from tensorswap.rounds.updates import inspect_update

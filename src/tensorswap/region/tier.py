@@ -28,9 +28,9 @@ from tensorswap.region.errors import ForeignContribution, UpstreamIncompatible
 from tensorswap.region.identity import coordinator_id
 from tensorswap.region.journal import Forward, ForwardState, RegionJournal
 from tensorswap.region.link import UpstreamLink
+from tensorswap.rounds import CoordinatorHooks
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.errors import DuplicateContribution, RoundAlreadyTerminal, RoundClosed
-from tensorswap.rounds.hooks import CoordinatorHooks
 from tensorswap.rounds.state import Complete, Failed, RoundId
 from tensorswap.store import UpdateManifest, encode_manifest, manifest_closure, read_manifest
 

@@ -14,9 +14,9 @@ from tensorswap.cid import Cid
 from tensorswap.privacy.errors import PrivacyBudgetExhausted
 from tensorswap.privacy.params import check_dp_scale
 from tensorswap.privacy.run import RunPrivacy, is_private
+from tensorswap.rounds import Admission, CoordinatorHooks
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.errors import RoundAlreadyTerminal, RoundClosed
-from tensorswap.rounds.hooks import Admission, CoordinatorHooks
 from tensorswap.rounds.model import Contribution
 from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec, RoundStatus
 from tensorswap.rounds.updates import inspect_update
