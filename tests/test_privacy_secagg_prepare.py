@@ -25,7 +25,8 @@ from tensorswap.privacy.secagg import (
     encode,
     make_config,
 )
-from tensorswap.privacy.secagg.protocol import PRGS, Message, SecAggConfig, Setup
+from tensorswap.privacy.secagg.crypto import PRGS
+from tensorswap.privacy.secagg.protocol import Message, SecAggConfig, Setup
 from tensorswap.privacy.secagg.quantize import MODULUS, Quantizer
 from tensorswap.privacy.secagg.shamir import (
     PRIME,

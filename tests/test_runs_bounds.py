@@ -190,11 +190,11 @@ def test_a_regions_fold_may_claim_the_cap_once_per_peer_it_covers(tmp_path: Path
         spec = RunSpec(per_round=3, max_samples_per_peer=100)
         manager.create_run("r", spec, put_update(coord.store, ModelUpdate(_w(0.0))))
         manager.drain()
-        rid, cap = RoundId(1, "r"), coord.samples
-        assert cap.refine is not None
-        assert cap.refine(rid, "east", None) == 200 and cap.refine(rid, "w", None) == 100
-        assert cap.refine(rid, "w", 50) == 50  # the coordinator's own cap, when tighter
-        assert cap.refine(RoundId(1, "not-a-run"), "w", 50) == 50
+        rid, cap = RoundId(1, "r"), coord.hooks.sample_cap
+        assert manager in coord.hooks
+        assert cap(rid, "east", None) == 200 and cap(rid, "w", None) == 100
+        assert cap(rid, "w", 50) == 50  # the coordinator's own cap, when tighter
+        assert cap(RoundId(1, "not-a-run"), "w", 50) == 50
     finally:
         manager.close()
         coord.close()

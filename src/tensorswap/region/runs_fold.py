@@ -21,6 +21,7 @@ from tensorswap.cid import Cid
 from tensorswap.errors import TensorSwapError
 from tensorswap.region.journal import RegionJournal
 from tensorswap.region.link import UpstreamLink
+from tensorswap.rounds import Admission, CoordinatorHooks
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.model import Layout
 from tensorswap.rounds.state import RoundId, RoundSpec, RoundStatus
@@ -44,8 +45,9 @@ again, until the top moves on to the next round."""
 _MAX_PLAIN = 1024  # rounds remembered as not folded here
 
 
-class RunFolds:
-    """The runs rounds ``coordinator`` (a region's) folds for the top behind ``link``.
+class RunFolds(CoordinatorHooks):
+    """The runs rounds ``coordinator`` (a region's) folds for the top behind ``link``; one
+    of its hooks (``admit``).
 
     Guarantees:
 
@@ -66,8 +68,7 @@ class RunFolds:
         self._preparing: dict[RoundId, asyncio.Future[None]] = {}
         self._events: dict[RoundId, set[asyncio.Event]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._earlier = coordinator.admission
-        coordinator.admission = self._admit
+        coordinator.hooks.add(self)
         coordinator.subscribe(self._on_round)
 
     def covers(self, round_id: RoundId) -> tuple[str, ...] | None:
@@ -180,9 +181,9 @@ class RunFolds:
         for event in self._events.get(round_id, ()):
             event.set()
 
-    def _admit(self, round_id: RoundId, peer: str, scale: float) -> None:
-        covers = self.covers(round_id)
+    def admit(self, admission: Admission) -> None:
+        """The coordinator's hook: only the covered peers submit to a folded round."""
+        rid, peer = admission.round_id, admission.peer
+        covers = self.covers(rid)
         if covers is not None and peer not in covers:
-            raise NotSelected(round_id.initiator, round_id.round, peer, len(covers))
-        if self._earlier is not None:
-            self._earlier(round_id, peer, scale)
+            raise NotSelected(rid.initiator, rid.round, peer, len(covers))

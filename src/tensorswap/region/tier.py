@@ -28,6 +28,7 @@ from tensorswap.region.errors import ForeignContribution, UpstreamIncompatible
 from tensorswap.region.identity import coordinator_id
 from tensorswap.region.journal import Forward, ForwardState, RegionJournal
 from tensorswap.region.link import UpstreamLink
+from tensorswap.rounds import CoordinatorHooks
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.errors import DuplicateContribution, RoundAlreadyTerminal, RoundClosed
 from tensorswap.rounds.state import Complete, Failed, RoundId
@@ -56,7 +57,7 @@ class TierStats:
     """The link's ``state``: ``ok``, ``backing off: ...`` or ``stopped: ...`` (a loop)."""
 
 
-class RegionalTier:
+class RegionalTier(CoordinatorHooks):
     """Finishes the rounds of ``coordinator`` (a region) through ``link`` (its upstream).
 
     Guarantees:
@@ -98,7 +99,7 @@ class RegionalTier:
         durable: bool = True,
         **kwargs: object,
     ) -> RegionalTier:
-        """A tier over ``Coordinator.open(data_dir, finish=...)`` (kwargs go there) and a
+        """A tier over ``Coordinator.open(data_dir, hooks=[tier])`` (kwargs go there) and a
         ``RegionJournal`` in its database; ``link.store`` is replaced by the coordinator's
         store, and ``link.identity`` by the coordinator id kept in ``data_dir``. Call ``start``
         on the event loop that should run it; ``close`` closes all."""
@@ -106,7 +107,7 @@ class RegionalTier:
         coordinator = Coordinator.open(
             data_dir,
             durable=durable,
-            finish=tier.finish,
+            hooks=[tier],
             **kwargs,  # type: ignore[arg-type]
         )
         try:
@@ -119,25 +120,30 @@ class RegionalTier:
         return tier
 
     def attach(self, coordinator: Coordinator, journal: RegionJournal) -> None:
-        """Serve ``coordinator`` (built with ``finish=self.finish``), journaling in ``journal``."""
-        if coordinator.finish != self.finish:
-            raise ValueError("the coordinator must be built with finish=tier.finish")
+        """Serve ``coordinator`` (built with ``hooks=[self]``), journaling in ``journal``."""
+        if self not in coordinator.hooks:
+            raise ValueError("the coordinator must be built with hooks=[tier]")
         self.coordinator, self.journal = coordinator, journal
         self.link.store = coordinator.store
-        coordinator.add_root_source(journal.roots)
         journal.forget({info.round_id for info in coordinator.rounds()})
 
-    # ── the coordinator's hook ───────────────────────────────────────────────
-    def finish(self, round_id: RoundId, partial: Cid) -> None:
-        """Called by the coordinator (its aggregation thread) with a round's stored partial."""
+    # ── the coordinator's hooks ──────────────────────────────────────────────
+    def finish(self, round_id: RoundId, aggregate: Cid) -> bool:
+        """Takes every round over (on the coordinator's aggregation thread): its stored
+        partial goes upstream, and the round ends with the top's answer."""
         if self.coordinator is not None:
-            self.coordinator.tracker.note_aggregating(round_id, f"partial {partial} stored")
+            self.coordinator.tracker.note_aggregating(round_id, f"partial {aggregate} stored")
         with self._lock:
             loop = self._loop
             if loop is None:
-                self._pending.append((round_id, partial))  # before start: a restart's rounds
-                return
-        loop.call_soon_threadsafe(self._spawn, round_id, partial)
+                self._pending.append((round_id, aggregate))  # before start: a restart's rounds
+                return True
+        loop.call_soon_threadsafe(self._spawn, round_id, aggregate)
+        return True
+
+    def roots(self) -> list[Cid]:
+        """The partials and global results the region's journal names."""
+        return [] if self.journal is None else self.journal.roots()
 
     async def start(self) -> None:
         """Run on the current event loop: forward what was handed over before, and from now."""

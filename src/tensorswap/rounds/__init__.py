@@ -25,6 +25,7 @@ from tensorswap.rounds.errors import (
     UnknownUpdate,
     UpdateMismatch,
 )
+from tensorswap.rounds.hooks import Admission, CoordinatorHooks, HookList
 from tensorswap.rounds.paging import page_peers, page_rounds
 from tensorswap.rounds.persist import RoundDatabase
 from tensorswap.rounds.reconnect import Backoff, retrying
@@ -46,6 +47,7 @@ from tensorswap.rounds.state import (
 from tensorswap.rounds.virtual import PeerSubmit, VirtualClients, VirtualPeer
 
 __all__ = [
+    "Admission",
     "Aggregating",
     "Backoff",
     "BlockingRoundClient",
@@ -55,11 +57,13 @@ __all__ = [
     "Contribution",
     "ContributionsLost",
     "Coordinator",
+    "CoordinatorHooks",
     "CoordinatorStats",
     "DataDirInUse",
     "DuplicateContribution",
     "Failed",
     "FakeClock",
+    "HookList",
     "InvalidRoundSpec",
     "InvalidUpdate",
     "JournalDamaged",

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from tensorswap.rounds._tiered import CoordinatorStore
 from tensorswap.rounds.persist import open_journal
 
-if TYPE_CHECKING:
-    from tensorswap.rounds.coordinator import Coordinator
+_C = TypeVar("_C")
 
 __all__ = ["STORE_DIRNAME", "open_in_dir"]
 
@@ -19,7 +19,7 @@ STORE_DIRNAME = "blocks"
 
 
 def open_in_dir(
-    cls: type[Coordinator],
+    cls: Callable[..., _C],
     data_dir: str | os.PathLike[str],
     *,
     durable: bool,
@@ -27,7 +27,7 @@ def open_in_dir(
     group_commit: bool,
     sync_blocks: bool,
     **kwargs: object,
-) -> Coordinator:
+) -> _C:
     """``cls`` over ``<data_dir>/rounds.sqlite3`` and a ``CoordinatorStore`` (a directory
     store keeping inline blocks in SQLite, ``rounds._tiered``) in ``<data_dir>/blocks`` (see
     ``Coordinator.open``); on failure whatever was opened is closed again."""
@@ -46,7 +46,7 @@ def open_in_dir(
         store.close()
         raise
     try:
-        return cls(store, journal=journal, owns=True, **kwargs)  # type: ignore[arg-type]
+        return cls(store, journal=journal, owns=True, **kwargs)
     except BaseException:
         journal.close()
         store.close()

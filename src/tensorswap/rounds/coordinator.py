@@ -29,7 +29,8 @@ from tensorswap.rounds.deadline import (
 )
 from tensorswap.rounds.errors import RoundFailed
 from tensorswap.rounds.fold import RoundWork
-from tensorswap.rounds.intake import SampleCap, intake
+from tensorswap.rounds.hooks import CoordinatorHooks, HookList
+from tensorswap.rounds.intake import IntakeContext, SampleCap, intake
 from tensorswap.rounds.persist import RoundDatabase
 from tensorswap.rounds.retention import DEFAULT_GC_GRACE, Retention, RetentionWorker
 from tensorswap.rounds.retry import RetryPolicy, RetrySchedule
@@ -80,6 +81,9 @@ class Coordinator:
     - With ``keep_rounds`` set, each round that ends is followed by a collection on a
       background thread (``collect_garbage``), never during a submit or while an aggregate
       is stored. All methods are thread-safe.
+    - Runs, regions and DP decide through ``hooks`` (``rounds.hooks``: admit a submit, cap
+      its samples, release the aggregate, finish the round elsewhere, keep roots), asked in
+      order: ``hooks=`` given here first, then ``coordinator.hooks.add``.
     """
 
     def __init__(
@@ -95,12 +99,11 @@ class Coordinator:
         keep_rounds: int | None = None,
         gc_grace: float = DEFAULT_GC_GRACE,
         retry: RetryPolicy | None = None,
-        finish: Callable[[RoundId, Cid], None] | None = None,
+        hooks: Sequence[CoordinatorHooks] = (),
     ) -> None:
         self.store = store
         self.journal = journal
         self.clock: Clock = clock or SystemClock()
-        self._verify = verify_reads  # manifests read at submit; aggregate reads always verify
         self._owns = owns
         spec = default_spec or RoundSpec(1)
         aggregator_spec(spec)
@@ -121,17 +124,12 @@ class Coordinator:
             grace=gc_grace,
         )
         self._retries = RetrySchedule(retry)
-        self.finish = finish  # a regional tier: it calls complete_round / fail_round later
-        self.admission: Callable[[RoundId, str, float], None] | None = None
-        """Called as ``admission(round_id, peer, scale)`` before a submit is screened; what
-        it raises refuses the submit (a run checks that the peer was sampled)."""
-        self.release: Callable[[RoundId, Cid], Cid] | None = None
-        """Called as ``release(round_id, aggregate)`` once a round's aggregate is stored,
-        before Complete names anything: the CID it returns is what Complete names (a
-        differentially private run releases the noised aggregate, so the clean one is never
-        published). What it raises is treated as an aggregation failure (retried when
-        transient). Must be idempotent: a restart may call it again for the same round."""
+        self.hooks = HookList(hooks)  # given before _recover: a tier finishes recovered rounds
+        self._retention.add_root_source(self.hooks.roots)
         self.samples = SampleCap()  # the num_samples a contribution may claim (rounds.intake)
+        self._intake = IntakeContext(
+            self.tracker, store, self.hooks, self.samples, verify_reads, self.clock.now, self._count
+        )
         self.result_chunk_bytes = DEFAULT_CHUNK_BYTES
         """Chunk size of the aggregates' tensors (``serve --result-chunk``; see compute)."""
         self._work: dict[RoundId, RoundWork] = {}
@@ -197,12 +195,19 @@ class Coordinator:
         return started
 
     def submit(
-        self, round_id: RoundId, peer: str, update_cid: Cid | str, *, scale: float = 1.0
+        self,
+        round_id: RoundId,
+        peer: str,
+        update_cid: Cid | str,
+        *,
+        scale: float = 1.0,
+        via: CoordinatorHooks | None = None,
     ) -> RoundStatus:
         """Accept ``peer``'s model update (already in the store) for the round; the new status.
 
         ``scale`` (in (0, 1]) multiplies the update's values in the aggregate (an
-        asynchronous run's staleness factor; journaled with the contribution).
+        asynchronous run's staleness factor; journaled with the contribution). ``via``: the
+        hook submitting on the peer's behalf after its own checks (``Admission.via``).
 
         Aggregation starts by itself once the round is full. Raises RoundNotFound,
         RoundAlreadyTerminal, RoundClosed, DuplicateContribution, UnknownUpdate (also when a
@@ -212,12 +217,7 @@ class Coordinator:
         if isinstance(scale, bool) or not (isinstance(scale, int | float) and 0 < scale <= 1):
             raise ValueError(f"scale must be a number in (0, 1], got {scale!r}")
         with self._gc_lock.shared():  # no collection between the store check and the record
-            return self._submit(round_id, peer, update_cid, float(scale))
-
-    def _submit(
-        self, round_id: RoundId, peer: str, update_cid: Cid | str, scale: float
-    ) -> RoundStatus:
-        (outcome,) = self._submit_many(round_id, [(peer, update_cid, scale)])
+            (outcome,) = self._submit_many(round_id, [(peer, update_cid, float(scale))], via=via)
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
@@ -245,9 +245,12 @@ class Coordinator:
         items: Sequence[tuple[str, Cid | str, float]],
         store: BlockStore | None = None,
         screened: Callable[[], None] | None = None,
+        via: CoordinatorHooks | None = None,
     ) -> list[RoundStatus | Exception]:
         work = self._work_for(round_id)
-        outcomes, accepted, nbytes = intake(self, work, round_id, items, store, screened)
+        outcomes, accepted, nbytes = intake(
+            self._intake, work, round_id, items, store, screened, via
+        )
         self._count(contributions=accepted, contribution_bytes=nbytes)
         if self.tracker.is_ready(round_id):
             with work.lock:
@@ -313,12 +316,8 @@ class Coordinator:
         """Forget terminal rounds numbered below ``round`` (their blocks stay in the store)."""
         return self.tracker.gc_before_round(round)
 
-    def add_root_source(self, source: Callable[[], list[Cid]]) -> None:
-        """Keep the blocks ``source()`` names (and all they link) through collections; store
-        what it will name, and change it, under ``no_collection`` (shared, as submits are)."""
-        self._retention.add_root_source(source)
-
     def no_collection(self) -> AbstractContextManager[None]:
+        """Hold collections off (shared, as submits are) while a hook stores and names a root."""
         return self._gc_lock.shared()
 
     def subscribe(self, listener: Callable[[RoundId, RoundStatus], None]) -> None:
@@ -361,16 +360,13 @@ class Coordinator:
                 work, drop = self._work_for(round_id), partial(self._drop, round_id)
                 got = self.tracker.contributions(round_id)
                 cid = compute_aggregate(self.store, info, got, work, drop, self.result_chunk_bytes)
-                if self.release is not None:
-                    cid = self.release(round_id, cid)
+                cid = self.hooks.release(round_id, cid)
                 seconds = time.perf_counter() - started
                 with self._lock:  # counted before Complete wakes anyone who then reads them
                     self._counters["last_aggregation_seconds"] = seconds
                 self._count(rounds_completed=1, aggregation_seconds=seconds)
                 try:
-                    if self.finish is not None:  # the round stays Aggregating meanwhile
-                        self.finish(round_id, cid)
-                    else:
+                    if not self.hooks.finish(round_id, cid):  # else it stays Aggregating
                         self.complete_round(round_id, cid)
                 except BaseException:
                     self._count(rounds_completed=-1, aggregation_seconds=-seconds)

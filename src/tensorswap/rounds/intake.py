@@ -5,21 +5,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from tensorswap.cid import Cid
 from tensorswap.errors import RoundsError
 from tensorswap.rounds.errors import TooManySamples
 from tensorswap.rounds.fold import RoundWork
+from tensorswap.rounds.hooks import Admission, CoordinatorHooks, HookList
 from tensorswap.rounds.screen import check_layout, screen
-from tensorswap.rounds.state import Contribution, RoundId, RoundStatus, Ticket
+from tensorswap.rounds.state import Contribution, RoundId, RoundStatus, RoundTracker, Ticket
 from tensorswap.rounds.updates import aggregator_spec, inspect_update, parse_update_cid
 from tensorswap.store import BlockStore
 
-if TYPE_CHECKING:
-    from tensorswap.rounds.coordinator import Coordinator
-
-__all__ = ["SampleCap", "intake"]
+__all__ = ["IntakeContext", "SampleCap", "intake"]
 
 log = logging.getLogger("tensorswap.rounds.coordinator")
 
@@ -28,27 +25,42 @@ log = logging.getLogger("tensorswap.rounds.coordinator")
 class SampleCap:
     """The most samples one contribution may claim (its update's num_samples: its FedAvg
     weight, the peer's word): ``limit`` per peer in every round (``serve
-    --max-samples-per-peer``; None: any), refined per round by ``refine(round_id, peer,
-    limit)`` when set (a run: its own ``max_samples_per_peer``, times the peers a region's
-    fold stands for). A claim above the cap is refused with TooManySamples before anything
-    is recorded; none is clamped."""
+    --max-samples-per-peer``; None: any), refined per round by the coordinator's hooks
+    (``CoordinatorHooks.sample_cap``: a run's own ``max_samples_per_peer``, times the peers
+    a region's fold stands for). A claim above the cap is refused with TooManySamples
+    before anything is recorded; none is clamped."""
 
     limit: int | None = None
-    refine: Callable[[RoundId, str, int | None], int | None] | None = None
 
-    def check(self, round_id: RoundId, peer: str, claimed: int) -> None:
-        cap = self.limit if self.refine is None else self.refine(round_id, peer, self.limit)
+    def check(self, hooks: HookList, round_id: RoundId, peer: str, claimed: int) -> None:
+        cap = hooks.sample_cap(round_id, peer, self.limit)
         if cap is not None and claimed > cap:
             raise TooManySamples(round_id.as_key(), peer, claimed, cap)
 
 
+@dataclass(frozen=True, slots=True)
+class IntakeContext:
+    """What the intake needs from its coordinator: the tracker, the store the updates are
+    read from, the hooks that admit and cap a submit, the sample cap, whether manifests are
+    re-verified at submit, the clock, and ``count(**deltas)`` for its counters."""
+
+    tracker: RoundTracker
+    store: BlockStore
+    hooks: HookList
+    samples: SampleCap
+    verify: bool | None
+    now: Callable[[], float]
+    count: Callable[..., None]
+
+
 def intake(
-    coordinator: Coordinator,
+    ctx: IntakeContext,
     work: RoundWork,
     round_id: RoundId,
     items: Sequence[tuple[str, Cid | str, float]],
     store: BlockStore | None = None,
     screened: Callable[[], None] | None = None,
+    via: CoordinatorHooks | None = None,
 ) -> tuple[list[RoundStatus | Exception], int, int]:
     """Screen each ``(peer, update_cid, scale)`` item, fold it (streaming kinds) and reserve
     its place under ``work.lock``, one at a time; then journal every reserved one at once,
@@ -57,16 +69,15 @@ def intake(
     Per item the round's status once durable, or the error that refused it (a refused item
     leaves no trace; sums that held it are rebuilt at the end); and how many were accepted,
     with their bytes. Each refusal is counted (``rejected``) and logged. ``store`` (default:
-    the coordinator's) is what the updates are read from; ``screened()`` is called once
-    every item is screened and reserved, before the journal write (the caller may start
-    screening its next batch meanwhile).
+    ``ctx.store``) is what the updates are read from; ``screened()`` is called once every
+    item is screened and reserved, before the journal write (the caller may start screening
+    its next batch meanwhile). ``via`` goes to the hooks' ``Admission`` of each item.
     """
-    tracker, admission = coordinator.tracker, coordinator.admission
-    store = coordinator.store if store is None else store
-    verify, now = coordinator._verify, coordinator.clock.now
+    tracker, hooks, now = ctx.tracker, ctx.hooks, ctx.now
+    store = ctx.store if store is None else store
 
     def refused(key: str, peer: str, exc: BaseException) -> None:
-        coordinator._count(rejected=1)
+        ctx.count(rejected=1)
         log.info("round %s: contribution from %r refused: %s", key, peer, exc)
 
     key = round_id.as_key()
@@ -74,12 +85,11 @@ def intake(
     tickets: list[tuple[int, Ticket, bool]] = []
     for peer, update_cid, scale in items:
         try:
-            if admission is not None:
-                admission(round_id, peer, scale)
+            hooks.admit(Admission(round_id, peer, scale, via))
             info = tracker.check_submit(round_id, peer)
             cid = parse_update_cid(update_cid, key, peer)
-            facts = inspect_update(store, cid, key, peer, verify=verify)
-            coordinator.samples.check(round_id, peer, facts.num_samples)
+            facts = inspect_update(store, cid, key, peer, verify=ctx.verify)
+            ctx.samples.check(hooks, round_id, peer, facts.num_samples)
             check_layout(info, facts.layout, peer)
             spec = aggregator_spec(info.spec)
             with work.lock:

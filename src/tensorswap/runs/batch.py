@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 
@@ -40,14 +40,15 @@ from tensorswap.rounds.batch import PROOF_BYTES
 from tensorswap.rounds.errors import PeerNotAuthorised
 from tensorswap.rounds.messages import MAX_NAME_BYTES, ErrorInfo, StatusWire, utf8_len
 from tensorswap.rounds.protocol import error_info, status_to_wire
-from tensorswap.rounds.state import RoundId
-from tensorswap.runs.messages import ContributeRequest, TaskWire
+from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.runs.messages import ContributeRequest, TaskWire, task_wire
 from tensorswap.runs.model import ClientInfo, Param
 from tensorswap.runs.registry import ClientRegistry
 from tensorswap.wire import AppRequest, ProtocolViolation
 
 if TYPE_CHECKING:
-    from tensorswap.runs.service import RunService
+    from tensorswap.rounds.server import RoundServer
+    from tensorswap.runs.manager import RunManager
 
 __all__ = [
     "APP_BATCH",
@@ -243,17 +244,35 @@ class RegisterIntake:
             self._draining = None
 
 
+_T = TypeVar("_T")
+
+
+class RunsApp(Protocol):
+    """What the batched ops use of the runs app (``RunService``)."""
+
+    @property
+    def manager(self) -> RunManager: ...
+
+    @property
+    def server(self) -> RoundServer: ...
+
+    async def wait(
+        self, run: str, timeout: float | None, probe: Callable[[], tuple[bool, _T]]
+    ) -> _T | None: ...
+
+    async def contribute(self, call: ContributeRequest) -> RoundStatus: ...
+
+
 class RunBatches:
     """The batched runs ops on ``service``'s port (app ``APP_BATCH``), and its grouped
     registrations (``intake``, used by the plain ``register`` op too)."""
 
-    def __init__(self, service: RunService) -> None:
+    def __init__(self, service: RunsApp) -> None:
         self.service = service
         self.intake = RegisterIntake(service.manager.registry)
         service.server.blocks.handlers[APP_BATCH] = self._on_request
 
     async def _on_request(self, request: AppRequest) -> bytes:
-        self.service._loop = asyncio.get_running_loop()
         call = decode_batch(request.body)
         try:
             match call:
@@ -279,8 +298,6 @@ class RunBatches:
         )
 
     async def _tasks(self, call: TaskBatchRequest) -> RunBatchAnswer:
-        from tensorswap.runs.service import task_wire  # the service imports this module
-
         manager = self.service.manager
 
         def probe() -> tuple[bool, list[RunItemResult]]:
@@ -297,7 +314,7 @@ class RunBatches:
 
         done, results = probe()  # RunNotFound refuses the whole request
         if not done and call.timeout != 0:
-            waited = await self.service._wait(call.run, call.timeout, probe)
+            waited = await self.service.wait(call.run, call.timeout, probe)
             results = waited if waited is not None else probe()[1]
         return RunBatchAnswer(results=results)
 
@@ -309,7 +326,7 @@ class RunBatches:
                 if keys is not None:
                     rid = RoundId(item.round, call.run)
                     keys.check(rid, item.peer, Cid.parse(item.update), item.proof)
-                status = await self.service._contribute(
+                status = await self.service.contribute(
                     ContributeRequest(
                         peer=item.peer,
                         run=call.run,
@@ -329,7 +346,7 @@ class RunBatches:
         return RunBatchAnswer(results=list(await asyncio.gather(*map(one, call.items))))
 
 
-def refuse_unproven(service: RunService, call: ContributeRequest) -> None:
+def refuse_unproven(service: RunsApp, call: ContributeRequest) -> None:
     """PeerNotAuthorised for a plain ``contribute`` on a coordinator with per-peer keys."""
     if service.server.peer_keys is not None:
         rid = RoundId(call.round, call.run)

@@ -36,6 +36,7 @@ from tensorswap.runs.messages import (
     encode,
 )
 from tensorswap.runs.model import RunMode, RunSpec
+from tensorswap.runs.secure_peer import SecureTasks
 from tensorswap.store import ModelUpdate, get_update, put_update
 from tensorswap.wire import BlockClient, ProtocolViolation, RemoteError
 
@@ -64,17 +65,12 @@ class RunClient:
     """
 
     def __init__(self, rounds: RoundClient) -> None:
-        from tensorswap.runs.secure_peer import SecureTasks
-
         self.rounds = rounds
-        self.secagg_quantized: np.ndarray | None = None
-        """This peer's last quantized input to a secure round, before masking (its own
-        data, kept for audits and tests; it never leaves the peer)."""
         self.secure_ahead = True
         """Whether a secure task's key phases begin as ``next_task`` hands it out (on a
         second connection; where ``rounds`` cannot dial one, ``submit`` runs them all), so
         they and the masks are done while the peer trains."""
-        self._secure = SecureTasks(self)
+        self._secure = SecureTasks(rounds, self._call, self.task_model)  # runs.secure_peer
 
     @classmethod
     async def connect(cls, host: str, port: int, **kwargs: Any) -> Self:
@@ -84,6 +80,12 @@ class RunClient:
     @property
     def peer(self) -> str:
         return self.rounds.peer
+
+    @property
+    def secagg_quantized(self) -> np.ndarray | None:
+        """This peer's last quantized input to a secure round, before masking (its own
+        data, kept for audits and tests; it never leaves the peer)."""
+        return self._secure.quantized
 
     async def aclose(self) -> None:
         try:
@@ -200,9 +202,7 @@ class RunClient:
         quantized and masked here, and only the masked vector leaves the peer (see
         ``runs.secure_peer``); the coordinator learns the sum of the round's deltas only."""
         if task.secagg:
-            from tensorswap.runs.secure_peer import secure_submit
-
-            return await secure_submit(self, task, update, num_samples)
+            return await self._secure.submit(task, update, num_samples)
         clipped: bool | None = None
         if task.dp:
             update, clipped = await self._dp_delta(task, update, num_samples)

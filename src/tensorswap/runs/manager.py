@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from tensorswap.cid import Cid
 from tensorswap.privacy.errors import PrivacyBudgetExhausted
+from tensorswap.rounds import Admission, CoordinatorHooks
 from tensorswap.rounds.coordinator import Coordinator
 from tensorswap.rounds.errors import RoundAlreadyTerminal, RoundClosed
 from tensorswap.rounds.model import Contribution
@@ -50,8 +51,9 @@ __all__ = ["RunManager", "Task"]
 log = logging.getLogger(__name__)
 
 
-class RunManager:
-    """Runs federations on ``coordinator``: each run owns the rounds ``RoundId(n, run)``.
+class RunManager(CoordinatorHooks):
+    """Runs federations on ``coordinator``: each run owns the rounds ``RoundId(n, run)``;
+    one of its hooks (``admit``, ``sample_cap``, ``release``, ``roots``).
 
     Guarantees:
 
@@ -90,19 +92,15 @@ class RunManager:
         self._changed = threading.Condition(self._lock)
         self._runs: dict[str, RunInfo] = {r.name: r for r in journal.load_runs()}
         self.privacy = RunPrivacy(journal)
-        self.secure = RunSecurity(coordinator, journal, self._release, self._notify)
+        self.secure = RunSecurity(coordinator, journal, self.release, self._notify)
         self.units = RunUnits(registry)  # regions fold their sampled peers (runs.regional)
         self.publisher = Publisher(self.store, journal, self.privacy)  # steps made at release
         self._listeners: list[Callable[[str], None]] = []
         self._closed = False
         self._owns_journal = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-runs")
-        self._local = threading.local()
-        coordinator.admission = self._admit
-        coordinator.release = self._release
+        coordinator.hooks.add(self)
         coordinator.subscribe(self._on_round)
-        coordinator.add_root_source(self.roots)
-        coordinator.samples.refine = self._sample_cap  # a run's max_samples_per_peer
         registry.subscribe(self._on_registration)
         for name in list(self._runs):
             self._queue(name)  # resume whatever each run was doing
@@ -177,8 +175,8 @@ class RunManager:
             return round_id.initiator in self._runs
 
     def roots(self) -> list[Cid]:
-        """The blocks every run still needs (its global model and optimizer state, and the
-        versions made but not yet recorded): roots for the coordinator's retention."""
+        """The coordinator's hook: the blocks every run still needs (its global model and
+        optimizer state, and the versions made but not yet recorded)."""
         with self._lock:
             runs = list(self._runs.values())
         cids = [Cid.parse(r.global_cid) for r in runs]
@@ -244,11 +242,7 @@ class RunManager:
             scale = self.privacy.admit(
                 self.store, info, round_id.round, peer, cid, trained_on, clipped
             )
-        self._local.via_manager = True
-        try:
-            return self.coordinator.submit(round_id, peer, update, scale=scale)
-        finally:
-            self._local.via_manager = False
+        return self.coordinator.submit(round_id, peer, update, scale=scale, via=self)
 
     def _submit_async(
         self, info: RunInfo, peer: str, update: Cid | str, trained_on: int | None
@@ -262,19 +256,17 @@ class RunManager:
         if not self.buffer_open(info.name, peer):
             raise BufferBusy(info.name, info.round, peer)
         self.journal.note_trained_on(info.name, rid.round, peer, trained_on)
-        self._local.via_manager = True
         try:
-            status = self.coordinator.submit(rid, peer, update, scale=scale)
+            status = self.coordinator.submit(rid, peer, update, scale=scale, via=self)
         except (RoundClosed, RoundAlreadyTerminal):
             raise BufferBusy(info.name, info.round, peer) from None  # filled meanwhile
-        finally:
-            self._local.via_manager = False
         return await_release(self.coordinator, self.journal, rid, status)  # its step refused?
 
-    def _sample_cap(self, rid: RoundId, peer: str, limit: int | None) -> int | None:
+    def sample_cap(self, round_id: RoundId, peer: str, cap: int | None) -> int | None:
+        """The coordinator's hook: a run's ``max_samples_per_peer`` (times a region's peers)."""
         with self._lock:
-            info = self._runs.get(rid.initiator)
-        return limit if info is None else self.units.sample_cap(info, peer, limit)
+            info = self._runs.get(round_id.initiator)
+        return cap if info is None else self.units.sample_cap(info, peer, cap)
 
     def buffer_open(self, name: str, peer: str) -> bool:
         """Whether an asynchronous run's current buffer would take ``peer``'s delta now
@@ -287,8 +279,10 @@ class RunManager:
             return False
         return current.status.name != "Aggregating"  # Pending or Collecting
 
-    def _admit(self, round_id: RoundId, peer: str, scale: float) -> None:
-        """The coordinator's admission check for the rounds of runs."""
+    def admit(self, admission: Admission) -> None:
+        """The coordinator's hook: refuses unsampled peers; a DP or async run's delta only
+        through ``submit`` (``via`` this manager, its own checks made)."""
+        round_id, peer, direct = admission.round_id, admission.peer, admission.via is not self
         with self._lock:
             info = self._runs.get(round_id.initiator)
         if info is None:
@@ -298,12 +292,12 @@ class RunManager:
         if info.spec.mode is RunMode.SYNC:
             if round_id.round != info.round or peer not in self.units.of(info):
                 raise NotSelected(info.name, round_id.round, peer, len(info.selected))
-            if is_private(info.spec) and not getattr(self._local, "via_manager", False):
+            if is_private(info.spec) and direct:
                 raise RunsError(
                     f"run {info.name!r} is differentially private: contribute the delta from "
                     f"the task's model (RunClient.submit, RunManager.submit(..., trained_on=))"
                 )
-        elif not getattr(self._local, "via_manager", False):
+        elif direct:
             raise RunsError(
                 f"run {info.name!r} is asynchronous: contribute with the version trained on "
                 f"(RunClient.submit, RunManager.submit(..., trained_on=))"
@@ -373,16 +367,16 @@ class RunManager:
         left_out = round_info.dropped_peers if round_info is not None else frozenset()
         return [c for c in self.coordinator.contributions(rid) if c.peer not in left_out]
 
-    def _release(self, rid: RoundId, aggregate: Cid) -> Cid:
+    def release(self, round_id: RoundId, aggregate: Cid) -> Cid:
         """The coordinator's (and RunSecurity's) release hook, before Complete names anything:
         a DP run's round is Complete with its noised aggregate, never the clean mean of
         clipped deltas; its step is made and checked now (``runs.publish``)."""
         with self._lock:
-            info = self._runs.get(rid.initiator)
-        if info is None or rid.round != info.round:
+            info = self._runs.get(round_id.initiator)
+        if info is None or round_id.round != info.round:
             return aggregate
         trained_on = self.journal.trained_on(info.name, info.round)
-        return self.publisher.release(info, aggregate, self._kept(rid), trained_on)
+        return self.publisher.release(info, aggregate, self._kept(round_id), trained_on)
 
     def _step(self, info: RunInfo, status: Complete) -> RunInfo:
         rid = RoundId(info.round, info.name)

@@ -10,12 +10,16 @@ carry. Layout in ``docs/runs.md``.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import InvalidCid
 from tensorswap.rounds.messages import MAX_NAME_BYTES, ErrorInfo, Param, StatusWire, utf8_len
+
+if TYPE_CHECKING:
+    from tensorswap.runs.model import Task
 
 __all__ = [
     "APP",
@@ -36,6 +40,7 @@ __all__ = [
     "TaskWire",
     "VersionRow",
     "VersionsRequest",
+    "task_wire",
 ]
 
 APP = "runs"
@@ -286,6 +291,20 @@ class TaskWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     dp: str = ""
     clip: float | None = None
     secagg: bool = False
+
+
+def task_wire(task: Task) -> TaskWire:
+    """A ``RunManager.task`` as the wire carries it."""
+    return TaskWire(
+        task.run,
+        task.round_id.round,
+        task.version,
+        task.global_cid,
+        task.mode.value,
+        task.dp,
+        task.clip,
+        task.secagg,
+    )
 
 
 class PartWire(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

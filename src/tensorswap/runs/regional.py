@@ -24,7 +24,7 @@ from tensorswap.runs.model import RunInfo, RunMode, RunSpec
 from tensorswap.runs.registry import ClientRegistry
 
 if TYPE_CHECKING:
-    from tensorswap.runs.manager import RunManager
+    from tensorswap.rounds.coordinator import Coordinator
 
 __all__ = ["REGION_FACT", "RunUnits", "folds", "part_for"]
 
@@ -94,16 +94,17 @@ class RunUnits:
         return min(caps) * max(covers, 1)
 
 
-def part_for(manager: RunManager, region: str, run: str) -> PartWire:
-    """What ``region`` folds in ``run``'s current round: the sampled peers registered
-    through it, the quorum it needs of them and the seconds left to the top's deadline."""
-    info = manager.run(run)
+def part_for(units: RunUnits, coordinator: Coordinator, info: RunInfo, region: str) -> PartWire:
+    """What ``region`` folds in run ``info``'s current round (on ``coordinator``, its units
+    ``units``): the sampled peers registered through it, the quorum it needs of them and
+    the seconds left to the top's deadline."""
+    run = info.name
     fold = folds(info.spec) and not info.finished and info.round > 0
-    covers = list(manager.units.of(info).get(region, ())) if fold else []
+    covers = list(units.of(info).get(region, ())) if fold else []
     left: float | None = None
-    round_info = manager.coordinator.info(RoundId(info.round, run)) if covers else None
+    round_info = coordinator.info(RoundId(info.round, run)) if covers else None
     if round_info is not None and round_info.deadline is not None:
-        left = max(0.0, round_info.deadline - manager.coordinator.clock.now())
+        left = max(0.0, round_info.deadline - coordinator.clock.now())
     open_ = round_info is not None and not round_info.status.is_terminal
     return PartWire(
         run=run,

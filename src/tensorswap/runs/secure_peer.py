@@ -3,7 +3,8 @@
 The key phases (setup, keys, shares) need no input: a peer begins them when it takes its task
 (``SecureTasks``, on a second connection so the model's fetch does not wait behind their long
 polls) and builds its masks while it trains, as Flower's SecAgg+ workflow shares keys before
-fit; ``secure_submit`` then only quantizes, adds and pushes.
+fit; ``SecureTasks.submit`` then only quantizes, adds and pushes. A ``RunClient`` holds one
+``SecureTasks``, given its ``RoundClient`` and the way it sends runs requests.
 
 The peer's delta (its model minus the task's, clipped first in a client-clipping DP run) is
 flattened in the global model's tensor order into one float32 vector, quantized and masked
@@ -22,28 +23,38 @@ import threading
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import numpy as np
 
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.rounds.state import RoundStatus
-from tensorswap.runs.messages import RunAnswer, SecAggRequest
+from tensorswap.runs.messages import RunAnswer, RunRequest, SecAggRequest
 from tensorswap.store import ModelUpdate
 from tensorswap.wire import ProtocolViolation
 
 if TYPE_CHECKING:
     from tensorswap.privacy.secagg.client import SecAggClient
     from tensorswap.privacy.secagg.protocol import Message, Setup
-    from tensorswap.runs.client import RunClient
-    from tensorswap.runs.manager import Task
+    from tensorswap.rounds.client import RoundClient
+    from tensorswap.runs.model import Task
     from tensorswap.wire import BlockClient
 
-__all__ = ["SecureTasks", "flatten_delta", "secure_submit"]
+__all__ = ["RunsCall", "SecureTasks", "flatten_delta"]
 
 Call = Callable[[SecAggRequest], Awaitable[RunAnswer]]
 """One long-polled secagg request and its answer (on some connection of the peer's)."""
+
+
+class RunsCall(Protocol):
+    """How a ``RunClient`` sends one runs request (on ``via``, or its own connection) and
+    gets its answer, a remote refusal raised typed."""
+
+    def __call__(
+        self, request: RunRequest, /, *, long: bool = False, via: BlockClient | None = None
+    ) -> Awaitable[RunAnswer]: ...
+
 
 _PREP: ThreadPoolExecutor | None = None
 _PREP_LOCK = threading.Lock()
@@ -96,13 +107,13 @@ def _clipped(vector: np.ndarray, clip: float | None) -> np.ndarray:
 
 
 def _delta_vector(
-    client: RunClient, task: Task, model: Mapping[str, np.ndarray], clip: float | None
+    rounds: RoundClient, task: Task, model: Mapping[str, np.ndarray], clip: float | None
 ) -> np.ndarray | None:
     """The flat delta read chunk by chunk from the task's model in the peer's own store
     (None if it is not there, or names or shapes differ: ``flatten_delta`` then)."""
     from tensorswap.privacy.delta import flat_delta_from_store
 
-    vector = flat_delta_from_store(client.rounds.store, Cid.parse(task.global_cid), model)
+    vector = flat_delta_from_store(rounds.store, Cid.parse(task.global_cid), model)
     return None if vector is None else _clipped(vector, clip)
 
 
@@ -118,10 +129,10 @@ class _Keyed:
     prepared: list[asyncio.Future[None]] = field(default_factory=list)
 
 
-def _request(client: RunClient, task: Task, after: int, message: bytes = b"",
+def _request(peer: str, task: Task, after: int, message: bytes = b"",
              block: bytes | None = None) -> SecAggRequest:  # fmt: skip
     return SecAggRequest(
-        peer=client.peer,
+        peer=peer,
         run=task.run,
         round=task.round_id.round,
         after=after,
@@ -130,14 +141,14 @@ def _request(client: RunClient, task: Task, after: int, message: bytes = b"",
     )
 
 
-async def _next_message(client: RunClient, task: Task, call: Call, answer: RunAnswer,
+async def _next_message(peer: str, task: Task, call: Call, answer: RunAnswer,
                         after: int) -> RunAnswer:  # fmt: skip
     while answer.secagg is None:  # the phase is still open: ask again
-        answer = await call(_request(client, task, after))
+        answer = await call(_request(peer, task, after))
     return answer
 
 
-async def _key_phases(client: RunClient, task: Task, call: Call) -> _Keyed:
+async def _key_phases(peer: str, task: Task, call: Call) -> _Keyed:
     """Join the round's session and run setup, keys and shares over ``call``, the masks built
     on the masking threads meanwhile; returns once the shares arrive (typed refusals raise:
     NotSelected, SecureRoundFailed, SecAggError leaves)."""
@@ -145,7 +156,7 @@ async def _key_phases(client: RunClient, task: Task, call: Call) -> _Keyed:
     from tensorswap.privacy.secagg.protocol import Setup as SetupMessage
     from tensorswap.privacy.secagg.protocol import SharesDelivery, decode, encode
 
-    answer = await _next_message(client, task, call, await call(_request(client, task, 0)), 0)
+    answer = await _next_message(peer, task, call, await call(_request(peer, task, 0)), 0)
     setup = decode(answer.secagg or b"")
     if not isinstance(setup, SetupMessage) or answer.secagg_peer is None:
         raise ProtocolViolation("the coordinator's secagg setup lacks its config or peer number")
@@ -156,8 +167,8 @@ async def _key_phases(client: RunClient, task: Task, call: Call) -> _Keyed:
             reply = await loop.run_in_executor(None, keyed.peer.handle, keyed.message)
             # masks while the phase's other peers answer: self mask now, pairwise after keys
             keyed.prepared.append(loop.run_in_executor(_prep_pool(), keyed.peer.prepare))
-            answer = await call(_request(client, task, keyed.after, encode(reply)))
-            answer = await _next_message(client, task, call, answer, keyed.after)
+            answer = await call(_request(peer, task, keyed.after, encode(reply)))
+            answer = await _next_message(peer, task, call, answer, keyed.after)
             keyed.message, keyed.after = decode(answer.secagg or b""), keyed.after + 1
     except BaseException:
         await _settle(keyed.prepared)
@@ -176,10 +187,18 @@ class SecureTasks:
     """A RunClient's secure tasks whose key phases began as it took them: one per run, each
     run's on a connection of its own to the coordinator (dialled as the first was, kept for
     the run's next rounds). A task is held until ``submit`` takes it, or a newer round's
-    replaces it."""
+    replaces it. ``rounds`` is the client's connection and store, ``call`` how it sends
+    runs requests, ``task_model(task)`` the model a task trains from (``RunClient``'s)."""
 
-    def __init__(self, client: RunClient) -> None:
-        self.client = client
+    def __init__(
+        self,
+        rounds: RoundClient,
+        call: RunsCall,
+        task_model: Callable[[Task], Awaitable[dict[str, np.ndarray]]],
+    ) -> None:
+        self.rounds, self._runs_call, self._task_model = rounds, call, task_model
+        self.quantized: np.ndarray | None = None
+        """This peer's last quantized input to a secure round, before masking."""
         self._held: dict[str, tuple[Task, asyncio.Task[_Keyed]]] = {}
         self._sides: dict[str, BlockClient] = {}
 
@@ -194,7 +213,7 @@ class SecureTasks:
             return await self._call(task.run, request)
 
         work = asyncio.get_running_loop().create_task(
-            _key_phases(self.client, task, call), name=f"secagg keys {task.run}"
+            _key_phases(self.rounds.peer, task, call), name=f"secagg keys {task.run}"
         )
         work.add_done_callback(_quiet)
         self._held[task.run] = (task, work)
@@ -230,11 +249,11 @@ class SecureTasks:
         next one; the next request dials again."""
         side = self._sides.get(run)
         if side is None:
-            dial = self.client.rounds.dial
+            dial = self.rounds.dial
             assert dial is not None  # RunClient begins tasks only where it can dial
             side = self._sides[run] = await dial()
         try:
-            return await self.client._call(request, long=True, via=side)
+            return await self._runs_call(request, long=True, via=side)
         except BaseException:
             if self._sides.get(run) is side:
                 del self._sides[run]
@@ -265,68 +284,68 @@ class SecureTasks:
         """The runs whose key phases hold a connection of their own now."""
         return list(self._sides)
 
+    async def submit(
+        self, task: Task, update: ModelUpdate | Mapping[str, Any], num_samples: int
+    ) -> RoundStatus:
+        """Run the round's SecAgg+ phases for ``update`` (the peer's new model) with weight
+        ``num_samples`` (1 in a DP run or a ``mean`` run), from where the key phases begun
+        with the task stand (all of them when none began); the round's status after the
+        last one. Refusals arrive typed (SecAggError leaves, NotSelected, SecureRoundFailed)."""
+        from tensorswap.privacy.secagg.protocol import MaskedInput, UnmaskResponse, decode, encode
+
+        model = update if isinstance(update, ModelUpdate) else ModelUpdate(dict(update))
+        if task.dp == "client" and task.clip is None:
+            raise ProtocolViolation("a client-side clipping task lacks its clipping norm")
+
+        async def call(request: SecAggRequest) -> RunAnswer:
+            return await self._runs_call(request, long=True)
+
+        begun, rounds, peer = self.take(task), self.rounds, self.rounds.peer
+        try:
+            clip = task.clip if task.dp == "client" else None
+            vector = await asyncio.to_thread(_delta_vector, rounds, task, model.tensors, clip)
+            if vector is None:
+                base = await self._task_model(task)
+                vector = await asyncio.to_thread(flatten_delta, model.tensors, base, clip)
+        except BaseException:
+            if begun is not None:
+                begun.cancel()
+                await asyncio.gather(begun, return_exceptions=True)
+            raise
+        keyed = await (begun if begun is not None else _key_phases(peer, task, call))
+        samples = num_samples or model.num_samples
+        keyed.peer.provide(vector, 1 if keyed.setup.config.max_weight == 1 else max(1, samples))
+        store, masked_cid, loop = rounds.store, None, asyncio.get_running_loop()
+        message, after = keyed.message, keyed.after
+        try:
+            while True:
+                # the masked input (model-sized work) on the masking threads: as many at once
+                # as there are CPUs, so peers sharing a process finish, and push, one after
+                # another rather than all late together
+                reply = await loop.run_in_executor(_prep_pool(), keyed.peer.handle, message)
+                block = None
+                if isinstance(reply, MaskedInput):
+                    self.quantized = keyed.peer.quantized
+                    # its own codec: the coordinator holds it in memory only (rounds._volatile)
+                    codec = Multicodec.TENSORSWAP_MASKED
+                    put = functools.partial(store.put, adopt=True, codec=codec)
+                    masked_cid = await asyncio.to_thread(put, reply.masked)
+                    await rounds.blocks.push(store, masked_cid)
+                    reply, block = msgspec.structs.replace(reply, masked=b""), masked_cid.to_bytes()
+                answer = await call(_request(peer, task, after, encode(reply), block))
+                if isinstance(reply, UnmaskResponse):
+                    if answer.status is None:
+                        raise ProtocolViolation("the coordinator's answer lacks the round's status")
+                    return answer.status.to_status()
+                answer = await _next_message(peer, task, call, answer, after)
+                message, after = decode(answer.secagg or b""), after + 1
+        finally:
+            await _settle(keyed.prepared)
+            if masked_cid is not None:
+                store.delete(masked_cid)
+
 
 def _quiet(work: asyncio.Task[_Keyed]) -> None:
     """Retrieve a background task's failure (its submit raises it, or the peer never asks)."""
     if not work.cancelled():
         work.exception()
-
-
-async def secure_submit(
-    client: RunClient, task: Task, update: ModelUpdate | Mapping[str, Any], num_samples: int
-) -> RoundStatus:
-    """Run the round's SecAgg+ phases for ``update`` (the peer's new model) with weight
-    ``num_samples`` (1 in a DP run or a ``mean`` run), from where the key phases begun with
-    the task stand (all of them when none began); the round's status after the last one.
-    Refusals arrive typed (SecAggError leaves, NotSelected, SecureRoundFailed)."""
-    from tensorswap.privacy.secagg.protocol import MaskedInput, UnmaskResponse, decode, encode
-
-    model = update if isinstance(update, ModelUpdate) else ModelUpdate(dict(update))
-    if task.dp == "client" and task.clip is None:
-        raise ProtocolViolation("a client-side clipping task lacks its clipping norm")
-
-    async def call(request: SecAggRequest) -> RunAnswer:
-        return await client._call(request, long=True)
-
-    begun = client._secure.take(task)
-    try:
-        clip = task.clip if task.dp == "client" else None
-        vector = await asyncio.to_thread(_delta_vector, client, task, model.tensors, clip)
-        if vector is None:
-            base = await client.task_model(task)
-            vector = await asyncio.to_thread(flatten_delta, model.tensors, base, clip)
-    except BaseException:
-        if begun is not None:
-            begun.cancel()
-            await asyncio.gather(begun, return_exceptions=True)
-        raise
-    keyed = await (begun if begun is not None else _key_phases(client, task, call))
-    samples = num_samples or model.num_samples
-    keyed.peer.provide(vector, 1 if keyed.setup.config.max_weight == 1 else max(1, samples))
-    store, masked_cid, loop = client.rounds.store, None, asyncio.get_running_loop()
-    message, after = keyed.message, keyed.after
-    try:
-        while True:
-            # the masked input (model-sized work) on the masking threads: as many at once as
-            # there are CPUs, so peers sharing a process finish, and push, one after another
-            # rather than all late together
-            reply = await loop.run_in_executor(_prep_pool(), keyed.peer.handle, message)
-            block = None
-            if isinstance(reply, MaskedInput):
-                client.secagg_quantized = keyed.peer.quantized
-                # its own codec: the coordinator holds it in memory only (rounds._volatile)
-                put = functools.partial(store.put, adopt=True, codec=Multicodec.TENSORSWAP_MASKED)
-                masked_cid = await asyncio.to_thread(put, reply.masked)
-                await client.rounds.blocks.push(store, masked_cid)
-                reply, block = msgspec.structs.replace(reply, masked=b""), masked_cid.to_bytes()
-            answer = await call(_request(client, task, after, encode(reply), block))
-            if isinstance(reply, UnmaskResponse):
-                if answer.status is None:
-                    raise ProtocolViolation("the coordinator's answer lacks the round's status")
-                return answer.status.to_status()
-            answer = await _next_message(client, task, call, answer, after)
-            message, after = decode(answer.secagg or b""), after + 1
-    finally:
-        await _settle(keyed.prepared)
-        if masked_cid is not None:
-            store.delete(masked_cid)

@@ -31,34 +31,21 @@ from tensorswap.runs.messages import (
     RunsRequest,
     SecAggRequest,
     TaskRequest,
-    TaskWire,
     VersionRow,
     VersionsRequest,
     decode_request,
     encode,
+    task_wire,
 )
 from tensorswap.runs.model import RunSpec
 from tensorswap.runs.regional import part_for
 from tensorswap.runs.views import Viewer, hides_sample, row_of, version_row
 from tensorswap.wire import AppRequest, ProtocolViolation
 
-__all__ = ["RunService", "task_wire"]
+__all__ = ["RunService"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-
-
-def task_wire(task: Task) -> TaskWire:
-    return TaskWire(
-        task.run,
-        task.round_id.round,
-        task.version,
-        task.global_cid,
-        task.mode.value,
-        task.dp,
-        task.clip,
-        task.secagg,
-    )
 
 
 class RunService:
@@ -68,6 +55,7 @@ class RunService:
     round starts, a version is made) or its timeout (at most the server's ``max_wait``),
     so peers long-poll: they only ever dial the coordinator. A refused request (a
     RoundsError, e.g. NotSelected) is answered in the reply and the connection stays usable.
+    ``wait`` and ``contribute`` are what the batched ops (``runs.batch``) use too.
     """
 
     def __init__(self, manager: RunManager, server: RoundServer) -> None:
@@ -82,7 +70,6 @@ class RunService:
         """The batched ops (``runs.batch``) and the grouped registrations."""
 
     async def _on_request(self, request: AppRequest) -> bytes:
-        self._loop = asyncio.get_running_loop()
         try:
             call = decode_request(request.body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -122,14 +109,15 @@ class RunService:
                 return RunAnswer(task=None if task is None else task_wire(task))
             case ContributeRequest():
                 refuse_unproven(self, call)
-                return RunAnswer(status=status_to_wire(await self._contribute(call)))
+                return RunAnswer(status=status_to_wire(await self.contribute(call)))
             case SecAggRequest():
                 return await self._secagg(call)
             case PartRequest():  # a regional coordinator's share of the round
-                return RunAnswer(part=part_for(manager, call.peer, call.run))
+                info = manager.run(call.run)
+                return RunAnswer(part=part_for(manager.units, manager.coordinator, info, call.peer))
         raise ProtocolViolation(f"unknown runs request {type(call).__name__}")
 
-    async def _contribute(self, call: ContributeRequest) -> RoundStatus:
+    async def contribute(self, call: ContributeRequest) -> RoundStatus:
         """Submit; an asynchronous run's delta that finds no buffer open to it waits here
         (no thread) for the next one, up to the server's ``max_wait``."""
         loop = asyncio.get_running_loop()
@@ -153,14 +141,14 @@ class RunService:
                 def opened() -> tuple[bool, None]:
                     return manager.buffer_open(call.run, call.peer), None
 
-                await self._wait(call.run, left, opened)
+                await self.wait(call.run, left, opened)
 
     async def _task(self, call: TaskRequest) -> Task | None:
         def probe() -> tuple[bool, Task | None]:
             task = self.manager.task(call.run, call.peer)
             return task is not None or self.manager.run(call.run).finished, task
 
-        return await self._wait(call.run, call.timeout, probe)
+        return await self.wait(call.run, call.timeout, probe)
 
     async def _secagg(self, call: SecAggRequest) -> RunAnswer:
         """Post the peer's SecAgg+ message, then answer its next server message (waiting
@@ -189,7 +177,7 @@ class RunService:
             got = session.message_for(call.peer, call.after)
             return got is not None, got
 
-        return RunAnswer(secagg=await self._wait(call.run, call.timeout, probe))
+        return RunAnswer(secagg=await self.wait(call.run, call.timeout, probe))
 
     async def _versions(self, call: VersionsRequest, viewer: Viewer) -> list[VersionRow]:
         if call.wait is not None:
@@ -198,7 +186,7 @@ class RunService:
                 info = self.manager.run(call.run)
                 return info.version >= call.since or info.finished, None
 
-            await self._wait(call.run, call.wait, made)
+            await self.wait(call.run, call.wait, made)
 
         def read() -> list[VersionRow]:
             info = self.manager.run(call.run)
@@ -212,11 +200,12 @@ class RunService:
 
         return await asyncio.to_thread(read)
 
-    async def _wait(
+    async def wait(
         self, run: str, timeout: float | None, probe: Callable[[], tuple[bool, _T]]
     ) -> _T | None:
         """``probe()``'s value once it says done, probed again at each change of ``run``;
         None after ``timeout`` (the server's ``max_wait`` at most). No thread waits."""
+        self._loop = asyncio.get_running_loop()  # where run changes wake the waiters
         limit = self.server.max_wait if timeout is None else min(timeout, self.server.max_wait)
         event = asyncio.Event()
         self._waiters.setdefault(run, set()).add(event)

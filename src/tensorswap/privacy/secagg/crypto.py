@@ -37,8 +37,10 @@ from cryptography.hazmat.primitives.serialization import (
 )
 
 from tensorswap.privacy.secagg.errors import KeyAdvertRejected, ShareDecryptionFailed
-from tensorswap.privacy.secagg.protocol import DEFAULT_PRG, PRGS
 
+PRGS = ("aes256-ctr", "chacha20")
+"""The mask PRGs a config may name (``SecAggConfig.prg``; ``keystream``)."""
+DEFAULT_PRG = "aes256-ctr"
 KEY_BYTES = 32
 NONCE_BYTES = 12
 INFO_SHARE_KEY = b"tensorswap secagg+ v1 share encryption"

@@ -22,14 +22,12 @@ from collections.abc import Iterable
 
 import msgspec
 
+from tensorswap.privacy.secagg.crypto import DEFAULT_PRG, PRGS
 from tensorswap.privacy.secagg.errors import MalformedSecAggMessage, SecAggConfigError
 from tensorswap.privacy.secagg.graph import check_degree, default_degree, neighbour_graph
 from tensorswap.privacy.secagg.quantize import Quantizer, max_bits
 
 ROUND_ID_BYTES = 16
-PRGS = ("aes256-ctr", "chacha20")
-"""The mask PRGs a config may name (``SecAggConfig.prg``; ``crypto.keystream``)."""
-DEFAULT_PRG = "aes256-ctr"
 KEY_BYTES = 32
 DEFAULT_MIN_SURVIVORS = 3
 """The default floor: with 3 survivors and one malicious peer among them, the sum it sees

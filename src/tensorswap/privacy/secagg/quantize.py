@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tensorswap.privacy.secagg.crypto import MASK_CHUNK, mask_stream
 from tensorswap.privacy.secagg.errors import QuantizationError, SecAggConfigError
 
 try:  # the one-pass C form (setup.py builds it where a compiler is; optional)
@@ -105,8 +106,6 @@ class Quantizer:
         # rounding as floor(z + u), u uniform in [0, 1): up with probability frac(z). u: 32-bit
         # words of a keystream keyed from ``rng`` (4x numpy's draw). Chunk by chunk, so the
         # words (and the numpy path's float64 temporaries) stay in cache.
-        from tensorswap.privacy.secagg.crypto import MASK_CHUNK, mask_stream
-
         fill = mask_stream(rng.bytes(32))
         scale, offset = (int(weight) / self.max_weight) / self.step, self.clip / self.step
         n = min(MASK_CHUNK, update.size)
@@ -164,8 +163,6 @@ class Quantizer:
         weight_sum = int(total[-1])
         if weight_sum == 0:
             raise QuantizationError("the weights sum to zero")
-        from tensorswap.privacy.secagg.crypto import MASK_CHUNK
-
         values = total[:-1]
         out = np.empty(values.size, np.float32)
         step, shift, scale = self.step, peers * self.clip, self.max_weight / weight_sum
