@@ -12,9 +12,8 @@ import pytest
 
 from helpers.net import running
 from tensorswap.rounds import Backoff, Coordinator, RoundClient, RoundServer, retrying
-from tensorswap.rounds.errors import DuplicateContribution, RoundNotFound
-from tensorswap.rounds.reconnect import retryable
-from tensorswap.rounds.state import RoundId, RoundSpec
+from tensorswap.rounds.client import retryable
+from tensorswap.rounds.core import DuplicateContribution, RoundId, RoundNotFound, RoundSpec
 from tensorswap.transport import ConnectionFailed, PeerTimeout, UnexpectedEof
 from tensorswap.wire.errors import (
     AuthenticationFailed,

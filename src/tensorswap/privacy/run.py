@@ -22,9 +22,8 @@ from tensorswap.privacy.dp import (
 from tensorswap.privacy.errors import ClipBoundExceeded, PrivacyBudgetExhausted
 from tensorswap.privacy.ledger import PrivacyLedger, PrivacyRound, PrivacyStep
 from tensorswap.privacy.params import MAX_DP_CLIP, default_count_stddev
-from tensorswap.rounds.fold import load_pieces
-from tensorswap.rounds.state import Contribution
-from tensorswap.rounds.updates import inspect_update
+from tensorswap.rounds.core import Contribution
+from tensorswap.rounds.engine import inspect_update, load_pieces
 from tensorswap.runs.errors import FutureVersion, NotSelected, RunsError, StaleContribution
 from tensorswap.runs.finite import FiniteGuard
 from tensorswap.runs.stream import stream_noised

@@ -18,13 +18,17 @@ from tensorswap.errors import RoundsError
 from tensorswap.region.errors import RegionError, RegionLoop, UpstreamUnavailable
 from tensorswap.region.identity import DOWNSTREAM, MAX_CHAIN, new_coordinator_id, say_hello
 from tensorswap.region.throttle import DialThrottle
-from tensorswap.rounds.batch import BatchItem, BatchSubmitRequest, submit_proof
-from tensorswap.rounds.client import RoundClient, SubmitResult
-from tensorswap.rounds.errors import RoundNotFound
-from tensorswap.rounds.messages import RoundRow
-from tensorswap.rounds.reconnect import RETRYABLE, RETRYABLE_CODES, Backoff, retryable
-from tensorswap.rounds.state import RoundId, RoundStatus
-from tensorswap.rounds.virtual import request_submit_batch
+from tensorswap.rounds.client import (
+    RETRYABLE,
+    RETRYABLE_CODES,
+    Backoff,
+    RoundClient,
+    SubmitResult,
+    request_submit_batch,
+    retryable,
+)
+from tensorswap.rounds.core import RoundId, RoundNotFound, RoundStatus
+from tensorswap.rounds.protocol import BatchItem, BatchSubmitRequest, RoundRow, submit_proof
 from tensorswap.store import BlockStore
 from tensorswap.wire import Timeouts, WireLimits
 from tensorswap.wire.errors import (

@@ -36,11 +36,16 @@ import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import InvalidCid, TensorSwapError
-from tensorswap.rounds.batch import PROOF_BYTES
-from tensorswap.rounds.errors import PeerNotAuthorised
-from tensorswap.rounds.messages import MAX_NAME_BYTES, ErrorInfo, StatusWire, utf8_len
-from tensorswap.rounds.protocol import error_info, status_to_wire
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.core import PeerNotAuthorised, RoundId
+from tensorswap.rounds.protocol import (
+    MAX_NAME_BYTES,
+    PROOF_BYTES,
+    ErrorInfo,
+    StatusWire,
+    error_info,
+    status_to_wire,
+    utf8_len,
+)
 from tensorswap.runs.messages import ContributeRequest, TaskWire
 from tensorswap.runs.model import ClientInfo, Param
 from tensorswap.runs.registry import ClientRegistry

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tensorswap.rounds.fold import load_pieces
-from tensorswap.rounds.state import Contribution
-from tensorswap.rounds.updates import UpdateFacts, count_nonfinite
+from tensorswap.rounds.core import Contribution
+from tensorswap.rounds.engine import UpdateFacts, count_nonfinite, load_pieces
 from tensorswap.runs.errors import NonFiniteModel, NonFiniteStep
 
 if TYPE_CHECKING:  # runs.model imports privacy, whose RunPrivacy imports this

@@ -14,11 +14,9 @@ from tensorswap.cid import Cid
 from tensorswap.privacy.errors import PrivacyBudgetExhausted
 from tensorswap.privacy.params import check_dp_scale
 from tensorswap.privacy.run import RunPrivacy, is_private
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.errors import RoundAlreadyTerminal, RoundClosed
-from tensorswap.rounds.model import Contribution
-from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec, RoundStatus
-from tensorswap.rounds.updates import inspect_update
+from tensorswap.rounds import Complete, Contribution, Coordinator, Failed, RoundId
+from tensorswap.rounds.core import RoundAlreadyTerminal, RoundClosed, RoundSpec, RoundStatus
+from tensorswap.rounds.engine import inspect_update
 from tensorswap.runs.deadlines import journaled_deadline
 from tensorswap.runs.errors import (
     BufferBusy,

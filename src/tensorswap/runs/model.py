@@ -10,7 +10,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from tensorswap.privacy.params import check_dp_options, check_secagg_options
-from tensorswap.rounds.model import RoundId
+from tensorswap.rounds.core import RoundId
 from tensorswap.runs.errors import InvalidRunSpec
 
 __all__ = [

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from tensorswap.cid import Cid
 from tensorswap.errors import RoundsError
 from tensorswap.privacy.run import RunPrivacy, is_private
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.state import (
+from tensorswap.rounds.core import (
     Aggregating,
     Collecting,
     Contribution,
@@ -21,6 +20,7 @@ from tensorswap.rounds.state import (
     RoundId,
     RoundStatus,
 )
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.runs.errors import NonFiniteStep
 from tensorswap.runs.journal import RunDatabase
 from tensorswap.runs.model import RunInfo, VersionRecord

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.core import RoundId
 from tensorswap.runs.messages import PartWire
 from tensorswap.runs.model import RunInfo, RunMode, RunSpec
 from tensorswap.runs.registry import ClientRegistry

@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 
 from tensorswap.cid import Cid, Multicodec
-from tensorswap.rounds.state import RoundStatus
+from tensorswap.rounds.core import RoundStatus
 from tensorswap.runs.messages import RunAnswer, SecAggRequest
 from tensorswap.store import ModelUpdate
 from tensorswap.wire import ProtocolViolation

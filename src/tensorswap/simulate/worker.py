@@ -59,7 +59,7 @@ class SimWorker:
 
     async def start(self) -> dict[str, Any]:
         """Connect, build the task, register every hosted client; the ready report."""
-        from tensorswap.rounds.virtual import VirtualClients
+        from tensorswap.rounds.client import VirtualClients
         from tensorswap.runs.client import RunClient
 
         self.task = await asyncio.to_thread(make_task, self.task_spec)
@@ -83,8 +83,8 @@ class SimWorker:
     async def round(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
         """Train and submit the sampled clients ``cmd["clients"]`` of round ``cmd["round"]``
         of run ``cmd["run"]`` from the model ``cmd["global_cid"]``; the round's report."""
-        from tensorswap.rounds.state import RoundId
-        from tensorswap.rounds.virtual import PeerSubmit
+        from tensorswap.rounds.client import PeerSubmit
+        from tensorswap.rounds.core import RoundId
 
         assert self.task is not None and self.pool is not None, "start() first"
         try:

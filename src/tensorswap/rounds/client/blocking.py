@@ -11,8 +11,8 @@ from typing import Any, Self, TypeVar
 import numpy as np
 
 from tensorswap.cid import Cid
-from tensorswap.rounds.client import RoundClient, ServerStatus, SubmitResult
-from tensorswap.rounds.state import RoundId, RoundSpec, RoundStatus
+from tensorswap.rounds.client.client import RoundClient, ServerStatus, SubmitResult
+from tensorswap.rounds.core.state import RoundId, RoundSpec, RoundStatus
 from tensorswap.store import ModelUpdate
 
 __all__ = ["BlockingRoundClient"]

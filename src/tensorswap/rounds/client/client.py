@@ -15,10 +15,10 @@ from typing import Any, Literal, Self
 import numpy as np
 
 from tensorswap.cid import Cid
-from tensorswap.rounds.batch import submit_proof
-from tensorswap.rounds.errors import RoundFailed, RoundTimeout, UnknownUpdate
-from tensorswap.rounds.inline import APP_INLINE, INLINE_SEND_BYTES, encode_inline
-from tensorswap.rounds.protocol import (
+from tensorswap.rounds.core.errors import RoundFailed, RoundTimeout, UnknownUpdate
+from tensorswap.rounds.core.state import Complete, RoundId, RoundSpec, RoundStatus
+from tensorswap.rounds.protocol.batch import submit_proof
+from tensorswap.rounds.protocol.codec import (
     APP,
     RoundAnswer,
     RoundRequest,
@@ -32,8 +32,8 @@ from tensorswap.rounds.protocol import (
     raise_remote,
     spec_to_wire,
 )
-from tensorswap.rounds.push import APP_FETCH, result_roots
-from tensorswap.rounds.state import Complete, RoundId, RoundSpec, RoundStatus
+from tensorswap.rounds.protocol.inline import APP_INLINE, INLINE_SEND_BYTES, encode_inline
+from tensorswap.rounds.protocol.push import APP_FETCH, result_roots
 from tensorswap.store import (
     BlockStore,
     MemoryStore,

@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.errors import DuplicateContribution
+from tensorswap.rounds.client.client import RoundClient
+from tensorswap.rounds.core.errors import DuplicateContribution
 from tensorswap.wire.errors import (
     AuthenticationFailed,
     BlockHashMismatch,

@@ -21,17 +21,17 @@ from typing import Any, Self
 import msgspec
 
 from tensorswap.cid import Cid
-from tensorswap.rounds.batch import (
+from tensorswap.rounds.client.client import RoundClient, _children_first, is_small
+from tensorswap.rounds.core.errors import UnknownUpdate
+from tensorswap.rounds.core.state import RoundId, RoundStatus
+from tensorswap.rounds.protocol.batch import (
     MAX_BATCH,
     BatchAnswer,
     BatchItem,
     BatchSubmitRequest,
     submit_proof,
 )
-from tensorswap.rounds.client import RoundClient, _children_first, is_small
-from tensorswap.rounds.errors import UnknownUpdate
-from tensorswap.rounds.protocol import APP, raise_remote
-from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.rounds.protocol.codec import APP, raise_remote
 from tensorswap.store import BlockStore, MemoryStore, ModelUpdate, put_update
 from tensorswap.wire import ProtocolViolation, Timeouts, WireLimits
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from tensorswap.rounds.state import Aggregating, RoundInfo
+from tensorswap.rounds.core.state import Aggregating, RoundInfo
 
 __all__ = [
     "Clock",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import ClassVar
 
-from tensorswap.rounds.errors import InvalidRoundSpec
+from tensorswap.rounds.core.errors import InvalidRoundSpec
 
 __all__ = [
     "MAX_ROUND",

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, Protocol
 
-from tensorswap.rounds.errors import (
+from tensorswap.rounds.core.errors import (
     DuplicateContribution,
     RoundAlreadyTerminal,
     RoundClosed,
@@ -17,7 +17,7 @@ from tensorswap.rounds.errors import (
     RoundTimeout,
     UpdateMismatch,
 )
-from tensorswap.rounds.model import (
+from tensorswap.rounds.core.model import (
     Aggregating,
     Collecting,
     Complete,

@@ -6,11 +6,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tensorswap.rounds._tiered import CoordinatorStore
-from tensorswap.rounds.persist import open_journal
+from tensorswap.rounds.journal.persist import open_journal
+from tensorswap.rounds.storage._tiered import CoordinatorStore
 
 if TYPE_CHECKING:
-    from tensorswap.rounds.coordinator import Coordinator
+    from tensorswap.rounds.engine.coordinator import Coordinator
 
 __all__ = ["STORE_DIRNAME", "open_in_dir"]
 

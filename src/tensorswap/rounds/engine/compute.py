@@ -13,11 +13,11 @@ from tensorswap.aggregate import aggregate
 from tensorswap.cid import Cid
 from tensorswap.codec import DType
 from tensorswap.errors import BlockNotFound, CorruptBlock
-from tensorswap.rounds.errors import ContributionsLost, NonFiniteAggregate, RoundsError
-from tensorswap.rounds.fold import RoundWork, assemble, load_chunk, load_pieces
-from tensorswap.rounds.result import put_pieces
-from tensorswap.rounds.state import Contribution, Layout, RoundInfo
-from tensorswap.rounds.updates import (
+from tensorswap.rounds.core.errors import ContributionsLost, NonFiniteAggregate, RoundsError
+from tensorswap.rounds.core.state import Contribution, Layout, RoundInfo
+from tensorswap.rounds.engine.fold import RoundWork, assemble, load_chunk, load_pieces
+from tensorswap.rounds.engine.result import put_pieces
+from tensorswap.rounds.engine.updates import (
     STREAMING_KINDS,
     UpdateFacts,
     aggregator_spec,

@@ -16,10 +16,7 @@ from types import TracebackType
 from typing import Self
 
 from tensorswap.cid import Cid
-from tensorswap.rounds._lock import SharedLock
-from tensorswap.rounds._open import STORE_DIRNAME, open_in_dir
-from tensorswap.rounds.compute import compute_aggregate
-from tensorswap.rounds.deadline import (
+from tensorswap.rounds.core.deadline import (
     Clock,
     DeadlineTimer,
     SystemClock,
@@ -27,13 +24,8 @@ from tensorswap.rounds.deadline import (
     expiry_verdict,
     next_deadline,
 )
-from tensorswap.rounds.errors import RoundFailed
-from tensorswap.rounds.fold import RoundWork
-from tensorswap.rounds.intake import SampleCap, intake
-from tensorswap.rounds.persist import RoundDatabase
-from tensorswap.rounds.retention import DEFAULT_GC_GRACE, Retention, RetentionWorker
-from tensorswap.rounds.retry import RetryPolicy, RetrySchedule
-from tensorswap.rounds.state import (
+from tensorswap.rounds.core.errors import RoundFailed
+from tensorswap.rounds.core.state import (
     Complete,
     Contribution,
     RoundId,
@@ -42,8 +34,16 @@ from tensorswap.rounds.state import (
     RoundStatus,
     RoundTracker,
 )
-from tensorswap.rounds.stats import CoordinatorStats
-from tensorswap.rounds.updates import aggregator_spec
+from tensorswap.rounds.core.stats import CoordinatorStats
+from tensorswap.rounds.engine._open import STORE_DIRNAME, open_in_dir
+from tensorswap.rounds.engine.compute import compute_aggregate
+from tensorswap.rounds.engine.fold import RoundWork
+from tensorswap.rounds.engine.intake import SampleCap, intake
+from tensorswap.rounds.engine.retry import RetryPolicy, RetrySchedule
+from tensorswap.rounds.engine.updates import aggregator_spec
+from tensorswap.rounds.journal.persist import RoundDatabase
+from tensorswap.rounds.storage._lock import SharedLock
+from tensorswap.rounds.storage.retention import DEFAULT_GC_GRACE, Retention, RetentionWorker
 from tensorswap.store import DEFAULT_CHUNK_BYTES, BlockStore
 
 __all__ = ["DEFAULT_GC_GRACE", "STORE_DIRNAME", "Coordinator", "CoordinatorStats", "Retention"]

@@ -18,9 +18,9 @@ import numpy as np
 
 from tensorswap.aggregate import AggregatorSpec, StreamingAccumulator
 from tensorswap.codec import DType
-from tensorswap.rounds._chunks import ChunkDecoder
-from tensorswap.rounds.state import Layout
-from tensorswap.rounds.updates import UpdateFacts, new_accumulator
+from tensorswap.rounds.core.state import Layout
+from tensorswap.rounds.engine._chunks import ChunkDecoder
+from tensorswap.rounds.engine.updates import UpdateFacts, new_accumulator
 from tensorswap.store import BlockStore, TensorManifest, get_tensor
 
 __all__ = [

@@ -9,19 +9,19 @@ from typing import TYPE_CHECKING
 
 from tensorswap.cid import Cid
 from tensorswap.errors import RoundsError
-from tensorswap.rounds.errors import TooManySamples
-from tensorswap.rounds.fold import RoundWork
-from tensorswap.rounds.screen import check_layout, screen
-from tensorswap.rounds.state import Contribution, RoundId, RoundStatus, Ticket
-from tensorswap.rounds.updates import aggregator_spec, inspect_update, parse_update_cid
+from tensorswap.rounds.core.errors import TooManySamples
+from tensorswap.rounds.core.state import Contribution, RoundId, RoundStatus, Ticket
+from tensorswap.rounds.engine.fold import RoundWork
+from tensorswap.rounds.engine.screen import check_layout, screen
+from tensorswap.rounds.engine.updates import aggregator_spec, inspect_update, parse_update_cid
 from tensorswap.store import BlockStore
 
 if TYPE_CHECKING:
-    from tensorswap.rounds.coordinator import Coordinator
+    from tensorswap.rounds.engine.coordinator import Coordinator
 
 __all__ = ["SampleCap", "intake"]
 
-log = logging.getLogger("tensorswap.rounds.coordinator")
+log = logging.getLogger("tensorswap.rounds.engine.coordinator")
 
 
 @dataclass(slots=True)

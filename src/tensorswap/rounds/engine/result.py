@@ -12,8 +12,8 @@ import numpy as np
 
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.codec import DType, TensorBlock, encode_block_into, encoded_size
-from tensorswap.rounds.fold import Bounds, piece_key
-from tensorswap.rounds.state import Layout
+from tensorswap.rounds.core.state import Layout
+from tensorswap.rounds.engine.fold import Bounds, piece_key
 from tensorswap.store import (
     DEFAULT_CHUNK_BYTES,
     BlockStore,

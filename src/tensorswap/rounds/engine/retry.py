@@ -11,7 +11,7 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.core.state import RoundId
 
 __all__ = ["TRANSIENT_ERRNOS", "RetryPolicy", "RetrySchedule", "transient_cause"]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from tensorswap.aggregate import AggregatorSpec
 from tensorswap.errors import AggregationError, BlockNotFound, CorruptBlock, NonFiniteValues
-from tensorswap.rounds.errors import InvalidUpdate, UnknownUpdate, UpdateMismatch
-from tensorswap.rounds.fold import RoundWork, load_pieces
-from tensorswap.rounds.state import Layout, RoundInfo, layout_mismatch
-from tensorswap.rounds.updates import STREAMING_KINDS, UpdateFacts, check_finite
+from tensorswap.rounds.core.errors import InvalidUpdate, UnknownUpdate, UpdateMismatch
+from tensorswap.rounds.core.state import Layout, RoundInfo, layout_mismatch
+from tensorswap.rounds.engine.fold import RoundWork, load_pieces
+from tensorswap.rounds.engine.updates import STREAMING_KINDS, UpdateFacts, check_finite
 from tensorswap.store import BlockStore, get_update
 
 __all__ = ["check_layout", "screen"]

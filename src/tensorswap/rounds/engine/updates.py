@@ -15,8 +15,13 @@ from tensorswap.aggregate import (
 from tensorswap.aggregate.validate import FLOAT_DTYPE_NAMES
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.errors import AggregationError, BlockNotFound, InvalidCid
-from tensorswap.rounds.errors import InvalidRoundSpec, InvalidUpdate, UnknownUpdate, UpdateMismatch
-from tensorswap.rounds.state import LayerSpec, Layout, RoundSpec
+from tensorswap.rounds.core.errors import (
+    InvalidRoundSpec,
+    InvalidUpdate,
+    UnknownUpdate,
+    UpdateMismatch,
+)
+from tensorswap.rounds.core.state import LayerSpec, Layout, RoundSpec
 from tensorswap.store import (
     BlockStore,
     MalformedManifest,

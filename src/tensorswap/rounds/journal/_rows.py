@@ -7,8 +7,7 @@ import sqlite3
 from collections.abc import Sequence
 
 from tensorswap.errors import RoundsError
-from tensorswap.rounds._group import Write
-from tensorswap.rounds.state import (
+from tensorswap.rounds.core.state import (
     Aggregating,
     Collecting,
     Complete,
@@ -20,6 +19,7 @@ from tensorswap.rounds.state import (
     RoundId,
     RoundStatus,
 )
+from tensorswap.rounds.journal._group import Write
 
 __all__ = [
     "ContributionRow",

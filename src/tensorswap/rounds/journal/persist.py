@@ -15,18 +15,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 from tensorswap.errors import RoundsError
-from tensorswap.rounds._group import GroupCommit, Write
-from tensorswap.rounds._rows import (
-    contributions_write,
-    layout_json,
-    parse_layout,
-    parse_status,
-    round_number,
-    status_columns,
-)
-from tensorswap.rounds._sqlite import transaction
-from tensorswap.rounds.errors import JournalDamaged, JournalMissing
-from tensorswap.rounds.state import (
+from tensorswap.rounds.core.errors import JournalDamaged, JournalMissing
+from tensorswap.rounds.core.state import (
     Contribution,
     Layout,
     RoundId,
@@ -34,6 +24,16 @@ from tensorswap.rounds.state import (
     RoundSpec,
     RoundStatus,
 )
+from tensorswap.rounds.journal._group import GroupCommit, Write
+from tensorswap.rounds.journal._rows import (
+    contributions_write,
+    layout_json,
+    parse_layout,
+    parse_status,
+    round_number,
+    status_columns,
+)
+from tensorswap.rounds.journal._sqlite import transaction
 
 if TYPE_CHECKING:
     from tensorswap.store.base import BlockStore

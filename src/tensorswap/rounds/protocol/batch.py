@@ -28,15 +28,15 @@ import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import InvalidCid, TensorSwapError
-from tensorswap.rounds.errors import PeerNotAuthorised
-from tensorswap.rounds.messages import (
+from tensorswap.rounds.core.errors import PeerNotAuthorised
+from tensorswap.rounds.core.model import RoundId
+from tensorswap.rounds.protocol.messages import (
     MAX_NAME_BYTES,
     ErrorInfo,
     StatusWire,
     _Request,
     utf8_len,
 )
-from tensorswap.rounds.model import RoundId
 
 __all__ = [
     "MAX_BATCH",
@@ -170,6 +170,6 @@ class PeerKeys(Mapping[str, bytes]):
 
 def refusal(exc: TensorSwapError) -> ItemResult:
     """An item refused for ``exc``."""
-    from tensorswap.rounds.protocol import error_info
+    from tensorswap.rounds.protocol.codec import error_info
 
     return ItemResult(error=error_info(exc))

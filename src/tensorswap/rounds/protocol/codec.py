@@ -17,9 +17,10 @@ from typing import get_args
 import msgspec
 
 from tensorswap.errors import TensorSwapError
-from tensorswap.rounds import errors as rounds_errors
-from tensorswap.rounds.errors import InvalidRoundSpec, RoundsError
-from tensorswap.rounds.messages import (
+from tensorswap.rounds.core import errors as rounds_errors
+from tensorswap.rounds.core.errors import InvalidRoundSpec, RoundsError
+from tensorswap.rounds.core.state import LayerSpec, RoundId, RoundInfo, RoundSpec
+from tensorswap.rounds.protocol.messages import (
     MAX_LAYER_DIMS,
     MAX_LAYER_ELEMENTS,
     MAX_NAME_BYTES,
@@ -44,7 +45,6 @@ from tensorswap.rounds.messages import (
     status_to_wire,
     utf8_len,
 )
-from tensorswap.rounds.state import LayerSpec, RoundId, RoundInfo, RoundSpec
 from tensorswap.wire.errors import ProtocolViolation, RemoteError
 
 __all__ = [

@@ -29,18 +29,18 @@ import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import HashMismatch, InvalidCid, TensorSwapError
-from tensorswap.rounds._fresh import FreshBlocks
-from tensorswap.rounds._tiered import small_or_none
-from tensorswap.rounds.batch import PROOF_BYTES
-from tensorswap.rounds.messages import MAX_NAME_BYTES, _Request, utf8_len
-from tensorswap.rounds.model import RoundId, RoundStatus
+from tensorswap.rounds.core.model import RoundId, RoundStatus
+from tensorswap.rounds.protocol.batch import PROOF_BYTES
+from tensorswap.rounds.protocol.messages import MAX_NAME_BYTES, _Request, utf8_len
+from tensorswap.rounds.storage._fresh import FreshBlocks
+from tensorswap.rounds.storage._tiered import small_or_none
 from tensorswap.store import BlockStore
 from tensorswap.wire import ProtocolViolation
 from tensorswap.wire._budget import ByteBudget, Reservation
 from tensorswap.wire.errors import BlockHashMismatch
 
 if TYPE_CHECKING:
-    from tensorswap.rounds.coordinator import Coordinator
+    from tensorswap.rounds.engine.coordinator import Coordinator
 
 __all__ = [
     "APP_INLINE",

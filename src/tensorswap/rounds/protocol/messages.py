@@ -18,7 +18,7 @@ import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import InvalidCid
-from tensorswap.rounds.model import (
+from tensorswap.rounds.core.model import (
     Aggregating,
     Collecting,
     Complete,

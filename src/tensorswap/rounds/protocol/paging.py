@@ -10,13 +10,17 @@ page, left out on the last one). New ops: old requests and answers keep their by
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
-from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.messages import ErrorInfo, Param, RoundRow, _Request
-from tensorswap.rounds.model import RoundId
-from tensorswap.rounds.protocol import APP, raise_remote
+from tensorswap.rounds.core.model import RoundId
+from tensorswap.rounds.protocol.codec import APP, raise_remote
+from tensorswap.rounds.protocol.messages import ErrorInfo, Param, RoundRow, _Request
 from tensorswap.wire.errors import ProtocolViolation
+
+if TYPE_CHECKING:  # the client layer sits above this one
+    from tensorswap.rounds.client.client import RoundClient
 
 __all__ = [
     "MAX_PAGE",

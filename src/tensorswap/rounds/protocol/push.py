@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from tensorswap.cid import Cid
 from tensorswap.errors import StoreError
-from tensorswap.rounds.protocol import (
+from tensorswap.rounds.protocol.codec import (
     CompleteWire,
     SubmitRequest,
     decode_answer,

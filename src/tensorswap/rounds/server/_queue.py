@@ -17,11 +17,11 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from tensorswap.cid import Cid
-from tensorswap.rounds.inline import Blocks, intake_batch
-from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.rounds.core.state import RoundId, RoundStatus
+from tensorswap.rounds.protocol.inline import Blocks, intake_batch
 
 if TYPE_CHECKING:
-    from tensorswap.rounds.coordinator import Coordinator
+    from tensorswap.rounds.engine.coordinator import Coordinator
 
 __all__ = ["DEPTH", "IntakeQueue"]
 

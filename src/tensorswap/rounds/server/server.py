@@ -15,30 +15,17 @@ import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import TensorSwapError, WireError
-from tensorswap.rounds._queue import IntakeQueue
-from tensorswap.rounds.batch import (
+from tensorswap.rounds.core.errors import PeerNotAuthorised, RoundNotFound, RoundTimeout
+from tensorswap.rounds.core.state import RoundId, RoundStatus
+from tensorswap.rounds.engine.coordinator import Coordinator
+from tensorswap.rounds.protocol.batch import (
     BatchAnswer,
     BatchSubmitRequest,
     ItemResult,
     PeerKeys,
     refusal,
 )
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.errors import PeerNotAuthorised, RoundNotFound, RoundTimeout
-from tensorswap.rounds.inline import (
-    APP_INLINE,
-    Blocks,
-    decode_inline,
-    inline_blocks,
-    reserve_inline,
-)
-from tensorswap.rounds.paging import (
-    PageAnswer,
-    PeersPageRequest,
-    RoundsPageRequest,
-    next_start,
-)
-from tensorswap.rounds.protocol import (
+from tensorswap.rounds.protocol.codec import (
     APP,
     CompleteWire,
     FailedWire,
@@ -55,8 +42,21 @@ from tensorswap.rounds.protocol import (
     spec_from_wire,
     status_to_wire,
 )
-from tensorswap.rounds.push import APP_FETCH, result_push
-from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.rounds.protocol.inline import (
+    APP_INLINE,
+    Blocks,
+    decode_inline,
+    inline_blocks,
+    reserve_inline,
+)
+from tensorswap.rounds.protocol.paging import (
+    PageAnswer,
+    PeersPageRequest,
+    RoundsPageRequest,
+    next_start,
+)
+from tensorswap.rounds.protocol.push import APP_FETCH, result_push
+from tensorswap.rounds.server._queue import IntakeQueue
 from tensorswap.store import BlockStore
 from tensorswap.wire import (
     AppRequest,

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from types import TracebackType
 
-from tensorswap.rounds.errors import DataDirInUse, RoundsError
+from tensorswap.rounds.core.errors import DataDirInUse, RoundsError
 
 try:
     import fcntl

@@ -31,8 +31,12 @@ from typing import Any
 
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, CorruptBlock, StoreError
-from tensorswap.rounds._sqlite import open_wal, transaction
-from tensorswap.rounds._volatile import DEFAULT_VOLATILE_BYTES, VOLATILE_CODECS, VolatileBlocks
+from tensorswap.rounds.journal._sqlite import open_wal, transaction
+from tensorswap.rounds.storage._volatile import (
+    DEFAULT_VOLATILE_BYTES,
+    VOLATILE_CODECS,
+    VolatileBlocks,
+)
 from tensorswap.store import DirectoryStore, StoreSize
 
 __all__ = ["SMALL_DB", "CoordinatorStore", "small_or_none"]

@@ -10,9 +10,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from tensorswap.cid import Cid
-from tensorswap.rounds._lock import SharedLock
-from tensorswap.rounds.deadline import Clock
-from tensorswap.rounds.state import Complete, RoundId, RoundTracker
+from tensorswap.rounds.core.deadline import Clock
+from tensorswap.rounds.core.state import Complete, RoundId, RoundTracker
+from tensorswap.rounds.storage._lock import SharedLock
 from tensorswap.store import BlockStore, DirectoryStore
 from tensorswap.store.gc import GcResult, collect_garbage
 
