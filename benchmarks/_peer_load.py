@@ -26,7 +26,7 @@ import numpy as np
 from tensorswap._collector import settle_heap
 from tensorswap._eventloop import run as run_loop
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.core import RoundId
 
 LOOP_ENV = "TENSORSWAP_BENCH_LOOP"
 """The load's event loop (``tensorswap._eventloop``): asyncio unless this says otherwise."""

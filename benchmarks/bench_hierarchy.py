@@ -33,7 +33,7 @@ from benchmarks.__main__ import ratio_line
 from benchmarks.bench_rounds import Coordinator
 from tensorswap.cid import Cid
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.state import Complete, RoundId, RoundSpec
+from tensorswap.rounds.core import Complete, RoundId, RoundSpec
 from tensorswap.store import ModelUpdate, put_update
 
 MiB = 1024 * 1024

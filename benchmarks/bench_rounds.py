@@ -39,9 +39,8 @@ import numpy as np
 
 from benchmarks.__main__ import ratio_line
 from tensorswap.cid import Cid
-from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.state import Complete, RoundId, RoundSpec
-from tensorswap.rounds.virtual import PeerSubmit, VirtualClients
+from tensorswap.rounds.client import PeerSubmit, RoundClient, VirtualClients
+from tensorswap.rounds.core import Complete, RoundId, RoundSpec
 from tensorswap.store import ModelUpdate, put_update
 
 MiB = 1024 * 1024
@@ -417,9 +416,9 @@ _REQUESTS = """
 import asyncio, sys, tempfile, time
 from pathlib import Path
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import RoundId, RoundSpec
+from tensorswap.rounds.core import RoundId, RoundSpec
 
 async def main(connections, each):
     with tempfile.TemporaryDirectory() as d, Coordinator.open(Path(d), run_timer=False) as co:

@@ -48,10 +48,9 @@ import numpy as np
 from benchmarks.__main__ import ratio_line
 from benchmarks.bench_rounds import Coordinator
 from tensorswap._eventloop import uvloop_available
-from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.paging import page_peers, page_rounds
-from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
-from tensorswap.rounds.virtual import PeerSubmit, VirtualClients
+from tensorswap.rounds.client import PeerSubmit, RoundClient, VirtualClients
+from tensorswap.rounds.core import Collecting, Complete, RoundId, RoundSpec
+from tensorswap.rounds.protocol import page_peers, page_rounds
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.virtual import VirtualRuns
 

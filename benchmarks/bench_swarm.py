@@ -46,7 +46,7 @@ from tensorswap.cid import Cid
 from tensorswap.netlab import Host, Lab, NamespacesUnavailable
 from tensorswap.rounds import Coordinator as RoundCoordinator
 from tensorswap.rounds import RoundClient, RoundServer
-from tensorswap.rounds.state import RoundId, RoundSpec
+from tensorswap.rounds.core import RoundId, RoundSpec
 from tensorswap.store import MemoryStore, ModelUpdate, put_update
 from tensorswap.swarm import SwarmPeer, SwarmTracker
 from tensorswap.wire import BlockClient, BlockServer

@@ -37,7 +37,7 @@ import numpy as np
 
 from tensorswap.netlab import Host, Lab, NamespacesUnavailable, wait_listening
 from tensorswap.rounds import RoundClient
-from tensorswap.rounds.state import RoundId, RoundSpec
+from tensorswap.rounds.core import RoundId, RoundSpec
 
 try:
     from benchmarks.__main__ import ratio_line

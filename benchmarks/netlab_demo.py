@@ -29,7 +29,7 @@ import numpy as np
 
 from tensorswap.netlab import Host, Lab, NamespacesUnavailable, wait_listening
 from tensorswap.rounds import Backoff, RoundClient, retrying
-from tensorswap.rounds.state import RoundId, RoundSpec
+from tensorswap.rounds.core import RoundId, RoundSpec
 from tensorswap.store import MemoryStore
 from tensorswap.wire import Timeouts
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from tensorswap.cli import recv_cmd, serve_cmd
 from tensorswap.cli._util import BYTES
-from tensorswap.rounds.coordinator import Coordinator
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.rounds.server import RoundServer
 from tensorswap.store import MemoryStore
 

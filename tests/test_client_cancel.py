@@ -28,10 +28,10 @@ from tensorswap.rounds import (
     RoundAlreadyTerminal,
     RoundClient,
 )
-from tensorswap.rounds.paging import page_peers
+from tensorswap.rounds.core import Collecting, Complete, RoundId, RoundSpec
 from tensorswap.rounds.protocol import APP as ROUNDS_APP
+from tensorswap.rounds.protocol import page_peers
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
 from tensorswap.runs import RunManager, RunSpec
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.messages import APP as RUNS_APP

@@ -16,10 +16,10 @@ from tensorswap._eventloop import EventLoop, UvloopMissing, loop_factory, resolv
 from tensorswap._eventloop import run as run_loop
 from tensorswap.cli import serve_cmd
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.inline import INLINE_SEND_BYTES
+from tensorswap.rounds.core import Complete, RoundId, RoundSpec
+from tensorswap.rounds.engine import Coordinator
+from tensorswap.rounds.protocol import INLINE_SEND_BYTES
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import Complete, RoundId, RoundSpec
 
 KEY = b"event-loop-test-key"
 

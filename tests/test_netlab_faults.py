@@ -19,7 +19,7 @@ from helpers.netlab import blocks_of, connect, held, in_host, model, serve_in, u
 from helpers.serve import Server
 from tensorswap.netlab import Lab
 from tensorswap.rounds import Backoff, RoundClient, retrying
-from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
+from tensorswap.rounds.core import Collecting, Complete, RoundId, RoundSpec
 from tensorswap.transport import TransportError
 
 pytestmark = pytest.mark.timeout(180)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers.region import GROUPS, RID, SIZE, flat_round, network, region_round, start, values
-from tensorswap.rounds.state import Complete, RoundSpec
+from tensorswap.rounds.core import Complete, RoundSpec
 
 
 @pytest.mark.parametrize(

@@ -23,10 +23,9 @@ from helpers.region import (
 )
 from tensorswap.region import Backoff
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.deadline import FakeClock
+from tensorswap.rounds.core import Complete, Failed, FakeClock, RoundSpec
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import Complete, Failed, RoundSpec
 
 OUTLIER = 1e4
 

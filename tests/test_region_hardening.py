@@ -31,11 +31,10 @@ from tensorswap.region import (
     coordinator_id,
 )
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.errors import DuplicateContribution
+from tensorswap.rounds.core import Complete, DuplicateContribution, Failed, RoundId, RoundSpec
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.rounds.protocol import error_info, raise_remote
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec
 from tensorswap.runs.client import RunClient
 from tensorswap.store import MemoryStore
 from tensorswap.wire.errors import ServerBusy

@@ -9,7 +9,7 @@ import pytest
 
 from tensorswap.cid import Cid
 from tensorswap.region import ForwardState, RegionError, RegionJournal
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.core import RoundId
 from tensorswap.store import MemoryStore
 
 A, B = RoundId(1, "lead"), RoundId(2, "lead")

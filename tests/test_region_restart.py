@@ -11,8 +11,7 @@ import pytest
 
 from helpers.serve import SECRET, Server
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.errors import RoundNotFound
-from tensorswap.rounds.state import Aggregating, Complete, RoundId, RoundSpec
+from tensorswap.rounds.core import Aggregating, Complete, RoundId, RoundNotFound, RoundSpec
 
 RID = RoundId(1, "lead")
 VALUES = 64 * 1024  # float32 values per update: 256 KiB, one chunk

@@ -16,10 +16,9 @@ from helpers.region import FAST
 from tensorswap.cid import Cid
 from tensorswap.region import RegionalTier, RunsProxy, UpstreamLink
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.errors import RoundNotFound
+from tensorswap.rounds.core import RoundId, RoundNotFound
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import RoundId
 from tensorswap.runs import NotSelected, RunManager, RunSpec
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.service import RunService

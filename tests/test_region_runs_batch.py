@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from helpers.region_runs import RUN, initial, models, tier, top, trained
-from tensorswap.rounds.virtual import VirtualClients
+from tensorswap.rounds.client import VirtualClients
 from tensorswap.runs import RunManager, RunSpec, Task
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.virtual import RunContribution, VirtualRuns

@@ -14,9 +14,8 @@ import pytest
 
 from helpers.region_runs import MODEL_BYTES, RUN, drive, initial, models, tier, top, trained
 from tensorswap.region import SecureRunThroughRegion
-from tensorswap.rounds.batch import PeerKeys
-from tensorswap.rounds.deadline import FakeClock
-from tensorswap.rounds.state import Complete, Failed, RoundId
+from tensorswap.rounds.core import Complete, Failed, FakeClock, RoundId
+from tensorswap.rounds.protocol import PeerKeys
 from tensorswap.runs import RunSpec
 from tensorswap.runs.client import RunClient
 from tensorswap.store import ModelUpdate

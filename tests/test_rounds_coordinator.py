@@ -10,31 +10,29 @@ import numpy as np
 import pytest
 
 from tensorswap.cid import Cid, Multicodec
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.deadline import FakeClock
-from tensorswap.rounds.errors import (
-    DuplicateContribution,
-    InvalidRoundSpec,
-    InvalidUpdate,
-    RoundAlreadyTerminal,
-    RoundClosed,
-    RoundFailed,
-    RoundNotFound,
-    UnknownUpdate,
-    UpdateMismatch,
-)
-from tensorswap.rounds.persist import RoundDatabase
-from tensorswap.rounds.state import (
+from tensorswap.rounds.core import (
     Aggregating,
     Collecting,
     Complete,
     Contribution,
+    DuplicateContribution,
     Failed,
+    FakeClock,
+    InvalidRoundSpec,
+    InvalidUpdate,
     LayerSpec,
+    RoundAlreadyTerminal,
+    RoundClosed,
+    RoundFailed,
     RoundId,
+    RoundNotFound,
     RoundSpec,
     RoundTracker,
+    UnknownUpdate,
+    UpdateMismatch,
 )
+from tensorswap.rounds.engine import Coordinator
+from tensorswap.rounds.journal import RoundDatabase
 from tensorswap.store import (
     DEFAULT_CHUNK_BYTES,
     BlockStore,

@@ -6,15 +6,18 @@ import threading
 
 import pytest
 
-from tensorswap.rounds.deadline import (
+from tensorswap.rounds.core import (
+    Contribution,
     DeadlineTimer,
     FakeClock,
+    RoundId,
+    RoundSpec,
+    RoundTracker,
     SystemClock,
     due_rounds,
     expiry_verdict,
     next_deadline,
 )
-from tensorswap.rounds.state import Contribution, RoundId, RoundSpec, RoundTracker
 
 
 def test_expiry_verdict_aggregates_at_quorum_and_fails_below() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from helpers.net import running
 from tensorswap.rounds import Coordinator, RoundClient, RoundServer
-from tensorswap.rounds.state import RoundId, RoundSpec
+from tensorswap.rounds.core import RoundId, RoundSpec
 from tensorswap.store import manifest_closure
 from tensorswap.wire.messages import Get
 

@@ -13,19 +13,21 @@ import numpy as np
 import pytest
 
 from tensorswap.errors import RoundsError
-from tensorswap.rounds._group import GroupCommit
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.deadline import FakeClock
-from tensorswap.rounds.errors import DuplicateContribution, RoundClosed, UnknownUpdate
-from tensorswap.rounds.persist import RoundDatabase
-from tensorswap.rounds.state import (
+from tensorswap.rounds.core import (
     Collecting,
     Complete,
     Contribution,
+    DuplicateContribution,
+    FakeClock,
+    RoundClosed,
     RoundId,
     RoundSpec,
     RoundTracker,
+    UnknownUpdate,
 )
+from tensorswap.rounds.engine import Coordinator
+from tensorswap.rounds.journal import RoundDatabase
+from tensorswap.rounds.journal._group import GroupCommit
 from tensorswap.store import MemoryStore, ModelUpdate, put_update
 
 RID = RoundId(1, "lead")

@@ -12,9 +12,9 @@ import pytest
 from helpers.net import running
 from tensorswap.cid import Cid
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.errors import DuplicateContribution
-from tensorswap.rounds.inline import (
+from tensorswap.rounds.core import Collecting, Complete, DuplicateContribution, RoundId, RoundSpec
+from tensorswap.rounds.engine import Coordinator
+from tensorswap.rounds.protocol.inline import (
     APP_INLINE,
     INLINE_SEND_BYTES,
     MAX_INLINE_BLOCKS,
@@ -25,7 +25,6 @@ from tensorswap.rounds.inline import (
     encode_inline,
 )
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
 from tensorswap.store import MemoryStore, ModelUpdate, manifest_closure, put_update
 from tensorswap.wire import ProtocolViolation, RemoteError
 

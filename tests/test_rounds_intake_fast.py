@@ -13,14 +13,14 @@ import pytest
 
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, RoundsError
-from tensorswap.rounds._chunks import ChunkDecoder
-from tensorswap.rounds._fresh import FreshBlocks
-from tensorswap.rounds._queue import IntakeQueue
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.fold import CHUNKS
-from tensorswap.rounds.inline import intake_batch
-from tensorswap.rounds.persist import RoundDatabase
-from tensorswap.rounds.state import Collecting, Complete, Contribution, RoundId, RoundSpec
+from tensorswap.rounds.core import Collecting, Complete, Contribution, RoundId, RoundSpec
+from tensorswap.rounds.engine import Coordinator
+from tensorswap.rounds.engine._chunks import ChunkDecoder
+from tensorswap.rounds.engine.fold import CHUNKS
+from tensorswap.rounds.journal import RoundDatabase
+from tensorswap.rounds.protocol.inline import intake_batch
+from tensorswap.rounds.server._queue import IntakeQueue
+from tensorswap.rounds.storage._fresh import FreshBlocks
 from tensorswap.store import (
     MemoryStore,
     ModelUpdate,

@@ -13,8 +13,7 @@ import pytest
 from helpers.net import running
 from tensorswap.cid import Cid
 from tensorswap.rounds import Coordinator, FakeClock, RoundDatabase
-from tensorswap.rounds.errors import UnknownUpdate
-from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec
+from tensorswap.rounds.core import Complete, Failed, RoundId, RoundSpec, UnknownUpdate
 from tensorswap.store import DirectoryStore, ModelUpdate, get_update, put_update
 from tensorswap.store.manifest import TensorManifest, UpdateManifest, read_manifest
 
@@ -138,8 +137,8 @@ def test_status_shows_the_dropped_contribution_and_a_retry_reason() -> None:
 
     from tensorswap.cli.status_cmd import render
     from tensorswap.rounds.client import ServerStatus
-    from tensorswap.rounds.protocol import RoundAnswer, decode_answer, encode_answer, row_of
-    from tensorswap.rounds.state import Aggregating, RoundInfo
+    from tensorswap.rounds.core import Aggregating, RoundInfo
+    from tensorswap.rounds.protocol.codec import RoundAnswer, decode_answer, encode_answer, row_of
 
     why = "unreadable: corrupt block bafkxyz (quarantined)"
     info = RoundInfo(
@@ -157,8 +156,8 @@ def test_status_shows_the_dropped_contribution_and_a_retry_reason() -> None:
 
 async def test_a_client_pushes_again_a_block_the_coordinator_quarantined(tmp_path: Path) -> None:
     from tensorswap.rounds.client import RoundClient
+    from tensorswap.rounds.core import Collecting
     from tensorswap.rounds.server import RoundServer
-    from tensorswap.rounds.state import Collecting
 
     key = b"integrity-key"
     with Coordinator.open(tmp_path, clock=FakeClock(), run_timer=False, durable=False) as coord:

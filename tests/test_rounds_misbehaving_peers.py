@@ -14,16 +14,21 @@ import numpy as np
 import pytest
 
 from helpers.net import running
-from tensorswap.rounds.blocking import BlockingRoundClient
-from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.errors import (
+from tensorswap.rounds.client import BlockingRoundClient, RoundClient
+from tensorswap.rounds.core import (
+    Complete,
     DuplicateContribution,
     InvalidRoundSpec,
+    LayerSpec,
+    Pending,
+    RoundId,
     RoundNotFound,
+    RoundSpec,
+    RoundStatus,
     RoundTimeout,
 )
-from tensorswap.rounds.protocol import (
+from tensorswap.rounds.engine import Coordinator
+from tensorswap.rounds.protocol.codec import (
     APP,
     MAX_NAME_BYTES,
     ErrorInfo,
@@ -35,7 +40,6 @@ from tensorswap.rounds.protocol import (
     raise_remote,
 )
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import Complete, LayerSpec, Pending, RoundId, RoundSpec, RoundStatus
 from tensorswap.wire import Transport, WireLimits
 from tensorswap.wire.client import BlockClient
 from tensorswap.wire.errors import ProtocolViolation, RemoteError

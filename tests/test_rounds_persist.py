@@ -13,21 +13,23 @@ import pytest
 
 from tensorswap.cli import main
 from tensorswap.errors import RoundsError
-from tensorswap.rounds.coordinator import STORE_DIRNAME, Coordinator
-from tensorswap.rounds.errors import DuplicateContribution, JournalDamaged, JournalMissing
-from tensorswap.rounds.persist import DB_FILENAME, RoundDatabase
-from tensorswap.rounds.state import (
+from tensorswap.rounds.core import (
     Aggregating,
     Collecting,
     Complete,
     Contribution,
+    DuplicateContribution,
     Failed,
+    JournalDamaged,
+    JournalMissing,
     LayerSpec,
     Pending,
     RoundId,
     RoundSpec,
     RoundTracker,
 )
+from tensorswap.rounds.engine import STORE_DIRNAME, Coordinator
+from tensorswap.rounds.journal import DB_FILENAME, RoundDatabase
 from tensorswap.store import DirectoryStore
 
 
@@ -132,8 +134,8 @@ def test_contributions_survive_the_process_being_killed(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import os, signal
-        from tensorswap.rounds.persist import RoundDatabase
-        from tensorswap.rounds.state import Contribution, RoundId, RoundTracker
+        from tensorswap.rounds.journal import RoundDatabase
+        from tensorswap.rounds.core import Contribution, RoundId, RoundTracker
         db = RoundDatabase.in_dir({str(tmp_path)!r})
         tracker = RoundTracker(8, journal=db)
         rid = RoundId(7, "init")
@@ -207,7 +209,7 @@ def test_reset_starts_a_fresh_journal_and_keeps_the_old_one_aside(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     _journal_with_rounds(tmp_path, rounds=3)
-    caplog.set_level(logging.INFO, logger="tensorswap.rounds.persist")
+    caplog.set_level(logging.INFO, logger="tensorswap.rounds.journal.persist")
     with Coordinator.open(tmp_path, reset=True, run_timer=False) as coordinator:
         assert coordinator.tracker.rounds() == []
     (aside,) = tmp_path.glob(f"{DB_FILENAME}.reset-*[0-9Z]")
@@ -223,7 +225,7 @@ def test_reset_over_an_empty_journal_starts(
 ) -> None:
     _store_with_a_block(tmp_path)
     (tmp_path / DB_FILENAME).write_bytes(b"")
-    caplog.set_level(logging.INFO, logger="tensorswap.rounds.persist")
+    caplog.set_level(logging.INFO, logger="tensorswap.rounds.journal.persist")
     with Coordinator.open(tmp_path, reset=True, run_timer=False) as coordinator:
         coordinator.tracker.start(RoundId(1, "init"))
     with Coordinator.open(tmp_path, run_timer=False) as coordinator:
@@ -278,7 +280,7 @@ def test_restored_rounds_and_contributions_are_logged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     _journal_with_rounds(tmp_path, rounds=3)
-    caplog.set_level(logging.INFO, logger="tensorswap.rounds.persist")
+    caplog.set_level(logging.INFO, logger="tensorswap.rounds.journal.persist")
     with Coordinator.open(tmp_path, run_timer=False):
         pass
     (record,) = [r for r in caplog.records if "restored" in r.getMessage()]

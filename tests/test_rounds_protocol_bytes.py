@@ -7,14 +7,23 @@ import msgspec
 import pytest
 
 from tensorswap.cid import Cid
-from tensorswap.rounds.errors import (
+from tensorswap.rounds.core import (
+    Aggregating,
+    Collecting,
+    Complete,
     DuplicateContribution,
+    Failed,
     InvalidRoundSpec,
+    LayerSpec,
+    Pending,
+    RoundId,
+    RoundInfo,
+    RoundSpec,
+    RoundStatus,
     RoundTimeout,
     UnknownUpdate,
 )
-from tensorswap.rounds.messages import _StatusWire
-from tensorswap.rounds.protocol import (
+from tensorswap.rounds.protocol.codec import (
     RoundAnswer,
     RoundCall,
     RoundRequest,
@@ -32,18 +41,7 @@ from tensorswap.rounds.protocol import (
     spec_to_wire,
     status_to_wire,
 )
-from tensorswap.rounds.state import (
-    Aggregating,
-    Collecting,
-    Complete,
-    Failed,
-    LayerSpec,
-    Pending,
-    RoundId,
-    RoundInfo,
-    RoundSpec,
-    RoundStatus,
-)
+from tensorswap.rounds.protocol.messages import _StatusWire
 
 CID = Cid.of(b"tensorswap golden update")
 AGG = Cid.of(b"tensorswap golden aggregate")

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from tensorswap.cid import Cid
-from tensorswap.rounds.protocol import (
+from tensorswap.rounds.protocol.codec import (
     MAX_NAME_BYTES,
     RoundAnswer,
     StartRequest,

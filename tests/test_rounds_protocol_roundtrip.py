@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorswap.cid import Cid, HashFunction, Multicodec
-from tensorswap.rounds.protocol import (
+from tensorswap.rounds.protocol.codec import (
     MAX_NAME_BYTES,
     AggregatingWire,
     CollectingWire,

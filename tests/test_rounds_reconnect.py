@@ -1,4 +1,5 @@
-"""rounds.reconnect: an operation run again on a fresh connection (with backoff) after failures."""
+"""rounds.client.reconnect: an operation run again on a fresh connection (with backoff)
+after failures."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import pytest
 
 from helpers.net import running
 from tensorswap.rounds import Backoff, Coordinator, RoundClient, RoundServer, retrying
-from tensorswap.rounds.errors import DuplicateContribution, RoundNotFound
-from tensorswap.rounds.reconnect import retryable
-from tensorswap.rounds.state import RoundId, RoundSpec
+from tensorswap.rounds.client import retryable
+from tensorswap.rounds.core import DuplicateContribution, RoundId, RoundNotFound, RoundSpec
 from tensorswap.transport import ConnectionFailed, PeerTimeout, UnexpectedEof
 from tensorswap.wire.errors import (
     AuthenticationFailed,

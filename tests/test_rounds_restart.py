@@ -14,9 +14,8 @@ from helpers.serve import SECRET, Server
 from tensorswap.cid import Cid
 from tensorswap.cli.status_cmd import status as status_command
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.errors import DuplicateContribution
-from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
+from tensorswap.rounds.core import Collecting, Complete, DuplicateContribution, RoundId, RoundSpec
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.store import get_update
 
 RID = RoundId(1, "lead")

@@ -6,9 +6,9 @@ import itertools
 
 import numpy as np
 
-from tensorswap.rounds.fold import Bounds, assemble, piece_key
-from tensorswap.rounds.result import put_pieces
-from tensorswap.rounds.state import LayerSpec
+from tensorswap.rounds.core import LayerSpec
+from tensorswap.rounds.engine.fold import Bounds, assemble, piece_key
+from tensorswap.rounds.engine.result import put_pieces
 from tensorswap.store import DEFAULT_CHUNK_BYTES, MemoryStore, ModelUpdate, put_update
 
 PER = DEFAULT_CHUNK_BYTES // 4

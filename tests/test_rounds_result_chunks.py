@@ -12,9 +12,9 @@ import pytest
 
 from helpers.net import running
 from tensorswap.rounds import Coordinator, RoundClient, RoundServer
-from tensorswap.rounds.fold import Bounds, piece_key
-from tensorswap.rounds.result import put_pieces
-from tensorswap.rounds.state import LayerSpec, RoundId, RoundSpec
+from tensorswap.rounds.core import LayerSpec, RoundId, RoundSpec
+from tensorswap.rounds.engine.fold import Bounds, piece_key
+from tensorswap.rounds.engine.result import put_pieces
 from tensorswap.store import (
     DEFAULT_CHUNK_BYTES,
     MemoryStore,

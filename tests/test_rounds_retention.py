@@ -11,10 +11,8 @@ import pytest
 
 from helpers.store import STORE_KINDS, make_older, make_store
 from tensorswap.cid import Cid
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.deadline import FakeClock
-from tensorswap.rounds.errors import UnknownUpdate
-from tensorswap.rounds.state import Complete, RoundId, RoundSpec
+from tensorswap.rounds.core import Complete, FakeClock, RoundId, RoundSpec, UnknownUpdate
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.store import (
     BlockStore,
     DirectoryStore,
@@ -226,7 +224,7 @@ def test_collect_garbage_from_inside_a_submit_is_refused(coord: Coordinator) -> 
 def test_a_collection_that_cannot_be_queued_does_not_stop_the_round(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import tensorswap.rounds.retention as module
+    import tensorswap.rounds.storage.retention as module
 
     class NoThreads(module.ThreadPoolExecutor):
         def submit(self, *args: object, **kwargs: object) -> module.Future[None]:

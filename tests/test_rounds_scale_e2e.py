@@ -12,10 +12,9 @@ from click.testing import CliRunner
 
 from helpers.serve import SECRET, Server
 from tensorswap.cli.status_cmd import status as status_command
-from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.paging import page_peers
-from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
-from tensorswap.rounds.virtual import PeerSubmit, VirtualClients
+from tensorswap.rounds.client import PeerSubmit, RoundClient, VirtualClients
+from tensorswap.rounds.core import Collecting, Complete, RoundId, RoundSpec
+from tensorswap.rounds.protocol import page_peers
 
 RID = RoundId(1, "sim")
 PEERS = 30

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.state import Collecting, RoundId, RoundSpec
+from tensorswap.rounds.core import Collecting, RoundId, RoundSpec
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.store import ModelUpdate, put_update
 
 RID = RoundId(1, "scale")

@@ -11,18 +11,22 @@ import pytest
 
 from helpers.net import running
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.deadline import FakeClock
-from tensorswap.rounds.errors import (
+from tensorswap.rounds.core import (
+    Collecting,
+    Complete,
     DuplicateContribution,
+    Failed,
+    FakeClock,
     InvalidRoundSpec,
     RoundFailed,
+    RoundId,
     RoundNotFound,
+    RoundSpec,
     RoundTimeout,
     UpdateMismatch,
 )
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import Collecting, Complete, Failed, RoundId, RoundSpec
 from tensorswap.store import MemoryStore, ModelUpdate, put_update
 from tensorswap.wire.client import BlockClient
 from tensorswap.wire.errors import AuthenticationFailed, ProtocolViolation, RemoteError
@@ -182,7 +186,7 @@ async def test_200_concurrent_peers_in_one_round(server: RoundServer) -> None:
 
 async def test_blocking_client_with_torch_tensors(server: RoundServer) -> None:
     torch = pytest.importorskip("torch")
-    from tensorswap.rounds.blocking import BlockingRoundClient
+    from tensorswap.rounds.client import BlockingRoundClient
 
     def peer_loop(name: str, value: float) -> dict[str, np.ndarray]:
         with BlockingRoundClient("127.0.0.1", server.port, peer=name, key=KEY) as client:

@@ -8,12 +8,11 @@ import asyncio
 import numpy as np
 
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.inline import APP_INLINE
-from tensorswap.rounds.protocol import APP
-from tensorswap.rounds.push import APP_FETCH
+from tensorswap.rounds.core import Complete, RoundId, RoundSpec, RoundStatus
+from tensorswap.rounds.engine import Coordinator
+from tensorswap.rounds.protocol import APP, APP_INLINE
+from tensorswap.rounds.protocol.push import APP_FETCH
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import Complete, RoundId, RoundSpec, RoundStatus
 from tensorswap.store import MemoryStore
 from tensorswap.wire import BlockClient, BlockServer, memory_pair
 

@@ -7,26 +7,24 @@ import threading
 import pytest
 
 from tensorswap.errors import RoundsError
-from tensorswap.rounds.errors import (
-    DuplicateContribution,
-    InvalidRoundSpec,
-    RoundAlreadyTerminal,
-    RoundClosed,
-    RoundNotFound,
-    RoundTimeout,
-    UpdateMismatch,
-)
-from tensorswap.rounds.state import (
+from tensorswap.rounds.core import (
     Aggregating,
     Collecting,
     Complete,
     Contribution,
+    DuplicateContribution,
     Failed,
+    InvalidRoundSpec,
     LayerSpec,
     Pending,
+    RoundAlreadyTerminal,
+    RoundClosed,
     RoundId,
+    RoundNotFound,
     RoundSpec,
+    RoundTimeout,
     RoundTracker,
+    UpdateMismatch,
     layout_mismatch,
     status_from_dict,
 )

@@ -12,9 +12,9 @@ import pytest
 from helpers.net import running
 from tensorswap.cid import Cid
 from tensorswap.rounds import Coordinator, RoundClient, RoundServer, RoundTimeout
+from tensorswap.rounds.core import Collecting, Complete, RoundId, RoundSpec
 from tensorswap.rounds.protocol import SubmitRequest, WaitRequest, decode_call, encode_call
-from tensorswap.rounds.push import APP_FETCH
-from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
+from tensorswap.rounds.protocol.push import APP_FETCH
 from tensorswap.store import manifest_closure
 from tensorswap.wire.messages import Get, Request
 

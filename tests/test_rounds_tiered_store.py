@@ -11,10 +11,10 @@ import pytest
 
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, CorruptBlock
-from tensorswap.rounds._tiered import SMALL_DB, CoordinatorStore
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.inline import intake_batch
-from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
+from tensorswap.rounds.core import Collecting, Complete, RoundId, RoundSpec
+from tensorswap.rounds.engine import Coordinator
+from tensorswap.rounds.protocol.inline import intake_batch
+from tensorswap.rounds.storage._tiered import SMALL_DB, CoordinatorStore
 from tensorswap.store import MemoryStore, ModelUpdate, get_update, manifest_closure, put_update
 
 RID = RoundId(5, "tiered")

@@ -17,8 +17,8 @@ import pytest
 
 from tensorswap.cid import Cid
 from tensorswap.rounds import Coordinator, FakeClock, RoundDatabase
-from tensorswap.rounds.retry import RetryPolicy, transient_cause
-from tensorswap.rounds.state import Aggregating, Complete, Failed, RoundId, RoundSpec
+from tensorswap.rounds.core import Aggregating, Complete, Failed, RoundId, RoundSpec
+from tensorswap.rounds.engine.retry import RetryPolicy, transient_cause
 from tensorswap.store import DirectoryStore, ModelUpdate, get_update, put_update
 
 RID = RoundId(1, "lead")

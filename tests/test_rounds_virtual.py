@@ -11,15 +11,27 @@ import numpy as np
 import pytest
 
 from helpers.net import running
-from tensorswap.rounds.batch import MAX_BATCH, BatchItem, BatchSubmitRequest, PeerKeys, submit_proof
-from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.errors import DuplicateContribution, PeerNotAuthorised, RoundNotFound
-from tensorswap.rounds.paging import page_peers, page_rounds
-from tensorswap.rounds.persist import RoundDatabase
+from tensorswap.rounds.client import PeerSubmit, RoundClient, VirtualClients
+from tensorswap.rounds.core import (
+    Collecting,
+    Complete,
+    DuplicateContribution,
+    PeerNotAuthorised,
+    RoundId,
+    RoundNotFound,
+    RoundSpec,
+)
+from tensorswap.rounds.engine import Coordinator
+from tensorswap.rounds.journal import RoundDatabase
+from tensorswap.rounds.protocol import page_peers, page_rounds
+from tensorswap.rounds.protocol.batch import (
+    MAX_BATCH,
+    BatchItem,
+    BatchSubmitRequest,
+    PeerKeys,
+    submit_proof,
+)
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import Collecting, Complete, RoundId, RoundSpec
-from tensorswap.rounds.virtual import PeerSubmit, VirtualClients
 
 RID = RoundId(5, "sim")
 KEY = b"virtual-test-key"

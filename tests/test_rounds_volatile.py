@@ -1,5 +1,5 @@
-"""The coordinator's in-memory tier for SecAgg+ masked vectors (``rounds._volatile``): blocks
-of the ``tensorswap-masked`` codec are held in memory up to a budget, then in files; the
+"""The coordinator's in-memory tier for SecAgg+ masked vectors (``rounds.storage._volatile``):
+blocks of the ``tensorswap-masked`` codec are held in memory up to a budget, then in files; the
 store's every view (get, has, listing, sizes, ages, retention) sees them; a restart forgets
 them; a secure round's masked vectors never reach a file and are gone once folded."""
 
@@ -10,8 +10,8 @@ import pytest
 
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.errors import BlockNotFound
-from tensorswap.rounds._tiered import CoordinatorStore
-from tensorswap.rounds._volatile import VolatileBlocks
+from tensorswap.rounds.storage import CoordinatorStore
+from tensorswap.rounds.storage._volatile import VolatileBlocks
 
 MASKED = Multicodec.TENSORSWAP_MASKED
 
@@ -48,7 +48,7 @@ def test_blocks_are_held_up_to_the_budget_adopted_or_copied() -> None:
 
 def test_ages_touch_and_delete_if_older(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]
-    monkeypatch.setattr("tensorswap.rounds._volatile.time.time", lambda: now[0])
+    monkeypatch.setattr("tensorswap.rounds.storage._volatile.time.time", lambda: now[0])
     tier = VolatileBlocks()
     cid = Cid.of(b"masked", codec=MASKED)
     tier.put(cid, memoryview(b"masked"), adopt=False)

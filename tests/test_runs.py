@@ -12,8 +12,8 @@ import pytest
 
 from tensorswap.cid import Cid
 from tensorswap.rounds import Coordinator, FakeClock
-from tensorswap.rounds.persist import DB_FILENAME
-from tensorswap.rounds.state import Complete, RoundId
+from tensorswap.rounds.core import Complete, RoundId
+from tensorswap.rounds.journal import DB_FILENAME
 from tensorswap.runs import (
     ClientRegistry,
     InvalidRunSpec,

@@ -14,10 +14,9 @@ import pytest
 
 from tensorswap.cid import Cid
 from tensorswap.rounds import Coordinator, FakeClock, RoundId
-from tensorswap.rounds.errors import PeerNotAuthorised
+from tensorswap.rounds.client import VirtualClients
+from tensorswap.rounds.core import Collecting, Complete, PeerNotAuthorised
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import Collecting, Complete
-from tensorswap.rounds.virtual import VirtualClients
 from tensorswap.runs import NotRegistered, RunManager, RunSpec
 from tensorswap.runs.batch import MAX_RUN_BATCH, decode_batch
 from tensorswap.runs.client import RunClient

@@ -30,8 +30,8 @@ from tensorswap.rounds import (
     RoundSpec,
     TooManySamples,
 )
-from tensorswap.rounds._dirlock import LOCK_FILENAME, DataDirLock
 from tensorswap.rounds.server import RoundServer
+from tensorswap.rounds.storage import LOCK_FILENAME, DataDirLock
 from tensorswap.runs import (
     FutureVersion,
     InvalidRunSpec,
@@ -272,7 +272,7 @@ def test_a_run_journaled_before_its_bounds_existed_does_not_stop_a_restart(
     import json
     import sqlite3
 
-    from tensorswap.rounds.persist import DB_FILENAME
+    from tensorswap.rounds.journal import DB_FILENAME
 
     with Coordinator.open(tmp_path, run_timer=False, durable=False) as coord:
         manager = RunManager.open(coord, durable=False)

@@ -17,7 +17,7 @@ from rich.console import Console
 from tensorswap.cli._run_options import _Timeout
 from tensorswap.cli.run_cmd import render_runs, run_json
 from tensorswap.rounds import Coordinator, FakeClock
-from tensorswap.rounds.state import Failed, RoundId
+from tensorswap.rounds.core import Failed, RoundId
 from tensorswap.runs import InvalidRunSpec, RunManager, RunSpec
 from tensorswap.runs.deadlines import BACKOFF, RoundArrivals, auto_deadline
 from tensorswap.runs.messages import RunAnswer, decode_answer, encode

@@ -22,9 +22,9 @@ from click.testing import CliRunner
 
 from tensorswap.cli import cli
 from tensorswap.rounds import Coordinator, FakeClock, RoundClient, SampleHidden
-from tensorswap.rounds.paging import page_peers, page_rounds
+from tensorswap.rounds.core.state import RoundId
+from tensorswap.rounds.protocol.paging import page_peers, page_rounds
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import RoundId
 from tensorswap.runs import RunManager, RunSpec
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.service import RunService

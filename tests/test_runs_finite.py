@@ -14,8 +14,8 @@ import pytest
 
 from tensorswap.cid import Cid
 from tensorswap.rounds import Coordinator, FakeClock
-from tensorswap.rounds.persist import DB_FILENAME
-from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec
+from tensorswap.rounds.core import Complete, Failed, RoundId, RoundSpec
+from tensorswap.rounds.journal import DB_FILENAME
 from tensorswap.runs import (
     ClientRegistry,
     InvalidRunSpec,

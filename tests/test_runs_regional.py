@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from tensorswap.rounds.deadline import FakeClock
+from tensorswap.rounds.core import FakeClock
 from tensorswap.runs import ClientRegistry, RunInfo, RunSpec
 from tensorswap.runs.regional import REGION_FACT, RunUnits, folds
 

@@ -35,8 +35,8 @@ from tensorswap.privacy.secagg import (
 from tensorswap.privacy.secagg import client as secagg_client
 from tensorswap.privacy.secagg.protocol import KeysAdvert, MaskedInput, PeerKeys, SharesUpload
 from tensorswap.privacy.secagg.quantize import max_bits
-from tensorswap.rounds._tiered import CoordinatorStore
-from tensorswap.rounds.state import Complete, Failed, RoundId
+from tensorswap.rounds.core import Complete, Failed, RoundId
+from tensorswap.rounds.storage import CoordinatorStore
 from tensorswap.runs import InvalidRunSpec, RunSpec
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.errors import RunsError

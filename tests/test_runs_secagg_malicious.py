@@ -29,7 +29,7 @@ from helpers.secagg_runs import (
 from tensorswap.privacy.secagg import SecureRoundFailed, ShareDecryptionFailed
 from tensorswap.privacy.secagg import client as secagg_client
 from tensorswap.privacy.secagg.protocol import SharesUpload
-from tensorswap.rounds.state import Failed, RoundId
+from tensorswap.rounds.core import Failed, RoundId
 from tensorswap.runs import RunSpec
 from tensorswap.store import ModelUpdate
 

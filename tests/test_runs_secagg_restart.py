@@ -19,7 +19,7 @@ from helpers.serve import SECRET, Server
 from tensorswap.cli.run_cmd import run as run_command
 from tensorswap.privacy.secagg import SecAggClient, SecureRoundFailed, decode, encode
 from tensorswap.privacy.secagg.protocol import KeysBroadcast, SharesUpload
-from tensorswap.rounds.state import Failed, RoundId
+from tensorswap.rounds.core import Failed, RoundId
 from tensorswap.runs import RunSpec
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.messages import SecAggRequest

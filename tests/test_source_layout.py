@@ -17,7 +17,7 @@ ROOT = Path(tensorswap.__file__).parent
 # their size when the limits came in. Each may shrink, none may grow; the lead clears these
 # once those branches are merged. Nothing may be added here.
 FILES_OVER_THE_LIMIT = {
-    "rounds/coordinator.py": 519,
+    "rounds/engine/coordinator.py": 519,
     "runs/manager.py": 520,
 }
 # "path:qualified.name" -> lines, on the same terms; none today.

@@ -14,10 +14,9 @@ from helpers.net import CertFiles, running
 from helpers.serve import SECRET, Server
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.deadline import FakeClock
+from tensorswap.rounds.core import FakeClock, RoundId, RoundSpec
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import RoundId, RoundSpec
 from tensorswap.store import MemoryStore, ModelUpdate, get_update, put_update
 from tensorswap.swarm import SwarmPeer, SwarmReadOnly, SwarmTracker
 from tensorswap.swarm.messages import TRACKER_APP, HoldersQuery, decode_answer, encode

@@ -18,7 +18,7 @@ from helpers.serve import SECRET, Server
 from tensorswap.cid import Cid
 from tensorswap.netlab import Host
 from tensorswap.rounds import RoundClient
-from tensorswap.rounds.coordinator import STORE_DIRNAME
+from tensorswap.rounds.engine import STORE_DIRNAME
 from tensorswap.store import DirectoryStore, MemoryStore, ModelUpdate, manifest_closure, put_update
 from tensorswap.wire import Timeouts
 

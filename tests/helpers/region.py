@@ -12,10 +12,9 @@ import numpy as np
 
 from tensorswap.region import Backoff, RegionalTier, RegionGate, UpstreamLink
 from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.deadline import Clock
+from tensorswap.rounds.core import Clock, Complete, RoundId, RoundSpec, RoundStatus
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import Complete, RoundId, RoundSpec, RoundStatus
 
 RID = RoundId(1, "lead")
 FAST = Backoff(first=0.01, cap=0.05, give_up_after=30.0)

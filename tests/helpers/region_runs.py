@@ -13,9 +13,9 @@ import numpy as np
 from helpers.region import FAST, values
 from tensorswap.cid import Cid
 from tensorswap.region import RegionalTier, RunsProxy, UpstreamLink
-from tensorswap.rounds.batch import PeerKeys
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.deadline import Clock
+from tensorswap.rounds.core import Clock
+from tensorswap.rounds.engine import Coordinator
+from tensorswap.rounds.protocol import PeerKeys
 from tensorswap.rounds.server import RoundServer
 from tensorswap.runs import RunManager, RunSpec
 from tensorswap.runs.client import RunClient

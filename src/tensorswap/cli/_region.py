@@ -11,7 +11,7 @@ import click
 
 from tensorswap.cli._util import SECONDS, client_tls, parse_host_port, read_key
 from tensorswap.region import Backoff, RegionalTier, UpstreamLink
-from tensorswap.rounds.messages import MAX_NAME_BYTES
+from tensorswap.rounds.protocol import MAX_NAME_BYTES
 from tensorswap.wire.connection import Timeouts
 
 __all__ = ["RegionArgs", "open_tier", "region_args", "region_options"]
@@ -111,7 +111,7 @@ def region_args(
 
 def _peer_key(path: str, name: str) -> bytes:
     """The region's own line of a per-peer keys file (``PeerKeys`` format)."""
-    from tensorswap.rounds.batch import PeerKeys
+    from tensorswap.rounds.protocol import PeerKeys
 
     hint = "'--upstream-peer-key-file'"
     try:

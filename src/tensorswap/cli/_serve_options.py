@@ -6,7 +6,7 @@ import click
 
 from tensorswap._eventloop import EventLoop
 from tensorswap.cli._util import BYTES, SECONDS, FiniteFloatRange, option_group
-from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE
+from tensorswap.rounds.engine import DEFAULT_GC_GRACE
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER
 from tensorswap.transport import DEFAULT_MAX_CONNECTIONS
 

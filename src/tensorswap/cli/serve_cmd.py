@@ -34,11 +34,11 @@ from tensorswap.cli._util import (
 from tensorswap.region.gate import RegionGate
 from tensorswap.region.identity import coordinator_id
 from tensorswap.region.runs_proxy import RunsProxy
-from tensorswap.rounds._dirlock import DataDirLock
-from tensorswap.rounds.batch import PeerKeys
-from tensorswap.rounds.coordinator import DEFAULT_GC_GRACE, Coordinator
-from tensorswap.rounds.errors import DataDirInUse
+from tensorswap.rounds.core import DataDirInUse
+from tensorswap.rounds.engine import DEFAULT_GC_GRACE, Coordinator
+from tensorswap.rounds.protocol import PeerKeys
 from tensorswap.rounds.server import RoundServer
+from tensorswap.rounds.storage import DataDirLock
 from tensorswap.runs.manager import RunManager
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER
 from tensorswap.runs.service import RunService

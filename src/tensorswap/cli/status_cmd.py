@@ -16,9 +16,8 @@ from tensorswap.cli._util import SECONDS, client_tls, parse_host_port
 from tensorswap.cli.run_cmd import render_runs, run_json
 from tensorswap.cli.serve_cmd import resolve_key
 from tensorswap.rounds.client import RoundClient, ServerStatus
-from tensorswap.rounds.paging import MAX_PAGE, PageAnswer, page_peers, page_rounds
-from tensorswap.rounds.protocol import RoundRow
-from tensorswap.rounds.state import Aggregating, Complete, Failed, RoundId
+from tensorswap.rounds.core import Aggregating, Complete, Failed, RoundId
+from tensorswap.rounds.protocol import MAX_PAGE, PageAnswer, RoundRow, page_peers, page_rounds
 from tensorswap.runs.client import RunClient
 from tensorswap.runs.messages import RunRow
 from tensorswap.wire import ProtocolViolation

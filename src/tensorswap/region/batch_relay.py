@@ -14,9 +14,9 @@ from tensorswap.errors import TensorSwapError
 from tensorswap.region.errors import SecureRunThroughRegion
 from tensorswap.region.link import UpstreamLink
 from tensorswap.region.runs_fold import RunFolds
+from tensorswap.rounds.core import RoundId, RoundStatus
 from tensorswap.rounds.protocol import error_info, status_to_wire
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import RoundId, RoundStatus
 from tensorswap.runs.batch import (
     APP_BATCH,
     ContributeBatchRequest,

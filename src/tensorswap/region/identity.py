@@ -20,8 +20,7 @@ from typing import Annotated
 
 import msgspec
 
-from tensorswap.rounds.messages import MAX_NAME_BYTES, ErrorInfo
-from tensorswap.rounds.protocol import raise_remote
+from tensorswap.rounds.protocol import MAX_NAME_BYTES, ErrorInfo, raise_remote
 from tensorswap.wire import BlockClient, ProtocolViolation, RemoteError
 
 __all__ = [

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from tensorswap.cid import Cid
 from tensorswap.region.errors import RegionError
-from tensorswap.rounds._sqlite import open_wal, transaction
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.core import RoundId
+from tensorswap.rounds.journal import open_wal, transaction
 
 __all__ = ["Forward", "ForwardState", "RegionJournal"]
 

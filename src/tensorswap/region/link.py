@@ -18,13 +18,17 @@ from tensorswap.errors import PrivacyError, RoundsError
 from tensorswap.region.errors import RegionError, RegionLoop, UpstreamUnavailable
 from tensorswap.region.identity import DOWNSTREAM, MAX_CHAIN, new_coordinator_id, say_hello
 from tensorswap.region.throttle import DialThrottle
-from tensorswap.rounds.batch import BatchItem, BatchSubmitRequest, submit_proof
-from tensorswap.rounds.client import RoundClient, SubmitResult
-from tensorswap.rounds.errors import RoundNotFound
-from tensorswap.rounds.messages import RoundRow
-from tensorswap.rounds.reconnect import RETRYABLE, RETRYABLE_CODES, Backoff, retryable
-from tensorswap.rounds.state import RoundId, RoundStatus
-from tensorswap.rounds.virtual import request_submit_batch
+from tensorswap.rounds.client import (
+    RETRYABLE,
+    RETRYABLE_CODES,
+    Backoff,
+    RoundClient,
+    SubmitResult,
+    request_submit_batch,
+    retryable,
+)
+from tensorswap.rounds.core import RoundId, RoundNotFound, RoundStatus
+from tensorswap.rounds.protocol import BatchItem, BatchSubmitRequest, RoundRow, submit_proof
 from tensorswap.store import BlockStore
 from tensorswap.wire import Timeouts, WireLimits
 from tensorswap.wire.errors import (
@@ -43,7 +47,7 @@ T = TypeVar("T")
 TRANSIENT = RETRYABLE
 """Failures after which the link connects again and repeats the request (a submit then
 sends only the blocks the upstream still lacks): the rounds clients' own set
-(``rounds.reconnect.RETRYABLE``)."""
+(``rounds.client.reconnect.RETRYABLE``)."""
 
 DEFAULT_BACKOFF = Backoff(first=0.1, give_up_after=900.0)
 """The link's reconnection delays: 0.1 s doubling to 5 s, jittered; an operation gives up
@@ -104,7 +108,7 @@ class UpstreamLink:
         self._key, self._ssl, self._timeouts, self._limits = key, ssl, timeouts, limits
         self._peer_key = peer_key
         """The region's own key where the upstream holds per-peer keys: its submits carry
-        the proof (``rounds.batch.submit_proof``)."""
+        the proof (``rounds.protocol.batch.submit_proof``)."""
         self.backoff = backoff or DEFAULT_BACKOFF
         self._sleep, self._clock = sleep, clock
         self.identity = new_coordinator_id()

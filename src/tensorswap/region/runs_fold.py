@@ -22,10 +22,8 @@ from tensorswap.errors import TensorSwapError
 from tensorswap.region.journal import RegionJournal
 from tensorswap.region.link import UpstreamLink
 from tensorswap.rounds import Admission, CoordinatorHooks
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.model import Layout
-from tensorswap.rounds.state import RoundId, RoundSpec, RoundStatus
-from tensorswap.rounds.updates import inspect_update
+from tensorswap.rounds.core import Layout, RoundId, RoundSpec, RoundStatus
+from tensorswap.rounds.engine import Coordinator, inspect_update
 from tensorswap.runs.errors import NotSelected
 from tensorswap.runs.messages import APP as RUNS_APP
 from tensorswap.runs.messages import PartRequest, PartWire, TaskWire, decode_answer, encode

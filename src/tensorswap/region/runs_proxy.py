@@ -16,26 +16,24 @@ from tensorswap.region.errors import SecureRunThroughRegion
 from tensorswap.region.journal import RegionJournal
 from tensorswap.region.link import UpstreamLink
 from tensorswap.region.runs_fold import RunFolds
-from tensorswap.rounds.inline import (
-    APP_INLINE,
-    decode_inline,
-    inline_blocks,
-    put_blocks,
-    reserve_inline,
-)
+from tensorswap.rounds.core import RoundId
 from tensorswap.rounds.protocol import APP as ROUNDS_APP
 from tensorswap.rounds.protocol import (
+    APP_INLINE,
     RoundAnswer,
     StatusRequest,
     SubmitRequest,
     WaitRequest,
     decode_call,
+    decode_inline,
     encode_answer,
     encode_call,
     error_info,
+    inline_blocks,
+    put_blocks,
+    reserve_inline,
 )
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import RoundId
 from tensorswap.runs.messages import APP as RUNS_APP
 from tensorswap.runs.messages import (
     ContributeRequest,

@@ -7,7 +7,7 @@ import random
 import time
 from collections.abc import Callable
 
-from tensorswap.rounds.reconnect import Backoff
+from tensorswap.rounds.client import Backoff
 
 __all__ = ["DialThrottle"]
 

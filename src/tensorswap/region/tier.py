@@ -29,9 +29,15 @@ from tensorswap.region.identity import coordinator_id
 from tensorswap.region.journal import Forward, ForwardState, RegionJournal
 from tensorswap.region.link import UpstreamLink
 from tensorswap.rounds import CoordinatorHooks
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.errors import DuplicateContribution, RoundAlreadyTerminal, RoundClosed
-from tensorswap.rounds.state import Complete, Failed, RoundId
+from tensorswap.rounds.core import (
+    Complete,
+    DuplicateContribution,
+    Failed,
+    RoundAlreadyTerminal,
+    RoundClosed,
+    RoundId,
+)
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.store import UpdateManifest, encode_manifest, manifest_closure, read_manifest
 
 __all__ = ["COMPOSING_STRATEGY", "RegionalTier", "TierStats"]

@@ -1,50 +1,57 @@
 """Rounds: the coordinator's state machine, deadlines and quorum, persisted in SQLite."""
 
-from tensorswap.rounds.batch import PeerKeys, submit_proof
-from tensorswap.rounds.blocking import BlockingRoundClient
-from tensorswap.rounds.client import RoundClient, ServerStatus, SubmitResult
-from tensorswap.rounds.coordinator import Coordinator, CoordinatorStats
-from tensorswap.rounds.deadline import Clock, FakeClock, SystemClock, expiry_verdict
-from tensorswap.rounds.errors import (
+from tensorswap.rounds.client import (
+    Backoff,
+    BlockingRoundClient,
+    PeerSubmit,
+    RoundClient,
+    ServerStatus,
+    SubmitResult,
+    VirtualClients,
+    VirtualPeer,
+    retrying,
+)
+from tensorswap.rounds.core import (
+    Aggregating,
+    Clock,
+    Collecting,
+    Complete,
+    Contribution,
     ContributionsLost,
+    CoordinatorStats,
     DataDirInUse,
     DuplicateContribution,
+    Failed,
+    FakeClock,
     InvalidRoundSpec,
     InvalidUpdate,
     JournalDamaged,
     JournalMissing,
+    LayerSpec,
     NonFiniteAggregate,
     PeerNotAuthorised,
+    Pending,
     RoundAlreadyTerminal,
     RoundClosed,
     RoundFailed,
+    RoundId,
+    RoundInfo,
     RoundNotFound,
+    RoundSpec,
+    RoundStatus,
     RoundTimeout,
+    RoundTracker,
     SampleHidden,
+    SystemClock,
     TooManySamples,
     UnknownUpdate,
     UpdateMismatch,
+    expiry_verdict,
 )
-from tensorswap.rounds.hooks import Admission, CoordinatorHooks, HookList
-from tensorswap.rounds.paging import page_peers, page_rounds
-from tensorswap.rounds.persist import RoundDatabase
-from tensorswap.rounds.reconnect import Backoff, retrying
+from tensorswap.rounds.engine import Admission, Coordinator, CoordinatorHooks, HookList
+from tensorswap.rounds.journal import RoundDatabase
+from tensorswap.rounds.protocol import PeerKeys, page_peers, page_rounds, submit_proof
 from tensorswap.rounds.server import RoundServer, TrafficStats
-from tensorswap.rounds.state import (
-    Aggregating,
-    Collecting,
-    Complete,
-    Contribution,
-    Failed,
-    LayerSpec,
-    Pending,
-    RoundId,
-    RoundInfo,
-    RoundSpec,
-    RoundStatus,
-    RoundTracker,
-)
-from tensorswap.rounds.virtual import PeerSubmit, VirtualClients, VirtualPeer
 
 __all__ = [
     "Admission",

@@ -19,7 +19,7 @@ one transaction (``RegisterIntake``; ``ClientRegistry.register_many``), and each
 still comes after its registration is durable.
 
 Per-peer keys. On a coordinator given per-peer keys (``serve --peer-keys``) a contribution
-is accepted only with ``proof = rounds.batch.submit_proof(peer key, RoundId(round, run),
+is accepted only with ``proof = rounds.protocol.batch.submit_proof(peer key, RoundId(round, run),
 peer, update)``, the proof a rounds submit to that round carries: a gateway cannot
 contribute for a peer without that peer's key (or a proof the peer made). The plain
 ``contribute`` op, which has no proof, is then refused (``PeerNotAuthorised``).
@@ -36,11 +36,16 @@ import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import InvalidCid, TensorSwapError
-from tensorswap.rounds.batch import PROOF_BYTES
-from tensorswap.rounds.errors import PeerNotAuthorised
-from tensorswap.rounds.messages import MAX_NAME_BYTES, ErrorInfo, StatusWire, utf8_len
-from tensorswap.rounds.protocol import error_info, status_to_wire
-from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.rounds.core import PeerNotAuthorised, RoundId, RoundStatus
+from tensorswap.rounds.protocol import (
+    MAX_NAME_BYTES,
+    PROOF_BYTES,
+    ErrorInfo,
+    StatusWire,
+    error_info,
+    status_to_wire,
+    utf8_len,
+)
 from tensorswap.runs.messages import ContributeRequest, TaskWire, task_wire
 from tensorswap.runs.model import ClientInfo, Param
 from tensorswap.runs.registry import ClientRegistry

@@ -12,10 +12,9 @@ from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound
 from tensorswap.privacy.delta import delta_from_store
 from tensorswap.privacy.dp import clip_update, model_delta
-from tensorswap.rounds.batch import submit_proof
 from tensorswap.rounds.client import RoundClient, SubmitResult
-from tensorswap.rounds.protocol import raise_remote
-from tensorswap.rounds.state import RoundId, RoundStatus
+from tensorswap.rounds.core import RoundId, RoundStatus
+from tensorswap.rounds.protocol import raise_remote, submit_proof
 from tensorswap.runs.batch import ContributeBatchRequest, ContributeItem
 from tensorswap.runs.manager import Task
 from tensorswap.runs.messages import (

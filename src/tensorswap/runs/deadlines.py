@@ -37,10 +37,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.core import RoundId
 
 if TYPE_CHECKING:
-    from tensorswap.rounds.coordinator import Coordinator
+    from tensorswap.rounds.engine import Coordinator
     from tensorswap.runs.journal import RunDatabase
     from tensorswap.runs.model import RunInfo
 

@@ -20,9 +20,8 @@ from tensorswap.privacy.dp import (
     update_norm,
 )
 from tensorswap.privacy.errors import ClipBoundExceeded, PrivacyBudgetExhausted
-from tensorswap.rounds.fold import load_pieces
-from tensorswap.rounds.state import Contribution
-from tensorswap.rounds.updates import inspect_update
+from tensorswap.rounds.core import Contribution
+from tensorswap.rounds.engine import inspect_update, load_pieces
 from tensorswap.runs.dp_ledger import PrivacyLedger, PrivacyRound, PrivacyStep
 from tensorswap.runs.dp_params import MAX_DP_CLIP, default_count_stddev
 from tensorswap.runs.errors import FutureVersion, NotSelected, RunsError, StaleContribution

@@ -1,5 +1,5 @@
 """Finite models only: what a run starts from, steps to and releases is checked for NaN and
-Inf before anything names it (one pass per chunk, ``rounds.updates.count_nonfinite``)."""
+Inf before anything names it (one pass per chunk, ``rounds.engine.updates.count_nonfinite``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tensorswap.rounds.fold import load_pieces
-from tensorswap.rounds.state import Contribution
-from tensorswap.rounds.updates import UpdateFacts, count_nonfinite
+from tensorswap.rounds.core import Contribution
+from tensorswap.rounds.engine import UpdateFacts, count_nonfinite, load_pieces
 from tensorswap.runs.errors import NonFiniteModel, NonFiniteStep
 
 if TYPE_CHECKING:  # runs.model imports privacy, whose RunPrivacy imports this

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from tensorswap.rounds._sqlite import open_wal, transaction
+from tensorswap.rounds.journal import open_wal, transaction
 from tensorswap.runs.errors import InvalidRunSpec, NonFiniteStep, RunsError
 from tensorswap.runs.model import ClientInfo, Param, RunInfo, RunSpec, VersionRecord
 

@@ -13,11 +13,17 @@ from dataclasses import replace
 from tensorswap.cid import Cid
 from tensorswap.privacy.errors import PrivacyBudgetExhausted
 from tensorswap.rounds import Admission, CoordinatorHooks
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.errors import RoundAlreadyTerminal, RoundClosed
-from tensorswap.rounds.model import Contribution
-from tensorswap.rounds.state import Complete, Failed, RoundId, RoundSpec, RoundStatus
-from tensorswap.rounds.updates import inspect_update
+from tensorswap.rounds.core import (
+    Complete,
+    Contribution,
+    Failed,
+    RoundAlreadyTerminal,
+    RoundClosed,
+    RoundId,
+    RoundSpec,
+    RoundStatus,
+)
+from tensorswap.rounds.engine import Coordinator, inspect_update
 from tensorswap.runs.deadlines import journaled_deadline
 from tensorswap.runs.dp import RunPrivacy, is_private
 from tensorswap.runs.dp_params import check_dp_scale

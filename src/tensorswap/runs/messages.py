@@ -16,7 +16,7 @@ import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import InvalidCid
-from tensorswap.rounds.messages import MAX_NAME_BYTES, ErrorInfo, Param, StatusWire, utf8_len
+from tensorswap.rounds.protocol import MAX_NAME_BYTES, ErrorInfo, Param, StatusWire, utf8_len
 
 if TYPE_CHECKING:
     from tensorswap.runs.model import Task

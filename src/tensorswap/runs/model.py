@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from types import MappingProxyType
 
-from tensorswap.rounds.model import RoundId
+from tensorswap.rounds.core import RoundId
 from tensorswap.runs.dp_params import check_dp_options, check_secagg_options
 from tensorswap.runs.errors import InvalidRunSpec
 

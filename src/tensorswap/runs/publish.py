@@ -11,8 +11,7 @@ from collections.abc import Sequence
 
 from tensorswap.cid import Cid
 from tensorswap.errors import RoundsError
-from tensorswap.rounds.coordinator import Coordinator
-from tensorswap.rounds.state import (
+from tensorswap.rounds.core import (
     Aggregating,
     Collecting,
     Contribution,
@@ -20,6 +19,7 @@ from tensorswap.rounds.state import (
     RoundId,
     RoundStatus,
 )
+from tensorswap.rounds.engine import Coordinator
 from tensorswap.runs.dp import RunPrivacy, is_private
 from tensorswap.runs.errors import NonFiniteStep
 from tensorswap.runs.journal import RunDatabase

@@ -18,13 +18,13 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.core import RoundId
 from tensorswap.runs.messages import PartWire
 from tensorswap.runs.model import RunInfo, RunMode, RunSpec
 from tensorswap.runs.registry import ClientRegistry
 
 if TYPE_CHECKING:
-    from tensorswap.rounds.coordinator import Coordinator
+    from tensorswap.rounds.engine import Coordinator
 
 __all__ = ["REGION_FACT", "RunUnits", "folds", "part_for"]
 

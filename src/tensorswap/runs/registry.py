@@ -6,7 +6,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
-from tensorswap.rounds.deadline import Clock
+from tensorswap.rounds.core import Clock
 from tensorswap.runs.errors import InvalidRunSpec, NotRegistered
 from tensorswap.runs.journal import RunDatabase
 from tensorswap.runs.model import ClientInfo, Param

@@ -29,15 +29,14 @@ import msgspec
 import numpy as np
 
 from tensorswap.cid import Cid, Multicodec
-from tensorswap.rounds.model import Contribution, Layout
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.core import Contribution, Layout, RoundId
 from tensorswap.runs.errors import NonFiniteStep, NotSelected, RunsError
 from tensorswap.store import ModelUpdate, put_update
 
 if TYPE_CHECKING:  # the secagg package needs ``cryptography``: imported when a round opens
     from tensorswap.privacy.secagg.coordinator import SecAggSession, SecAggSessions
     from tensorswap.privacy.secagg.protocol import MaskedInput
-    from tensorswap.rounds.coordinator import Coordinator
+    from tensorswap.rounds.engine import Coordinator
     from tensorswap.runs.journal import RunDatabase
     from tensorswap.runs.model import RunInfo, RunSpec
 

@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 
 from tensorswap.cid import Cid, Multicodec
-from tensorswap.rounds.state import RoundStatus
+from tensorswap.rounds.core import RoundStatus
 from tensorswap.runs.messages import RunAnswer, RunRequest, SecAggRequest
 from tensorswap.store import ModelUpdate
 from tensorswap.wire import ProtocolViolation
@@ -326,7 +326,7 @@ class SecureTasks:
                 block = None
                 if isinstance(reply, MaskedInput):
                     self.quantized = keyed.peer.quantized
-                    # its own codec: the coordinator holds it in memory only (rounds._volatile)
+                    # its own codec: the coordinator holds it in memory only (storage._volatile)
                     codec = Multicodec.TENSORSWAP_MASKED
                     put = functools.partial(store.put, adopt=True, codec=codec)
                     masked_cid = await asyncio.to_thread(put, reply.masked)

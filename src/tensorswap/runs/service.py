@@ -11,10 +11,9 @@ import msgspec
 
 from tensorswap.cid import Cid
 from tensorswap.errors import TensorSwapError
-from tensorswap.rounds.messages import status_to_wire
-from tensorswap.rounds.protocol import error_info
+from tensorswap.rounds.core import RoundId, RoundStatus
+from tensorswap.rounds.protocol import error_info, status_to_wire
 from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.state import RoundId, RoundStatus
 from tensorswap.runs.batch import RunBatches, refuse_unproven
 from tensorswap.runs.errors import BufferBusy
 from tensorswap.runs.manager import RunManager, Task

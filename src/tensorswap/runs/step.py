@@ -13,8 +13,8 @@ from tensorswap.aggregate._kernels import quiet
 from tensorswap.aggregate.server_opt import ServerOptimizer
 from tensorswap.cid import Cid
 from tensorswap.errors import AggregationError, RoundsError
-from tensorswap.rounds.state import Contribution, RoundSpec
-from tensorswap.rounds.updates import aggregator_spec
+from tensorswap.rounds.core import Contribution, RoundSpec
+from tensorswap.rounds.engine import aggregator_spec
 from tensorswap.runs.errors import FutureVersion, InvalidRunSpec, StaleContribution
 from tensorswap.runs.finite import FiniteGuard
 from tensorswap.runs.model import RunInfo, RunMode, RunSpec, VersionRecord

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.core import RoundId
 from tensorswap.runs.errors import RunNotFound
 from tensorswap.runs.messages import RunRow, VersionRow
 from tensorswap.runs.model import RunInfo, VersionRecord

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from tensorswap.rounds.client import RoundClient
+from tensorswap.rounds.client import PeerSubmit, RoundClient, Update, VirtualClients
+from tensorswap.rounds.core import RoundId, RoundStatus
 from tensorswap.rounds.protocol import raise_remote
-from tensorswap.rounds.state import RoundId, RoundStatus
-from tensorswap.rounds.virtual import PeerSubmit, Update, VirtualClients
 from tensorswap.runs.batch import (
     APP_BATCH,
     MAX_RUN_BATCH,

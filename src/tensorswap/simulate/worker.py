@@ -26,7 +26,7 @@ from tensorswap.simulate.task import SimTask, make_task
 from tensorswap.store import ModelUpdate, put_update
 
 if TYPE_CHECKING:
-    from tensorswap.rounds.state import RoundId
+    from tensorswap.rounds.core import RoundId
 
 __all__ = ["MAX_INFLIGHT", "SimWorker", "client_name", "main"]
 
@@ -62,7 +62,7 @@ class SimWorker:
 
     async def start(self) -> dict[str, Any]:
         """Connect, build the task, register every hosted client; the ready report."""
-        from tensorswap.rounds.virtual import VirtualClients
+        from tensorswap.rounds.client import VirtualClients
         from tensorswap.runs.client import RunClient
 
         self.task = await asyncio.to_thread(make_task, self.task_spec)
@@ -86,7 +86,7 @@ class SimWorker:
     def _round_command(self, cmd: Mapping[str, Any]) -> tuple[RoundId, Cid, list[int]]:
         """A round command's round, global model and clients; InvalidSimulation for a
         malformed one, or one naming clients this worker does not host."""
-        from tensorswap.rounds.state import RoundId
+        from tensorswap.rounds.core import RoundId
 
         try:
             rid = RoundId(int(cmd["round"]), str(cmd["run"]))
@@ -102,7 +102,7 @@ class SimWorker:
     async def round(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
         """Train and submit the sampled clients ``cmd["clients"]`` of round ``cmd["round"]``
         of run ``cmd["run"]`` from the model ``cmd["global_cid"]``; the round's report."""
-        from tensorswap.rounds.virtual import PeerSubmit
+        from tensorswap.rounds.client import PeerSubmit
 
         assert self.task is not None and self.pool is not None, "start() first"
         rid, cid, chosen = self._round_command(cmd)

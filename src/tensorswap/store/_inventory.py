@@ -1,6 +1,6 @@
 """What one store object knows it holds, so that a collection need not walk the store.
 
-Retention (``rounds.retention``) lists the store at every collection. A walk of a directory
+Retention (``rounds.storage.retention``) lists the store at every collection. A walk of a directory
 store opens every shard directory, so its cost follows the shards, not the blocks; and to
 keep walks cheap the store used to remove each shard a delete left empty, which costs a new
 directory (``mkdir``) for most blocks written later, since CIDs spread over 65,536 shards.

@@ -15,7 +15,7 @@ import numpy as np
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.errors import TensorSwapError
 from tensorswap.rounds import RoundClient
-from tensorswap.rounds.state import RoundId
+from tensorswap.rounds.core import RoundId
 from tensorswap.store import BlockStore, get_update, read_manifest
 from tensorswap.swarm.errors import SwarmExhausted
 from tensorswap.swarm.messages import (

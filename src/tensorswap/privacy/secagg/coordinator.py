@@ -31,7 +31,7 @@ from tensorswap.privacy.secagg.errors import (
 )
 from tensorswap.privacy.secagg.protocol import Message, SecAggConfig, encode
 from tensorswap.privacy.secagg.server import SecAggServer, ServerPhase
-from tensorswap.rounds.deadline import Clock, DeadlineTimer
+from tensorswap.rounds.core import Clock, DeadlineTimer
 
 __all__ = ["PHASES", "SecAggOutcome", "SecAggSession", "SecAggSessions"]
 

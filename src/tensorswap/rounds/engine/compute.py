@@ -1,0 +1,234 @@
+"""A round's aggregate from its accepted contributions: every read verified, unreadable ones
+dropped (and recorded), the result stored as a model update in the round's layout."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sized
+
+import numpy as np
+
+from tensorswap.aggregate import Contribution as AggregateInput
+from tensorswap.aggregate import aggregate
+from tensorswap.cid import Cid
+from tensorswap.codec import DType
+from tensorswap.errors import BlockNotFound, CorruptBlock
+from tensorswap.rounds.core.errors import ContributionsLost, NonFiniteAggregate, RoundsError
+from tensorswap.rounds.core.state import Contribution, Layout, RoundInfo
+from tensorswap.rounds.engine.fold import RoundWork, assemble, load_chunk, load_pieces
+from tensorswap.rounds.engine.result import put_pieces
+from tensorswap.rounds.engine.updates import (
+    STREAMING_KINDS,
+    UpdateFacts,
+    aggregator_spec,
+    count_nonfinite,
+    inspect_update,
+)
+from tensorswap.store import (
+    DEFAULT_CHUNK_BYTES,
+    BlockStore,
+    MalformedManifest,
+    ModelUpdate,
+    get_update,
+    put_update,
+)
+
+__all__ = ["UNREADABLE", "Drop", "compute_aggregate", "facts_of"]
+
+log = logging.getLogger(__name__)
+
+Drop = Callable[[str, str], None]
+"""``drop(peer, reason)``: record that an accepted contribution is left out of the aggregate."""
+
+UNREADABLE = (CorruptBlock, BlockNotFound, MalformedManifest, RoundsError)
+"""What reading an accepted contribution back may raise when its blocks are damaged or gone
+(a directory store quarantines a block that fails its hash check): the contribution is
+dropped, never folded in."""
+
+
+def facts_of(store: BlockStore, contribution: Contribution) -> UpdateFacts:
+    """What the manifests of an accepted contribution say (manifests re-hashed as read)."""
+    key = contribution.round_id.as_key()
+    cid = Cid.parse(contribution.update_cid)
+    return inspect_update(store, cid, key, contribution.peer, verify=True)
+
+
+def _read_inputs(
+    store: BlockStore,
+    live: list[Contribution],
+    lose: Callable[[Contribution, Exception], None],
+) -> list[AggregateInput]:
+    """Every live contribution read back (re-hashed), scaled by its staleness factor; one
+    that is unreadable goes to ``lose`` instead."""
+    inputs = []
+    for c in live:
+        try:
+            update = get_update(store, Cid.parse(c.update_cid), verify=True)
+        except UNREADABLE as exc:
+            lose(c, exc)
+            continue
+        tensors = dict(update.tensors)
+        if c.scale != 1.0:  # an asynchronous run's staleness factor
+            tensors = {k: v * v.dtype.type(c.scale) for k, v in tensors.items()}
+        inputs.append(AggregateInput(tensors, c.num_samples))
+    return inputs
+
+
+def compute_aggregate(
+    store: BlockStore,
+    info: RoundInfo,
+    contributions: list[Contribution],
+    work: RoundWork,
+    drop: Drop,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Cid:
+    """Aggregate the round's contributions (less those dropped before) and store the result,
+    its tensors cut into chunks of ``chunk_bytes`` (the coordinator's ``result_chunk_bytes``).
+
+    Streaming kinds (FedAvg, mean) use the sums folded at submit time and fold the rest (after
+    a restart, or a rebuild); other strategies read every contribution back. Every block is
+    re-hashed on the read that feeds the aggregate. A contribution whose blocks fail that
+    check or are missing is dropped through ``drop`` with the reason; if fewer than the
+    round's quorum remain, ContributionsLost is raised and nothing is stored. An aggregate
+    that would hold NaN or Inf (finite contributions whose sum overflowed) raises
+    NonFiniteAggregate and nothing is stored, unless the strategy propagates non-finite
+    values on purpose (``non_finite=propagate``). Errors from storing the result (a full
+    disk) propagate for the caller to retry.
+    """
+    spec = aggregator_spec(info.spec)
+    gone = info.dropped_peers
+    live = [c for c in contributions if c.peer not in gone]
+    lost: dict[str, str] = {}
+
+    def lose(contribution: Contribution, exc: Exception) -> None:
+        reason = f"unreadable: {exc}"
+        log.warning(
+            "round %s: contribution from %r (%s) dropped: %s",
+            info.round_id,
+            contribution.peer,
+            contribution.update_cid,
+            reason,
+        )
+        lost[contribution.peer] = reason
+        drop(contribution.peer, reason)
+
+    with work.lock:
+        if spec.kind in STREAMING_KINDS:
+            if work.acc is None:
+                work.reset(spec)
+            for c in live:  # after a restart, or a rebuild: fold what is missing
+                if c.peer in work.folded:
+                    continue
+                try:
+                    facts = facts_of(store, c)
+                    loaded, cut, n = load_pieces(store, facts, work.bounds)
+                except UNREADABLE as exc:
+                    lose(c, exc)
+                    continue
+                work.fold(loaded, cut, n, facts, c.scale)
+                work.folded.add(c.peer)
+            kept = [c for c in live if c.peer not in lost]
+            _check_quorum(info, len(kept), lost)
+            # shared chunks are exact only when no contribution is clipped or scaled
+            exact = spec.max_norm is None and all(c.scale == 1.0 for c in kept)
+            guard = None if spec.non_finite.value == "propagate" else kept
+            return _store_streaming(store, info, kept[0], work, exact, chunk_bytes, guard)
+        inputs = _read_inputs(store, live, lose)
+        _check_quorum(info, len(inputs), lost)
+        result = aggregate(inputs, spec)
+        del inputs
+        values = result.values
+        assert isinstance(values, dict)  # inputs were dicts, so the aggregate is one too
+        for layer in info.layout or ():
+            want = DType.parse(layer.dtype).numpy
+            if values[layer.name].dtype != want:
+                values[layer.name] = values[layer.name].astype(want)
+        if spec.non_finite.value != "propagate":
+            _check_finite(info, values.items(), [c for c in live if c.peer not in lost])
+    metadata = result_metadata(info, result.used, result.dropped)
+    update = ModelUpdate(values, result.total_samples, metadata, name=info.round_id.as_key())
+    return put_update(store, update, chunk_bytes=chunk_bytes)
+
+
+def _check_quorum(info: RoundInfo, left: int, lost: dict[str, str]) -> None:
+    quorum = max(info.spec.min_peers, 1)
+    if lost and left < quorum:
+        raise ContributionsLost(info.round_id.as_key(), left, quorum, lost)
+    if left < 1:
+        raise ContributionsLost(info.round_id.as_key(), left, quorum, dict(info.dropped))
+
+
+def _store_streaming(
+    store: BlockStore,
+    info: RoundInfo,
+    first: Contribution,
+    work: RoundWork,
+    exact_shared: bool,
+    chunk_bytes: int,
+    finite_among: list[Contribution] | None = None,
+) -> Cid:
+    """Store the streaming sums' result; the caller holds ``work.lock``. ``first``: a folded
+    contribution, whose layout is the round's when the round has none recorded; with
+    ``finite_among`` (the folded contributions) NonFiniteAggregate for a non-finite piece."""
+    assert work.acc is not None and work.bounds is not None
+    result, bounds, same = work.acc.result(), work.bounds, work.same or {}
+    work.reset()  # free the sums before building and storing the result
+    layout: Layout = info.layout or facts_of(store, first).layout
+    pieces: dict[str, np.ndarray] = result.values  # type: ignore[assignment]
+    if exact_shared:
+        # A piece every contribution stored as the same chunk averages to that chunk: take
+        # its values as they are, bit for bit, so a frozen layer's aggregate is the block every
+        # peer already holds (float32 sums are off by an ulp or two); clipping would scale
+        # it, so not then. A chunk that fails its check now keeps the computed sum.
+        for key, source in same.items():
+            if key in pieces:
+                try:
+                    pieces[key] = load_chunk(store, source)
+                except (CorruptBlock, BlockNotFound, MalformedManifest) as exc:
+                    log.warning(
+                        "round %s: shared chunk unreadable, sum kept: %s", info.round_id, exc
+                    )
+    if finite_among is not None:
+        named = ((key.partition("@")[2], piece) for key, piece in pieces.items())
+        _check_finite(info, named, finite_among)
+    metadata = result_metadata(info, result.used, result.dropped)
+    name = info.round_id.as_key()
+    # chunk by chunk from the pieces when they are cut as put_update cuts
+    cid = put_pieces(
+        store,
+        pieces,
+        bounds,
+        layout,
+        num_samples=result.total_samples,
+        metadata=metadata,
+        name=name,
+        chunk_bytes=chunk_bytes,
+    )
+    if cid is not None:
+        return cid
+    values = assemble(pieces, bounds, layout)
+    update = ModelUpdate(values, result.total_samples, metadata, name=name)
+    return put_update(store, update, chunk_bytes=chunk_bytes)
+
+
+def _check_finite(
+    info: RoundInfo, values: Iterable[tuple[str, np.ndarray]], contributions: list[Contribution]
+) -> None:
+    """NonFiniteAggregate naming the first tensor in ``values`` (name, values) with NaN or
+    Inf (one pass, in bounded steps: ``count_nonfinite``)."""
+    for name, piece in values:
+        bad = count_nonfinite(piece)
+        if bad:
+            peers = ", ".join(repr(c.peer) for c in contributions[:8])
+            more = f" and {len(contributions) - 8} more" if len(contributions) > 8 else ""
+            raise NonFiniteAggregate(info.round_id.as_key(), name, bad, f"peers {peers}{more}")
+
+
+def result_metadata(info: RoundInfo, used: Sized, dropped: Sized) -> dict[str, str]:
+    """The metadata stored with a round's aggregate."""
+    return {
+        "round": info.round_id.as_key(),
+        "strategy": info.spec.strategy,
+        "contributors": str(len(used)),
+        "dropped": str(len(dropped)),
+    }
