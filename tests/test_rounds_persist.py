@@ -96,8 +96,7 @@ def test_gc_deletes_rounds_and_their_contributions(tmp_path: Path) -> None:
     with RoundDatabase.in_dir(tmp_path) as db:
         tracker = RoundTracker(1, journal=db)
         assert [i.round_id for i in tracker.rounds()] == [new]
-        with db._transaction() as conn:
-            assert conn.execute("SELECT COUNT(*) FROM contributions").fetchone()[0] == 0
+        assert db.journal.query("SELECT COUNT(*) FROM contributions") == [(0,)]
 
 
 def test_a_failed_write_changes_nothing_in_memory(tmp_path: Path) -> None:

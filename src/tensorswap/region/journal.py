@@ -12,16 +12,13 @@ from __future__ import annotations
 import enum
 import json
 import os
-import sqlite3
-import threading
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
 from tensorswap.cid import Cid
 from tensorswap.region.errors import RegionError
 from tensorswap.rounds.core import RoundId
-from tensorswap.rounds.journal import open_wal, transaction
+from tensorswap.rounds.journal import Journal
 
 __all__ = ["Forward", "ForwardState", "RegionJournal"]
 
@@ -71,28 +68,22 @@ class RegionJournal:
 
     def __init__(self, path: str | os.PathLike[str], *, durable: bool = True) -> None:
         self.path = Path(path)
-        self._lock = threading.Lock()
-        try:
-            self._conn = open_wal(self.path, durable=durable, schema=_SCHEMA)
-        except sqlite3.Error as exc:
-            raise RegionError(f"cannot open the region journal in {self.path}: {exc}") from exc
-
-    def _transaction(self) -> AbstractContextManager[sqlite3.Connection]:
-        return transaction(
-            self._conn, self._lock, lambda exc: RegionError(f"region journal {self.path}: {exc}")
+        self.journal = Journal(
+            self.path, durable=durable, foreign_keys=False, error=RegionError, what="region journal"
         )
+        try:
+            self.journal.register("region", _SCHEMA)
+        except BaseException:
+            self.journal.close()
+            raise
 
     def get(self, round_id: RoundId) -> Forward | None:
         """The round's row, or None if the region has not forwarded it."""
-        with self._lock:
-            try:
-                row = self._conn.execute(
-                    "SELECT partial, state, global_cid FROM region_forwards"
-                    " WHERE round = ? AND initiator = ?",
-                    (round_id.round, round_id.initiator),
-                ).fetchone()
-            except sqlite3.Error as exc:
-                raise RegionError(f"cannot read the region journal {self.path}: {exc}") from exc
+        row = self.journal.query_one(
+            "SELECT partial, state, global_cid FROM region_forwards"
+            " WHERE round = ? AND initiator = ?",
+            (round_id.round, round_id.initiator),
+        )
         if row is None:
             return None
         partial, state, global_cid = row
@@ -103,7 +94,7 @@ class RegionJournal:
 
     def record_partial(self, round_id: RoundId, partial: Cid) -> Forward:
         """Name the partial aggregate of the round (replacing one whose blocks were lost)."""
-        with self._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute(
                 "INSERT OR REPLACE INTO region_forwards VALUES (?, ?, ?, ?, NULL)",
                 (round_id.round, round_id.initiator, str(partial), ForwardState.PARTIAL.value),
@@ -114,7 +105,7 @@ class RegionJournal:
         self, round_id: RoundId, state: ForwardState, global_cid: Cid | None = None
     ) -> None:
         """Move the round's row to ``state`` (with the global result's CID for RESULT)."""
-        with self._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute(
                 "UPDATE region_forwards SET state = ?, global_cid = ?"
                 " WHERE round = ? AND initiator = ?",
@@ -129,7 +120,7 @@ class RegionJournal:
     def record_run_round(self, round_id: RoundId, covers: list[str]) -> None:
         """Name round ``round_id`` a run's round folded here, for the peers ``covers``
         (before the regional round starts)."""
-        with self._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute(
                 "INSERT OR REPLACE INTO region_run_rounds VALUES (?, ?, ?)",
                 (round_id.round, round_id.initiator, json.dumps(sorted(covers))),
@@ -137,25 +128,15 @@ class RegionJournal:
 
     def run_round(self, round_id: RoundId) -> tuple[str, ...] | None:
         """The peers a run's round folded here covers; None for any other round."""
-        with self._lock:
-            try:
-                row = self._conn.execute(
-                    "SELECT covers FROM region_run_rounds WHERE round = ? AND initiator = ?",
-                    (round_id.round, round_id.initiator),
-                ).fetchone()
-            except sqlite3.Error as exc:
-                raise RegionError(f"cannot read the region journal {self.path}: {exc}") from exc
+        row = self.journal.query_one(
+            "SELECT covers FROM region_run_rounds WHERE round = ? AND initiator = ?",
+            (round_id.round, round_id.initiator),
+        )
         return None if row is None else self._covers(round_id, row[0])
 
     def run_rounds(self) -> dict[RoundId, tuple[str, ...]]:
         """Every run's round folded here, with the peers it covers."""
-        with self._lock:
-            try:
-                rows = self._conn.execute(
-                    "SELECT round, initiator, covers FROM region_run_rounds"
-                ).fetchall()
-            except sqlite3.Error as exc:
-                raise RegionError(f"cannot read the region journal {self.path}: {exc}") from exc
+        rows = self.journal.query("SELECT round, initiator, covers FROM region_run_rounds")
         return {
             RoundId(int(r), str(i)): self._covers(RoundId(int(r), str(i)), c) for r, i, c in rows
         }
@@ -173,21 +154,18 @@ class RegionJournal:
         """Delete the rows of rounds not in ``keep`` (the coordinator collected them)."""
         doomed_total = 0
         for table in ("region_forwards", "region_run_rounds"):
-            with self._lock:
-                rows = self._conn.execute(f"SELECT round, initiator FROM {table}").fetchall()
+            rows = self.journal.query(f"SELECT round, initiator FROM {table}")
             doomed = [(r, i) for r, i in rows if RoundId(int(r), str(i)) not in keep]
             if doomed:
-                with self._transaction() as db:
+                with self.journal.transaction() as db:
                     db.executemany(f"DELETE FROM {table} WHERE round = ? AND initiator = ?", doomed)
             doomed_total += len(doomed)
         return doomed_total
 
     def roots(self) -> list[Cid]:
         """The partials and global results named here (kept through collections)."""
-        with self._lock:
-            rows = self._conn.execute("SELECT partial, global_cid FROM region_forwards").fetchall()
+        rows = self.journal.query("SELECT partial, global_cid FROM region_forwards")
         return [Cid.parse(c) for row in rows for c in row if c]
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        self.journal.close()

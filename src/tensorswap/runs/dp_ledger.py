@@ -4,11 +4,8 @@ database beside the runs tables."""
 
 from __future__ import annotations
 
-import sqlite3
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from tensorswap.runs.errors import RunsError
 
 if TYPE_CHECKING:  # runs.model imports runs.dp_params: no runs imports at import time
     from tensorswap.runs.journal import RunDatabase
@@ -96,25 +93,19 @@ class PrivacyLedger:
     before it returns)."""
 
     def __init__(self, journal: RunDatabase) -> None:
-        self.journal = journal
-        with journal._lock:  # executescript commits by itself: not inside a transaction
-            try:
-                journal._conn.executescript(_SCHEMA)
-            except sqlite3.Error as exc:
-                raise RunsError(
-                    f"cannot create the privacy tables in {journal.path}: {exc}"
-                ) from exc
+        self.journal = journal.journal
+        self.journal.register("privacy", _SCHEMA)
 
     def start_round(self, run: str, entry: PrivacyRound) -> None:
         """Record round ``entry.round`` as sampled (again, after a restart: replaced)."""
-        with self.journal._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute(
                 "INSERT OR REPLACE INTO run_dp_rounds VALUES (?, ?, ?, ?, ?)",
                 (run, entry.round, entry.sampled, entry.population, entry.clip),
             )
 
     def round(self, run: str, round: int) -> PrivacyRound | None:
-        rows = self.journal._query(
+        rows = self.journal.query(
             "SELECT round, sampled, population, clip FROM run_dp_rounds"
             " WHERE run = ? AND round = ?",
             (run, round),
@@ -122,21 +113,21 @@ class PrivacyLedger:
         if not rows:
             return None
         r, s, p, c = rows[0]
-        return PrivacyRound(int(r), int(s), int(p), float(c))  # type: ignore[call-overload, arg-type]
+        return PrivacyRound(int(r), int(s), int(p), float(c))
 
     def note_contribution(
         self, run: str, round: int, peer: str, update_cid: str, norm: float, clipped: bool
     ) -> None:
         """Record a contribution's norm and clip bit before it is submitted (keyed by its
         CID: a refused submit leaves a row nothing reads)."""
-        with self.journal._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute(
                 "INSERT OR REPLACE INTO run_dp_contributions VALUES (?, ?, ?, ?, ?, ?)",
                 (run, round, peer, update_cid, norm, int(clipped)),
             )
 
     def clip_bits(self, run: str, round: int) -> dict[tuple[str, str], bool]:
-        rows = self.journal._query(
+        rows = self.journal.query(
             "SELECT peer, update_cid, clipped FROM run_dp_contributions"
             " WHERE run = ? AND round = ?",
             (run, round),
@@ -144,7 +135,7 @@ class PrivacyLedger:
         return {(str(p), str(c)): bool(b) for p, c, b in rows}
 
     def add_step(self, run: str, step: PrivacyStep) -> None:
-        with self.journal._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute(
                 "INSERT INTO run_dp_steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -163,33 +154,33 @@ class PrivacyLedger:
             )
 
     def steps(self, run: str) -> list[PrivacyStep]:
-        rows = self.journal._query(
+        rows = self.journal.query(
             "SELECT round, noised_cid, clip, noise_std, contributors, clipped, noised_clipped,"
             " next_clip, rate, epsilon FROM run_dp_steps WHERE run = ? ORDER BY round",
             (run,),
         )
         return [
             PrivacyStep(
-                int(r),  # type: ignore[call-overload]
+                int(r),
                 str(cid),
-                float(c),  # type: ignore[arg-type]
-                float(s),  # type: ignore[arg-type]
-                int(n),  # type: ignore[call-overload]
-                int(k),  # type: ignore[call-overload]
-                float(nk),  # type: ignore[arg-type]
-                float(nc),  # type: ignore[arg-type]
-                float(q),  # type: ignore[arg-type]
-                float(e),  # type: ignore[arg-type]
+                float(c),
+                float(s),
+                int(n),
+                int(k),
+                float(nk),
+                float(nc),
+                float(q),
+                float(e),
             )
             for r, cid, c, s, n, k, nk, nc, q, e in rows
         ]
 
     def stop(self, run: str, reason: str) -> None:
         """Finish the run with ``reason``, in one transaction."""
-        with self.journal._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute("INSERT OR REPLACE INTO run_dp_stops VALUES (?, ?)", (run, reason))
             db.execute("UPDATE runs SET finished = 1 WHERE name = ?", (run,))
 
     def stop_reason(self, run: str) -> str:
-        rows = self.journal._query("SELECT reason FROM run_dp_stops WHERE run = ?", (run,))
+        rows = self.journal.query("SELECT reason FROM run_dp_stops WHERE run = ?", (run,))
         return str(rows[0][0]) if rows else ""

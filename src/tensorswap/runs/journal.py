@@ -11,13 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sqlite3
-import threading
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
 from pathlib import Path
 
-from tensorswap.rounds.journal import open_wal, transaction
+from tensorswap.rounds.journal import Journal
 from tensorswap.runs.errors import InvalidRunSpec, NonFiniteStep, RunsError
 from tensorswap.runs.model import ClientInfo, Param, RunInfo, RunSpec, VersionRecord
 
@@ -97,27 +94,18 @@ class RunDatabase:
 
     def __init__(self, path: str | os.PathLike[str], *, durable: bool = True) -> None:
         self.path = Path(path)
-        self._lock = threading.Lock()
+        self.journal = Journal(self.path, durable=durable, error=RunsError, what="runs journal")
+        """The database file's public journal: the privacy ledger and secure runs register
+        their tables on it too."""
         try:
-            self._conn = open_wal(self.path, durable=durable, schema=_SCHEMA, foreign_keys=True)
-        except sqlite3.Error as exc:
-            raise RunsError(f"cannot open the runs journal in {self.path}: {exc}") from exc
-
-    def _transaction(self) -> AbstractContextManager[sqlite3.Connection]:
-        return transaction(
-            self._conn, self._lock, lambda exc: RunsError(f"runs journal {self.path}: {exc}")
-        )
-
-    def _query(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
-        with self._lock:
-            try:
-                return self._conn.execute(sql, args).fetchall()
-            except sqlite3.Error as exc:
-                raise RunsError(f"cannot read the runs journal {self.path}: {exc}") from exc
+            self.journal.register("runs", _SCHEMA)
+        except BaseException:
+            self.journal.close()
+            raise
 
     # ── runs ─────────────────────────────────────────────────────────────────
     def insert_run(self, info: RunInfo) -> None:
-        with self._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute(
                 "INSERT INTO runs (name, spec, version, global_cid, state_cid, round, finished,"
                 " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -139,7 +127,7 @@ class RunDatabase:
 
     def start_round(self, run: str, round: int, peers: tuple[str, ...]) -> None:
         """Record that ``round`` of ``run`` started with ``peers`` sampled."""
-        with self._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute("UPDATE runs SET round = ? WHERE name = ?", (round, run))
             db.execute(
                 "INSERT OR REPLACE INTO run_selections VALUES (?, ?, ?)",
@@ -148,7 +136,7 @@ class RunDatabase:
 
     def add_version(self, run: str, record: VersionRecord, finished: bool) -> None:
         """Record a new global version and make it the run's current one, in one step."""
-        with self._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute(
                 "INSERT INTO run_versions VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -172,17 +160,19 @@ class RunDatabase:
         """Every run as journaled; one whose spec no longer validates (journaled before a
         bound it breaks existed, e.g. ``per_round`` of 2^62) is left out, with a warning, so
         the coordinator still starts; its rows stay."""
-        rows = self._query(
+        rows = self.journal.query(
             "SELECT name, spec, version, global_cid, state_cid, round, finished, created_at"
             " FROM runs ORDER BY created_at, name"
         )
         selections = {
             (run, rnd): tuple(json.loads(str(peers)))
-            for run, rnd, peers in self._query("SELECT run, round, peers FROM run_selections")
+            for run, rnd, peers in self.journal.query(
+                "SELECT run, round, peers FROM run_selections"
+            )
         }
         deadlines = {
-            (run, rnd): (float(d), str(why))  # type: ignore[arg-type]
-            for run, rnd, d, why in self._query(
+            (run, rnd): (float(d), str(why))
+            for run, rnd, d, why in self.journal.query(
                 "SELECT run, round, deadline_s, reason FROM run_deadlines"
             )
         }
@@ -200,13 +190,13 @@ class RunDatabase:
                 RunInfo(
                     str(name),
                     loaded,
-                    int(version),  # type: ignore[call-overload]
+                    int(version),
                     str(global_cid),
                     None if state_cid is None else str(state_cid),
-                    int(rnd),  # type: ignore[call-overload]
+                    int(rnd),
                     selections.get((name, rnd), ()),
                     bool(finished),
-                    float(created),  # type: ignore[arg-type]
+                    float(created),
                     deadline,
                     reason,
                 )
@@ -214,33 +204,33 @@ class RunDatabase:
         return out
 
     def versions(self, run: str) -> list[VersionRecord]:
-        rows = self._query(
+        rows = self.journal.query(
             "SELECT version, global_cid, state_cid, round, participants, staleness, at"
             " FROM run_versions WHERE run = ? ORDER BY version",
             (run,),
         )
         return [
             VersionRecord(
-                int(v),  # type: ignore[call-overload]
+                int(v),
                 str(g),
                 None if s is None else str(s),
-                int(r),  # type: ignore[call-overload]
+                int(r),
                 tuple(json.loads(str(p))),
                 tuple(json.loads(str(st))),
-                float(at),  # type: ignore[arg-type]
+                float(at),
             )
             for v, g, s, r, p, st, at in rows
         ]
 
     def selection(self, run: str, round: int) -> tuple[str, ...] | None:
-        rows = self._query(
+        rows = self.journal.query(
             "SELECT peers FROM run_selections WHERE run = ? AND round = ?", (run, round)
         )
         return tuple(json.loads(str(rows[0][0]))) if rows else None
 
     def set_deadline(self, run: str, round: int, deadline_s: float, reason: str) -> None:
         """Record the deadline chosen for ``round`` of ``run`` (before the round starts)."""
-        with self._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute(
                 "INSERT OR REPLACE INTO run_deadlines VALUES (?, ?, ?, ?)",
                 (run, round, deadline_s, reason),
@@ -248,32 +238,32 @@ class RunDatabase:
 
     def deadline(self, run: str, round: int) -> tuple[float, str] | None:
         """The deadline recorded for ``round`` of ``run`` and its reason, or None."""
-        rows = self._query(
+        rows = self.journal.query(
             "SELECT deadline_s, reason FROM run_deadlines WHERE run = ? AND round = ?",
             (run, round),
         )
-        return (float(rows[0][0]), str(rows[0][1])) if rows else None  # type: ignore[arg-type]
+        return (float(rows[0][0]), str(rows[0][1])) if rows else None
 
     def note_trained_on(self, run: str, round: int, peer: str, version: int) -> None:
         """Record the version an asynchronous contribution trained on (before it is
         submitted; a refused submit leaves a row nothing reads)."""
-        with self._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute(
                 "INSERT OR REPLACE INTO run_trained_on VALUES (?, ?, ?, ?)",
                 (run, round, peer, version),
             )
 
     def trained_on(self, run: str, round: int) -> dict[str, int]:
-        rows = self._query(
+        rows = self.journal.query(
             "SELECT peer, version FROM run_trained_on WHERE run = ? AND round = ?", (run, round)
         )
-        return {str(p): int(v) for p, v in rows}  # type: ignore[call-overload]
+        return {str(p): int(v) for p, v in rows}
 
     def add_refusal(self, refused: NonFiniteStep, at: float) -> None:
         """Record that round ``refused.round`` of ``refused.run`` was refused its version
         (a step that would publish NaN or Inf), with the facts of the refusal."""
         r = refused
-        with self._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute(
                 "INSERT OR REPLACE INTO run_refusals VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (r.run, r.round, r.version, r.current, r.stage, r.tensor, r.count, r.peers, at),
@@ -283,13 +273,13 @@ class RunDatabase:
         """The refused steps of ``run`` (of round ``round`` only, if given), oldest first,
         as the errors that refused them."""
         where, args = ("run = ? AND round = ?", (run, round)) if round else ("run = ?", (run,))
-        rows = self._query(
+        rows = self.journal.query(
             "SELECT run, round, version, current, stage, tensor, count, peers FROM run_refusals"
             f" WHERE {where} ORDER BY round",
             args,
         )
         return [
-            NonFiniteStep(str(a), int(b), int(c), int(d), str(e), str(f), int(g), str(h))  # type: ignore[call-overload]
+            NonFiniteStep(str(a), int(b), int(c), int(d), str(e), str(f), int(g), str(h))
             for a, b, c, d, e, f, g, h in rows
         ]
 
@@ -300,7 +290,7 @@ class RunDatabase:
     def register_many(self, rows: Sequence[tuple[str, Mapping[str, Param], float]]) -> None:
         """Record ``(name, facts, registered_at)`` rows in one transaction (one fsync); a
         name already registered keeps its time and takes the new facts."""
-        with self._transaction() as db:
+        with self.journal.transaction() as db:
             db.executemany(
                 "INSERT INTO clients VALUES (?, ?, ?) ON CONFLICT (name) DO UPDATE SET"
                 " facts = excluded.facts",
@@ -310,12 +300,8 @@ class RunDatabase:
     def load_clients(self, now: float) -> list[ClientInfo]:
         """Registered clients; each counts as seen ``now`` (a restart gives every client
         one inactivity period to show up again)."""
-        rows = self._query("SELECT name, facts, registered_at FROM clients ORDER BY name")
-        return [
-            ClientInfo(str(n), json.loads(str(f)), float(r), now)  # type: ignore[arg-type]
-            for n, f, r in rows
-        ]
+        rows = self.journal.query("SELECT name, facts, registered_at FROM clients ORDER BY name")
+        return [ClientInfo(str(n), json.loads(str(f)), float(r), now) for n, f, r in rows]
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        self.journal.close()

@@ -19,7 +19,6 @@ import contextlib
 import json
 import logging
 import math
-import sqlite3
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,7 +128,7 @@ class RunSecurity:
             import tensorswap.privacy.secagg  # noqa: F401
         self.coordinator = coordinator
         self.store = coordinator.store
-        self.journal = journal
+        self.journal = journal.journal
         self._release_hook = release
         self._notify = notify
         self._lock = threading.Lock()
@@ -137,11 +136,7 @@ class RunSecurity:
         self._sessions: SecAggSessions | None = None
         self._open: dict[str, _Open] = {}
         self._blocks: dict[str, list[Cid]] = {}
-        with journal._lock:  # executescript commits by itself: not inside a transaction
-            try:
-                journal._conn.executescript(_SCHEMA)
-            except sqlite3.Error as exc:
-                raise RunsError(f"cannot create the secagg table in {journal.path}: {exc}") from exc
+        self.journal.register("secagg", _SCHEMA)
 
     # ── a round starts ───────────────────────────────────────────────────────
     def open(self, info: RunInfo, layout: Layout) -> None:
@@ -416,7 +411,7 @@ class RunSecurity:
         cid: str | None = None,
         reason: str = "",
     ) -> None:
-        with self.journal._transaction() as db:
+        with self.journal.transaction() as db:
             db.execute(
                 "INSERT OR REPLACE INTO run_secagg VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -431,7 +426,7 @@ class RunSecurity:
             )
 
     def _row(self, run: str, round: int) -> tuple[str, str, str, str | None, str] | None:
-        rows = self.journal._query(
+        rows = self.journal.query(
             "SELECT phase, survivors, dropped, aggregate_cid, reason FROM run_secagg"
             " WHERE run = ? AND round = ?",
             (run, round),

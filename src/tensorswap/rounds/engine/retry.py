@@ -7,11 +7,11 @@ import errno
 import logging
 import math
 import os
-import sqlite3
 import threading
 from dataclasses import dataclass
 
 from tensorswap.rounds.core.state import RoundId
+from tensorswap.rounds.journal import transient_journal_error
 
 __all__ = ["TRANSIENT_ERRNOS", "RetryPolicy", "RetrySchedule", "transient_cause"]
 
@@ -20,8 +20,6 @@ TRANSIENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 error on write (a flaky device, a network file system)."""
 
 log = logging.getLogger(__name__)
-
-_SQLITE_TRANSIENT = ("database or disk is full", "disk i/o error")
 
 
 def transient_cause(exc: BaseException) -> str | None:
@@ -33,10 +31,8 @@ def transient_cause(exc: BaseException) -> str | None:
             return None
         if isinstance(seen, OSError) and seen.errno in TRANSIENT_ERRNOS:
             return f"{os.strerror(seen.errno)} (errno {errno.errorcode[seen.errno]})"
-        if isinstance(seen, sqlite3.OperationalError):
-            text = str(seen).lower()
-            if any(marker in text for marker in _SQLITE_TRANSIENT):
-                return f"journal: {seen}"
+        if transient_journal_error(seen):
+            return f"journal: {seen}"
         seen = seen.__cause__ or seen.__context__
     return None
 

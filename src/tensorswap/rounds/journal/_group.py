@@ -9,14 +9,15 @@ batch. Every ``write`` call returns only once the transaction holding it has com
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+from tensorswap.rounds.journal.wal import Tx
+
 __all__ = ["GroupCommit", "Write"]
 
-Write = Callable[[sqlite3.Connection], None]
+Write = Callable[[Tx], object]
 """One write: statements run on the connection inside the shared transaction."""
 
 
@@ -40,7 +41,7 @@ class GroupCommit:
 
     def __init__(
         self,
-        transaction: Callable[[], AbstractContextManager[sqlite3.Connection]],
+        transaction: Callable[[], AbstractContextManager[Tx]],
         *,
         grouped: bool = True,
         max_batch: int = 4096,

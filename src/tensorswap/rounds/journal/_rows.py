@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Sequence
 
 from tensorswap.errors import RoundsError
@@ -20,6 +19,7 @@ from tensorswap.rounds.core.state import (
     RoundStatus,
 )
 from tensorswap.rounds.journal._group import Write
+from tensorswap.rounds.journal.wal import Tx
 
 __all__ = [
     "ContributionRow",
@@ -74,7 +74,7 @@ def contributions_write(items: Sequence[ContributionRow]) -> Write:
         if layout is not None:
             layouts.append((layout_json(layout), *key))
 
-    def write(db: sqlite3.Connection) -> None:
+    def write(db: Tx) -> None:
         if len(rows) == 1:
             db.execute(_INSERT, rows[0])
         else:

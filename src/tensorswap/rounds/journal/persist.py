@@ -6,10 +6,8 @@ import json
 import logging
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
@@ -33,7 +31,7 @@ from tensorswap.rounds.journal._rows import (
     round_number,
     status_columns,
 )
-from tensorswap.rounds.journal._sqlite import transaction
+from tensorswap.rounds.journal.wal import Journal, Tx
 
 if TYPE_CHECKING:
     from tensorswap.store.base import BlockStore
@@ -45,9 +43,6 @@ SCHEMA_VERSION = 1
 
 log = logging.getLogger(__name__)
 
-# SQLite's result codes for a damaged file (anything else, a lock or a full disk, is not).
-_DAMAGED = {"SQLITE_CORRUPT", "SQLITE_NOTADB"}
-_MAX_DETAIL = 400
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rounds (
@@ -76,6 +71,7 @@ CREATE TABLE IF NOT EXISTS contributions (
     num_samples  INTEGER NOT NULL,
     nbytes       INTEGER NOT NULL,
     submitted_at REAL    NOT NULL,
+    scale        REAL    NOT NULL DEFAULT 1.0,
     PRIMARY KEY (round, initiator, peer),
     FOREIGN KEY (round, initiator) REFERENCES rounds (round, initiator) ON DELETE CASCADE
 );
@@ -88,6 +84,15 @@ CREATE TABLE IF NOT EXISTS dropped (
     FOREIGN KEY (round, initiator) REFERENCES rounds (round, initiator) ON DELETE CASCADE
 );
 """
+
+
+def _add_scale(tx: Tx) -> None:
+    """Version 1: contributions carry a scale (journals written before had none)."""
+    if "scale" not in tx.columns("contributions"):
+        tx.execute("ALTER TABLE contributions ADD COLUMN scale REAL NOT NULL DEFAULT 1.0")
+
+
+_MIGRATIONS = (_add_scale,)
 
 
 class RoundDatabase:
@@ -124,57 +129,32 @@ class RoundDatabase:
         tables) is then refused with JournalMissing, and left as it was found.
         """
         self.path = Path(path)
-        self._lock = threading.Lock()
-        self._group = GroupCommit(self._transaction, grouped=group_commit, before=before_commit)
         if store_with_blocks is not None and not self.path.exists():
             raise JournalMissing(self.path, "missing", store_with_blocks)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._conn = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=30.0
-            )
-        except (OSError, sqlite3.Error) as exc:
-            raise RoundsError(f"cannot open round database {self.path}: {exc}") from exc
-        try:
-            self._check(store_with_blocks)
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
-            self._conn.execute("PRAGMA foreign_keys=ON")
-            version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+
+        def inspect(tx: Tx) -> None:  # before anything writes to the file
+            if store_with_blocks is not None and not tx.tables():
+                raise JournalMissing(self.path, "empty", store_with_blocks)
+            ((version,),) = tx.query("PRAGMA user_version")
             if version not in (0, SCHEMA_VERSION):
                 raise RoundsError(
                     f"round database {self.path} has schema version {version}, "
                     f"this tensorswap reads {SCHEMA_VERSION}"
                 )
-            self._conn.executescript(_SCHEMA)
-            columns = {row[1] for row in self._conn.execute("PRAGMA table_info(contributions)")}
-            if "scale" not in columns:  # journals written before contributions had a scale
-                self._conn.execute(
-                    "ALTER TABLE contributions ADD COLUMN scale REAL NOT NULL DEFAULT 1.0"
-                )
-            self._conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        except sqlite3.Error as exc:
-            self._conn.close()
-            if getattr(exc, "sqlite_errorname", "") in _DAMAGED:
-                raise JournalDamaged(self.path, str(exc)) from exc
-            raise RoundsError(f"cannot initialise round database {self.path}: {exc}") from exc
-        except BaseException:
-            self._conn.close()
-            raise
 
-    def _check(self, store_with_blocks: str | None) -> None:
-        """quick_check the file (before anything writes to it); refuse an empty one when its
-        store holds blocks."""
-        findings = [row[0] for row in self._conn.execute("PRAGMA quick_check")]
-        if findings != ["ok"]:
-            detail = "; ".join(" ".join(str(f).split()) for f in findings)
-            if len(detail) > _MAX_DETAIL:
-                detail = detail[: _MAX_DETAIL - 3] + "..."
-            raise JournalDamaged(self.path, f"PRAGMA quick_check says: {detail}")
-        if store_with_blocks is not None:
-            (tables,) = self._conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
-            if tables == 0:
-                raise JournalMissing(self.path, "empty", store_with_blocks)
+        self.journal = Journal(
+            self.path, durable=durable, what="round database", check=True, inspect=inspect
+        )
+        try:
+            self.journal.register("rounds", _SCHEMA, _MIGRATIONS)
+            with self.journal.transaction() as tx:
+                tx.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except BaseException:
+            self.journal.close()
+            raise
+        self._group = GroupCommit(
+            self.journal.transaction, grouped=group_commit, before=before_commit
+        )
 
     @classmethod
     def in_dir(
@@ -183,17 +163,12 @@ class RoundDatabase:
         """The database ``<data_dir>/rounds.sqlite3`` (created if missing)."""
         return cls(Path(data_dir) / DB_FILENAME, durable=durable, group_commit=group_commit)
 
-    def _transaction(self) -> AbstractContextManager[sqlite3.Connection]:
-        return transaction(
-            self._conn, self._lock, lambda exc: RoundsError(f"round database {self.path}: {exc}")
-        )
-
     def _write(self, write: Write) -> None:
         """Run ``write`` in a (group) transaction; it has committed when this returns."""
         self._group.write(self._translated(write))
 
     def _translated(self, write: Write) -> Write:
-        def run(db: sqlite3.Connection) -> None:
+        def run(db: Tx) -> None:
             try:
                 write(db)
             except sqlite3.Error as exc:
@@ -210,7 +185,7 @@ class RoundDatabase:
     def insert_round(self, info: RoundInfo) -> None:
         spec = info.spec
 
-        def write(db: sqlite3.Connection) -> None:
+        def write(db: Tx) -> None:
             db.execute(
                 "INSERT INTO rounds (round, initiator, expected, quorum, timeout_s, strategy,"
                 " params, spec_layout, layout, status, result_cid, reason, created_at, deadline)"
@@ -261,9 +236,7 @@ class RoundDatabase:
     def delete_rounds(self, round_ids: Iterable[RoundId]) -> None:
         rows = [(round_number(rid), rid.initiator) for rid in round_ids]
         self._write(
-            lambda db: db.executemany(
-                "DELETE FROM rounds WHERE round = ? AND initiator = ?", rows
-            ).close()
+            lambda db: db.executemany("DELETE FROM rounds WHERE round = ? AND initiator = ?", rows)
         )
 
     def drop_contribution(self, round_id: RoundId, peer: str, reason: str) -> None:
@@ -273,28 +246,25 @@ class RoundDatabase:
                 "INSERT OR REPLACE INTO dropped (round, initiator, peer, reason)"
                 " VALUES (?, ?, ?, ?)",
                 row,
-            ).close()
+            )
         )
 
     def load(self) -> list[tuple[RoundInfo, list[Contribution]]]:
         """Every round with its contributions in acceptance order."""
-        with self._lock:
-            try:
-                rounds = self._conn.execute(
-                    "SELECT round, initiator, expected, quorum, timeout_s, strategy, params,"
-                    " spec_layout, layout, status, result_cid, reason, created_at, deadline"
-                    " FROM rounds ORDER BY round, initiator"
-                ).fetchall()
-                contributions = self._conn.execute(
-                    "SELECT round, initiator, peer, update_cid, num_samples, nbytes,"
-                    " submitted_at, scale FROM contributions ORDER BY round, initiator, seq"
-                ).fetchall()
-                dropped_rows = self._conn.execute(
-                    "SELECT round, initiator, peer, reason FROM dropped"
-                    " ORDER BY round, initiator, rowid"
-                ).fetchall()
-            except sqlite3.Error as exc:
-                raise RoundsError(f"cannot read round database {self.path}: {exc}") from exc
+        with self.journal.transaction() as tx:  # one consistent view of the three tables
+            rounds = tx.query(
+                "SELECT round, initiator, expected, quorum, timeout_s, strategy, params,"
+                " spec_layout, layout, status, result_cid, reason, created_at, deadline"
+                " FROM rounds ORDER BY round, initiator"
+            )
+            contributions = tx.query(
+                "SELECT round, initiator, peer, update_cid, num_samples, nbytes,"
+                " submitted_at, scale FROM contributions ORDER BY round, initiator, seq"
+            )
+            dropped_rows = tx.query(
+                "SELECT round, initiator, peer, reason FROM dropped"
+                " ORDER BY round, initiator, rowid"
+            )
         by_round: dict[RoundId, list[Contribution]] = {}
         for number, initiator, peer, cid, samples, nbytes, at, scale in contributions:
             try:
@@ -356,8 +326,7 @@ class RoundDatabase:
     # ── lifecycle ────────────────────────────────────────────────────────────
     def close(self) -> None:
         """Close the connection (checkpointing the WAL); idempotent."""
-        with self._lock:
-            self._conn.close()
+        self.journal.close()
 
     def __enter__(self) -> Self:
         return self
@@ -374,7 +343,7 @@ class RoundDatabase:
         return f"RoundDatabase({str(self.path)!r})"
 
     @staticmethod
-    def _update_status(db: sqlite3.Connection, rid: RoundId, status: RoundStatus) -> None:
+    def _update_status(db: Tx, rid: RoundId, status: RoundStatus) -> None:
         name, cid, reason = status_columns(status)
         db.execute(
             "UPDATE rounds SET status = ?, result_cid = ?, reason = ?"

@@ -23,15 +23,13 @@ its CID is deleted and raises CorruptBlock, so ``has`` turns False and it can be
 from __future__ import annotations
 
 import os
-import sqlite3
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, CorruptBlock, StoreError
-from tensorswap.rounds.journal._sqlite import open_wal, transaction
+from tensorswap.rounds.journal import Journal
 from tensorswap.rounds.storage._volatile import (
     DEFAULT_VOLATILE_BYTES,
     VOLATILE_CODECS,
@@ -67,25 +65,25 @@ class CoordinatorStore(DirectoryStore):
         super().__init__(root, **kwargs)
         self.volatile = VolatileBlocks(volatile_bytes)
         self._small_path = self.root / SMALL_DB
+        self._db = Journal(
+            self._small_path,
+            durable=False,
+            foreign_keys=False,
+            error=StoreError,
+            what="small blocks",
+        )
         try:
-            self._db = open_wal(self._small_path, durable=False, schema=_SCHEMA)
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot open {self._small_path}: {exc}") from exc
-        self._db_lock = threading.Lock()
-
-    def _fail(self, exc: sqlite3.Error) -> StoreError:
-        return StoreError(f"small blocks {self._small_path}: {exc}")
+            self._db.register("small_blocks", _SCHEMA)
+        except BaseException:
+            self._db.close()
+            raise
 
     def _query(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
-        try:
-            with self._db_lock:
-                return self._db.execute(sql, args).fetchall()
-        except sqlite3.Error as exc:
-            raise self._fail(exc) from exc
+        return self._db.query(sql, args)
 
     def _change(self, sql: str, rows: Sequence[tuple[object, ...]]) -> int:
-        with transaction(self._db, self._db_lock, self._fail) as db:
-            return db.executemany(sql, rows).rowcount
+        with self._db.transaction() as db:
+            return db.executemany(sql, rows)
 
     # ── the small blocks ─────────────────────────────────────────────────────
     def put_small(self, blocks: Iterable[tuple[Cid, bytes | memoryview]]) -> None:
@@ -180,19 +178,14 @@ class CoordinatorStore(DirectoryStore):
         if held is not False:
             return held
         key = cid.to_bytes()
-        try:
-            with self._db_lock:  # no touch between the age check and the delete
-                found = self._db.execute(
-                    "SELECT touched FROM small_blocks WHERE cid = ?", (key,)
-                ).fetchall()
-                if found:
-                    if time.time() - found[0][0] < min_age:
-                        return None
-                    self._db.execute("DELETE FROM small_blocks WHERE cid = ?", (key,))
-                    super().delete(cid)  # a copy in a file too (pushed in BLOCK frames)
-                    return True
-        except sqlite3.Error as exc:
-            raise self._fail(exc) from exc
+        with self._db.transaction() as db:  # no touch between the age check and the delete
+            found = db.query("SELECT touched FROM small_blocks WHERE cid = ?", (key,))
+            if found:
+                if time.time() - found[0][0] < min_age:
+                    return None
+                db.execute("DELETE FROM small_blocks WHERE cid = ?", (key,))
+                super().delete(cid)  # a copy in a file too (pushed in BLOCK frames)
+                return True
         return super().delete_if_older(cid, min_age)
 
     def __iter__(self) -> Iterator[Cid]:
@@ -217,8 +210,7 @@ class CoordinatorStore(DirectoryStore):
         return StoreSize(files.blocks + count, files.nbytes + nbytes)
 
     def close(self) -> None:
-        with self._db_lock:
-            self._db.close()
+        self._db.close()
         super().close()
 
 
