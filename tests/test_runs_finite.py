@@ -51,7 +51,7 @@ def _put(coord: Coordinator, value: float, dtype: type = np.float32, n: int = 1)
     return put_update(coord.store, ModelUpdate({"w": np.full(8, value, dtype)}, n))
 
 
-def _w(coord: Coordinator, cid: str) -> np.ndarray:
+def _w(coord: Coordinator, cid: Cid | str) -> np.ndarray:
     return np.asarray(get_update(coord.store, Cid.parse(cid)).tensors["w"])
 
 
@@ -73,7 +73,7 @@ def test_an_async_delta_that_would_overflow_the_model_is_refused_and_the_run_goe
         assert (got.stage, got.tensor, got.count, got.peers) == ("optimizer step", "w", 8, "'a'")
         manager.drain()
         info = manager.run("a")
-        assert info.version == 0 and info.global_cid == str(initial)  # the last finite one
+        assert info.version == 0 and info.global_cid == initial  # the last finite one
         status = coord.status(RoundId(1, "a"))
         assert isinstance(status, Failed) and "non-finite" in status.reason
         assert [str(r) for r in manager.journal.refusals("a")] == [str(got)]

@@ -212,12 +212,16 @@ class Cid:
         return cls(Multicodec(codec), hash_fn, hash_digest(data, hash_fn, threads=threads))
 
     @classmethod
-    def parse(cls, value: str | bytes | bytearray | memoryview) -> Self:
-        """Parse the string form (``str``) or the binary form (bytes-like); strict.
+    def parse(cls, value: str | bytes | bytearray | memoryview | Cid) -> Self:
+        """Parse the string form (``str``) or the binary form (bytes-like); strict. A
+        ``Cid`` of this class is returned as it is (code written when records held strings
+        keeps working).
 
         Raises InvalidCid for a wrong multibase, bad base32, CIDv0, a version other than 1,
         a bad varint, an unknown codec or hash code, a wrong digest length or trailing bytes.
         """
+        if isinstance(value, cls):
+            return value
         if cls is Cid and isinstance(value, str | bytes):
             return _parse_cached(value)  # type: ignore[return-value]
         if isinstance(value, str):

@@ -58,9 +58,9 @@ class Forward:
     """One round's row: the partial submitted upstream and its state."""
 
     round_id: RoundId
-    partial: str
+    partial: Cid
     state: ForwardState
-    global_cid: str | None = None
+    global_cid: Cid | None = None
 
 
 class RegionJournal:
@@ -88,7 +88,12 @@ class RegionJournal:
             return None
         partial, state, global_cid = row
         try:
-            return Forward(round_id, str(partial), ForwardState(state), global_cid)
+            return Forward(
+                round_id,
+                Cid.parse(str(partial)),
+                ForwardState(state),
+                None if global_cid is None else Cid.parse(str(global_cid)),
+            )
         except ValueError as exc:
             raise RegionError(f"region journal {self.path}: round {round_id}: {exc}") from exc
 
@@ -99,7 +104,7 @@ class RegionJournal:
                 "INSERT OR REPLACE INTO region_forwards VALUES (?, ?, ?, ?, NULL)",
                 (round_id.round, round_id.initiator, str(partial), ForwardState.PARTIAL.value),
             )
-        return Forward(round_id, str(partial), ForwardState.PARTIAL)
+        return Forward(round_id, partial, ForwardState.PARTIAL)
 
     def set_state(
         self, round_id: RoundId, state: ForwardState, global_cid: Cid | None = None

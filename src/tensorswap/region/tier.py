@@ -188,7 +188,7 @@ class RegionalTier(CoordinatorHooks):
             assert isinstance(status, Complete)
             result = Cid.parse(status.cid)
             if await asyncio.to_thread(journal.run_round, round_id) is not None:
-                await self._finish_run_round(round_id, Cid.parse(record.partial))
+                await self._finish_run_round(round_id, record.partial)
                 return
             await asyncio.to_thread(journal.set_state, round_id, ForwardState.RESULT, result)
             await self.link.fetch(result)
@@ -231,7 +231,7 @@ class RegionalTier(CoordinatorHooks):
             raise UpstreamIncompatible(rid.as_key(), row.strategy)
         state = ForwardState.SUBMITTED
         try:
-            await self.link.submit(rid, Cid.parse(record.partial))
+            await self.link.submit(rid, record.partial)
             self._count("forwarded")
         except DuplicateContribution as exc:
             self._check_own(record, exc)  # accepted before a crash cut the answer off
@@ -253,16 +253,18 @@ class RegionalTier(CoordinatorHooks):
                 record.round_id,
                 self.link.region,
             )
-        elif str(held) != record.partial:
+        elif held != record.partial:
             key = record.round_id.as_key()
-            raise ForeignContribution(key, self.link.region, str(held), record.partial) from exc
+            raise ForeignContribution(
+                key, self.link.region, str(held), str(record.partial)
+            ) from exc
 
     def _holds(self, record: Forward) -> bool:
         """Whether every block of the journaled partial is still in the store."""
         store = self.link.store
         assert store is not None
         try:
-            return not store.missing(manifest_closure(store, Cid.parse(record.partial)))
+            return not store.missing(manifest_closure(store, record.partial))
         except (TensorSwapError, BlockNotFound):
             return False
 

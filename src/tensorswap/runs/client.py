@@ -164,7 +164,9 @@ class RunClient:
                 t = answer.task
                 rid = RoundId(t.round, t.run)
                 mode = RunMode(t.mode)
-                task = Task(t.run, rid, t.version, t.global_cid, mode, t.dp, t.clip, t.secagg)
+                task = Task(
+                    t.run, rid, t.version, Cid.parse(t.global_cid), mode, t.dp, t.clip, t.secagg
+                )
                 if task.secagg and self.secure_ahead and self.rounds.dial is not None:
                     self._secure.begin(task)
                 return task
@@ -175,13 +177,13 @@ class RunClient:
 
     async def fetch_model(self, task: Task) -> dict[str, np.ndarray]:
         """The global model the task trains from (only blocks this peer lacks are pulled)."""
-        update = await self.rounds.fetch(Cid.parse(task.global_cid))
+        update = await self.rounds.fetch(task.global_cid)
         return dict(update.tensors)
 
     async def task_model(self, task: Task) -> dict[str, np.ndarray]:
         """The task's global model from this peer's own store when it is there already (it
         was verified when it was pulled), else fetched: the base a delta is taken from."""
-        cid = Cid.parse(task.global_cid)
+        cid = task.global_cid
         try:
             return dict((await asyncio.to_thread(get_update, self.rounds.store, cid)).tensors)
         except BlockNotFound:
@@ -259,7 +261,7 @@ class RunClient:
         model = update if isinstance(update, ModelUpdate) else ModelUpdate(dict(update))
         # model-sized work off the event loop, where other peers' transfers run: the delta
         # from the task's model read chunk by chunk in the peer's store, else fetched whole
-        store, cid = self.rounds.store, Cid.parse(task.global_cid)
+        store, cid = self.rounds.store, task.global_cid
         delta = await asyncio.to_thread(delta_from_store, store, cid, model.tensors)
         if delta is None:
             base = await self.task_model(task)

@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tensorswap.cid import Cid
 from tensorswap.rounds.journal import Journal
 from tensorswap.runs.errors import InvalidRunSpec, NonFiniteStep, RunsError
 from tensorswap.runs.model import ClientInfo, Param, RunInfo, RunSpec, VersionRecord
@@ -89,6 +90,14 @@ CREATE TABLE IF NOT EXISTS clients (
 """
 
 
+def _text(cid: Cid | None) -> str | None:
+    return None if cid is None else str(cid)
+
+
+def _cid(text: object) -> Cid | None:
+    return None if text is None else Cid.parse(str(text))
+
+
 class RunDatabase:
     """The runs journal; every write commits before it returns (see ``RoundDatabase``)."""
 
@@ -113,8 +122,8 @@ class RunDatabase:
                     info.name,
                     info.spec.to_json(),
                     info.version,
-                    info.global_cid,
-                    info.state_cid,
+                    str(info.global_cid),
+                    _text(info.state_cid),
                     info.round,
                     int(info.finished),
                     info.created_at,
@@ -122,7 +131,7 @@ class RunDatabase:
             )
             db.execute(
                 "INSERT INTO run_versions VALUES (?, ?, ?, ?, ?, '[]', '[]', ?)",
-                (info.name, 0, info.global_cid, info.state_cid, 0, info.created_at),
+                (info.name, 0, str(info.global_cid), _text(info.state_cid), 0, info.created_at),
             )
 
     def start_round(self, run: str, round: int, peers: tuple[str, ...]) -> None:
@@ -142,8 +151,8 @@ class RunDatabase:
                 (
                     run,
                     record.version,
-                    record.global_cid,
-                    record.state_cid,
+                    str(record.global_cid),
+                    _text(record.state_cid),
                     record.round,
                     json.dumps(list(record.participants)),
                     json.dumps(list(record.staleness)),
@@ -153,7 +162,13 @@ class RunDatabase:
             db.execute(
                 "UPDATE runs SET version = ?, global_cid = ?, state_cid = ?, finished = ?"
                 " WHERE name = ?",
-                (record.version, record.global_cid, record.state_cid, int(finished), run),
+                (
+                    record.version,
+                    str(record.global_cid),
+                    _text(record.state_cid),
+                    int(finished),
+                    run,
+                ),
             )
 
     def load_runs(self) -> list[RunInfo]:
@@ -191,8 +206,8 @@ class RunDatabase:
                     str(name),
                     loaded,
                     int(version),
-                    str(global_cid),
-                    None if state_cid is None else str(state_cid),
+                    Cid.parse(str(global_cid)),
+                    _cid(state_cid),
                     int(rnd),
                     selections.get((name, rnd), ()),
                     bool(finished),
@@ -212,8 +227,8 @@ class RunDatabase:
         return [
             VersionRecord(
                 int(v),
-                str(g),
-                None if s is None else str(s),
+                Cid.parse(str(g)),
+                _cid(s),
                 int(r),
                 tuple(json.loads(str(p))),
                 tuple(json.loads(str(st))),

@@ -150,10 +150,10 @@ class RunManager(CoordinatorHooks):
         with self._lock:
             known = self._runs.get(name)
             if known is not None:
-                if known.spec != spec or self._initial(name) != str(cid):
+                if known.spec != spec or self._initial(name) != cid:
                     raise RunExists(name, "another spec or initial model")
                 return known
-            info = RunInfo(name, spec, 0, str(cid), None, 0, (), False, time.time())
+            info = RunInfo(name, spec, 0, cid, None, 0, (), False, time.time())
             self.journal.insert_run(info)
             self._runs[name] = info
         log.info("run %s created: %s, %d layers, %s", name, spec.mode, len(facts.layout), cid)
@@ -185,8 +185,8 @@ class RunManager(CoordinatorHooks):
         optimizer state, and the versions made but not yet recorded)."""
         with self._lock:
             runs = list(self._runs.values())
-        cids = [Cid.parse(r.global_cid) for r in runs]
-        cids += [Cid.parse(r.state_cid) for r in runs if r.state_cid is not None]
+        cids = [r.global_cid for r in runs]
+        cids += [r.state_cid for r in runs if r.state_cid is not None]
         return cids + self.publisher.roots()
 
     def subscribe(self, listener: Callable[[str], None]) -> None:
@@ -439,9 +439,7 @@ class RunManager(CoordinatorHooks):
 
     def _start_coordinator_round(self, info: RunInfo) -> None:
         spec = info.spec
-        facts = inspect_update(
-            self.store, Cid.parse(info.global_cid), info.name, "run", verify=True
-        )
+        facts = inspect_update(self.store, info.global_cid, info.name, "run", verify=True)
         expected = len(self.units.of(info)) if spec.mode is RunMode.SYNC else spec.buffer
         timeout_s = spec.round_timeout_s if spec.mode is RunMode.SYNC else None
         if isinstance(timeout_s, str):  # "auto"
@@ -473,9 +471,9 @@ class RunManager(CoordinatorHooks):
             self._runs[info.name] = info
         return info
 
-    def _initial(self, name: str) -> str:
+    def _initial(self, name: str) -> Cid | None:
         versions = self.journal.versions(name)
-        return versions[0].global_cid if versions else ""
+        return versions[0].global_cid if versions else None
 
     def wait_version(self, name: str, version: int, timeout: float | None = None) -> RunInfo:
         """Block until run ``name`` reaches ``version`` (or finishes); TimeoutError after

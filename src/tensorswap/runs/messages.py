@@ -299,7 +299,7 @@ def task_wire(task: Task) -> TaskWire:
         task.run,
         task.round_id.round,
         task.version,
-        task.global_cid,
+        str(task.global_cid),
         task.mode.value,
         task.dp,
         task.clip,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from types import MappingProxyType
 
+from tensorswap.cid import Cid
 from tensorswap.rounds.core import RoundId
 from tensorswap.runs.dp_params import check_dp_options, check_secagg_options
 from tensorswap.runs.errors import InvalidRunSpec
@@ -275,8 +276,8 @@ class VersionRecord:
     ``participants``; ``staleness`` per participant in asynchronous runs."""
 
     version: int
-    global_cid: str
-    state_cid: str | None
+    global_cid: Cid
+    state_cid: Cid | None
     round: int
     participants: tuple[str, ...] = ()
     staleness: tuple[int, ...] = ()
@@ -290,8 +291,8 @@ class RunInfo:
     name: str
     spec: RunSpec
     version: int
-    global_cid: str
-    state_cid: str | None
+    global_cid: Cid
+    state_cid: Cid | None
     round: int
     """The newest round started (0: none yet)."""
     selected: tuple[str, ...]
@@ -322,7 +323,7 @@ class Task:
     run: str
     round_id: RoundId
     version: int
-    global_cid: str
+    global_cid: Cid
     mode: RunMode
     dp: str = ""
     """A DP run's clipping side (``server`` or ``client``): submit the delta; "" otherwise."""

@@ -135,8 +135,8 @@ class Publisher:
         """The held versions' models and states (not yet a run's root, kept all the same)."""
         with self._lock:
             records = [record for _, record in self._held.values()]
-        cids = [Cid.parse(r.global_cid) for r in records]
-        return cids + [Cid.parse(r.state_cid) for r in records if r.state_cid is not None]
+        cids = [r.global_cid for r in records]
+        return cids + [r.state_cid for r in records if r.state_cid is not None]
 
 
 def await_release(

@@ -110,7 +110,7 @@ def part_for(units: RunUnits, coordinator: Coordinator, info: RunInfo, region: s
         run=run,
         round=info.round,
         version=info.version,
-        global_cid=info.global_cid,
+        global_cid=str(info.global_cid),
         fold=fold and open_ and region not in (round_info.peers if round_info else ()),
         covers=covers,
         quorum=info.spec.quorum_of(len(covers)) if covers else 0,

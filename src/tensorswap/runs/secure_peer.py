@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 import numpy as np
 
-from tensorswap.cid import Cid, Multicodec
+from tensorswap.cid import Multicodec
 from tensorswap.rounds.core import RoundStatus
 from tensorswap.runs.messages import RunAnswer, RunRequest, SecAggRequest
 from tensorswap.store import ModelUpdate
@@ -113,7 +113,7 @@ def _delta_vector(
     (None if it is not there, or names or shapes differ: ``flatten_delta`` then)."""
     from tensorswap.privacy.delta import flat_delta_from_store
 
-    vector = flat_delta_from_store(rounds.store, Cid.parse(task.global_cid), model)
+    vector = flat_delta_from_store(rounds.store, task.global_cid, model)
     return None if vector is None else _clipped(vector, clip)
 
 

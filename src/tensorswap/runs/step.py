@@ -113,14 +113,14 @@ def apply_step(
     optimizer = server_optimizer(spec.optimizer, **hyper)
     meta = {"run": info.name, "version": str(version), "optimizer": spec.optimizer}
     name = f"{info.name}@{version}"
-    state = None if info.state_cid is None else Cid.parse(info.state_cid)
+    state = info.state_cid
     delta = delta or spec.mode is RunMode.ASYNC
     guard = FiniteGuard.of(info, contributions)
     streamed = stream_step(
         store,
         optimizer,
         version,
-        Cid.parse(info.global_cid),
+        info.global_cid,
         aggregate_cid,
         state,
         delta=delta,
@@ -139,8 +139,8 @@ def apply_step(
     staleness = tuple(info.version - seen[p] for p in peers if p in seen)
     return VersionRecord(
         version,
-        str(global_cid),
-        None if state_cid is None else str(state_cid),
+        global_cid,
+        state_cid,
         info.round,
         peers,
         staleness if len(staleness) == len(peers) else (),
@@ -164,7 +164,7 @@ def _whole_step(
     checked by ``checked`` (the guard, the aggregate's source) before anything is stored."""
     guard, source = checked
     current = {k: np.asarray(v) for k, v in _load(store, info.global_cid).items()}
-    aggregate = _load(store, str(aggregate_cid))
+    aggregate = _load(store, aggregate_cid)
     guard.check_all(source, aggregate)
     if delta:
         aggregate = {
@@ -184,5 +184,5 @@ def _whole_step(
     return global_cid, state_cid
 
 
-def _load(store: BlockStore, cid: str) -> dict[str, np.ndarray]:
-    return dict(get_update(store, Cid.parse(cid), verify=True).tensors)
+def _load(store: BlockStore, cid: Cid) -> dict[str, np.ndarray]:
+    return dict(get_update(store, cid, verify=True).tensors)

@@ -60,8 +60,8 @@ def row_of(manager: RunManager, info: RunInfo, viewer: Viewer = OPERATOR) -> Run
         name=info.name,
         mode=info.spec.mode.value,
         version=info.version,
-        global_cid=info.global_cid,
-        state_cid=info.state_cid,
+        global_cid=str(info.global_cid),
+        state_cid=None if info.state_cid is None else str(info.state_cid),
         round=info.round,
         selected=[] if hidden else selected,
         finished=info.finished,
@@ -90,8 +90,8 @@ def version_row(
     hidden = _hidden(info, viewer)
     return VersionRow(
         r.version,
-        r.global_cid,
-        r.state_cid,
+        str(r.global_cid),
+        None if r.state_cid is None else str(r.state_cid),
         r.round,
         [] if hidden else list(r.participants),
         list(r.staleness),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from tensorswap.cid import Cid
 from tensorswap.rounds.client import PeerSubmit, RoundClient, Update, VirtualClients
 from tensorswap.rounds.core import RoundId, RoundStatus
 from tensorswap.rounds.protocol import raise_remote
@@ -119,7 +120,15 @@ class VirtualRuns:
                     t = result.task
                     rid = RoundId(t.round, t.run)
                     out.append(
-                        Task(t.run, rid, t.version, t.global_cid, RunMode(t.mode), t.dp, t.clip)
+                        Task(
+                            t.run,
+                            rid,
+                            t.version,
+                            Cid.parse(t.global_cid),
+                            RunMode(t.mode),
+                            t.dp,
+                            t.clip,
+                        )
                     )
         return out
 

@@ -69,7 +69,8 @@ def tree_rss(root: int, extra: tuple[int, ...] = ()) -> tuple[int, int]:
 
 
 class PeakMemory:
-    """The peak of ``tree_rss(root)`` while it runs (a daemon thread; ``stop`` ends it)."""
+    """The peak of ``tree_rss(root)`` while it runs, and the most processes its tree had
+    (a daemon thread; ``stop`` ends it)."""
 
     def __init__(self, root: int | None = None, interval: float = 0.1) -> None:
         self.root = os.getpid() if root is None else root
@@ -86,8 +87,9 @@ class PeakMemory:
 
     def sample(self) -> int:
         total, count = tree_rss(self.root, self.extra)
-        if total > self.peak_bytes:
-            self.peak_bytes, self.peak_processes = total, count
+        # each peak on its own: the most bytes may be held before every worker is up
+        self.peak_bytes = max(self.peak_bytes, total)
+        self.peak_processes = max(self.peak_processes, count)
         return total
 
     def _run(self) -> None:
