@@ -20,7 +20,6 @@ from tensorswap.rounds.core import (
     RoundAlreadyTerminal,
     RoundClosed,
     RoundId,
-    RoundSpec,
     RoundStatus,
 )
 from tensorswap.rounds.engine import Coordinator, inspect_update
@@ -48,7 +47,7 @@ from tensorswap.runs.model import (
 from tensorswap.runs.publish import Publisher, await_release
 from tensorswap.runs.regional import RunUnits
 from tensorswap.runs.registry import DEFAULT_INACTIVE_AFTER, ClientRegistry
-from tensorswap.runs.sampling import sample_peers
+from tensorswap.runs.round_start import round_spec, sample_next
 from tensorswap.runs.secure import SECURE_ONLY, RunSecurity, is_secure, layout_size
 from tensorswap.runs.step import check_policies, check_staleness
 
@@ -405,32 +404,21 @@ class RunManager(CoordinatorHooks):
         return new
 
     def _start_next(self, info: RunInfo) -> None:
-        spec = info.spec
-        if spec.mode is RunMode.SYNC:
-            active = self.registry.active()
-            if len(active) < spec.min_clients:
-                log.info(
-                    "run %s: %d of %d peers active; round %d waits",
-                    info.name,
-                    len(active),
-                    spec.min_clients,
-                    info.round + 1,
-                )
-                with self._lock:
-                    self._runs[info.name] = replace(info, selected=())
-                return
-            size, secret = spec.sample_size(len(active)), spec.dp_clip is not None
-            selected = sample_peers(active, size, spec.seed, info.round + 1, secret=secret)
+        selected: tuple[str, ...] = ()
+        if info.spec.mode is RunMode.SYNC:
             try:
-                self.privacy.before_round(info, info.round + 1, len(selected), len(active))
+                sampled = sample_next(info, self.registry.active(), self.privacy)
             except PrivacyBudgetExhausted as exc:
                 log.warning("%s: the run stops", exc)
                 with self._lock:
                     self._runs[info.name] = replace(info, selected=(), finished=True)
                 self._notify(info.name)
                 return
-        else:
-            selected = ()
+            if sampled is None:  # too few peers active: the round waits
+                with self._lock:
+                    self._runs[info.name] = replace(info, selected=())
+                return
+            selected = sampled
         self.journal.start_round(info.name, info.round + 1, selected)
         info = replace(info, round=info.round + 1, selected=selected)
         with self._lock:
@@ -445,18 +433,8 @@ class RunManager(CoordinatorHooks):
         if isinstance(timeout_s, str):  # "auto"
             info = self._auto_deadline(info, spec.quorum_of(expected))
             timeout_s = info.deadline_s
-        quorum = spec.quorum_of(expected) if spec.mode is RunMode.SYNC else expected
-        if secure := is_secure(spec):  # RunSecurity completes it and owns the deadlines
-            timeout_s = None
-        round_spec = RoundSpec(
-            expected,
-            quorum=quorum,
-            timeout_s=timeout_s,
-            strategy="mean" if is_private(spec) or secure else spec.strategy,
-            params=spec.params,
-            layout=facts.layout,
-        )
-        self.coordinator.start_round(RoundId(info.round, info.name), round_spec)
+        built, secure = round_spec(info, expected, timeout_s, facts.layout)
+        self.coordinator.start_round(RoundId(info.round, info.name), built)
         if secure:
             self.secure.open(info, facts.layout)
         log.info("run %s: round %d started, %s", info.name, info.round, info.selected or "open")

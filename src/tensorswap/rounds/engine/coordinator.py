@@ -24,10 +24,7 @@ from tensorswap.rounds.core.deadline import (
     expiry_verdict,
     next_deadline,
 )
-from tensorswap.rounds.core.errors import RoundFailed
 from tensorswap.rounds.core.state import (
-    Complete,
-    Contribution,
     RoundId,
     RoundInfo,
     RoundSpec,
@@ -36,6 +33,7 @@ from tensorswap.rounds.core.state import (
 )
 from tensorswap.rounds.core.stats import CoordinatorStats
 from tensorswap.rounds.engine._open import STORE_DIRNAME, open_in_dir
+from tensorswap.rounds.engine._views import RoundViews
 from tensorswap.rounds.engine.compute import compute_aggregate
 from tensorswap.rounds.engine.fold import RoundWork
 from tensorswap.rounds.engine.hooks import CoordinatorHooks, HookList
@@ -52,7 +50,7 @@ __all__ = ["DEFAULT_GC_GRACE", "STORE_DIRNAME", "Coordinator", "CoordinatorStats
 log = logging.getLogger(__name__)
 
 
-class Coordinator:
+class Coordinator(RoundViews):
     """Runs rounds: accepts contributions by update CID, aggregates by itself, stores results.
 
     Guarantees:
@@ -289,40 +287,9 @@ class Coordinator:
             acted.append(rid)
         return acted
 
-    def wait(self, round_id: RoundId, timeout: float | None = None) -> RoundStatus:
-        """Block until the round is Complete or Failed (RoundTimeout, RoundNotFound)."""
-        return self.tracker.wait(round_id, timeout)
-
-    def result(self, round_id: RoundId, timeout: float | None = None) -> Cid:
-        """Wait for the round and return its aggregate's CID; RoundFailed if it failed."""
-        status = self.wait(round_id, timeout)
-        if isinstance(status, Complete):
-            return Cid.parse(status.cid)
-        raise RoundFailed(round_id.as_key(), getattr(status, "reason", status.name))
-
-    def status(self, round_id: RoundId) -> RoundStatus | None:
-        return self.tracker.status(round_id)
-
-    def info(self, round_id: RoundId) -> RoundInfo | None:
-        return self.tracker.info(round_id)
-
-    def rounds(self) -> list[RoundInfo]:
-        return self.tracker.rounds()
-
-    def contributions(self, round_id: RoundId) -> list[Contribution]:
-        return self.tracker.contributions(round_id)
-
-    def gc_before_round(self, round: int) -> int:
-        """Forget terminal rounds numbered below ``round`` (their blocks stay in the store)."""
-        return self.tracker.gc_before_round(round)
-
     def no_collection(self) -> AbstractContextManager[None]:
         """Hold collections off (shared, as submits are) while a hook stores and names a root."""
         return self._gc_lock.shared()
-
-    def subscribe(self, listener: Callable[[RoundId, RoundStatus], None]) -> None:
-        """Call ``listener(round_id, status)`` on every status change (from any thread)."""
-        self.tracker.subscribe(listener)
 
     # ── counters ─────────────────────────────────────────────────────────────
     def stats(self) -> CoordinatorStats:
