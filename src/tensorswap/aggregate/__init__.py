@@ -3,6 +3,7 @@ server optimizers."""
 
 from __future__ import annotations
 
+from tensorswap.aggregate._kernels import quiet
 from tensorswap.aggregate.clip import AggregateOverflow, clip_contributions, l2_norms
 from tensorswap.aggregate.matrix import ContributionMatrix, InvalidRow, RowAlreadyFilled
 from tensorswap.aggregate.registry import (
@@ -89,6 +90,7 @@ __all__ = [
     "mean",
     "median",
     "multi_krum",
+    "quiet",
     "server_optimizer",
     "trimmed_mean",
 ]

@@ -16,8 +16,7 @@ import pyarrow as pa
 
 from tensorswap.cid import Cid, HashFunction, Multicodec
 from tensorswap.cli._util import mapped, reading
-from tensorswap.codec import decode_block, is_tensorswap_block
-from tensorswap.codec._ipcmeta import check_ipc_messages
+from tensorswap.codec import check_ipc_messages, decode_block, is_tensorswap_block
 from tensorswap.codec.garw import GarwBlock, compute_garw_cid, is_garw
 from tensorswap.codec.ipfrs import decode_ipfrs_gradient, is_ipfrs_gradient_file
 from tensorswap.delta.bincode import decode_fragment_file, looks_like_fragment_file

@@ -15,7 +15,7 @@ from tensorswap.errors import TensorSwapError
 from tensorswap.store import DirectoryStore, put_tensor, read_manifest
 from tensorswap.store.manifest import TensorManifest
 from tensorswap.transport import Transport, serve_tcp
-from tensorswap.wire._budget import DEFAULT_MAX_INFLIGHT_BYTES
+from tensorswap.wire import DEFAULT_MAX_INFLIGHT_BYTES
 from tensorswap.wire.connection import Timeouts
 from tensorswap.wire.errors import StreamEnded
 from tensorswap.wire.ipfrs import GradientStreamSession

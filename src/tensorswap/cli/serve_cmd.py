@@ -45,7 +45,7 @@ from tensorswap.runs.service import RunService
 from tensorswap.store import DEFAULT_CHUNK_BYTES
 from tensorswap.swarm.tracker import SwarmTracker
 from tensorswap.transport import DEFAULT_MAX_CONNECTIONS
-from tensorswap.wire._budget import DEFAULT_MAX_INFLIGHT_BYTES
+from tensorswap.wire import DEFAULT_MAX_INFLIGHT_BYTES
 from tensorswap.wire.connection import Timeouts
 
 __all__ = ["release_large_frees", "resolve_key", "serve"]

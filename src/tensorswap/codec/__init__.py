@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tensorswap.codec._ipcmeta import check_ipc_messages
 from tensorswap.codec.arrow import (
     BlockHeader,
     decode_block,
@@ -22,6 +23,7 @@ __all__ = [
     "LossyValueError",
     "TensorBlock",
     "as_numpy",
+    "check_ipc_messages",
     "decode_block",
     "encode_block",
     "encode_block_into",

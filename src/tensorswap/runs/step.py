@@ -8,8 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorswap.aggregate import server_optimizer
-from tensorswap.aggregate._kernels import quiet
+from tensorswap.aggregate import quiet, server_optimizer
 from tensorswap.aggregate.server_opt import ServerOptimizer
 from tensorswap.cid import Cid
 from tensorswap.errors import AggregationError, RoundsError

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tensorswap.aggregate._kernels import quiet
+from tensorswap.aggregate import quiet
 from tensorswap.aggregate.server_opt import ServerOptimizer
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.codec import DType, TensorBlock, encode_block

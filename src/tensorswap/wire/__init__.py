@@ -1,5 +1,6 @@
 """Wire: frames, checksums, async streams of blocks and gradients, handshake/auth, TLS."""
 
+from tensorswap.wire._budget import DEFAULT_MAX_INFLIGHT_BYTES, ByteBudget, Reservation
 from tensorswap.wire.auth import (
     client_ssl_context,
     load_key,
@@ -52,12 +53,14 @@ from tensorswap.wire.transport import MemoryTransport, Transport, memory_pair
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_MAX_INFLIGHT_BYTES",
     "AppRequest",
     "AuthenticationFailed",
     "BlockClient",
     "BlockHashMismatch",
     "BlockServer",
     "BlocksReply",
+    "ByteBudget",
     "ChecksumMismatch",
     "ChunkIndexOutOfRange",
     "Compression",
@@ -84,6 +87,7 @@ __all__ = [
     "RemoteError",
     "RemoteOverBudget",
     "RequestHandler",
+    "Reservation",
     "ServerBusy",
     "ServerStats",
     "StreamEnded",

@@ -35,8 +35,7 @@ from tensorswap.rounds.protocol.messages import MAX_NAME_BYTES, _Request, utf8_l
 from tensorswap.rounds.storage._fresh import FreshBlocks
 from tensorswap.rounds.storage._tiered import small_or_none
 from tensorswap.store import BlockStore
-from tensorswap.wire import ProtocolViolation
-from tensorswap.wire._budget import ByteBudget, Reservation
+from tensorswap.wire import ByteBudget, ProtocolViolation, Reservation
 from tensorswap.wire.errors import BlockHashMismatch
 
 if TYPE_CHECKING:
