@@ -89,7 +89,9 @@ def opened(
 
 
 def _wait_inbound(backend: HybridFlowBackend) -> None:
-    backend._inbound._socket.poll(1)  # type: ignore[attr-defined]
+    inbound = backend.inbound
+    assert isinstance(inbound, Subscriber)
+    inbound.poll(0.001)
 
 
 def publish_until(
@@ -385,7 +387,7 @@ def test_close_closes_both_transports_and_empties_the_slots() -> None:
 
 def test_open_owns_and_ends_its_context(ipc_endpoint: IpcEndpoints) -> None:
     backend = HybridFlowBackend.open(ipc_endpoint(), ipc_endpoint())
-    context: Any = backend._context
+    context: Any = backend.context
     assert isinstance(context, zmq.Context) and not context.closed
     backend.close()
-    assert context.closed
+    assert context.closed and backend.context is None

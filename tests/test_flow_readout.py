@@ -126,8 +126,9 @@ def test_initialize_with_a_float_limit_of_thousands_of_digits_uses_the_default(
 ) -> None:
     monkeypatch.setenv(ENV_MAX_READOUT_FLOATS, "9" * 5000)
     with ReadoutBackend(ipc_endpoint("env")) as backend:
+        assert backend.max_floats is None  # read at initialize
         backend.initialize()
-        assert backend._max_floats == DEFAULT_MAX_READOUT_FLOATS
+        assert backend.max_floats == DEFAULT_MAX_READOUT_FLOATS
 
 
 def test_the_endpoint_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,8 +239,7 @@ def test_max_message_bytes_reaches_the_readout_socket(
     assert backend.max_message_bytes == applied
     with backend:
         backend.initialize()
-        assert backend._socket is not None
-        assert backend._socket.getsockopt(zmq.MAXMSGSIZE) == applied
+        assert backend.socket_options()["max_message_bytes"] == applied
 
 
 @pytest.mark.parametrize(
@@ -262,6 +262,10 @@ def test_process_batch_needs_initialize() -> None:
     backend = ReadoutBackend("ipc:///tmp/never.ipc")
     with pytest.raises(InitializationError, match="initialize"):
         backend.process_batch([1.0])
+    with pytest.raises(InitializationError, match="initialize"):
+        backend.poll(0)
+    with pytest.raises(InitializationError, match="initialize"):
+        backend.socket_options()
 
 
 def test_a_refused_connect_is_an_initialization_error() -> None:
@@ -281,7 +285,7 @@ def test_the_backend_reads_the_newest_packet_from_a_producer(
         deadline = time.monotonic() + 5
         while backend.process_batch() == [] and time.monotonic() < deadline:
             socket.send(packet(0, 0.75))
-            backend._socket.poll(10)  # type: ignore[union-attr]
+            backend.poll(0.01)
         assert backend.tick == 0 and backend.last_readout == [0.75]
         malformed_before = backend.malformed_readouts
         for frame in (
@@ -293,7 +297,7 @@ def test_the_backend_reads_the_newest_packet_from_a_producer(
         ):
             socket.send(frame)
         while backend.tick != 3 and time.monotonic() < deadline:
-            backend._socket.poll(10)  # type: ignore[union-attr]
+            backend.poll(0.01)
             backend.process_batch()
         assert backend.process_batch() == [1.0, 0.25]
         assert backend.malformed_readouts - malformed_before == 3

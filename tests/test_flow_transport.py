@@ -129,8 +129,9 @@ def test_the_largest_configs_open(ipc_endpoint: IpcEndpoints) -> None:
         max_message_bytes=2**63 - 1,
     )
     with Subscriber.connect(options) as subscriber:
-        assert subscriber._socket.getsockopt(zmq.MAXMSGSIZE) == 2**63 - 1
-        assert subscriber._socket.getsockopt(zmq.SNDHWM) == top
+        applied = subscriber.socket_options()
+        assert applied["max_message_bytes"] == 2**63 - 1
+        assert applied["send_hwm"] == top
 
 
 class _RecordingContext(zmq.Context):  # type: ignore[type-arg]
@@ -184,14 +185,15 @@ def test_options_reach_the_sockets(ipc_endpoint: IpcEndpoints) -> None:
         max_message_bytes=4096,
     )
     with Publisher.bind(options) as publisher, Subscriber.connect(options) as subscriber:
-        sockets = (publisher._socket, subscriber._socket)
-        for socket in sockets:
-            assert socket.getsockopt(zmq.LINGER) == 3
-            assert socket.getsockopt(zmq.SNDHWM) == 7
-            assert socket.getsockopt(zmq.RCVHWM) == 9
-            assert socket.getsockopt(zmq.RECONNECT_IVL) == 11
-            assert socket.getsockopt(zmq.RECONNECT_IVL_MAX) == 13
-        assert subscriber._socket.getsockopt(zmq.MAXMSGSIZE) == 4096
+        common = {
+            "linger_ms": 3,
+            "send_hwm": 7,
+            "receive_hwm": 9,
+            "reconnect_interval_ms": 11,
+            "reconnect_interval_max_ms": 13,
+        }
+        assert publisher.socket_options() == common
+        assert subscriber.socket_options() == {**common, "max_message_bytes": 4096}
 
 
 @pytest.mark.parametrize("endpoint", ["not-an-endpoint", "tcp://", "bogus://x"])
@@ -288,6 +290,18 @@ def test_receive_timeouts_leave_try_recv_non_blocking(pair: Pair) -> None:
     assert subscriber.recv(timeout=0) is None
 
 
+def test_poll_waits_for_a_frame_and_takes_none(pair: Pair) -> None:
+    publisher, subscriber = pair
+    assert subscriber.poll(0) is False
+    publisher.send(Loss(2.0))
+    assert subscriber.poll(5) is True
+    assert subscriber.poll(0) is True  # still there: poll does not receive
+    assert subscriber.try_recv() == Loss(2.0)
+    for bad in (-1.0, math.nan):
+        with pytest.raises(InvalidArgument):
+            subscriber.poll(bad)
+
+
 def test_a_published_message_is_validated_first(pair: Pair) -> None:
     publisher, subscriber = pair
     with pytest.raises(ValidationError):
@@ -304,12 +318,34 @@ def test_bare_and_canonical_frames_are_both_read(pair: Pair) -> None:
     assert subscriber.recv(timeout=5) == Loss(0.75)
 
 
-def test_empty_and_multipart_messages_are_framing_faults(pair: Pair) -> None:
-    publisher, subscriber = pair
-    publisher.send_frame(b"")
-    publisher._socket.send_multipart([encode(Ping()), b"b", b"c"])
-    publisher.send(Loss(0.5))
-    assert subscriber._socket.poll(5000)
+@pytest.mark.parametrize("kind", ["ipc", "tcp"])
+def test_empty_and_multipart_messages_are_framing_faults(
+    kind: str, ipc_endpoint: IpcEndpoints
+) -> None:
+    """A Publisher sends one frame per message; a foreign PUB socket may send several."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    raw = context.socket(zmq.PUB)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        raw.bind(ipc_endpoint("raw") if kind == "ipc" else "tcp://127.0.0.1:*")
+        with Subscriber.connect(config(raw.getsockopt_string(zmq.LAST_ENDPOINT))) as subscriber:
+            deadline = time.monotonic() + 5
+            while subscriber.recv(timeout=0.01) is None:  # the slow joiner
+                assert time.monotonic() < deadline, "the subscriber never joined"
+                raw.send(encode(Ping()))
+            while subscriber.recv(timeout=0.05) is not None:
+                pass
+            raw.send(b"")
+            raw.send_multipart([encode(Ping()), b"b", b"c"])
+            raw.send(encode(Loss(0.5)))
+            _expect_framing_faults(subscriber)
+    finally:
+        raw.close()
+        context.term()
+
+
+def _expect_framing_faults(subscriber: Subscriber) -> None:
+    assert subscriber.poll(5)
     with pytest.raises(FramingError) as empty:
         subscriber.recv(timeout=5)
     assert empty.value.frames == 1
@@ -333,7 +369,7 @@ def test_a_bad_frame_raises_and_is_consumed(pair: Pair, frame: bytes, error: typ
     publisher, subscriber = pair
     publisher.send_frame(frame)
     publisher.send(Ping())
-    assert subscriber._socket.poll(5000)
+    assert subscriber.poll(5)
     with pytest.raises(error):
         subscriber.recv(timeout=5)
     assert subscriber.recv(timeout=5) == Ping()

@@ -217,7 +217,7 @@ def test_a_listener_may_submit_while_a_collection_waits() -> None:
 
 
 def test_collect_garbage_from_inside_a_submit_is_refused(coord: Coordinator) -> None:
-    with coord._gc_lock.shared(), pytest.raises(RuntimeError, match="wait for itself"):
+    with coord.no_collection(), pytest.raises(RuntimeError, match="wait for itself"):
         coord.collect_garbage(keep_rounds=1)
 
 

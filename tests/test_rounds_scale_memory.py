@@ -41,8 +41,11 @@ def test_ten_thousand_contributions_keep_a_few_hundred_bytes_each(tmp_path: Path
         per_contribution = (after - before) / PEERS
         assert per_contribution < 2048, f"{per_contribution:.0f} bytes per contribution"
         assert threading.active_count() <= threads + 1  # no thread per peer
-        entry = coord.tracker._rounds[RID]
-        assert (len(entry.contributions), len(entry.pending)) == (PEERS, 0)
+        assert len(coord.contributions(RID)) == PEERS
+        settled = threading.Thread(target=coord.tracker.settle, args=(RID,))
+        settled.start()  # returns at once only if no contribution is left pending
+        settled.join(30)
+        assert not settled.is_alive()
         info, total = coord.tracker.page(0, 10, 3)
         assert total == 1 and info[0].received == PEERS and len(info[0].peers) == 3
         names, count = coord.tracker.peers_page(RID, 9_990, 1000)

@@ -109,6 +109,22 @@ class HybridFlowBackend:
         return self._inbound.closed
 
     @property
+    def inbound(self) -> Inbound:
+        """The transport gradients and traces come in on (a Subscriber after :meth:`open`)."""
+        return self._inbound
+
+    @property
+    def outbound(self) -> Outbound:
+        """The transport spikes and embeddings go out on (a Publisher after :meth:`open`)."""
+        return self._outbound
+
+    @property
+    def context(self) -> zmq.Context[Any] | None:
+        """The ZeroMQ context :meth:`close` terminates (the one :meth:`open` made), or None;
+        None again once closed."""
+        return self._context
+
+    @property
     def held_gradient(self) -> GradientBatch | None:
         """The gradient batch waiting for :meth:`try_receive_gradients`, if any."""
         return self._held_gradient

@@ -8,6 +8,7 @@ valid arrived, the previous readout is returned again.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import struct
@@ -21,6 +22,7 @@ from tensorswap.flow.errors import (
     CommunicationError,
     FlowError,
     InitializationError,
+    InvalidArgument,
     InvalidConfig,
     MalformedReadout,
     ReadoutLimitExceeded,
@@ -137,6 +139,12 @@ class ReadoutBackend:
         return self._max_message_bytes
 
     @property
+    def max_floats(self) -> int | None:
+        """Floats a packet may carry; ``None`` until :meth:`initialize` reads the environment
+        (``ENV_MAX_READOUT_FLOATS``) when none was given."""
+        return self._max_floats
+
+    @property
     def tick(self) -> int:
         """The tick of the last valid packet (0 before any)."""
         return self._tick
@@ -181,11 +189,37 @@ class ReadoutBackend:
             ) from exc
         self._context, self._socket = context, socket
 
-    def process_batch(self, inputs: Sequence[float] = ()) -> list[float]:
-        """Drain waiting packets and return the newest readout (``inputs`` are ignored)."""
+    def poll(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds (>= 0) for a packet; whether one is waiting (none
+        is read: :meth:`process_batch` reads them). A NaN or negative one: InvalidArgument."""
+        if not timeout >= 0:  # also NaN
+            raise InvalidArgument(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        socket = self._connected()
+        return bool(socket.poll(min(math.ceil(timeout * 1000), 2**31 - 1), zmq.POLLIN))
+
+    def socket_options(self) -> dict[str, int]:
+        """The SUB socket's options read back from libzmq: ``linger_ms``, ``receive_hwm``,
+        ``reconnect_interval_ms``, ``reconnect_interval_max_ms``, ``max_message_bytes``."""
+        socket = self._connected()
+        return {
+            name: int(socket.getsockopt(option))
+            for name, option in (
+                ("linger_ms", zmq.LINGER),
+                ("receive_hwm", zmq.RCVHWM),
+                ("reconnect_interval_ms", zmq.RECONNECT_IVL),
+                ("reconnect_interval_max_ms", zmq.RECONNECT_IVL_MAX),
+                ("max_message_bytes", zmq.MAXMSGSIZE),
+            )
+        }
+
+    def _connected(self) -> zmq.Socket[Any]:
         if self._socket is None:
             raise InitializationError("ReadoutBackend not initialized: call initialize() first")
-        self._drain(self._socket, self._max_floats or DEFAULT_MAX_READOUT_FLOATS)
+        return self._socket
+
+    def process_batch(self, inputs: Sequence[float] = ()) -> list[float]:
+        """Drain waiting packets and return the newest readout (``inputs`` are ignored)."""
+        self._drain(self._connected(), self._max_floats or DEFAULT_MAX_READOUT_FLOATS)
         return list(self._readout)
 
     def _drain(self, socket: zmq.Socket[Any], max_floats: int) -> None:

@@ -33,6 +33,14 @@ _INT_MAX = 2**31 - 1
 """The largest value of an ``int`` socket option (ZMQ_SNDHWM, ZMQ_LINGER, ...)."""
 _INT64_MAX = 2**63 - 1
 """The largest ZMQ_MAXMSGSIZE (an ``int64_t``)."""
+_OPTIONS = (
+    ("send_hwm", zmq.SNDHWM),
+    ("receive_hwm", zmq.RCVHWM),
+    ("linger_ms", zmq.LINGER),
+    ("reconnect_interval_ms", zmq.RECONNECT_IVL),
+    ("reconnect_interval_max_ms", zmq.RECONNECT_IVL_MAX),
+)
+"""The socket options every endpoint sets, by :class:`TransportConfig` field."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,7 @@ class _Endpoint:
     """A socket, the context it came from, and whether closing it also ends that context."""
 
     _what = "transport"
+    _options: tuple[tuple[str, int], ...] = _OPTIONS
 
     def __init__(
         self, socket: zmq.Socket[Any], context: zmq.Context[Any], owns_context: bool
@@ -142,6 +151,12 @@ class _Endpoint:
         self._check_open()
         value: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         return value
+
+    def socket_options(self) -> dict[str, int]:
+        """The options as the socket holds them (read back from libzmq), keyed by their
+        :class:`TransportConfig` field: what was applied, not what was asked for."""
+        self._check_open()
+        return {name: int(self._socket.getsockopt(option)) for name, option in self._options}
 
     def _check_open(self) -> None:
         if self._closed:
@@ -201,6 +216,7 @@ class Subscriber(_Endpoint):
     """A connected SUB socket (empty subscription) that receives and decodes messages."""
 
     _what = "subscriber"
+    _options = (*_OPTIONS, ("max_message_bytes", zmq.MAXMSGSIZE))
 
     def __init__(
         self, socket: zmq.Socket[Any], context: zmq.Context[Any], owns_context: bool
@@ -240,6 +256,17 @@ class Subscriber(_Endpoint):
         if not frame:
             raise FramingError(1)
         return frame
+
+    def poll(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a frame; whether one is waiting (none is taken).
+
+        A NaN or negative ``timeout`` raises InvalidArgument.
+        """
+        if not timeout >= 0:  # also NaN
+            raise InvalidArgument(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        self._check_open()
+        wait = min(math.ceil(timeout * 1000), _MAX_WAIT_MS)
+        return bool(self._socket.poll(wait, zmq.POLLIN))
 
     def try_recv(self) -> IpcMessage | None:
         """Receive and decode one message without blocking; ``None`` means none is waiting.
