@@ -6,6 +6,7 @@ Root only (network namespaces): skipped with the reason elsewhere; CI runs as ro
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,10 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _lab_namespaces() -> list[str]:
+    """This process's lab namespaces (``tsnl<pid>x<n>-...``): another process's lab, on a
+    shared machine, comes and goes on its own."""
     listed = run("ip", "netns", "list").stdout.split()
-    return [n for n in listed if n.startswith("tsnl")]
+    return [n for n in listed if n.startswith(f"tsnl{os.getpid()}x")]
 
 
 @pytest.mark.slow
