@@ -415,10 +415,7 @@ def run_tiny(
 _REQUESTS = """
 import asyncio, sys, tempfile, time
 from pathlib import Path
-from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.engine import Coordinator
-from tensorswap.rounds.server import RoundServer
-from tensorswap.rounds.core import RoundId, RoundSpec
+from tensorswap.rounds import Coordinator, RoundClient, RoundId, RoundServer, RoundSpec
 
 async def main(connections, each):
     with tempfile.TemporaryDirectory() as d, Coordinator.open(Path(d), run_timer=False) as co:
