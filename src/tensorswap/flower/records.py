@@ -100,18 +100,30 @@ def record_of(arrays: Mapping[str, np.ndarray], *, writable: bool = True) -> Arr
     return record
 
 
-def swap_out(content: RecordDict, push: Push, *, swarm: bool = False) -> RecordDict:
+def swap_out(
+    content: RecordDict,
+    push: Push,
+    *,
+    swarm: bool = False,
+    memo: dict[int, ArrayRef | None] | None = None,
+) -> RecordDict:
     """A copy of ``content`` with every ArrayRecord that can be referenced replaced, under
-    the same key, by a reference to its arrays, stored with ``push`` (one push per distinct
-    record: messages sharing one record share its push through ``push``'s own memo)."""
+    the same key, by a reference to its arrays, stored with ``push``. ``memo`` (by record
+    identity; the caller keeps the records alive) makes messages that share one record share
+    one push and one reference."""
     out = RecordDict()
     for key, record in content.items():
-        arrays = arrays_of(record) if isinstance(record, ArrayRecord) else None
-        if arrays is None:
+        if not isinstance(record, ArrayRecord):
             out[key] = record
             continue
-        root = push(arrays)
-        out[key] = reference_of(ArrayRef.of(root, arrays, swarm=swarm))
+        if memo is not None and id(record) in memo:
+            ref = memo[id(record)]
+        else:
+            arrays = arrays_of(record)
+            ref = None if arrays is None else ArrayRef.of(push(arrays), arrays, swarm=swarm)
+            if memo is not None:
+                memo[id(record)] = ref
+        out[key] = record if ref is None else reference_of(ref)
     return out
 
 
