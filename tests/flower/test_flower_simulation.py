@@ -60,9 +60,8 @@ def simulate(make: Callable[[], Strategy], address: str | None) -> dict[str, Any
         pytest.param(
             "fedadam",
             marks=pytest.mark.xfail(
-                reason="FedAdam's arrays differed between the plain and the bridged run "
-                "(once by a few float32 ulps, once by up to 0.16): not yet explained, see "
-                "docs/flower.md",
+                reason="plain Flower FedAdam runs differ by ~1.6e-6 from each other (reply "
+                "order under Ray); one bridged run differed by 0.16, unexplained: docs/flower.md",
                 strict=False,
             ),
         ),
