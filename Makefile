@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP_CORE := $(VENV)/.installed-core
 STAMP_DEV := $(VENV)/.installed-dev
 
-.PHONY: demo test check bench format clean flower-venv
+.PHONY: demo test check bench format clean flower-venv flower-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,7 @@ demo: $(STAMP_CORE)
 
 test: $(STAMP_DEV)
 	$(PY) -m pytest
+	$(MAKE) flower-test
 
 check: $(STAMP_DEV)
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -39,9 +40,18 @@ bench: $(STAMP_DEV)
 
 # Flower 1.42 in a venv of its own, for the benchmarks that run it beside tensorswap
 # (benchmarks/_flower.py finds it); never a dependency of tensorswap.
-flower-venv:
+# `make flower-test` runs tests/flower/ there (about 45 s to build the venv, 45 s to test).
+flower-venv: .venv-flower/.installed
+
+.venv-flower/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv .venv-flower
-	.venv-flower/bin/pip install --quiet 'flwr[simulation]==1.42.0' numpy
+	.venv-flower/bin/pip install --quiet 'flwr[simulation]==1.42.0' numpy \
+		pytest pytest-asyncio pytest-timeout hypothesis
+	.venv-flower/bin/pip install --quiet -e .
+	touch $@
+
+flower-test: flower-venv
+	cd tests && PYTHONPATH=$(CURDIR)/tests/flower ../.venv-flower/bin/python -m pytest flower
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -15,7 +15,7 @@ import tensorswap
 from tensorswap.errors import TensorSwapError
 
 # Modules that need an optional extra; skipped (not failed) where it is not installed.
-OPTIONAL = {"torch", "matplotlib", "sklearn", "cryptography", "dp_accounting"}
+OPTIONAL = {"torch", "matplotlib", "sklearn", "cryptography", "dp_accounting", "flwr"}
 
 
 def _modules() -> list[ModuleType]:

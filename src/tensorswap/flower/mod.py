@@ -1,0 +1,68 @@
+"""blocks_mod: a Flower ClientApp mod that resolves array references in incoming messages and
+sends the reply's arrays as blocks through the block service, references in their place."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from collections.abc import Callable
+
+from flwr.app import Context, Message
+
+from tensorswap.flower.link import BlockLink
+from tensorswap.flower.records import has_reference, swap_in, swap_out
+
+__all__ = ["blocks_mod", "shared_link"]
+
+_links: dict[tuple[str, bytes | None], BlockLink] = {}
+_links_lock = threading.Lock()
+
+
+def shared_link(address: str, key: bytes | None = None) -> BlockLink:
+    """This process's link to the service at ``address`` (one per address and key; the
+    ClientApps a process runs share its connection, its store and its swarm seeder)."""
+    with _links_lock:
+        link = _links.get((address, key))
+        if link is None:
+            link = _links[(address, key)] = BlockLink(address, key=key)
+        return link
+
+
+@atexit.register
+def _close_links() -> None:
+    with _links_lock:
+        links = list(_links.values())
+        _links.clear()
+    for link in links:
+        link.close()
+
+
+ClientAppCall = Callable[[Message, Context], Message]
+
+
+def blocks_mod(address: str, *, key: bytes | None = None) -> Callable[..., Message]:
+    """A ClientApp mod (``ClientApp(mods=[blocks_mod("HOST:PORT")])``).
+
+    On a message whose content holds references (a ``BlockStrategy`` sent it) each is
+    replaced by an ArrayRecord of its arrays, fetched into this process's store (only the
+    blocks it lacks; from peers too when the reference says ``swarm``), CID-checked, and
+    compared with the reference (``ReferenceMismatch``). The ClientApp then runs unchanged,
+    and the ArrayRecords of its reply are pushed (only the blocks the service lacks; a push
+    cut by a broken connection is resumed) and replaced by references. A message without
+    references, and its reply, pass through untouched: a ServerApp without the bridge is
+    answered as before. ``key``: the block service's shared key.
+    """
+
+    def mod(message: Message, context: Context, call_next: ClientAppCall) -> Message:
+        if not message.has_content() or not has_reference(message.content):
+            return call_next(message, context)
+        link = shared_link(address, key)
+        message.content = swap_in(
+            message.content, lambda ref: link.fetch(ref.root, swarm=ref.swarm)
+        )
+        reply = call_next(message, context)
+        if reply.has_content():
+            reply.content = swap_out(reply.content, link.push)
+        return reply
+
+    return mod
