@@ -1,0 +1,25 @@
+"""Peers average among themselves: a verified, fault-tolerant all-reduce (and DiLoCo on it)."""
+
+from tensorswap.collective.errors import (
+    BadCollectiveMessage,
+    CollectiveError,
+    CommitmentMismatch,
+    GroupMismatch,
+    JoinTimedOut,
+    PeerExcluded,
+    ResultMismatch,
+    TooFewPeers,
+)
+from tensorswap.collective.rendezvous import Rendezvous
+
+__all__ = [
+    "BadCollectiveMessage",
+    "CollectiveError",
+    "CommitmentMismatch",
+    "GroupMismatch",
+    "JoinTimedOut",
+    "PeerExcluded",
+    "Rendezvous",
+    "ResultMismatch",
+    "TooFewPeers",
+]
