@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-import pytest
 
-from tensorswap.collective import Rendezvous
+from tensorswap.collective import Collective, Rendezvous
 from tensorswap.store import MemoryStore
 from tensorswap.wire import BlockServer
 
@@ -21,11 +20,8 @@ async def _rendezvous() -> tuple[BlockServer, Rendezvous]:
     return server, rendezvous
 
 
-@pytest.mark.xfail(reason="Collective (the peer side) not built yet", strict=True)
 def test_two_peers_average_a_dict() -> None:
     async def main() -> list[dict[str, np.ndarray]]:
-        from tensorswap.collective import Collective  # type: ignore[attr-defined]
-
         server, rendezvous = await _rendezvous()
         address = f"127.0.0.1:{server.port}"
         inputs = [{"w": np.full(10, float(i + 1), np.float32)} for i in range(2)]

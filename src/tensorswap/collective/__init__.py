@@ -10,10 +10,13 @@ from tensorswap.collective.errors import (
     ResultMismatch,
     TooFewPeers,
 )
+from tensorswap.collective.peer import CallStats, Collective
 from tensorswap.collective.rendezvous import Rendezvous
 
 __all__ = [
     "BadCollectiveMessage",
+    "CallStats",
+    "Collective",
     "CollectiveError",
     "CommitmentMismatch",
     "GroupMismatch",

@@ -20,14 +20,16 @@ __all__ = [
     "Answer",
     "CallView",
     "Commit",
-    "Committed",
+    "CommitInfo",
     "Done",
     "Join",
     "JoinAnswer",
     "Member",
     "Poll",
     "Reduced",
+    "ReducedInfo",
     "RendezvousCall",
+    "ResultRoot",
     "SliceSent",
     "decode_answer",
     "decode_call",
@@ -193,7 +195,15 @@ class SliceSent(_Base, frozen=True):
     chunks: list[bytes]
 
 
-Committed = Answer
+class ResultRoot(_Base, frozen=True):
+    """What a call's result root CID names: the layout digest, the contributors in order
+    and every reduced chunk's CID in order."""
+
+    layout: bytes
+    final: list[str]
+    chunks: list[bytes]
+
+
 _T = TypeVar("_T")
 _call_decoder = msgspec.msgpack.Decoder(RendezvousCall)
 _join_decoder = msgspec.msgpack.Decoder(JoinAnswer)
