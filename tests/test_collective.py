@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from tensorswap.collective import Collective, Rendezvous
 from tensorswap.store import MemoryStore
@@ -41,3 +42,182 @@ def test_two_peers_average_a_dict() -> None:
     expected = np.full(10, (1 * 1 + 2 * 2) / 3, np.float32)
     for result in results:
         np.testing.assert_array_equal(result["w"], expected)
+
+
+async def _group(
+    n: int, *, compression: str = "none", address: str | None = None
+) -> tuple[list[Collective], BlockServer, Rendezvous]:
+    server, rendezvous = await _rendezvous()
+    address = f"127.0.0.1:{server.port}"
+    peers = await asyncio.gather(
+        *(
+            Collective.join(
+                address,
+                group="g",
+                peer=f"p{i}",
+                size=n,
+                key=KEY,
+                compression=compression,  # type: ignore[arg-type]
+            )
+            for i in range(n)
+        )
+    )
+    return list(peers), server, rendezvous
+
+
+async def _close(peers: list[Collective], server: BlockServer, rendezvous: Rendezvous) -> None:
+    for peer in peers:
+        await peer.aclose()
+    await rendezvous.aclose()
+    await server.aclose()
+
+
+def test_four_peers_weighted_mean_identical_bits_over_calls() -> None:
+    rng = np.random.default_rng(7)
+    inputs = [
+        {"a": rng.standard_normal((33, 17)).astype(np.float32), "b": rng.standard_normal(1000)}
+        for _ in range(4)
+    ]
+    weights = [1.0, 2.0, 3.0, 0.5]
+
+    async def main() -> list[list[dict[str, np.ndarray]]]:
+        peers, server, rendezvous = await _group(4)
+        try:
+            calls = []
+            for _ in range(2):
+                calls.append(
+                    list(
+                        await asyncio.gather(
+                            *(p.all_reduce(inputs[i], weights[i]) for i, p in enumerate(peers))
+                        )
+                    )
+                )
+            assert [p.members for p in peers] == [["p0", "p1", "p2", "p3"]] * 4
+            return calls
+        finally:
+            await _close(peers, server, rendezvous)
+
+    for results in asyncio.run(main()):
+        for name in ("a", "b"):
+            want = sum(w * x[name].astype(np.float64) for w, x in zip(weights, inputs))
+            want = want / sum(weights)
+            assert results[0][name].dtype == np.float32
+            np.testing.assert_allclose(results[0][name], want, rtol=1e-5, atol=1e-6)
+            for other in results[1:]:
+                assert other[name].tobytes() == results[0][name].tobytes()
+
+
+def test_torch_in_torch_out() -> None:
+    torch = pytest.importorskip("torch")
+
+    async def main() -> list[dict[str, object]]:
+        peers, server, rendezvous = await _group(2)
+        try:
+            return list(
+                await asyncio.gather(
+                    *(
+                        p.all_reduce({"w": torch.full((3, 4), float(i))})
+                        for i, p in enumerate(peers)
+                    )
+                )
+            )
+        finally:
+            await _close(peers, server, rendezvous)
+
+    for result in asyncio.run(main()):
+        assert isinstance(result["w"], torch.Tensor)
+        assert torch.equal(result["w"], torch.full((3, 4), 0.5))
+
+
+def test_int8_compression_sends_fewer_bytes_and_reports_error() -> None:
+    rng = np.random.default_rng(3)
+    inputs = [{"w": rng.standard_normal(1 << 16).astype(np.float32)} for _ in range(2)]
+
+    async def run(compression: str) -> tuple[list[dict[str, np.ndarray]], list[int], float]:
+        peers, server, rendezvous = await _group(2, compression=compression)
+        try:
+            out = await asyncio.gather(*(p.all_reduce(inputs[i]) for i, p in enumerate(peers)))
+            sent = [p.stats.bytes_sent + p.stats.bytes_received for p in peers]
+            return list(out), sent, peers[0].stats.compression_error
+        finally:
+            await _close(peers, server, rendezvous)
+
+    plain, plain_bytes, _ = asyncio.run(run("none"))
+    packed, packed_bytes, error = asyncio.run(run("int8"))
+    assert packed[0]["w"].tobytes() == packed[1]["w"].tobytes()
+    assert sum(plain_bytes) / sum(packed_bytes) > 3.5
+    assert 0 < error < 0.02
+    np.testing.assert_allclose(packed[0]["w"], plain[0]["w"], atol=0.05)
+
+
+def test_a_peer_cut_mid_call_is_dropped_and_survivors_agree() -> None:
+    """p2 commits and then vanishes (its server and connections closed, as a crash would):
+    the other three finish the same call with the mean of their own inputs."""
+    inputs = [{"w": np.full(4096, float(i), np.float32)} for i in range(3)]
+
+    async def main() -> list[dict[str, np.ndarray]]:
+        peers, server, rendezvous = await _group(3)
+        victim = peers[2]
+        committed = asyncio.Event()
+        original = victim.ask
+
+        async def ask_then_die(message):  # type: ignore[no-untyped-def]
+            answer = await original(message)
+            committed.set()
+            await asyncio.Event().wait()  # never returns: the peer hangs, then is cut
+            return answer
+
+        victim.ask = ask_then_die  # type: ignore[method-assign]
+        dying = asyncio.ensure_future(victim.all_reduce(inputs[2]))
+        await committed.wait()
+        dying.cancel()
+        await victim.aclose()
+        try:
+            out = await asyncio.gather(*(p.all_reduce(inputs[i]) for i, p in enumerate(peers[:2])))
+            assert peers[0].members == ["p0", "p1"] and "p2" in peers[0].stats.dropped
+            return list(out)
+        finally:
+            await _close(peers[:2], server, rendezvous)
+
+    results = asyncio.run(main())
+    np.testing.assert_array_equal(results[0]["w"], np.full(4096, 0.5, np.float32))
+    assert results[0]["w"].tobytes() == results[1]["w"].tobytes()
+
+
+def test_a_lying_peer_is_named_and_excluded() -> None:
+    """p1 commits to one input and sends another: its reducer names it, it is excluded, and
+    the honest peers end with their own mean; the liar's call raises PeerExcluded."""
+    from tensorswap.collective import PeerExcluded, _call
+
+    inputs = [{"w": np.full(3000, float(i), np.float32)} for i in range(3)]
+
+    async def main() -> tuple[list[object], dict[str, str]]:
+        peers, server, rendezvous = await _group(3)
+        liar = peers[1]
+        honest_push = _call.CallRun._push
+
+        async def lying_push(self, j, chunks, member):  # type: ignore[no-untyped-def]
+            if self.owner is liar and not getattr(self, "forged", False):
+                store = liar.store
+                self.mine = [
+                    store.put(np.frombuffer(store.get(c), np.float32) + np.float32(100))
+                    for c in self.mine
+                ]
+                self.forged = True
+            await honest_push(self, j, chunks, member)
+
+        try:
+            _call.CallRun._push = lying_push  # type: ignore[method-assign]
+            out = await asyncio.gather(
+                *(p.all_reduce(inputs[i]) for i, p in enumerate(peers)), return_exceptions=True
+            )
+            return list(out), dict(peers[0].stats.dropped)
+        finally:
+            _call.CallRun._push = honest_push  # type: ignore[method-assign]
+            await _close(peers, server, rendezvous)
+
+    results, dropped = asyncio.run(main())
+    assert isinstance(results[1], PeerExcluded) and results[1].peer == "p1"
+    assert "p1" in dropped and "commitment" in dropped["p1"]
+    for i in (0, 2):
+        np.testing.assert_array_equal(results[i]["w"], np.full(3000, 1.0, np.float32))  # type: ignore[index]
