@@ -99,7 +99,7 @@ def test_four_peers_weighted_mean_identical_bits_over_calls() -> None:
 
     for results in asyncio.run(main()):
         for name in ("a", "b"):
-            want = sum(w * x[name].astype(np.float64) for w, x in zip(weights, inputs))
+            want = sum(w * x[name].astype(np.float64) for w, x in zip(weights, inputs, strict=True))
             want = want / sum(weights)
             assert results[0][name].dtype == np.float32
             np.testing.assert_allclose(results[0][name], want, rtol=1e-5, atol=1e-6)
