@@ -221,3 +221,38 @@ def test_a_lying_peer_is_named_and_excluded() -> None:
     assert "p1" in dropped and "commitment" in dropped["p1"]
     for i in (0, 2):
         np.testing.assert_array_equal(results[i]["w"], np.full(3000, 1.0, np.float32))  # type: ignore[index]
+
+
+def test_blocking_twin_from_threads() -> None:
+    import threading
+
+    from tensorswap.collective import BlockingCollective
+
+    async def start() -> tuple[BlockServer, Rendezvous]:
+        return await _rendezvous()
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server, rendezvous = asyncio.run_coroutine_threadsafe(start(), loop).result()
+    address = f"127.0.0.1:{server.port}"
+    results: dict[int, np.ndarray] = {}
+
+    def peer(i: int) -> None:
+        with BlockingCollective(address, group="b", peer=f"q{i}", size=2, key=KEY) as g:
+            results[i] = g.all_reduce({"w": np.full(8, float(i), np.float32)})["w"]
+
+    threads = [threading.Thread(target=peer, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        asyncio.run_coroutine_threadsafe(rendezvous.aclose(), loop).result()
+        asyncio.run_coroutine_threadsafe(server.aclose(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    np.testing.assert_array_equal(results[0], np.full(8, 0.5, np.float32))
+    np.testing.assert_array_equal(results[1], results[0])

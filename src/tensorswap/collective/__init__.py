@@ -1,5 +1,6 @@
 """Peers average among themselves: a verified, fault-tolerant all-reduce (and DiLoCo on it)."""
 
+from tensorswap.collective.blocking import BlockingCollective
 from tensorswap.collective.errors import (
     BadCollectiveMessage,
     CollectiveError,
@@ -15,6 +16,7 @@ from tensorswap.collective.rendezvous import Rendezvous
 
 __all__ = [
     "BadCollectiveMessage",
+    "BlockingCollective",
     "CallStats",
     "Collective",
     "CollectiveError",
