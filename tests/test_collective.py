@@ -256,3 +256,19 @@ def test_blocking_twin_from_threads() -> None:
         loop.close()
     np.testing.assert_array_equal(results[0], np.full(8, 0.5, np.float32))
     np.testing.assert_array_equal(results[1], results[0])
+
+
+def test_bad_rendezvous_messages_are_typed_refusals() -> None:
+    from tensorswap.collective import BadCollectiveMessage
+    from tensorswap.collective.messages import Commit, Join, decode_call, encode
+
+    with pytest.raises(BadCollectiveMessage):
+        decode_call(b"\xc1 not msgpack")
+    with pytest.raises(BadCollectiveMessage, match="group"):
+        decode_call(encode(Join("x" * 1000, "p", 2, "", 1)))
+    with pytest.raises(BadCollectiveMessage, match="size"):
+        decode_call(encode(Join("g", "p", 100_000, "", 1)))
+    with pytest.raises(BadCollectiveMessage, match="weight"):
+        decode_call(encode(Commit("g", 0, "p", float("nan"), bytes(32), [])))
+    with pytest.raises(BadCollectiveMessage, match="chunks"):
+        decode_call(encode(Commit("g", 0, "p", 1.0, bytes(32), [b"c"] * (1 << 17))))
