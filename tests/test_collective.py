@@ -272,3 +272,40 @@ def test_bad_rendezvous_messages_are_typed_refusals() -> None:
         decode_call(encode(Commit("g", 0, "p", float("nan"), bytes(32), [])))
     with pytest.raises(BadCollectiveMessage, match="chunks"):
         decode_call(encode(Commit("g", 0, "p", 1.0, bytes(32), [b"c"] * (1 << 17))))
+
+
+def test_diloco_peers_hold_identical_parameters_and_learn() -> None:
+    torch = pytest.importorskip("torch")
+    from tensorswap.collective import DiLoCo
+
+    torch.manual_seed(0)
+    target = torch.randn(8, 1)
+    data = [torch.randn(64, 8) for _ in range(2)]
+
+    async def main() -> tuple[list[object], list[float], float]:
+        peers, server, rendezvous = await _group(2)
+        models = [torch.nn.Linear(8, 1, bias=False) for _ in range(2)]
+        models[1].load_state_dict(models[0].state_dict())
+        initial = float(((data[0] @ target - models[0](data[0])) ** 2).mean().detach())
+        inner = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+        dilocos = [DiLoCo(m, g, inner_steps=5) for m, g in zip(models, peers, strict=True)]
+
+        async def train(i: int) -> float:
+            loss = torch.tensor(0.0)
+            for _ in range(40):
+                inner[i].zero_grad()
+                loss = ((data[i] @ target - models[i](data[i])) ** 2).mean()
+                loss.backward()
+                inner[i].step()
+                await dilocos[i].step()
+            return float(loss.detach())
+
+        try:
+            losses = await asyncio.gather(train(0), train(1))
+            return [m.weight.detach().clone() for m in models], list(losses), initial
+        finally:
+            await _close(peers, server, rendezvous)
+
+    weights, losses, initial = asyncio.run(main())
+    assert torch.equal(weights[0], weights[1])  # type: ignore[arg-type]
+    assert max(losses) < initial / 4

@@ -1,6 +1,7 @@
 """Peers average among themselves: a verified, fault-tolerant all-reduce (and DiLoCo on it)."""
 
 from tensorswap.collective.blocking import BlockingCollective
+from tensorswap.collective.diloco import DiLoCo
 from tensorswap.collective.errors import (
     BadCollectiveMessage,
     CollectiveError,
@@ -21,6 +22,7 @@ __all__ = [
     "Collective",
     "CollectiveError",
     "CommitmentMismatch",
+    "DiLoCo",
     "GroupMismatch",
     "JoinTimedOut",
     "PeerExcluded",
