@@ -14,6 +14,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import resource
+import signal
 import statistics
 import time
 from typing import Any
@@ -26,7 +27,9 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _ts_peer(rank: int, n: int, elems: int, calls: int, address: str, out: Any) -> None:
+def _ts_peer(
+    rank: int, n: int, elems: int, calls: int, address: str, out: Any, kill: bool = False
+) -> None:
     from tensorswap.collective import Collective
 
     async def main() -> list[tuple[float, float]]:
@@ -37,6 +40,16 @@ def _ts_peer(rank: int, n: int, elems: int, calls: int, address: str, out: Any) 
             await g.all_reduce(x)  # warm-up
             for _ in range(calls):
                 c0, t0 = _cpu(), time.perf_counter()
+                await g.all_reduce(x)
+                times.append((time.perf_counter() - t0, _cpu() - c0))
+            if kill:  # one more call, in which the last peer SIGKILLs itself once committed
+                c0, t0 = _cpu(), time.perf_counter()
+                if rank == n - 1:
+                    call = asyncio.ensure_future(g.all_reduce(x))
+                    while (v := g.view(g.call)) is None or f"p{rank}" not in v.commits:
+                        await asyncio.sleep(0.005)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                    await call
                 await g.all_reduce(x)
                 times.append((time.perf_counter() - t0, _cpu() - c0))
         return times
@@ -85,6 +98,10 @@ def _gather(procs: list[Any], out: Any, n: int) -> tuple[float, float]:
     results = dict(out.get(timeout=600) for _ in range(n))
     for p in procs:
         p.join(60)
+    return _medians(results, n)
+
+
+def _medians(results: dict[int, Any], n: int) -> tuple[float, float]:
     calls = len(results[0])
     wall = [max(results[r][c][0] for r in range(n)) for c in range(calls)]
     cpu = [sum(results[r][c][1] for r in range(n)) for c in range(calls)]
@@ -109,6 +126,32 @@ def run_tensorswap(n: int, elems: int, calls: int) -> tuple[float, float]:
         server.join(30)
 
 
+def run_kill(n: int, elems: int, calls: int) -> tuple[float, float]:
+    """Normal calls' median time, and the time of the call in which the last peer is
+    SIGKILLed after committing (the survivors' slowest)."""
+    ctx = mp.get_context("spawn")
+    ready, stop, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    server = ctx.Process(target=_rendezvous, args=(ready, stop))
+    server.start()
+    address = f"127.0.0.1:{ready.get(timeout=60)}"
+    procs = [
+        ctx.Process(target=_ts_peer, args=(r, n, elems, calls, address, out, True))
+        for r in range(n)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=600) for _ in range(n - 1))
+        normal = _medians({r: results[r][:-1] for r in results}, n - 1)[0]
+        killed = max(results[r][-1][0] for r in results)
+        return normal, killed
+    finally:
+        for p in procs:
+            p.join(60)
+        stop.put(True)
+        server.join(30)
+
+
 def run_gloo(n: int, elems: int, calls: int) -> tuple[float, float]:
     import socket
 
@@ -128,6 +171,7 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--kill", action="store_true", help="also: a peer SIGKILLed mid-call")
     args = parser.parse_args()
     elems = args.mib * (1 << 20) // 4
     print(f"{args.peers} peers x {args.mib} MiB float32, {os.cpu_count()} CPUs, loopback")
@@ -136,6 +180,12 @@ def main() -> None:
     print(f"gloo        {gloo[0]:7.3f} s/call  {gloo[1]:7.2f} CPU-s/call")
     print(f"tensorswap  {ts[0]:7.3f} s/call  {ts[1]:7.2f} CPU-s/call")
     print(f"ratio tensorswap/gloo: time {ts[0] / gloo[0]:.2f}x  CPU {ts[1] / gloo[1]:.2f}x")
+    if args.kill:
+        normal, killed = run_kill(args.peers, elems, args.calls)
+        print(
+            f"SIGKILL mid-call: survivors {killed:.3f} s vs a normal call {normal:.3f} s: "
+            f"{killed / normal:.2f}x"
+        )
     try:
         import hivemind  # noqa: F401
     except ImportError:
