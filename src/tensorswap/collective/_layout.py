@@ -15,8 +15,9 @@ from tensorswap.collective.errors import GroupMismatch
 
 __all__ = ["MAX_CHUNK_ELEMS", "Layout", "chunk_bounds", "flatten", "slice_range", "unflatten"]
 
-MAX_CHUNK_ELEMS = 1 << 19
-"""Float32 elements in a chunk at most (2 MiB): a block on the wire, one CID."""
+MAX_CHUNK_ELEMS = 1 << 20
+"""Float32 elements in a chunk at most (4 MiB, the best of 2, 4 and 8 MiB in
+benchmarks/bench_collective.py at 4 x 64 MiB): a block on the wire, one CID."""
 
 
 @dataclass(frozen=True, slots=True)
