@@ -309,3 +309,32 @@ def test_diloco_peers_hold_identical_parameters_and_learn() -> None:
     weights, losses, initial = asyncio.run(main())
     assert torch.equal(weights[0], weights[1])  # type: ignore[arg-type]
     assert max(losses) < initial / 4
+
+
+def test_a_late_joiner_takes_part_from_the_next_call() -> None:
+    async def main() -> tuple[list[dict[str, np.ndarray]], list[str], list[str]]:
+        peers, server, rendezvous = await _group(2)
+        first = await asyncio.gather(
+            *(p.all_reduce({"w": np.full(5, float(i), np.float32)}) for i, p in enumerate(peers))
+        )
+        members_before = list(peers[0].members)
+        late = await Collective.join(
+            f"127.0.0.1:{server.port}", group="g", peer="late", size=2, key=KEY
+        )
+        peers.append(late)
+        try:
+            second = await asyncio.gather(
+                *(
+                    p.all_reduce({"w": np.full(5, float(i), np.float32)})
+                    for i, p in enumerate(peers)
+                )
+            )
+            assert first[0]["w"].tolist() == [0.5] * 5
+            return list(second), members_before, list(late.members)
+        finally:
+            await _close(peers, server, rendezvous)
+
+    second, before, after = asyncio.run(main())
+    assert before == ["p0", "p1"] and after == ["p0", "p1", "late"]
+    for result in second:
+        np.testing.assert_array_equal(result["w"], np.full(5, 1.0, np.float32))
