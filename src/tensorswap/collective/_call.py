@@ -42,6 +42,8 @@ __all__ = ["CallOwner", "CallRun", "CallStats", "Compression"]
 
 _RETRY = 0.5
 """Seconds before a failed push or fetch is tried again (the rendezvous judges meanwhile)."""
+_MAX_FETCH_ROUNDS = 40
+"""Rounds of fetching a sealed call's reduced slices from every member before giving up."""
 
 
 @dataclass(slots=True)
@@ -100,6 +102,7 @@ class CallRun:
         self.gathered: set[int] = set()
         self.final: list[str] = []
         self.accused: set[str] = set()
+        self.fetch_failures = 0
 
     def blocks(self) -> list[Cid]:
         """Every block this call put in the peer's store (for the next call to forget)."""
@@ -342,8 +345,14 @@ class CallRun:
             )
         if all(owner.store.has(c) for c in cids):
             self.gathered.add(j)
-        else:
-            await self._forget_later(("gather", j))
+            return
+        self.fetch_failures += 1
+        if self.fetch_failures > _MAX_FETCH_ROUNDS:
+            raise CollectiveError(
+                f"call {self.number}: reduced slice {j} (reducer {info.reducer!r}) could not "
+                f"be fetched from any member after {_MAX_FETCH_ROUNDS} rounds"
+            )
+        await self._forget_later(("gather", j))
 
     def _gathered_all(self, view: CallView) -> bool:
         return all(j in self.gathered for j in range(len(view.participants)))

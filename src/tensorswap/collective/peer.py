@@ -238,9 +238,12 @@ class Collective:
 
     def _clean(self, run: CallRun) -> None:
         """Forget the previous call's blocks (this one's stay: late peers may fetch them)."""
+        held = run.blocks()
+        keep = set(held)  # equal inputs in two calls are the same blocks: keep this call's
         for cid in self._old:
-            self.store.delete(cid)
-        self._old = run.blocks()
+            if cid not in keep:
+                self.store.delete(cid)
+        self._old = held
         for key in [k for k in self.received if k[0] <= run.number]:
             del self.received[key]
 
