@@ -31,6 +31,7 @@ from tensorswap.cli._util import (
     read_key,
     server_tls,
 )
+from tensorswap.collective.rendezvous import Rendezvous
 from tensorswap.region.gate import RegionGate
 from tensorswap.region.identity import coordinator_id
 from tensorswap.region.runs_proxy import RunsProxy
@@ -137,6 +138,7 @@ async def _round_server(
         operator_key=operator_key,
     )
     SwarmTracker(coordinator.store).attach(server.blocks)  # peers that serve results
+    Rendezvous().attach(server.blocks)  # collective groups meet here (no tensor bytes)
     if tier is not None:  # regions below say hello: names checked, loops refused
         RegionGate(server, link=tier.link)
     else:

@@ -30,6 +30,8 @@
     │   └── SecAggError            SecAgg+ branch in tensorswap.errors.secagg)
     ├── DeltaError                 (delta: leaves next to their raisers in tensorswap.delta)
     ├── FlowError                  (flow: leaves in tensorswap.flow.errors)
+    ├── CollectiveError            (collective: peers averaging among themselves; leaves in
+    │                              tensorswap.errors.collective)
     ├── NetlabError                (netlab: the network lab of namespaces; leaves in
     │                              tensorswap.netlab.errors)
     ├── FlowerBridgeError          (flower: Flower messages' arrays as block references;
@@ -304,7 +306,8 @@ __all__ = [
 # The leaves of the rounds, runs, privacy and region branches: defined here (not in their
 # rooms, whose ``errors`` modules re-export them), so importing tensorswap.errors registers
 # every built-in remote refusal without importing those rooms.
-from tensorswap.errors import flower, privacy, region, rounds, runs, secagg  # noqa: E402
+from tensorswap.errors import collective, flower, privacy, region, rounds, runs, secagg  # noqa: E402
+from tensorswap.errors.collective import *  # noqa: E402, F403
 from tensorswap.errors.flower import *  # noqa: E402, F403
 from tensorswap.errors.privacy import *  # noqa: E402, F403
 from tensorswap.errors.region import *  # noqa: E402, F403
@@ -314,7 +317,7 @@ from tensorswap.errors.secagg import *  # noqa: E402, F403
 
 __all__ += [
     name
-    for leaves in (flower, privacy, region, rounds, runs, secagg)
+    for leaves in (collective, flower, privacy, region, rounds, runs, secagg)
     for name in leaves.__all__
     if name not in __all__
 ]

@@ -1,0 +1,196 @@
+"""All-reduce on loopback: tensorswap.collective against gloo (torch.distributed), one run.
+
+    PYTHONPATH=src python benchmarks/bench_collective.py [--peers 4 --mib 64] [--calls 3]
+
+Every peer is its own process. Prints each system's median call time (the slowest peer's),
+CPU-seconds summed over the peers per call, and the ratios. hivemind is measured only if
+importable (it is not installed here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import resource
+import signal
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _ts_peer(
+    rank: int, n: int, elems: int, calls: int, address: str, out: Any, kill: bool = False
+) -> None:
+    from tensorswap.collective import Collective
+
+    async def main() -> list[tuple[float, float]]:
+        x = {"w": np.full(elems, float(rank), np.float32)}
+        g = await Collective.join(address, group="bench", peer=f"p{rank}", size=n, key=b"k")
+        times = []
+        async with g:
+            await g.all_reduce(x)  # warm-up
+            for _ in range(calls):
+                c0, t0 = _cpu(), time.perf_counter()
+                await g.all_reduce(x)
+                times.append((time.perf_counter() - t0, _cpu() - c0))
+            if kill:  # one more call, in which the last peer SIGKILLs itself once committed
+                c0, t0 = _cpu(), time.perf_counter()
+                if rank == n - 1:
+                    call = asyncio.ensure_future(g.all_reduce(x))
+                    while (v := g.view(g.call)) is None or f"p{rank}" not in v.commits:
+                        await asyncio.sleep(0.005)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                    await call
+                await g.all_reduce(x)
+                times.append((time.perf_counter() - t0, _cpu() - c0))
+        return times
+
+    out.put((rank, asyncio.run(main())))
+
+
+def _rendezvous(ready: Any, stop: Any) -> None:
+    from tensorswap.collective import Rendezvous
+    from tensorswap.store import MemoryStore
+    from tensorswap.wire import BlockServer
+
+    async def main() -> None:
+        server = BlockServer(MemoryStore(), key=b"k")
+        Rendezvous().attach(server)
+        await server.start("127.0.0.1", 0)
+        ready.put(server.port)
+        while stop.empty():
+            await asyncio.sleep(0.05)
+        await server.aclose()
+
+    asyncio.run(main())
+
+
+def _gloo_peer(rank: int, n: int, elems: int, calls: int, port: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    x = torch.full((elems,), float(rank))
+    dist.all_reduce(x.clone())
+    times = []
+    for _ in range(calls):
+        y = x.clone()
+        dist.barrier()
+        c0, t0 = _cpu(), time.perf_counter()
+        dist.all_reduce(y)
+        y /= n
+        times.append((time.perf_counter() - t0, _cpu() - c0))
+    dist.destroy_process_group()
+    out.put((rank, times))
+
+
+def _gather(procs: list[Any], out: Any, n: int) -> tuple[float, float]:
+    results = dict(out.get(timeout=600) for _ in range(n))
+    for p in procs:
+        p.join(60)
+    return _medians(results, n)
+
+
+def _medians(results: dict[int, Any], n: int) -> tuple[float, float]:
+    calls = len(results[0])
+    wall = [max(results[r][c][0] for r in range(n)) for c in range(calls)]
+    cpu = [sum(results[r][c][1] for r in range(n)) for c in range(calls)]
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def run_tensorswap(n: int, elems: int, calls: int) -> tuple[float, float]:
+    ctx = mp.get_context("spawn")
+    ready, stop, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    server = ctx.Process(target=_rendezvous, args=(ready, stop))
+    server.start()
+    address = f"127.0.0.1:{ready.get(timeout=60)}"
+    procs = [
+        ctx.Process(target=_ts_peer, args=(r, n, elems, calls, address, out)) for r in range(n)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return _gather(procs, out, n)
+    finally:
+        stop.put(True)
+        server.join(30)
+
+
+def run_kill(n: int, elems: int, calls: int) -> tuple[float, float]:
+    """Normal calls' median time, and the time of the call in which the last peer is
+    SIGKILLed after committing (the survivors' slowest)."""
+    ctx = mp.get_context("spawn")
+    ready, stop, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    server = ctx.Process(target=_rendezvous, args=(ready, stop))
+    server.start()
+    address = f"127.0.0.1:{ready.get(timeout=60)}"
+    procs = [
+        ctx.Process(target=_ts_peer, args=(r, n, elems, calls, address, out, True))
+        for r in range(n)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=600) for _ in range(n - 1))
+        normal = _medians({r: results[r][:-1] for r in results}, n - 1)[0]
+        killed = max(results[r][-1][0] for r in results)
+        return normal, killed
+    finally:
+        for p in procs:
+            p.join(60)
+        stop.put(True)
+        server.join(30)
+
+
+def run_gloo(n: int, elems: int, calls: int) -> tuple[float, float]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_peer, args=(r, n, elems, calls, port, out)) for r in range(n)]
+    for p in procs:
+        p.start()
+    return _gather(procs, out, n)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--mib", type=int, default=64)
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--kill", action="store_true", help="also: a peer SIGKILLed mid-call")
+    args = parser.parse_args()
+    elems = args.mib * (1 << 20) // 4
+    print(f"{args.peers} peers x {args.mib} MiB float32, {os.cpu_count()} CPUs, loopback")
+    gloo = run_gloo(args.peers, elems, args.calls)
+    ts = run_tensorswap(args.peers, elems, args.calls)
+    print(f"gloo        {gloo[0]:7.3f} s/call  {gloo[1]:7.2f} CPU-s/call")
+    print(f"tensorswap  {ts[0]:7.3f} s/call  {ts[1]:7.2f} CPU-s/call")
+    print(f"ratio tensorswap/gloo: time {ts[0] / gloo[0]:.2f}x  CPU {ts[1] / gloo[1]:.2f}x")
+    if args.kill:
+        normal, killed = run_kill(args.peers, elems, args.calls)
+        print(
+            f"SIGKILL mid-call: survivors {killed:.3f} s vs a normal call {normal:.3f} s: "
+            f"{killed / normal:.2f}x"
+        )
+    try:
+        import hivemind  # noqa: F401
+    except ImportError:
+        print("hivemind: not installed, not measured")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,390 @@
+"""One all-reduce call of a peer: commit, reduce-scatter, all-gather, result check."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from tensorswap.cid import Cid
+from tensorswap.collective._compress import Compression, codec_for
+from tensorswap.collective._layout import chunk_bounds, flatten, slice_range, unflatten
+from tensorswap.collective.errors import (
+    CollectiveError,
+    GroupMismatch,
+    PeerExcluded,
+    ResultMismatch,
+    TooFewPeers,
+)
+from tensorswap.collective.messages import (
+    PEER_APP,
+    Accuse,
+    CallView,
+    Commit,
+    Done,
+    Member,
+    Reduced,
+    ReducedInfo,
+    ResultRoot,
+    SliceSent,
+    encode,
+)
+from tensorswap.errors import TensorSwapError
+from tensorswap.store import MemoryStore
+from tensorswap.wire import BlockClient
+
+__all__ = ["CallOwner", "CallRun", "CallStats", "Compression"]
+
+_RETRY = 0.5
+"""Seconds before a failed push or fetch is tried again (the rendezvous judges meanwhile)."""
+_MAX_FETCH_ROUNDS = 40
+"""Rounds of fetching a sealed call's reduced slices from every member before giving up."""
+
+
+@dataclass(slots=True)
+class CallStats:
+    """What the last call cost this peer: bytes on the wire, seconds, compression error
+    (the relative L2 norm of what the lossy codec left out of this peer's input)."""
+
+    call: int = -1
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    dropped: dict[str, str] = field(default_factory=dict)
+    compression_error: float = 0.0
+
+
+class CallOwner(Protocol):
+    """What a call uses of its peer (``Collective``)."""
+
+    group: str
+    peer: str
+    size: int
+    quorum: int
+    compression: Compression
+    store: MemoryStore
+    errors: dict[str, Any]
+    received: dict[tuple[int, str, int], list[bytes]]
+    wake: asyncio.Event
+
+    def view(self, call: int) -> CallView | None: ...
+    def note_view(self, view: CallView) -> None: ...
+    async def ask(self, message: Any) -> Any: ...
+    async def client_of(self, member: Member) -> BlockClient: ...
+    async def forget_client(self, name: str) -> None: ...
+
+
+class CallRun:
+    """A peer's part in call ``number``: driven by the rendezvous's views of the call.
+
+    Each view starts what it makes possible, once: pushes of this peer's chunks of slice j
+    to slice j's reducer, the fold of a slice this peer reduces once every live
+    participant's chunks are here (checked against their commitments first), the fetch of
+    every reduced slice once the call is sealed."""
+
+    def __init__(
+        self, owner: CallOwner, number: int, tensors: Mapping[str, Any], weight: float
+    ) -> None:
+        self.owner = owner
+        self.number = number
+        self.tensors = tensors
+        self.weight = float(weight)
+        self.codec = codec_for(owner.compression)
+        self.stats: CallStats = CallStats(call=number)
+        self.tasks: dict[tuple[Any, ...], asyncio.Task[None]] = {}
+        self.mine: list[Cid] = []
+        self.folded: list[Cid] = []
+        self.gathered: set[int] = set()
+        self.final: list[str] = []
+        self.accused: set[str] = set()
+        self.fetch_failures = 0
+
+    def blocks(self) -> list[Cid]:
+        """Every block this call put in the peer's store (for the next call to forget)."""
+        view = self.owner.view(self.number)
+        held = [*self.mine, *self.folded]
+        if view is not None:
+            for info in view.commits.values():
+                held.extend(Cid.parse(raw) for raw in info.chunks)
+            for reduced in view.reduced.values():
+                held.extend(Cid.parse(raw) for raw in reduced.chunks)
+        return held
+
+    # ── the call ────────────────────────────────────────────────────────────
+    async def run(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        owner = self.owner
+        layout, flat = flatten(self.tensors, owner.group)
+        self.layout = layout
+        self.bounds = chunk_bounds(layout.total, owner.size)
+        self.mine = await asyncio.to_thread(self._put_inputs, flat)
+        commit = Commit(
+            owner.group,
+            self.number,
+            owner.peer,
+            self.weight,
+            layout.digest(),
+            [c.to_bytes() for c in self.mine],
+        )
+        answer = await owner.ask(commit)
+        if answer.error is not None:
+            if answer.view is not None and owner.peer in answer.view.dropped:
+                raise PeerExcluded(owner.peer, self.number, answer.view.dropped[owner.peer])
+            raise GroupMismatch(owner.group, answer.error)
+        if answer.view is not None:
+            owner.note_view(answer.view)
+        try:
+            view = await self._drive()
+            out = await asyncio.to_thread(self._assemble, view)
+        finally:
+            await self._cancel_tasks()
+        await self._check_root(view)
+        self.stats.seconds = time.perf_counter() - start
+        self.stats.dropped = dict(view.dropped)
+        return unflatten(layout, out)
+
+    def _put_inputs(self, flat: np.ndarray) -> list[Cid]:
+        """Encode (with error feedback when lossy) and store this peer's chunks."""
+        owner = self.owner
+        key = f"{owner.compression}:{self.layout.digest().hex()}"
+        error = owner.errors.get(key) if owner.compression != "none" else None
+        if error is not None:
+            flat += error
+        cids = []
+        sent = np.empty_like(flat) if owner.compression != "none" else flat
+        for start, stop in self.bounds:
+            data = self.codec.encode(flat[start:stop])
+            cid = owner.store.put(data.data, adopt=True)
+            cids.append(cid)
+            if owner.compression != "none":
+                sent[start:stop] = self.codec.decode(owner.store.get(cid), stop - start)
+        if owner.compression != "none":
+            residual = flat - sent
+            owner.errors[key] = residual
+            norm = float(np.linalg.norm(flat))
+            self.stats.compression_error = float(np.linalg.norm(residual)) / max(norm, 1e-30)
+        return cids
+
+    async def _drive(self) -> CallView:
+        """Act on each new view until the call is sealed and every slice is here."""
+        owner = self.owner
+        while True:
+            owner.wake.clear()
+            view = owner.view(self.number)
+            if view is not None and view.version > 0:
+                self._check_view(view)
+                if view.final is not None and self._gathered_all(view):
+                    return view
+                self._act(view)
+            for task in [t for t in self.tasks.values() if t.done() and not t.cancelled()]:
+                if (exc := task.exception()) is not None:
+                    raise exc
+            await owner.wake.wait()
+
+    def _check_view(self, view: CallView) -> None:
+        me = self.owner.peer
+        if view.error is not None:
+            raise CollectiveError(f"call {self.number}: {view.error}")
+        if me in view.dropped:
+            raise PeerExcluded(me, self.number, view.dropped[me])
+        if me not in [m.peer for m in view.participants]:
+            raise PeerExcluded(me, self.number, "not a participant (joined after it opened)")
+        live = [m.peer for m in view.participants if m.peer not in view.dropped]
+        if len(live) < self.owner.quorum:
+            raise TooFewPeers(self.number, len(live), self.owner.quorum, view.dropped)
+
+    def _act(self, view: CallView) -> None:
+        me = self.owner.peer
+        members = {m.peer: m for m in view.participants}
+        n = len(view.participants)
+        for j, reducer in enumerate(view.assign):
+            chunks = slice_range(len(self.bounds), n, j)
+            if reducer != me and len(chunks) and (j, reducer) not in self.pushed:
+                self._start(("push", j, reducer), self._push, j, chunks, members[reducer])
+            if reducer == me:
+                self._reduce(view, j, chunks)
+        if view.final is not None:
+            for j, info in view.reduced.items():
+                if j not in self.gathered and info.reducer != me:
+                    self._start(("gather", j), self._gather, j, info, view.final, members)
+                elif info.reducer == me:
+                    self.gathered.add(j)
+
+    @property
+    def pushed(self) -> set[tuple[int, str]]:
+        return {(k[1], k[2]) for k in self.tasks if k[0] == "push"}
+
+    def _start(
+        self, key: tuple[Any, ...], work: Callable[..., Coroutine[Any, Any, None]], *args: Any
+    ) -> None:
+        if key in self.tasks:
+            return
+        task = asyncio.ensure_future(work(*args))
+        task.add_done_callback(lambda _: self.owner.wake.set())
+        self.tasks[key] = task
+
+    async def _cancel_tasks(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        for task in self.tasks.values():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _forget_later(self, key: tuple[Any, ...]) -> None:
+        """Let ``key``'s work (the caller) be started again after a pause (the view may
+        change first); the caller ends right after."""
+        await asyncio.sleep(_RETRY)
+        self.tasks.pop(key, None)
+        self.owner.wake.set()
+
+    # ── reduce-scatter ──────────────────────────────────────────────────────
+    async def _push(self, j: int, chunks: range, member: Member) -> None:
+        """Send this peer's chunks of slice j to its reducer, then say what they are."""
+        owner = self.owner
+        cids = [self.mine[k] for k in chunks]
+        try:
+            client = await owner.client_of(member)
+            self.stats.bytes_sent += await client.put_blocks(owner.store, cids)
+            note = SliceSent(owner.group, self.number, owner.peer, j, [c.to_bytes() for c in cids])
+            await client.request(PEER_APP, encode(note))
+        except (TensorSwapError, OSError) as exc:
+            await owner.forget_client(member.peer)
+            await self._accuse(member.peer, f"push of slice {j} failed: {exc}")
+            await self._forget_later(("push", j, member.peer))
+
+    async def _accuse(self, suspect: str, reason: str, mismatch: bool = False) -> None:
+        owner = self.owner
+        accusation = Accuse(owner.group, self.number, owner.peer, suspect, reason, mismatch)
+        with contextlib.suppress(TensorSwapError, OSError):
+            answer = await owner.ask(accusation)
+            if answer.view is not None:
+                owner.note_view(answer.view)
+
+    def _reduce(self, view: CallView, j: int, chunks: range) -> None:
+        """Fold slice j once every live participant's chunks of it are here and match."""
+        me = self.owner.peer
+        live = [m.peer for m in view.participants if m.peer not in view.dropped]
+        held = view.reduced.get(j)
+        if held is not None and held.contributors == live and held.reducer == me:
+            return
+        if any(p not in view.commits for p in live):
+            return
+        for peer in live:
+            if peer == me or not len(chunks):
+                continue
+            committed = [view.commits[peer].chunks[k] for k in chunks]
+            sent = self.owner.received.get((self.number, peer, j))
+            if sent is None:
+                return
+            missing = [raw for raw in committed if not self.owner.store.has(Cid.parse(raw))]
+            if sent != committed or missing:
+                if peer not in self.accused:
+                    self.accused.add(peer)
+                    why = "sent other chunks than it committed to" if sent != committed else ""
+                    detail = why or f"named {len(missing)} committed chunks it never sent"
+                    self._start(("accuse", peer), self._accuse, peer, detail, True)
+                return
+        self._start(("fold", j, tuple(live)), self._fold, view, j, chunks, live)
+
+    async def _fold(self, view: CallView, j: int, chunks: range, live: list[str]) -> None:
+        owner = self.owner
+        cids = await asyncio.to_thread(self._fold_chunks, view, chunks, live)
+        self.folded.extend(cids)
+        message = Reduced(
+            owner.group, self.number, owner.peer, j, live, [c.to_bytes() for c in cids]
+        )
+        answer = await owner.ask(message)
+        if answer.view is not None:
+            owner.note_view(answer.view)
+
+    def _fold_chunks(self, view: CallView, chunks: range, live: list[str]) -> list[Cid]:
+        """sum(w_i x_i) / sum(w_i) over ``live`` in their order, float32, chunk by chunk."""
+        store = self.owner.store
+        weights = [np.float32(view.commits[p].weight) for p in live]
+        total = np.float32(sum(float(w) for w in weights))
+        out = []
+        for k in chunks:
+            start, stop = self.bounds[k]
+            acc = np.empty(stop - start, np.float32)
+            tmp = np.empty_like(acc)
+            for i, (peer, w) in enumerate(zip(live, weights, strict=True)):
+                data = store.get(Cid.parse(view.commits[peer].chunks[k]))
+                x = self.codec.decode(data, stop - start)
+                np.multiply(x, w, out=acc if i == 0 else tmp)
+                if i:
+                    np.add(acc, tmp, out=acc)
+            np.divide(acc, total, out=acc)
+            out.append(store.put(self.codec.encode(acc).data, adopt=True))
+        return out
+
+    # ── all-gather ──────────────────────────────────────────────────────────
+    async def _gather(
+        self, j: int, info: ReducedInfo, final: list[str], members: dict[str, Member]
+    ) -> None:
+        """Fetch reduced slice j from its reducer, else from any member that holds it."""
+        owner = self.owner
+        cids = [Cid.parse(raw) for raw in info.chunks]
+        sources = [info.reducer, *(p for p in final if p not in (info.reducer, owner.peer))]
+        for name in sources:
+            lacking = [c for c in cids if not owner.store.has(c)]
+            if not lacking:
+                break
+            try:
+                client = await owner.client_of(members[name])
+                await client.get_blocks(lacking, into=owner.store)
+            except (TensorSwapError, OSError):
+                await owner.forget_client(name)
+                continue
+            self.stats.bytes_received += sum(
+                owner.store.size_of(c) for c in lacking if owner.store.has(c)
+            )
+        if all(owner.store.has(c) for c in cids):
+            self.gathered.add(j)
+            return
+        self.fetch_failures += 1
+        if self.fetch_failures > _MAX_FETCH_ROUNDS:
+            raise CollectiveError(
+                f"call {self.number}: reduced slice {j} (reducer {info.reducer!r}) could not "
+                f"be fetched from any member after {_MAX_FETCH_ROUNDS} rounds"
+            )
+        await self._forget_later(("gather", j))
+
+    def _gathered_all(self, view: CallView) -> bool:
+        return all(j in self.gathered for j in range(len(view.participants)))
+
+    def _assemble(self, view: CallView) -> np.ndarray:
+        out = np.empty(self.layout.total, np.float32)
+        n = len(view.participants)
+        for j in range(n):
+            for k, raw in zip(
+                slice_range(len(self.bounds), n, j), view.reduced[j].chunks, strict=True
+            ):
+                start, stop = self.bounds[k]
+                data = self.owner.store.get(Cid.parse(raw))
+                out[start:stop] = self.codec.decode(data, stop - start)
+        return out
+
+    async def _check_root(self, view: CallView) -> None:
+        """Report the result root; a member that ended with another one is an error."""
+        owner = self.owner
+        assert view.final is not None
+        self.final = list(view.final)
+        chunks = [raw for j in range(len(view.participants)) for raw in view.reduced[j].chunks]
+        root = Cid.of(encode_root(self.layout.digest(), self.final, chunks))
+        answer = await owner.ask(Done(owner.group, self.number, owner.peer, root.to_bytes()))
+        if answer.error is not None:
+            theirs = answer.view.roots if answer.view is not None else {}
+            other = next((p for p, r in theirs.items() if r != root.to_bytes()), "?")
+            shown = str(Cid.parse(theirs[other])) if other in theirs else "?"
+            raise ResultMismatch(self.number, str(root), shown, other)
+        self.root = root
+
+
+def encode_root(layout: bytes, final: list[str], chunks: list[bytes]) -> bytes:
+    """The bytes a call's result root names: layout digest, contributors, reduced chunks."""
+    return encode(ResultRoot(layout=layout, final=final, chunks=chunks))

@@ -1,0 +1,97 @@
+"""How a call's tensors become one float32 vector, its chunks and its slices (and back)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from tensorswap.collective.errors import GroupMismatch
+
+__all__ = ["MAX_CHUNK_ELEMS", "Layout", "chunk_bounds", "flatten", "slice_range", "unflatten"]
+
+MAX_CHUNK_ELEMS = 1 << 20
+"""Float32 elements in a chunk at most (4 MiB, the best of 2, 4 and 8 MiB in
+benchmarks/bench_collective.py at 4 x 64 MiB): a block on the wire, one CID."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The names and shapes of a call's tensors, in order, and whether they were torch."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    torch: bool
+
+    @property
+    def total(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def digest(self) -> bytes:
+        """What every peer of a call must agree on (names, shapes; not torch-ness)."""
+        encoded = msgspec.msgpack.encode([list(self.names), [list(s) for s in self.shapes]])
+        return hashlib.sha256(encoded).digest()
+
+
+def _is_torch(value: object) -> bool:
+    return type(value).__module__.partition(".")[0] == "torch"
+
+
+def flatten(tensors: Mapping[str, Any], group: str = "") -> tuple[Layout, np.ndarray]:
+    """``tensors`` (numpy or torch, any float dtype) as one fresh float32 vector, in
+    sorted-name order (every peer orders alike whatever its dict's order)."""
+    if not tensors:
+        raise GroupMismatch(group, "an all_reduce of no tensors")
+    names = tuple(sorted(tensors))
+    arrays = []
+    torch = False
+    for name in names:
+        value = tensors[name]
+        if _is_torch(value):
+            torch = True
+            value = value.detach().cpu().numpy()
+        array = np.asarray(value)
+        if array.dtype.kind != "f":
+            raise GroupMismatch(group, f"tensor {name!r} is {array.dtype}, not floating point")
+        arrays.append(array)
+    layout = Layout(names, tuple(tuple(int(d) for d in a.shape) for a in arrays), torch)
+    if layout.total == 0:
+        raise GroupMismatch(group, "an all_reduce of empty tensors")
+    flat = np.empty(layout.total, np.float32)
+    offset = 0
+    for array in arrays:
+        flat[offset : offset + array.size] = array.reshape(-1)
+        offset += array.size
+    return layout, flat
+
+
+def unflatten(layout: Layout, flat: np.ndarray) -> dict[str, Any]:
+    """The dict ``flatten`` was given, as float32 views of ``flat`` (torch for torch in)."""
+    out: dict[str, Any] = {}
+    offset = 0
+    for name, shape in zip(layout.names, layout.shapes, strict=True):
+        size = math.prod(shape)
+        out[name] = flat[offset : offset + size].reshape(shape)
+        offset += size
+    if layout.torch:
+        import torch
+
+        out = {name: torch.from_numpy(array) for name, array in out.items()}
+    return out
+
+
+def chunk_bounds(total: int, size: int) -> list[tuple[int, int]]:
+    """Element ranges of the chunks of a ``total``-element vector in a group of ``size``:
+    about one per peer for small inputs, MAX_CHUNK_ELEMS each at most."""
+    step = max(1, min(MAX_CHUNK_ELEMS, -(-total // max(1, size))))
+    return [(start, min(total, start + step)) for start in range(0, total, step)]
+
+
+def slice_range(chunks: int, slices: int, index: int) -> range:
+    """The chunks of slice ``index`` when ``chunks`` are cut into ``slices`` slices."""
+    return range(index * chunks // slices, (index + 1) * chunks // slices)

@@ -1,0 +1,140 @@
+"""One group's state at the rendezvous: its roster and its calls (pure, no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tensorswap.collective.messages import (
+    CallView,
+    CommitInfo,
+    Member,
+    ReducedInfo,
+)
+
+__all__ = ["CallState", "GroupState", "PeerState", "reducer_after"]
+
+KEEP_CALLS = 4
+"""Calls a group remembers (the open one and a few sealed ones, for late pollers)."""
+
+
+@dataclass(slots=True)
+class PeerState:
+    member: Member
+    seen: float
+    polling: int = 0
+    max_gap: float = 0.0
+
+
+@dataclass(slots=True)
+class CallState:
+    """A call: participants fixed when it opens; commitments, drops, reduced slices."""
+
+    number: int
+    participants: list[Member]
+    size: int
+    version: int = 1
+    commits: dict[str, CommitInfo] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
+    liars: list[str] = field(default_factory=list)
+    assign: list[str] = field(default_factory=list)
+    reduced: dict[int, ReducedInfo] = field(default_factory=dict)
+    final: list[str] | None = None
+    roots: dict[str, bytes] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.assign = [m.peer for m in self.participants]
+
+    @property
+    def names(self) -> list[str]:
+        return [m.peer for m in self.participants]
+
+    @property
+    def live(self) -> list[str]:
+        return [m.peer for m in self.participants if m.peer not in self.dropped]
+
+    def view(self) -> CallView:
+        return CallView(
+            call=self.number,
+            version=self.version,
+            participants=list(self.participants),
+            size=self.size,
+            commits=dict(self.commits),
+            dropped=dict(self.dropped),
+            liars=list(self.liars),
+            assign=list(self.assign),
+            reduced=dict(self.reduced),
+            final=None if self.final is None else list(self.final),
+            roots=dict(self.roots),
+        )
+
+    def drop(self, peer: str, reason: str) -> bool:
+        """Drop ``peer`` from this call (before it is sealed); whether anything changed.
+        Its slices go to the next live participant; slices reduced over a set that still
+        held it are forgotten (their reducers fold again without it)."""
+        if self.final is not None or peer in self.dropped or peer not in self.names:
+            return False
+        self.dropped[peer] = reason
+        live = self.live
+        if live:
+            self.assign = [
+                a if a not in self.dropped else reducer_after(self.names, i, self.dropped)
+                for i, a in enumerate(self.assign)
+            ]
+        self.reduced = {
+            j: r
+            for j, r in self.reduced.items()
+            if r.contributors == live and r.reducer not in self.dropped
+        }
+        self.version += 1
+        self.seal()
+        return True
+
+    def seal(self) -> None:
+        """Seal the call once every slice is reduced over the live participants."""
+        live = self.live
+        if self.final is not None or not live:
+            return
+        if any(p not in self.commits for p in live):
+            return
+        slices = range(len(self.participants))
+        if all(j in self.reduced and self.reduced[j].contributors == live for j in slices):
+            self.final = live
+            self.version += 1
+
+
+def reducer_after(names: list[str], index: int, dropped: dict[str, str]) -> str:
+    """The first participant at or after ``index`` (in ring order) not dropped."""
+    n = len(names)
+    for step in range(n):
+        candidate = names[(index + step) % n]
+        if candidate not in dropped:
+            return candidate
+    return names[index]
+
+
+@dataclass(slots=True)
+class GroupState:
+    """A group: its size, its roster (joined, not dropped) and its recent calls."""
+
+    name: str
+    size: int
+    roster: dict[str, PeerState] = field(default_factory=dict)
+    formed: bool = False
+    next_call: int = 0
+    calls: dict[int, CallState] = field(default_factory=dict)
+    active: float = 0.0
+
+    def open_call(self, number: int) -> CallState | None:
+        """Call ``number``, opened now with the roster when it is the next one."""
+        call = self.calls.get(number)
+        if call is not None or number != self.next_call or not self.formed:
+            return call
+        members = [p.member for p in self.roster.values()]
+        call = self.calls[number] = CallState(number, members, self.size)
+        self.next_call += 1
+        for old in sorted(self.calls)[:-KEEP_CALLS]:
+            del self.calls[old]
+        return call
+
+    def unsealed(self) -> list[CallState]:
+        return [c for c in self.calls.values() if c.final is None]

@@ -1,0 +1,279 @@
+"""Collective: one peer of a group; joins through a rendezvous, serves and fetches slices."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any, Self
+
+from tensorswap._netaddr import split_host_port
+from tensorswap.cid import Cid
+from tensorswap.collective._call import CallRun, CallStats, Compression
+from tensorswap.collective.errors import BadCollectiveMessage, GroupMismatch, JoinTimedOut
+from tensorswap.collective.messages import (
+    APP,
+    MAX_WAIT,
+    PEER_APP,
+    Answer,
+    CallView,
+    Join,
+    Member,
+    Poll,
+    RendezvousCall,
+    decode_answer,
+    decode_join_answer,
+    decode_slice,
+    decode_view,
+    encode,
+)
+from tensorswap.store import MemoryStore
+from tensorswap.wire import AppRequest, BlockClient, BlockServer, Timeouts, TransportError
+
+__all__ = ["POLL_WAIT", "CallStats", "Collective"]
+
+logger = logging.getLogger("tensorswap.collective")
+
+POLL_WAIT = 0.2
+"""How long one poll waits at the rendezvous for news: the pace of a peer's sign of life."""
+
+
+class Collective:
+    """A member of a collective group (see ``join``); ``all_reduce`` averages with the
+    others. Calls run one at a time; ``aclose`` (or ``async with``) leaves the group."""
+
+    def __init__(
+        self,
+        rendezvous: tuple[str, int],
+        *,
+        group: str,
+        peer: str,
+        size: int,
+        key: bytes | None,
+        quorum: int = 1,
+        compression: Compression = "none",
+    ) -> None:
+        self.rendezvous = rendezvous
+        self.group, self.peer, self.size, self.key = group, peer, size, key
+        self.quorum = quorum
+        self.compression: Compression = compression
+        self.store = MemoryStore()
+        self.server = BlockServer(
+            self.store, key=key, handlers={PEER_APP: self._on_slice}, name="collective"
+        )
+        self.members: list[str] = []
+        """The peers whose inputs are in the last result (before any call: the group)."""
+        self.roster: list[Member] = []
+        self.stats = CallStats()
+        self.call = 0
+        self.received: dict[tuple[int, str, int], list[bytes]] = {}
+        self.errors: dict[str, Any] = {}
+        """Per tensor name, the compression error kept for error feedback."""
+        self.wake = asyncio.Event()
+        self._views: dict[int, CallView] = {}
+        self._control: BlockClient | None = None
+        self._poll_client: BlockClient | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._peers: dict[str, BlockClient] = {}
+        self._addresses: dict[str, Member] = {}
+        self._lock = asyncio.Lock()
+        self._old: list[Cid] = []
+
+    # ── joining ─────────────────────────────────────────────────────────────
+    @classmethod
+    async def join(
+        cls,
+        address: str,
+        *,
+        group: str,
+        peer: str,
+        size: int,
+        key: bytes | None = None,
+        listen: str = "127.0.0.1:0",
+        advertise: str = "",
+        timeout: float = 120.0,
+        quorum: int = 1,
+        compression: Compression = "none",
+    ) -> Self:
+        """Join ``group`` at the rendezvous ``address`` (``HOST:PORT`` of a ``tensorswap
+        serve``), serving slices on ``listen``; returns once ``size`` peers are in the group.
+
+        ``advertise``: the host others dial (default: the address the rendezvous sees).
+        Raises JoinTimedOut after ``timeout`` seconds, GroupMismatch when the group has
+        another size. ``quorum``: the fewest members a call may end with (TooFewPeers)."""
+        self = cls(
+            split_host_port(address),
+            group=group,
+            peer=peer,
+            size=size,
+            key=key,
+            quorum=quorum,
+            compression=compression,
+        )
+        try:
+            host, port = split_host_port(listen)
+            await self.server.start(host, port)
+            self._control = await self._dial(*self.rendezvous)
+            self._poll_client = await self._dial(*self.rendezvous)
+            await self._join(advertise, timeout)
+        except BaseException:
+            await self.aclose()
+            raise
+        self._poller = asyncio.ensure_future(self._poll_loop())
+        return self
+
+    async def _dial(self, host: str, port: int) -> BlockClient:
+        return await BlockClient.connect(host, port, key=self.key, timeouts=_TIMEOUTS)
+
+    async def _join(self, advertise: str, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while True:
+            left = timeout - (loop.time() - start)
+            message = Join(
+                self.group,
+                self.peer,
+                self.size,
+                advertise,
+                self.server.port,
+                wait=max(0.0, min(MAX_WAIT, left)),
+            )
+            answer = decode_join_answer(await self._ask(message), self.peer)
+            if answer.error is not None:
+                raise GroupMismatch(self.group, answer.error)
+            if answer.formed:
+                self.roster = list(answer.members)
+                self.members = [m.peer for m in answer.members]
+                self.call = answer.call
+                return
+            if left <= 0:
+                raise JoinTimedOut(self.group, answer.have, self.size, timeout)
+
+    async def _ask(self, message: RendezvousCall) -> bytes:
+        assert self._control is not None  # set by join before any call
+        return await self._control.request(APP, encode(message))
+
+    async def ask(self, message: RendezvousCall) -> Answer:
+        """A commit / reduced / accuse / done, answered with the call's view."""
+        return decode_answer(await self._ask(message), self.peer)
+
+    # ── the view of the current call ────────────────────────────────────────
+    async def _poll_loop(self) -> None:
+        """Poll the rendezvous for the current call for as long as the group is open."""
+        assert self._poll_client is not None
+        while True:
+            call = self.call
+            held = self._views.get(call)
+            poll = Poll(self.group, call, self.peer, -1 if held is None else held.version)
+            poll = Poll(poll.group, poll.call, poll.peer, poll.version, POLL_WAIT)
+            try:
+                body = await self._poll_client.request(APP, encode(poll))
+                view = decode_view(body, self.peer)
+            except (TransportError, BadCollectiveMessage) as exc:
+                logger.warning("%s: poll failed: %s", self.peer, exc)
+                await asyncio.sleep(POLL_WAIT)  # a pause before the client redials
+                continue
+            self.note_view(view)
+
+    def note_view(self, view: CallView) -> None:
+        """Keep ``view`` if it is newer than the one held; wake the call."""
+        held = self._views.get(view.call)
+        if held is None or view.version > held.version or view.error is not None:
+            self._views[view.call] = view
+            for old in [c for c in self._views if c < view.call - 2]:
+                del self._views[old]
+            self.wake.set()
+
+    def view(self, call: int) -> CallView | None:
+        return self._views.get(call)
+
+    # ── peers ───────────────────────────────────────────────────────────────
+    async def client_of(self, member: Member) -> BlockClient:
+        """A connection to ``member``'s slice server (one per member, kept)."""
+        client = self._peers.get(member.peer)
+        if client is None or self._addresses.get(member.peer) != member:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+            client = await self._dial(member.host, member.port)
+            self._peers[member.peer] = client
+            self._addresses[member.peer] = member
+        return client
+
+    async def forget_client(self, name: str) -> None:
+        client = self._peers.pop(name, None)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.conn.transport.abort()
+
+    async def _on_slice(self, request: AppRequest) -> bytes:
+        """A peer's "the blocks just pushed are my slice j of call c" (kept for the call)."""
+        sent = decode_slice(request.body, request.peer)
+        if sent.group != self.group or sent.call < self.call - 1:
+            return b"stale"
+        if len(self.received) > 4 * 256 * 256:
+            raise BadCollectiveMessage("too many slice notices held", request.peer)
+        self.received[(sent.call, sent.peer, sent.slice)] = list(sent.chunks)
+        self.wake.set()
+        return b"ok"
+
+    # ── the collective calls ────────────────────────────────────────────────
+    async def all_reduce(self, tensors: Mapping[str, Any], weight: float = 1.0) -> dict[str, Any]:
+        """The weighted mean sum(w_i x_i) / sum(w_i) over the group, float32, the same bits
+        on every member; numpy out (torch out for torch in). ``members`` then names the
+        peers whose inputs it holds. A peer that dies or lies is dropped and the others
+        finish without it; raises PeerExcluded if this peer was dropped, TooFewPeers below
+        the quorum, ResultMismatch if members ended with different results."""
+        async with self._lock:
+            run = CallRun(self, self.call, tensors, weight)
+            try:
+                result = await run.run()
+            finally:
+                self._clean(run)
+            self.call += 1
+            self.members = list(run.final)
+            self.stats = run.stats
+            return result
+
+    def _clean(self, run: CallRun) -> None:
+        """Forget the previous call's blocks (this one's stay: late peers may fetch them)."""
+        held = run.blocks()
+        keep = set(held)  # equal inputs in two calls are the same blocks: keep this call's
+        for cid in self._old:
+            if cid not in keep:
+                self.store.delete(cid)
+        self._old = held
+        for key in [k for k in self.received if k[0] <= run.number]:
+            del self.received[key]
+
+    # ── lifecycle ───────────────────────────────────────────────────────────
+    async def aclose(self) -> None:
+        """Leave: stop polling and serving, close every connection."""
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        for client in [self._control, self._poll_client, *self._peers.values()]:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+        self._peers.clear()
+        await self.server.aclose()
+        await _settle()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+_TIMEOUTS = Timeouts()
+
+
+async def _settle() -> None:
+    """Let the loop run the callbacks that closing (or aborting) transports scheduled, so
+    their sockets are closed before the caller's loop may end."""
+    for _ in range(2):
+        await asyncio.sleep(0)
