@@ -30,10 +30,17 @@ from tensorswap.flower import BlockService, BlockStrategy, blocks_mod  # noqa: E
 NODES, ROUNDS = 4, 3
 BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}}
 
+# Flower sizes a round's sample from the nodes connected *before* it waits for
+# min_available_nodes (FedAvg.configure_train), so with the defaults an early round may train on
+# 2 random nodes of 4. Every node in every round makes the two runs comparable.
+EVERY_NODE = {"min_available_nodes": NODES, "min_train_nodes": NODES, "min_evaluate_nodes": NODES}
 STRATEGIES: dict[str, Callable[[], Strategy]] = {
-    "fedavg": lambda: FedAvg(min_available_nodes=NODES),
-    "fedadam": lambda: FedAdam(min_available_nodes=NODES, eta=0.05),
+    "fedavg": lambda: FedAvg(**EVERY_NODE),
+    "fedadam": lambda: FedAdam(**EVERY_NODE, eta=0.05),
 }
+# Flower folds replies in arrival order under Ray: float32 sums differ by a few ulps run to run
+# (FedAdam's division by sqrt(v) amplifies them to ~2e-6), with or without the bridge.
+TOLERANCE = {"fedavg": 1e-6, "fedadam": 1e-5}
 
 
 def simulate(make: Callable[[], Strategy], address: str | None) -> dict[str, Any]:
@@ -55,17 +62,7 @@ def simulate(make: Callable[[], Strategy], address: str | None) -> dict[str, Any
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
-    [
-        "fedavg",
-        pytest.param(
-            "fedadam",
-            marks=pytest.mark.xfail(
-                reason="plain Flower FedAdam runs differ by ~1.6e-6 from each other (reply "
-                "order under Ray); one bridged run differed by 0.16, unexplained: docs/flower.md",
-                strict=False,
-            ),
-        ),
-    ],
+    ["fedavg", "fedadam"],
 )
 def test_the_bridge_changes_no_result(name: str) -> None:
     plain = simulate(STRATEGIES[name], None)["result"]
@@ -77,12 +74,16 @@ def test_the_bridge_changes_no_result(name: str) -> None:
     assert list(bridged.arrays) == list(plain.arrays)
     for key in plain.arrays:
         np.testing.assert_allclose(
-            bridged.arrays[key].numpy(), plain.arrays[key].numpy(), rtol=1e-6, atol=1e-6
+            bridged.arrays[key].numpy(),
+            plain.arrays[key].numpy(),
+            rtol=TOLERANCE[name],
+            atol=TOLERANCE[name],
         )
     for what in ("train_metrics_clientapp", "evaluate_metrics_clientapp"):
         ours, theirs = getattr(bridged, what), getattr(plain, what)
         assert sorted(ours) == sorted(theirs) == list(range(1, ROUNDS + 1))
         for r in theirs:
-            assert dict(ours[r]) == pytest.approx(dict(theirs[r]), rel=1e-9), (what, r)
+            # evaluate metrics are computed from the arrays, so they carry the arrays' tolerance
+            assert dict(ours[r]) == pytest.approx(dict(theirs[r]), rel=TOLERANCE[name]), (what, r)
     assert strategy.bytes.referenced > 0
     assert strategy.bytes.carried <= 0.01 * strategy.bytes.referenced, strategy.bytes
