@@ -49,8 +49,8 @@ def test_a_batch_is_one_journal_write_and_a_failing_row_refuses_only_itself(
         journal = coord.journal
         assert isinstance(journal, RoundDatabase)
 
-        def row(peer: str, seq: int) -> tuple[Contribution, Collecting, None]:
-            return Contribution(RID, peer, f"bafk{peer}", 1, 4, 0.0), Collecting(seq, 4), None
+        def row(peer: str, seq: int) -> tuple[Contribution, Collecting, None, int]:
+            return Contribution(RID, peer, f"bafk{peer}", 1, 4, 0.0), Collecting(seq, 4), None, seq
 
         before = journal.commits
         assert journal.add_contributions([row("a", 1), row("b", 2)]) == [None, None]

@@ -7,8 +7,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
+from tensorswap.rounds.core._entry import RoundEntry, Ticket
 from tensorswap.rounds.core.errors import (
     DuplicateContribution,
     RoundAlreadyTerminal,
@@ -70,11 +71,15 @@ class RoundJournal(Protocol):
     def insert_round(self, info: RoundInfo) -> None: ...
 
     def add_contribution(
-        self, contribution: Contribution, status: RoundStatus, layout: Layout | None
+        self,
+        contribution: Contribution,
+        status: RoundStatus,
+        layout: Layout | None,
+        seq: int | None = None,
     ) -> None: ...
 
     def add_contributions(
-        self, items: Sequence[tuple[Contribution, RoundStatus, Layout | None]]
+        self, items: Sequence[tuple[Contribution, RoundStatus, Layout | None, int]]
     ) -> list[BaseException | None]: ...
 
     def set_status(self, round_id: RoundId, status: RoundStatus) -> None: ...
@@ -84,67 +89,7 @@ class RoundJournal(Protocol):
     def drop_contribution(self, round_id: RoundId, peer: str, reason: str) -> None: ...
 
 
-class _Round:
-    __slots__ = (
-        "contributions",
-        "created_at",
-        "deadline",
-        "dropped",
-        "id",
-        "layout",
-        "layout_durable",
-        "nbytes",
-        "pending",
-        "spec",
-        "status",
-    )
-
-    def __init__(self, info: RoundInfo, contributions: Iterable[Contribution] = ()) -> None:
-        self.id = info.round_id
-        self.spec = info.spec
-        self.status: RoundStatus = info.status
-        self.created_at = info.created_at
-        self.deadline = info.deadline
-        self.layout = info.layout
-        self.contributions: dict[str, Contribution] = {c.peer: c for c in contributions}
-        self.nbytes = sum(c.nbytes for c in self.contributions.values())
-        self.dropped: dict[str, str] = dict(info.dropped)
-        # contributions accepted but not yet journaled: counted against the round's size
-        # and for duplicates, not yet visible (received, peers, contributions)
-        self.pending: dict[str, Contribution] = {}
-        self.layout_durable = info.layout is not None
-
-    def add(self, contribution: Contribution) -> None:
-        self.contributions[contribution.peer] = contribution
-        self.nbytes += contribution.nbytes
-
-    def snapshot(self, peers: int | None = None) -> RoundInfo:
-        """The round as a RoundInfo; with ``peers``, only that many of its peers listed."""
-        names = self.contributions if peers is None else itertools.islice(self.contributions, peers)
-        return RoundInfo(
-            self.id,
-            self.spec,
-            self.status,
-            tuple(names),
-            self.nbytes,
-            self.created_at,
-            self.deadline,
-            self.layout,
-            tuple(self.dropped.items()),
-            None if peers is None else len(self.contributions),
-        )
-
-
 Listener = Callable[[RoundId, RoundStatus], None]
-
-
-class Ticket(NamedTuple):
-    """A contribution whose place in its round is held (``RoundTracker.reserve``)."""
-
-    entry: _Round
-    status: RoundStatus
-    layout: Layout | None
-    contribution: Contribution
 
 
 # ── the state machine ────────────────────────────────────────────────────────
@@ -176,11 +121,11 @@ class RoundTracker:
         self._clock = clock
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
-        self._rounds: dict[RoundId, _Round] = {}
+        self._rounds: dict[RoundId, RoundEntry] = {}
         self._listeners: list[Listener] = []
         if journal is not None:
             for info, contributions in journal.load():
-                self._rounds[info.round_id] = _Round(info, contributions)
+                self._rounds[info.round_id] = RoundEntry(info, contributions)
 
     @property
     def timeout_s(self) -> float | None:
@@ -204,7 +149,7 @@ class RoundTracker:
             info = RoundInfo(round_id, spec, Pending(), (), 0, now, deadline, spec.layout)
             if self._journal is not None:
                 self._journal.insert_round(info)
-            self._rounds[round_id] = _Round(info)
+            self._rounds[round_id] = RoundEntry(info)
         self._notify(round_id, info.status)
         return True
 
@@ -255,7 +200,8 @@ class RoundTracker:
         against the round's size and for duplicates, but is not yet visible); ``record`` it
         next (always: a reserved place is only given back by ``record``)."""
         with self._lock:
-            return Ticket(*self._reserve(contribution, layout), contribution)
+            entry, status, new_layout, seq = self._reserve(contribution, layout)
+            return Ticket(entry, status, new_layout, contribution, seq)
 
     def record(self, tickets: Sequence[Ticket]) -> list[RoundStatus | BaseException]:
         """Journal the reserved contributions (one group commit), then make each visible;
@@ -264,7 +210,7 @@ class RoundTracker:
         if self._journal is not None and tickets:
             try:
                 errors = self._journal.add_contributions(
-                    [(t.contribution, t.status, t.layout) for t in tickets]
+                    [(t.contribution, t.status, t.layout, t.seq) for t in tickets]
                 )
             except Exception as exc:
                 errors = [exc] * len(tickets)
@@ -273,8 +219,8 @@ class RoundTracker:
         with self._lock:
             for ticket, error in zip(tickets, errors, strict=True):
                 entry, contribution = ticket.entry, ticket.contribution
-                del entry.pending[contribution.peer]
                 if error is not None:
+                    entry.give_back(contribution.peer)
                     if not entry.layout_durable and not entry.contributions and not entry.pending:
                         entry.layout = entry.spec.layout
                     outcomes.append(error)
@@ -293,7 +239,7 @@ class RoundTracker:
 
     def _reserve(
         self, contribution: Contribution, layout: Layout | None
-    ) -> tuple[_Round, RoundStatus, Layout | None]:
+    ) -> tuple[RoundEntry, RoundStatus, Layout | None, int]:
         """Check a contribution and hold its place (``pending``); the status to journal and
         the layout to journal with it (the round's first). Caller holds the lock."""
         key = contribution.round_id
@@ -310,9 +256,9 @@ class RoundTracker:
                     raise UpdateMismatch(key.as_key(), contribution.peer, detail)
             if not entry.layout_durable:
                 new_layout = entry.layout
-        seq = len(entry.contributions) + len(entry.pending)
-        entry.pending[contribution.peer] = contribution
-        return entry, Collecting(seq + 1, entry.spec.expected_peers), new_layout
+        received = len(entry.contributions) + len(entry.pending) + 1
+        seq = entry.hold(contribution)
+        return entry, Collecting(received, entry.spec.expected_peers), new_layout, seq
 
     def settle(self, round_id: RoundId) -> None:
         """Wait until no contribution to the round is between its check and its journal
@@ -433,10 +379,27 @@ class RoundTracker:
             return names, len(entry.contributions)
 
     def contributions(self, round_id: RoundId) -> list[Contribution]:
-        """The round's accepted contributions in acceptance order (empty if no such round)."""
+        """The round's accepted contributions in fold order (the order their places were
+        reserved, which the journal keeps; empty if no such round)."""
         with self._lock:
             entry = self._rounds.get(round_id)
             return [] if entry is None else list(entry.contributions.values())
+
+    def held_count(self, round_id: RoundId) -> int:
+        """How many contributions the round holds, accepted or reserved (0 if no such round):
+        what a streaming round's sums hold when nothing is missing from them."""
+        with self._lock:
+            entry = self._rounds.get(round_id)
+            return 0 if entry is None else len(entry.seqs)
+
+    def in_fold_order(self, round_id: RoundId) -> list[Contribution]:
+        """The round's accepted and reserved (not yet journaled) contributions in fold order:
+        what a streaming round's sums hold, in the order they were added (empty if no such
+        round). A coordinator whose sums lack some (after a restart, or a rebuild) refolds
+        them in this order before it folds a new one."""
+        with self._lock:
+            entry = self._rounds.get(round_id)
+            return [] if entry is None else entry.in_fold_order()
 
     def is_ready(self, round_id: RoundId) -> bool:
         """True when every expected peer has submitted (False for an unknown round)."""
@@ -467,13 +430,13 @@ class RoundTracker:
                 self._changed.wait(left)
 
     # ── internals ────────────────────────────────────────────────────────────
-    def _get(self, round_id: RoundId) -> _Round:
+    def _get(self, round_id: RoundId) -> RoundEntry:
         entry = self._rounds.get(round_id)
         if entry is None:
             raise RoundNotFound(round_id.as_key())
         return entry
 
-    def _check_open(self, entry: _Round, peer: str) -> None:
+    def _check_open(self, entry: RoundEntry, peer: str) -> None:
         key = entry.id.as_key()
         if entry.status.is_terminal:
             raise RoundAlreadyTerminal(key, entry.status.name)
@@ -484,7 +447,7 @@ class RoundTracker:
         if isinstance(entry.status, Aggregating) or received >= expected:
             raise RoundClosed(key, entry.status.name, received, expected)
 
-    def _set_status(self, entry: _Round, status: RoundStatus) -> None:
+    def _set_status(self, entry: RoundEntry, status: RoundStatus) -> None:
         if self._journal is not None:
             self._journal.set_status(entry.id, status)
         entry.status = status

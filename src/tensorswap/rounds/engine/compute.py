@@ -13,16 +13,15 @@ from tensorswap.aggregate import aggregate
 from tensorswap.cid import Cid
 from tensorswap.codec import DType
 from tensorswap.errors import BlockNotFound, CorruptBlock
-from tensorswap.rounds.core.errors import ContributionsLost, NonFiniteAggregate, RoundsError
+from tensorswap.rounds.core.errors import ContributionsLost, NonFiniteAggregate
 from tensorswap.rounds.core.state import Contribution, Layout, RoundInfo
-from tensorswap.rounds.engine.fold import RoundWork, assemble, load_chunk, load_pieces
+from tensorswap.rounds.engine.fold import RoundWork, assemble, load_chunk
+from tensorswap.rounds.engine.refold import UNREADABLE, catch_up, facts_of
 from tensorswap.rounds.engine.result import put_pieces
 from tensorswap.rounds.engine.updates import (
     STREAMING_KINDS,
-    UpdateFacts,
     aggregator_spec,
     count_nonfinite,
-    inspect_update,
 )
 from tensorswap.store import (
     DEFAULT_CHUNK_BYTES,
@@ -39,18 +38,6 @@ log = logging.getLogger(__name__)
 
 Drop = Callable[[str, str], None]
 """``drop(peer, reason)``: record that an accepted contribution is left out of the aggregate."""
-
-UNREADABLE = (CorruptBlock, BlockNotFound, MalformedManifest, RoundsError)
-"""What reading an accepted contribution back may raise when its blocks are damaged or gone
-(a directory store quarantines a block that fails its hash check): the contribution is
-dropped, never folded in."""
-
-
-def facts_of(store: BlockStore, contribution: Contribution) -> UpdateFacts:
-    """What the manifests of an accepted contribution say (manifests re-hashed as read)."""
-    key = contribution.round_id.as_key()
-    cid = Cid.parse(contribution.update_cid)
-    return inspect_update(store, cid, key, contribution.peer, verify=True)
 
 
 def _read_inputs(
@@ -114,19 +101,8 @@ def compute_aggregate(
 
     with work.lock:
         if spec.kind in STREAMING_KINDS:
-            if work.acc is None:
-                work.reset(spec)
-            for c in live:  # after a restart, or a rebuild: fold what is missing
-                if c.peer in work.folded:
-                    continue
-                try:
-                    facts = facts_of(store, c)
-                    loaded, cut, n = load_pieces(store, facts, work.bounds)
-                except UNREADABLE as exc:
-                    lose(c, exc)
-                    continue
-                work.fold(loaded, cut, n, facts, c.scale)
-                work.folded.add(c.peer)
+            # after a restart, or a rebuild: fold what is missing, in fold order
+            catch_up(store, work, spec, live, lose)
             kept = [c for c in live if c.peer not in lost]
             _check_quorum(info, len(kept), lost)
             # shared chunks are exact only when no contribution is clipped or scaled

@@ -126,7 +126,14 @@ class Coordinator(RoundViews):
         self._retention.add_root_source(self.hooks.roots)
         self.samples = SampleCap()  # the num_samples a contribution may claim (engine.intake)
         self._intake = IntakeContext(
-            self.tracker, store, self.hooks, self.samples, verify_reads, self.clock.now, self._count
+            self.tracker,
+            store,
+            self.hooks,
+            self.samples,
+            verify_reads,
+            self.clock.now,
+            self._count,
+            self._drop,
         )
         self.result_chunk_bytes = DEFAULT_CHUNK_BYTES
         """Chunk size of the aggregates' tensors (``serve --result-chunk``; see compute)."""

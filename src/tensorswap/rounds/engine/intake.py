@@ -6,14 +6,28 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tensorswap.aggregate import AggregatorSpec
 from tensorswap.cid import Cid
 from tensorswap.errors import RoundsError
 from tensorswap.rounds.core.errors import TooManySamples
-from tensorswap.rounds.core.state import Contribution, RoundId, RoundStatus, RoundTracker, Ticket
+from tensorswap.rounds.core.state import (
+    Contribution,
+    RoundId,
+    RoundInfo,
+    RoundStatus,
+    RoundTracker,
+    Ticket,
+)
 from tensorswap.rounds.engine.fold import RoundWork
 from tensorswap.rounds.engine.hooks import Admission, CoordinatorHooks, HookList
+from tensorswap.rounds.engine.refold import catch_up
 from tensorswap.rounds.engine.screen import check_layout, screen
-from tensorswap.rounds.engine.updates import aggregator_spec, inspect_update, parse_update_cid
+from tensorswap.rounds.engine.updates import (
+    STREAMING_KINDS,
+    aggregator_spec,
+    inspect_update,
+    parse_update_cid,
+)
 from tensorswap.store import BlockStore
 
 __all__ = ["IntakeContext", "SampleCap", "intake"]
@@ -42,7 +56,9 @@ class SampleCap:
 class IntakeContext:
     """What the intake needs from its coordinator: the tracker, the store the updates are
     read from, the hooks that admit and cap a submit, the sample cap, whether manifests are
-    re-verified at submit, the clock, and ``count(**deltas)`` for its counters."""
+    re-verified at submit, the clock, ``count(**deltas)`` for its counters, and
+    ``drop(round_id, peer, reason)`` for an accepted contribution that can no longer be read
+    back when the sums are rebuilt (``refold.catch_up``)."""
 
     tracker: RoundTracker
     store: BlockStore
@@ -51,6 +67,7 @@ class IntakeContext:
     verify: bool | None
     now: Callable[[], float]
     count: Callable[..., None]
+    drop: Callable[[RoundId, str, str], None]
 
 
 def intake(
@@ -73,7 +90,6 @@ def intake(
     item is screened and reserved, before the journal write (the caller may start screening
     its next batch meanwhile). ``via`` goes to the hooks' ``Admission`` of each item.
     """
-    tracker, hooks, now = ctx.tracker, ctx.hooks, ctx.now
     store = ctx.store if store is None else store
 
     def refused(key: str, peer: str, exc: BaseException) -> None:
@@ -85,27 +101,7 @@ def intake(
     tickets: list[tuple[int, Ticket, bool]] = []
     for peer, update_cid, scale in items:
         try:
-            hooks.admit(Admission(round_id, peer, scale, via))
-            info = tracker.check_submit(round_id, peer)
-            cid = parse_update_cid(update_cid, key, peer)
-            facts = inspect_update(store, cid, key, peer, verify=ctx.verify)
-            ctx.samples.check(hooks, round_id, peer, facts.num_samples)
-            check_layout(info, facts.layout, peer)
-            spec = aggregator_spec(info.spec)
-            with work.lock:
-                tracker.check_submit(round_id, peer)
-                folded = screen(store, work, spec, facts, key, peer, scale)
-                contribution = Contribution(
-                    round_id, peer, str(facts.cid), facts.num_samples, facts.nbytes, now(), scale
-                )
-                try:
-                    ticket = tracker.reserve(contribution, facts.layout)
-                except BaseException:
-                    if folded:  # the sums hold an unaccepted update: rebuild them
-                        work.reset()
-                    raise
-                if folded:
-                    work.folded.add(peer)
+            ticket, folded = _reserve(ctx, work, round_id, (peer, update_cid, scale), store, via)
         except Exception as exc:
             refused(key, peer, exc)
             outcomes.append(exc)
@@ -116,7 +112,7 @@ def intake(
         screened()
     if not tickets:
         return outcomes, 0, 0
-    results = tracker.record([t for _, t, _ in tickets])
+    results = ctx.tracker.record([t for _, t, _ in tickets])
     accepted = nbytes = 0
     for (index, ticket, folded), result in zip(tickets, results, strict=True):
         peer = ticket.contribution.peer
@@ -132,3 +128,59 @@ def intake(
         nbytes += ticket.contribution.nbytes
         log.debug("round %s: %s contributed -> %s", key, peer, result)
     return outcomes, accepted, nbytes
+
+
+def _reserve(
+    ctx: IntakeContext,
+    work: RoundWork,
+    round_id: RoundId,
+    item: tuple[str, Cid | str, float],
+    store: BlockStore,
+    via: CoordinatorHooks | None,
+) -> tuple[Ticket, bool]:
+    """Screen one ``(peer, update_cid, scale)`` item, fold it (streaming kinds, after what the
+    sums lack) and reserve its place; the ticket, and whether it was folded."""
+    tracker, hooks = ctx.tracker, ctx.hooks
+    peer, update_cid, scale = item
+    key = round_id.as_key()
+    hooks.admit(Admission(round_id, peer, scale, via))
+    info = tracker.check_submit(round_id, peer)
+    cid = parse_update_cid(update_cid, key, peer)
+    facts = inspect_update(store, cid, key, peer, verify=ctx.verify)
+    ctx.samples.check(hooks, round_id, peer, facts.num_samples)
+    check_layout(info, facts.layout, peer)
+    spec = aggregator_spec(info.spec)
+    with work.lock:
+        info = tracker.check_submit(round_id, peer)
+        if spec.kind in STREAMING_KINDS:
+            _catch_up(ctx, work, spec, info)
+        folded = screen(store, work, spec, facts, key, peer, scale)
+        contribution = Contribution(
+            round_id, peer, str(facts.cid), facts.num_samples, facts.nbytes, ctx.now(), scale
+        )
+        try:
+            ticket = tracker.reserve(contribution, facts.layout)
+        except BaseException:
+            if folded:  # the sums hold an unaccepted update: rebuild them
+                work.reset()
+            raise
+        if folded:
+            work.folded.add(peer)
+    return ticket, folded
+
+
+def _catch_up(ctx: IntakeContext, work: RoundWork, spec: AggregatorSpec, info: RoundInfo) -> None:
+    """Before a new fold, refold (in fold order) what the sums lack: after a restart, or a
+    rebuild; cheap when nothing is missing. The caller holds ``work.lock``."""
+    rid = info.round_id
+    if len(work.folded) == ctx.tracker.held_count(rid):
+        return
+    gone = info.dropped_peers
+    held = [c for c in ctx.tracker.in_fold_order(rid) if c.peer not in gone]
+
+    def lose(contribution: Contribution, exc: Exception) -> None:
+        reason = f"unreadable: {exc}"
+        log.warning("round %s: contribution from %r dropped: %s", rid, contribution.peer, reason)
+        ctx.drop(rid, contribution.peer, reason)
+
+    catch_up(ctx.store, work, spec, held, lose)

@@ -31,8 +31,9 @@ __all__ = [
     "status_columns",
 ]
 
-ContributionRow = tuple[Contribution, RoundStatus, Layout | None]
-"""A contribution to journal, the round's status with it counted, the round's first layout."""
+ContributionRow = tuple[Contribution, RoundStatus, Layout | None, int]
+"""A contribution to journal, the round's status with it counted, the round's first layout,
+and its place in fold order (``seq``: reserved places in order, never reused by a process)."""
 
 _INSERT = (
     "INSERT INTO contributions (round, initiator, peer, seq, update_cid,"
@@ -53,11 +54,9 @@ def contributions_write(items: Sequence[ContributionRow]) -> Write:
     rows = []
     last: dict[tuple[int, str], RoundStatus] = {}
     layouts: list[tuple[str | None, int, str]] = []
-    for contribution, status, layout in items:
+    for contribution, status, layout, seq in items:
         rid = contribution.round_id
         key = (round_number(rid), rid.initiator)
-        # Acceptance order: the tracker passes Collecting(received) with this one counted.
-        seq = status.received - 1 if isinstance(status, Collecting) else 0
         rows.append(
             (
                 *key,

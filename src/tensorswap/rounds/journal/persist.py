@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Self
 from tensorswap.errors import RoundsError
 from tensorswap.rounds.core.errors import JournalDamaged, JournalMissing
 from tensorswap.rounds.core.state import (
+    Collecting,
     Contribution,
     Layout,
     RoundId,
@@ -24,6 +25,7 @@ from tensorswap.rounds.core.state import (
 )
 from tensorswap.rounds.journal._group import GroupCommit, Write
 from tensorswap.rounds.journal._rows import (
+    ContributionRow,
     contributions_write,
     layout_json,
     parse_layout,
@@ -209,16 +211,22 @@ class RoundDatabase:
         self._write(write)
 
     def add_contribution(
-        self, contribution: Contribution, status: RoundStatus, layout: Layout | None
+        self,
+        contribution: Contribution,
+        status: RoundStatus,
+        layout: Layout | None,
+        seq: int | None = None,
     ) -> None:
-        (error,) = self.add_contributions([(contribution, status, layout)])
+        """Journal one contribution; ``seq`` (its place in fold order) defaults to the count
+        ``status`` gives (Collecting(received): received - 1)."""
+        if seq is None:
+            seq = status.received - 1 if isinstance(status, Collecting) else 0
+        (error,) = self.add_contributions([(contribution, status, layout, seq)])
         if error is not None:
             raise error
 
-    def add_contributions(
-        self, items: Sequence[tuple[Contribution, RoundStatus, Layout | None]]
-    ) -> list[BaseException | None]:
-        """Journal each ``(contribution, status, layout)`` (as ``add_contribution``), all
+    def add_contributions(self, items: Sequence[ContributionRow]) -> list[BaseException | None]:
+        """Journal each ``(contribution, status, layout, seq)`` (as ``add_contribution``), all
         queued at once; per item the error that refused it, None for those committed.
 
         The round's status column moves to ``status`` only while it is Pending or
@@ -259,7 +267,7 @@ class RoundDatabase:
             )
             contributions = tx.query(
                 "SELECT round, initiator, peer, update_cid, num_samples, nbytes,"
-                " submitted_at, scale FROM contributions ORDER BY round, initiator, seq"
+                " submitted_at, scale FROM contributions ORDER BY round, initiator, seq, rowid"
             )
             dropped_rows = tx.query(
                 "SELECT round, initiator, peer, reason FROM dropped"
