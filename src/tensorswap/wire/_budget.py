@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensorswap.wire.errors import OverBudget
 
-__all__ = ["DEFAULT_MAX_INFLIGHT_BYTES", "BudgetStats", "ByteBudget", "Reservation"]
+__all__ = [
+    "DEFAULT_MAX_INFLIGHT_BYTES",
+    "BudgetStats",
+    "ByteBudget",
+    "Reservation",
+    "Tie",
+    "owner_of",
+]
 
 DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
 """1 GiB: room for three of the largest (256 MiB) blocks at once, compressed or not."""
@@ -147,8 +156,78 @@ class Reservation:
             self.nbytes -= part
             self.budget.release(part)
 
+    def tie(self, owner: object | None = None, nbytes: int | None = None) -> Tie:
+        """Move ``nbytes`` (default: all still held) of this reservation onto ``owner``, the
+        object whose memory they stand for: they go back to the budget when ``owner`` is
+        freed, from whichever thread frees it, or earlier through the Tie's ``release``
+        (bytes a store took over). So the budget counts memory exactly as long as it exists,
+        even when a cancelled connection, a worker thread or a kept error holds it longer
+        than the code path that received it. ``owner`` None: the bytes go back through
+        ``release``, or once an owner given later (``Tie.follow``) is freed. Event loop only."""
+        part = self.nbytes if nbytes is None else min(nbytes, self.nbytes)
+        self.nbytes -= part
+        return Tie(self.budget, part, owner)
+
     def __enter__(self) -> Reservation:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+class Tie:
+    """Budget bytes tied to the object holding their memory (``Reservation.tie``): released
+    exactly once, when the object they follow is freed or by ``release``, whichever comes
+    first. Until it follows one (``follow``), only ``release`` gives them back."""
+
+    __slots__ = ("_give_back", "_token")
+
+    def __init__(self, budget: ByteBudget, nbytes: int, owner: object | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        thread = threading.get_ident()
+        token = [nbytes] if nbytes > 0 else []  # popped once: by release or by the owner's end
+
+        def give_back() -> None:
+            try:
+                held = token.pop()  # atomic: whichever thread comes first gives back
+            except IndexError:
+                return
+            if threading.get_ident() == thread:
+                budget.release(held)
+            else:  # freed on a worker thread: the budget belongs to its loop
+                with contextlib.suppress(RuntimeError):  # that loop is closed: nothing to do
+                    loop.call_soon_threadsafe(budget.release, held)
+
+        self._token = token
+        self._give_back = give_back
+        if owner is not None:
+            self.follow(owner)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes still held (0 once given back)."""
+        return self._token[0] if self._token else 0
+
+    def follow(self, owner: object) -> None:
+        """Give the bytes back when ``owner`` (which holds their memory now) is freed; one that
+        takes no weak reference leaves them to ``release``. May be called for several owners
+        in turn (the first to go gives them back)."""
+        if not self._token:
+            return
+        with contextlib.suppress(TypeError):
+            weakref.finalize(owner, self._give_back).atexit = False
+
+    def release(self) -> None:
+        """Give the bytes back now (idempotent; an owner's end then gives nothing back)."""
+        self._give_back()
+
+
+def owner_of(view: memoryview) -> object:
+    """The object whose memory ``view`` shows (the exporter every slice of it keeps alive) if
+    it takes weak references, else the view itself (``Reservation.tie``)."""
+    owner = view.obj
+    try:
+        weakref.ref(owner)
+    except TypeError:
+        return view
+    return owner

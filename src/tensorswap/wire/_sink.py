@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from tensorswap.cid import Cid
 from tensorswap.errors import HashMismatch
 from tensorswap.store.base import BlockStore
-from tensorswap.wire._budget import Reservation
+from tensorswap.wire._budget import Tie
 from tensorswap.wire.connection import BlockFrame
 from tensorswap.wire.errors import BlockHashMismatch
 
@@ -30,8 +31,9 @@ class BlockSink:
     ``close`` waits for blocks already submitted, even on error or cancel, so that what
     arrived whole is kept (resume relies on it). ``failed`` is set as soon as a block fails
     its checks, for a caller that must not wait for its next ``submit`` to find out. A
-    block's ``Reservation``, if it came with one, is released once the block is stored or
-    has failed (or when its submit is cancelled), never before.
+    block's budget share (a ``Tie`` to its bytes), if it came with one, is released once the
+    block is stored (the store holds the bytes from then on); a block that fails, or whose
+    submit is cancelled, gives its share back when its bytes are freed, never before.
     """
 
     def __init__(self, store: BlockStore, depth: int = 4) -> None:
@@ -57,12 +59,12 @@ class BlockSink:
             raise BlockHashMismatch(block.cid, exc.actual) from exc
         return block.data.nbytes
 
-    async def submit(self, block: BlockFrame, reservation: Reservation | None = None) -> None:
+    async def submit(self, block: BlockFrame, share: Tie | None = None) -> None:
         """Queue ``block`` to be checked and stored; waits while ``depth`` blocks are queued.
 
         A block whose frame CRC32C is still due (``block.frame``) is checked here too: a
-        mismatch raises ChecksumMismatch and stores nothing of it. ``reservation`` (the
-        budget bytes ``block`` holds) is the sink's to release from the call on.
+        mismatch raises ChecksumMismatch and stores nothing of it. ``share`` (the budget bytes
+        ``block`` holds, tied to them) is released here once the block is stored.
         """
         try:
             while len(self._pending) >= self.depth:
@@ -75,10 +77,11 @@ class BlockSink:
                 try:
                     nbytes = self._put(block)
                 except Exception as exc:
-                    future.set_exception(exc)
+                    # its traceback holds this frame, which holds the future: no cycle
+                    future.set_exception(exc.with_traceback(None))
                 else:
-                    if reservation is not None:
-                        reservation.release()
+                    if share is not None:
+                        share.release()
                     self.blocks += 1
                     self.nbytes += nbytes
                     return
@@ -87,12 +90,11 @@ class BlockSink:
                     self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-sink")
                 future = loop.run_in_executor(self._pool, self._put, block)
         except BaseException:
-            if reservation is not None:
-                reservation.release()
+            del block  # a traceback keeps this frame: the bytes go with the caller's reference
             raise
         future.add_done_callback(self._settled)
-        if reservation is not None:
-            future.add_done_callback(lambda _: reservation.release())
+        if share is not None:
+            future.add_done_callback(partial(_stored, share))
         self._pending.append((block.cid, future))
 
     def _settled(self, future: asyncio.Future[int]) -> None:
@@ -111,6 +113,7 @@ class BlockSink:
         finally:
             if future.done():
                 self._pending.popleft()
+            del future  # a failure's traceback holds this frame: it must not hold the future
         self.blocks += 1
         self.nbytes += nbytes
 
@@ -130,9 +133,17 @@ class BlockSink:
                     await asyncio.wait([future])
                     raise
                 except Exception:  # reported by drain, or superseded by the caller's error
+                    del future  # its error's traceback holds this frame: no cycle
                     continue
                 self.blocks += 1
                 self.nbytes += nbytes
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
+
+
+def _stored(share: Tie, future: asyncio.Future[int]) -> None:
+    """A block's store finished: its share goes back if it was stored (the store has the bytes
+    now); if it failed, the share goes back when the bytes are freed."""
+    if not future.cancelled() and future.exception() is None:
+        share.release()

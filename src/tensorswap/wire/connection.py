@@ -303,6 +303,7 @@ class FrameConnection:
         whole_frame: bool = False,
         admit: Admit | None = None,
         header: FrameHeader | None = None,
+        allocated: Callable[[memoryview], None] | None = None,
     ) -> Frame:
         """The next frame, CRC-checked.
 
@@ -319,6 +320,8 @@ class FrameConnection:
         malformed) is read and before the payload is allocated or read further; the payload
         then has ``Timeouts.read`` from its return (the server waits there for memory).
         ``header``: the frame's header, already taken (``_exchange``): its payload follows.
+        ``allocated(payload)``, if given, is called with the payload's buffer as soon as it
+        exists (a server ties its budget share to it: counted until that memory is freed).
         """
         loop = asyncio.get_running_loop()
         seconds = self._seconds(timeout)
@@ -341,6 +344,33 @@ class FrameConnection:
         # Bounded by unpack above. Uninitialised (it is filled completely before any use)
         # and recycled: fresh pages cost more than the bytes received into them.
         payload = receive_buffers().take(header.payload_len)
+        if allocated is not None:
+            allocated(payload)
+        try:
+            frame = await self._fill(payload, header, head, what, seconds, deadline, whole_frame)
+        finally:
+            del payload  # a traceback keeps this frame: it must not keep the buffer too
+        if defer_block_crc and header.kind is FrameKind.BLOCK:
+            return frame
+        try:
+            _check_crc(header, frame.payload)
+        except ChecksumMismatch:
+            del frame  # as above: the error must not keep the payload
+            raise
+        return Frame(header, frame.payload)
+
+    async def _fill(
+        self,
+        payload: memoryview,
+        header: FrameHeader,
+        head: bytes,
+        what: str,
+        seconds: float | None,
+        deadline: float | None,
+        whole_frame: bool,
+    ) -> Frame:
+        """``receive_frame``'s payload read into ``payload`` (``head`` already read), as an
+        unchecked frame."""
         payload[: len(head)] = head
         filled = len(head)
         if filled < header.payload_len:
@@ -352,15 +382,17 @@ class FrameConnection:
         except TimeoutError as exc:
             if whole_frame:
                 what = f"a whole {header.kind.name} frame ({header.payload_len} bytes)"
+            del payload
             raise PeerTimeout(what, seconds or 0.0, self.peer) from exc
         except UnexpectedEof as exc:
+            del payload
             if not filled:
                 raise
             raise UnexpectedEof(what, filled + exc.received, header.payload_len) from None
-        if defer_block_crc and header.kind is FrameKind.BLOCK:
-            return Frame(header, payload, checked=False)
-        _check_crc(header, payload)
-        return Frame(header, payload)
+        except BaseException:
+            del payload  # cancelled: the traceback keeps this frame, not the buffer
+            raise
+        return Frame(header, payload, checked=False)
 
     async def _receive_header(
         self, seconds: float | None, deadline: float | None, max_payload: int | None

@@ -9,12 +9,19 @@ import ssl as ssl_module
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Self
 
 from tensorswap.cid import Cid
 from tensorswap.errors import StoreError, TensorSwapError
 from tensorswap.store.base import BlockStore
-from tensorswap.wire._budget import DEFAULT_MAX_INFLIGHT_BYTES, ByteBudget, Reservation
+from tensorswap.wire._budget import (
+    DEFAULT_MAX_INFLIGHT_BYTES,
+    ByteBudget,
+    Reservation,
+    Tie,
+    owner_of,
+)
 from tensorswap.wire._buffers import HeapTrimmer
 from tensorswap.wire._server_handlers import (
     AppRequest,
@@ -249,8 +256,13 @@ class BlockServer(ServerHandlers):
                 await asyncio.wait([serving])
             if not serving.cancelled():
                 serving.exception()  # retrieved: raised below, or superseded by a cancel
-        if not serving.cancelled():
-            serving.result()  # its own failure, if it ended first
+        error = None if serving.cancelled() else serving.exception()
+        del serving, failed  # raised below, a failure's traceback holds this frame: no cycle
+        if error is not None:
+            try:
+                raise error  # its own failure, if it ended first
+            finally:
+                error = None
         if sink.failed.is_set():
             await sink.drain()  # raises the block's failure
 
@@ -259,28 +271,42 @@ class BlockServer(ServerHandlers):
     ) -> tuple[Message, int] | None:
         """The next control message (and its stream id); a block is handed to ``sink``
         instead (None). Every frame holds its share of ``self.budget`` from before its
-        payload is allocated until it is decoded, or, for a block, until it is stored."""
+        payload is allocated for exactly as long as that memory exists: a block's payload
+        and its decompressed bytes are each tied to the buffer holding them (``Tie``), so
+        they count until freed (or until stored), whatever ends the connection meanwhile."""
         reservation: Reservation | None = None
+        payload: Tie | None = None
 
         async def admit(header: FrameHeader, prefix: BlockPrefix | None) -> None:
             nonlocal reservation
             need, what = _needed(header, prefix)
             reservation = await self.budget.reserve(need, what)
 
+        def allocated(buffer: memoryview) -> None:
+            nonlocal payload
+            if reservation is not None:  # the payload's share follows its buffer from now on
+                payload = reservation.tie(owner_of(buffer), buffer.nbytes)
+
+        frame: Frame | None = None
+        block: BlockFrame | None = None
         try:
             frame = await conn.receive_frame(
-                timeout="read" if in_transfer else "idle", defer_block_crc=True, admit=admit
+                timeout="read" if in_transfer else "idle",
+                defer_block_crc=True,
+                admit=admit,
+                allocated=allocated,
             )
             if frame.header.kind is not FrameKind.BLOCK:
                 return conn.expect(frame, Offer, Commit, Get, Request), frame.header.stream_id
-            block = await _parse_block(conn, frame)
-            if reservation is not None and block.compression is not Compression.NONE:
-                reservation.release(frame.header.payload_len)  # only the decompressed bytes
-            del frame  # the compressed payload is not held while the sink is busy
-            held, reservation = reservation, None
-            await sink.submit(block, held)
+            raw = None
+            if reservation is not None and frame.header.compression is not Compression.NONE:
+                raw = reservation.tie()  # the decompressed bytes, tied once they exist
+            block = await _parse_block(conn, frame, raw)
+            frame = None  # the compressed payload goes (and its share with it) while stored
+            await sink.submit(block, raw or payload)
             return None
         finally:
+            frame = block = None  # a traceback keeps this frame: it must not keep the bytes too
             if reservation is not None:
                 reservation.release()
 
@@ -357,20 +383,40 @@ def _needed(header: FrameHeader, prefix: BlockPrefix | None) -> tuple[int, str]:
     return need, what + f"{prefix.raw_len})"
 
 
-async def _parse_block(conn: FrameConnection, frame: Frame) -> BlockFrame:
+async def _parse_block(conn: FrameConnection, frame: Frame, raw: Tie | None) -> BlockFrame:
     """``conn.parse_block(frame)``, a compressed one in a worker thread (decompression is
-    CPU work). A cancel waits for the thread: its memory is still counted until then."""
+    CPU work). ``raw``, the budget share of the decompressed bytes, follows them as soon as
+    the thread returns (or follows its error, whose traceback may hold them), even if the
+    caller was cancelled meanwhile: those bytes count until they are freed."""
     if frame.header.compression is Compression.NONE:
         return conn.parse_block(frame)
     loop = asyncio.get_running_loop()
     parsing = loop.run_in_executor(None, conn.parse_block, frame)
+    if raw is not None:
+        parsing.add_done_callback(partial(_follow, raw))
     try:
         return await asyncio.shield(parsing)
     except asyncio.CancelledError:
-        await asyncio.wait([parsing])
-        if not parsing.cancelled():
-            parsing.exception()  # retrieved: superseded by the cancel
+        try:
+            await asyncio.wait([parsing])
+            if not parsing.cancelled():
+                parsing.exception()  # retrieved: superseded by the cancel
+        finally:
+            del parsing, frame  # the traceback keeps this frame, not the bytes
         raise
+    except BaseException:
+        del parsing, frame  # as above (and no cycle through the failed future)
+        raise
+
+
+def _follow(raw: Tie, done: asyncio.Future[BlockFrame]) -> None:
+    """The decompressed bytes' share follows what holds them once the parse is done."""
+    if done.cancelled():
+        raw.release()
+    elif done.exception() is not None:
+        raw.follow(done)  # the error's traceback may hold the buffer: its end frees it
+    else:
+        raw.follow(owner_of(done.result().data))
 
 
 def _missing_and_touch(store: BlockStore, offered: list[Cid]) -> list[Cid]:
