@@ -7,6 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from tensorswap.cid import Cid
 from tensorswap.collective import Collective, Rendezvous
 from tensorswap.store import MemoryStore
 from tensorswap.wire import BlockServer
@@ -195,33 +196,28 @@ def test_a_peer_cut_mid_call_is_dropped_and_survivors_agree() -> None:
 def test_a_lying_peer_is_named_and_excluded() -> None:
     """p1 commits to one input and sends another: its reducer names it, it is excluded, and
     the honest peers end with their own mean; the liar's call raises PeerExcluded."""
-    from tensorswap.collective import PeerExcluded, _call
+    from tensorswap.collective import PeerExcluded
 
     inputs = [{"w": np.full(3000, float(i), np.float32)} for i in range(3)]
 
     async def main() -> tuple[list[object], dict[str, str]]:
         peers, server, rendezvous = await _group(3)
         liar = peers[1]
-        honest_push = _call.CallRun._push
 
-        async def lying_push(self, j, chunks, member):  # type: ignore[no-untyped-def]
-            if self.owner is liar and not getattr(self, "forged", False):
-                store = liar.store
-                self.mine = [
-                    store.put(np.frombuffer(store.get(c), np.float32) + np.float32(100))
-                    for c in self.mine
-                ]
-                self.forged = True
-            await honest_push(self, j, chunks, member)
+        def forge(committed: list[Cid]) -> list[Cid]:
+            store = liar.store
+            return [
+                store.put(np.frombuffer(store.get(c), np.float32) + np.float32(100))
+                for c in committed
+            ]
 
         try:
-            _call.CallRun._push = lying_push  # type: ignore[method-assign]
+            liar.tamper = forge
             out = await asyncio.gather(
                 *(p.all_reduce(inputs[i]) for i, p in enumerate(peers)), return_exceptions=True
             )
             return list(out), dict(peers[0].stats.dropped)
         finally:
-            _call.CallRun._push = honest_push  # type: ignore[method-assign]
             await _close(peers, server, rendezvous)
 
     results, dropped = asyncio.run(main())

@@ -288,14 +288,12 @@ async def test_an_unexpected_encode_error_fails_one_fragment_not_the_bus() -> No
     await peer.listener.start()
     try:
         async with DweBus([peer.listener.endpoint]) as bus:
-            encode = bus._encode
 
-            def flaky(fragment: DweFragment):
-                if fragment.sequence == 1:
-                    raise RuntimeError("encoder bug")
-                return encode(fragment)
+            def flaky(point: str, subject: object) -> None:
+                if isinstance(subject, DweFragment) and subject.sequence == 1:
+                    raise RuntimeError("encoder bug")  # point == "encode"
 
-            bus._encode = flaky  # type: ignore[method-assign]
+            bus.fault = flaky
             for fragment in fragments:
                 assert bus.broadcast(fragment)
             async with asyncio.timeout(10):
@@ -317,14 +315,12 @@ async def test_one_peer_failing_unexpectedly_does_not_cancel_the_others() -> Non
     try:
         config = DweConfig(peers=(bad.listener.endpoint, good.listener.endpoint))
         async with DweBus(config=config) as bus:
-            send = bus._send_persistent
 
-            async def broken_for_one(peer, frame) -> None:
-                if peer.endpoint == bad.listener.endpoint:
+            def broken_for_one(point: str, subject: object) -> None:
+                if point == "send" and subject == bad.listener.endpoint:
                     raise RuntimeError("sender bug")
-                await send(peer, frame)
 
-            bus._send_persistent = broken_for_one  # type: ignore[method-assign]
+            bus.fault = broken_for_one
             for fragment in fragments:
                 assert bus.broadcast(fragment)
             async with asyncio.timeout(10):

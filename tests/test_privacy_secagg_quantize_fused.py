@@ -19,7 +19,7 @@ from tensorswap.privacy.secagg.crypto import MASK_CHUNK
 from tensorswap.privacy.secagg.quantize import Quantizer
 
 pytestmark = pytest.mark.skipif(
-    module._quantize is None, reason="the quantization kernel was not built (no C compiler)"
+    module.native() is None, reason="the quantization kernel was not built (no C compiler)"
 )
 
 
@@ -50,7 +50,8 @@ def test_the_kernel_gives_the_numpy_loops_words(
 
 
 def test_the_kernel_refuses_wrong_buffers() -> None:
-    kernel = module._quantize
+    kernel = module.native()
+    assert kernel is not None
     x, words, out = np.zeros(8, np.float32), np.zeros(8, np.uint32), np.zeros(8, np.uint32)
     args = (-1.0, 1.0, 1.0, 0.5, 255.0)
     with pytest.raises(TypeError, match="float32"):

@@ -212,21 +212,13 @@ def test_a_deadline_waits_for_a_reserved_contribution_before_its_verdict(tmp_pat
         contribution = Contribution(RID, "a", str(cid), 1, 64, clock.now())
         ticket = coord.tracker.reserve(contribution)  # checked, not yet journaled
         waiting = threading.Event()
-        changed = coord.tracker._changed
-
-        class Watched(threading.Condition):
-            def wait(self, timeout: float | None = None) -> bool:
-                waiting.set()
-                return super().wait(timeout)
-
-        watched = Watched(coord.tracker._lock)
-        coord.tracker._changed = watched
+        coord.tracker.on_settle_wait = lambda rid: waiting.set()
         clock.advance(11)
         judged = threading.Thread(target=coord.check_deadlines)
         judged.start()
         assert waiting.wait(30)  # the verdict waits for the reserved contribution ...
         assert coord.tracker.record([ticket])[0] == Collecting(1, 3)
         judged.join(30)
-        coord.tracker._changed = changed
+        coord.tracker.on_settle_wait = None
         # ... so it counts it: quorum met, aggregated, not failed below quorum
         assert isinstance(coord.wait(RID, timeout=30), Complete)

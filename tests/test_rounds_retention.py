@@ -200,12 +200,12 @@ def test_a_listener_may_submit_while_a_collection_waits() -> None:
         coord.start_round(first, RoundSpec(1))
         coord.start_round(second, RoundSpec(1))
         chained = threading.Event()
-        lock = coord._gc_lock
+        lock = coord.collection_lock
 
         def listener(rid: RoundId, status: object) -> None:
             if rid == first and isinstance(status, Complete):
-                with lock._cond:  # the collection queued by round 1 now waits, exclusive
-                    assert lock._cond.wait_for(lambda: lock._waiting > 0, timeout=30)
+                # the collection queued by round 1 now waits, exclusive
+                assert lock.wait_for_waiter(timeout=30) and lock.waiting > 0
                 coord.submit(second, "p", put(store, 2))
                 chained.set()
 
@@ -227,8 +227,12 @@ def test_a_collection_that_cannot_be_queued_does_not_stop_the_round(
     import tensorswap.rounds.storage.retention as module
 
     class NoThreads(module.ThreadPoolExecutor):
+        refuse = True  # the first queueing fails, as with no thread to spare; later ones run
+
         def submit(self, *args: object, **kwargs: object) -> module.Future[None]:
-            raise RuntimeError("can't start new thread")
+            if NoThreads.refuse:
+                raise RuntimeError("can't start new thread")
+            return super().submit(*args, **kwargs)  # type: ignore[arg-type]
 
     store = MemoryStore()
     with Coordinator(store, clock=FakeClock(1000.0), run_timer=False, keep_rounds=1) as coord:
@@ -237,8 +241,15 @@ def test_a_collection_that_cannot_be_queued_does_not_stop_the_round(
         coord.start_round(rid, RoundSpec(1))
         coord.submit(rid, "p", put(store, 1))
         assert isinstance(coord.wait(rid, timeout=30), Complete)
-        assert not coord._retention._queued  # the next round end tries again
-        monkeypatch.undo()
+        coord.drain_collections(timeout=30)
+        assert coord.stats().gc_runs == 0  # none was queued...
+        NoThreads.refuse = False
+        second = RoundId(2, "lead")
+        coord.start_round(second, RoundSpec(1))
+        coord.submit(second, "p", put(store, 2))
+        assert isinstance(coord.wait(second, timeout=30), Complete)
+        coord.drain_collections(timeout=30)
+        assert coord.stats().gc_runs == 1  # ...and the next round end tries again
 
 
 def test_a_round_failed_at_its_deadline_is_collected_after_it_is_failed() -> None:
@@ -266,14 +277,14 @@ def test_a_collection_walks_the_store_before_it_holds_submits_off(
     walk, sweep = kind.__iter__, getattr(kind, "remove_temp_files", None)
 
     def spy_walk(self: object) -> Iterator[Cid]:
-        held.append(coord._gc_lock._exclusive)
+        held.append(coord.collection_lock.exclusive_held)
         return walk(self)  # type: ignore[arg-type]
 
     monkeypatch.setattr(kind, "__iter__", spy_walk)
     if sweep is not None:
 
         def spy_sweep(self: object, **kwargs: float) -> int:
-            held.append(coord._gc_lock._exclusive)
+            held.append(coord.collection_lock.exclusive_held)
             return sweep(self, **kwargs)  # type: ignore[misc]
 
         monkeypatch.setattr(kind, "remove_temp_files", spy_sweep)
@@ -282,19 +293,18 @@ def test_a_collection_walks_the_store_before_it_holds_submits_off(
 
 
 def test_queued_collections_read_the_store_account_and_walk_every_sixteenth(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """A queued collection takes its candidates from the store's own account (no walk of its
     shards); the first and every 16th walk, and so find what another process put."""
     walks: list[int] = []
-    scan = DirectoryStore._scan
 
-    def counted(self: DirectoryStore, prune_before: float | None = None) -> Iterator[object]:
-        walks.append(1)
-        return scan(self, prune_before)
+    class Counted(DirectoryStore):
+        def fault_point(self, point: str, path: str) -> None:
+            if point == "walked":
+                walks.append(1)
 
-    monkeypatch.setattr(DirectoryStore, "_scan", counted)
-    store = DirectoryStore(tmp_path / "blocks")
+    store = Counted(tmp_path / "blocks")
     with Coordinator(
         store, clock=FakeClock(1000.0), run_timer=False, keep_rounds=1, gc_grace=0
     ) as coord:

@@ -30,10 +30,9 @@ class FlakyDisk(DirectoryStore):
 
     full = False
 
-    def _write_file_atomic(self, path: str, data: memoryview) -> os.stat_result:
-        if self.full:
+    def fault_point(self, point: str, path: str) -> None:
+        if point == "write" and self.full:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-        return super()._write_file_atomic(path, data)
 
 
 class Watch:

@@ -220,12 +220,12 @@ def test_serve_and_run_create_take_the_sample_cap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: dict[str, Any] = {}
-    signature = inspect.signature(serve_cmd._run)
+    signature = inspect.signature(serve_cmd.run_server)
 
     async def fake_run(*args: Any, **kwargs: Any) -> None:
         seen.update(signature.bind(*args, **kwargs).arguments)
 
-    monkeypatch.setattr(serve_cmd, "_run", fake_run)
+    monkeypatch.setattr(serve_cmd, "run_server", fake_run)
     monkeypatch.setattr(serve_cmd, "release_large_frees", lambda: True)
     args = ["--listen", "127.0.0.1:0", "--data", str(tmp_path / "d")]
     result = CliRunner().invoke(serve_cmd.serve, [*args, "--max-samples-per-peer", "5000"])

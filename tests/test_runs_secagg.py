@@ -272,17 +272,17 @@ async def test_masked_vectors_never_reach_a_file_and_go_once_folded(
     assert isinstance(store, CoordinatorStore)
     files: list[str] = []
     held: list[Cid] = []
-    write, put = store._write_file_atomic, store.volatile.put
+    put = store.volatile.put
 
-    def recording_write(path: str, data: memoryview) -> object:
-        files.append(path)
-        return write(path, data)
+    def recording_write(point: str, path: str) -> None:
+        if point == "write":
+            files.append(path)
 
     def recording_put(cid: Cid, data: memoryview, adopt: bool) -> bool:
         held.append(cid)
         return put(cid, data, adopt)
 
-    monkeypatch.setattr(store, "_write_file_atomic", recording_write)
+    monkeypatch.setattr(store, "fault_point", recording_write)
     monkeypatch.setattr(store.volatile, "put", recording_put)
     peers = [await served.client(f"p{i}") for i in range(3)]
     try:

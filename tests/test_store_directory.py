@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -169,11 +168,10 @@ def test_a_repeated_put_rewrites_a_block_that_vanished_meanwhile(tmp_path: Path)
     class Racing(DirectoryStore):
         race = False
 
-        def _touch_file(self, cid: Cid, path: str) -> bool:
-            if self.race:
+        def fault_point(self, point: str, path: str) -> None:
+            if point == "touch" and self.race:
                 self.race = False
                 os.unlink(path)  # a concurrent delete lands here
-            return super()._touch_file(cid, path)
 
     store = Racing(tmp_path)
     cid = store.put(b"block")
@@ -206,20 +204,22 @@ def test_a_rescan_never_removes_a_shard_holding_a_block(tmp_path: Path) -> None:
     assert store.inventory(rescan=True) == [cid] and store.get(cid) == b"kept"
 
 
-def test_the_inventory_follows_own_puts_and_deletes_without_a_walk(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = DirectoryStore(tmp_path)
+class Counted(DirectoryStore):
+    """A directory store that counts its walks of the shards."""
+
+    walks: list[int]
+
+    def fault_point(self, point: str, path: str) -> None:
+        if point == "walked":
+            self.walks.append(1)
+
+
+def test_the_inventory_follows_own_puts_and_deletes_without_a_walk(tmp_path: Path) -> None:
+    store = Counted(tmp_path)
     before = store.put(b"before the first listing")
-    assert store.inventory() == [before]  # the first call walks
-    walks: list[int] = []
-    scan = DirectoryStore._scan
-
-    def counted(self: DirectoryStore, prune_before: float | None = None) -> Any:
-        walks.append(1)
-        return scan(self, prune_before)
-
-    monkeypatch.setattr(DirectoryStore, "_scan", counted)
+    store.walks = []
+    assert store.inventory() == [before] and store.walks == [1]  # the first call walks
+    store.walks = walks = []
     added = store.put(b"put later")
     assert store.put(b"put later") == added  # held already: still one entry
     assert store.delete(before)
@@ -234,53 +234,53 @@ def test_the_inventory_follows_own_puts_and_deletes_without_a_walk(
     assert store.delete(foreign) is False and store.inventory() == [added]
 
 
-def test_puts_and_deletes_during_a_rescan_are_kept_in_the_account(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = DirectoryStore(tmp_path)
-    doomed = store.put(b"deleted while the walk runs")
-    scan = DirectoryStore._scan
+def test_puts_and_deletes_during_a_rescan_are_kept_in_the_account(tmp_path: Path) -> None:
     late: list[Cid] = []
 
-    def racing(self: DirectoryStore, prune_before: float | None = None) -> Any:
-        found = list(scan(self, prune_before))  # the walk has seen the files...
-        late.append(self.put(b"put after the walk saw its shard"))  # ...then these happen
-        self.delete(doomed)
-        return iter(found)
+    class Racing(DirectoryStore):
+        race = False
 
-    monkeypatch.setattr(DirectoryStore, "_scan", racing)
-    assert store.inventory(rescan=True) == late
-    monkeypatch.setattr(DirectoryStore, "_scan", scan)
+        def fault_point(self, point: str, path: str) -> None:
+            if point == "walked" and self.race:  # the walk has seen the files...
+                self.race = False
+                late.append(self.put(b"put after the walk saw its shard"))  # ...then these
+                self.delete(doomed)
+
+    store = Racing(tmp_path)
+    doomed = store.put(b"deleted while the walk runs")
+    store.race = True
+    assert store.inventory(rescan=True) == late and len(late) == 1
     assert store.inventory() == late == list(store)
 
 
-def test_a_write_whose_shard_goes_meanwhile_makes_it_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_write_whose_shard_goes_meanwhile_makes_it_again(tmp_path: Path) -> None:
     """A rescan (a shard long empty) or another process may remove the shard between a
     writer's check of it and its file's creation; the writer makes it again."""
-    store = DirectoryStore(tmp_path)
-    write, gone = DirectoryStore._write_file_atomic, []
+    gone: list[str] = []
 
-    def shard_removed_first(self: DirectoryStore, path: str, data: memoryview) -> os.stat_result:
-        if not gone:
-            os.rmdir(os.path.dirname(path))  # as a rescan pruning it would
-            gone.append(path)
-        return write(self, path, data)
+    class ShardRemovedFirst(DirectoryStore):
+        armed = False  # not for FORMAT, written as the store opens
 
-    monkeypatch.setattr(DirectoryStore, "_write_file_atomic", shard_removed_first)
+        def fault_point(self, point: str, path: str) -> None:
+            if point == "write" and self.armed and not gone:
+                os.rmdir(os.path.dirname(path))  # as a rescan pruning it would
+                gone.append(path)
+
+    store = ShardRemovedFirst(tmp_path)
+    store.armed = True
     cid = store.put(b"written anyway")
     assert gone and store.get(cid) == b"written anyway"
 
 
 def test_an_account_past_its_limit_is_dropped_and_the_store_walked(tmp_path: Path) -> None:
-    store = DirectoryStore(tmp_path)
-    store._inventory.limit = 2
+    store = Counted(tmp_path, inventory_limit=2)
     first, second = store.put(b"one"), store.put(b"two")
+    store.walks = []
     assert sorted(store.inventory(), key=str) == sorted([first, second], key=str)
-    assert store._inventory.snapshot() is not None
+    assert store.inventory() and store.walks == [1]  # the second call reads the account
     third = store.put(b"three")  # past the limit: no account kept
-    assert store._inventory.snapshot() is None
     assert sorted(store.inventory(), key=str) == sorted([first, second, third], key=str)
-    assert store._inventory.snapshot() is None  # the walk found too many to keep, too
-    assert store.delete(third) and store.inventory() and store._inventory.snapshot() is not None
+    assert store.walks == [1, 1]
+    assert store.inventory() and store.walks == [1, 1, 1]  # the walk found too many to keep
+    assert store.delete(third) and store.inventory() and store.walks == [1, 1, 1, 1]
+    assert store.inventory() and store.walks == [1, 1, 1, 1]  # two: an account again

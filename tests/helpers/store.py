@@ -28,4 +28,4 @@ def make_older(store: BlockStore, cid: Cid, seconds: float) -> None:
         os.utime(path, (stat.st_atime - seconds, stat.st_mtime - seconds))
     else:
         assert isinstance(store, MemoryStore)
-        store._stored[cid] -= seconds
+        store.backdate(cid, seconds)

@@ -49,7 +49,7 @@ from tensorswap.transport import DEFAULT_MAX_CONNECTIONS
 from tensorswap.wire import DEFAULT_MAX_INFLIGHT_BYTES
 from tensorswap.wire.connection import Timeouts
 
-__all__ = ["release_large_frees", "resolve_key", "serve"]
+__all__ = ["release_large_frees", "resolve_key", "run_server", "serve"]
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 MIN_RESULT_CHUNK, MAX_RESULT_CHUNK = 4 * 1024, 64 * 1024 * 1024  # serve --result-chunk
@@ -150,7 +150,7 @@ async def _round_server(
     return server
 
 
-async def _run(
+async def run_server(
     host: str,
     port: int,
     data: str,
@@ -173,6 +173,8 @@ async def _run(
     max_samples_per_peer: int | None = None,
     operator_key: bytes | None = None,
 ) -> None:
+    """Serve rounds with these settings until SIGINT/SIGTERM: what ``serve`` runs once its
+    options are parsed (tests replace it to check what the options become)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # asyncio handles signals only in the main thread on POSIX; elsewhere Ctrl-C still stops.
@@ -285,7 +287,7 @@ def serve(**o: Any) -> None:
         raise click.ClickException(str(exc)) from exc
     try:
         run_loop(
-            _run(
+            run_server(
                 host,
                 port,
                 o["data"],

@@ -71,6 +71,7 @@ class CallOwner(Protocol):
     errors: dict[str, Any]
     received: dict[tuple[int, str, int], list[bytes]]
     wake: asyncio.Event
+    tamper: Callable[[list[Cid]], list[Cid]] | None
 
     def view(self, call: int) -> CallView | None: ...
     def note_view(self, view: CallView) -> None: ...
@@ -136,6 +137,8 @@ class CallRun:
             if answer.view is not None and owner.peer in answer.view.dropped:
                 raise PeerExcluded(owner.peer, self.number, answer.view.dropped[owner.peer])
             raise GroupMismatch(owner.group, answer.error)
+        if owner.tamper is not None:  # a fault injected by a test: send other chunks
+            self.mine = owner.tamper(self.mine)
         if answer.view is not None:
             owner.note_view(answer.view)
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Self
 
 from tensorswap._netaddr import split_host_port
@@ -71,6 +71,10 @@ class Collective:
         self.errors: dict[str, Any] = {}
         """Per tensor name, the compression error kept for error feedback."""
         self.wake = asyncio.Event()
+        self.tamper: Callable[[list[Cid]], list[Cid]] | None = None
+        """Fault-injection seam, None by default: called once per call with the CIDs of the
+        chunks this peer has just committed to; the chunks it returns are what the peer then
+        sends (a lying peer, for tests that its reducers name and exclude it)."""
         self._views: dict[int, CallView] = {}
         self._control: BlockClient | None = None
         self._poll_client: BlockClient | None = None

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
@@ -101,6 +101,11 @@ class DweBus:
         self.config = cfg
         self.telemetry_recorder = telemetry if telemetry is not None else DweTelemetry()
         self.drain_timeout = drain_timeout
+        self.fault: Callable[[str, object], None] | None = None
+        """Fault-injection seam, None by default: called with ``("encode", fragment)`` before
+        a fragment is encoded and ``("send", endpoint)`` before each attempt to send a frame
+        to that peer; an exception it raises fails that step as a bug there would (for tests
+        that one failure never stops the bus or the other peers)."""
         self._queue: asyncio.Queue[DweFragment] = asyncio.Queue(maxsize=cfg.queue_size)
         self._peers = [_Peer(ep, asyncio.Queue(maxsize=cfg.queue_size)) for ep in cfg.peers]
         self._state = _State.NEW
@@ -259,6 +264,8 @@ class DweBus:
 
     # ── background tasks ────────────────────────────────────────────────────
     def _encode(self, fragment: DweFragment) -> memoryview:
+        if self.fault is not None:
+            self.fault("encode", fragment)
         keys = self.config.keys
         if keys is not None and fragment.hmac is None:
             fragment = fragment.with_hmac(fragment_hmac(fragment, keys.current))
@@ -318,6 +325,8 @@ class DweBus:
         for _ in range(self.config.max_attempts):
             await self._backoff(peer)
             try:
+                if self.fault is not None:
+                    self.fault("send", peer.endpoint)
                 if self.config.mode is SendMode.PERSISTENT:
                     await self._send_persistent(peer, frame)
                 else:

@@ -18,7 +18,7 @@ from typing import NoReturn
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, CorruptBlock, InvalidCid, StoreError
 from tensorswap.store._files import fsync_dir, identity, is_shard, list_dir, syncfs
-from tensorswap.store._inventory import Inventory
+from tensorswap.store._inventory import MAX_KNOWN, Inventory
 from tensorswap.store.base import BlockStore, StoreSize
 
 __all__ = ["FORMAT_LINE", "DirectoryStore"]
@@ -60,6 +60,8 @@ class DirectoryStore(BlockStore):
       anything else, and everything after a restart, is re-hashed as usual. For a server
       that reads its own small manifests back soon after (the rounds coordinator; the reads
       that feed an aggregate always re-hash).
+    - ``inventory_limit``: the most blocks ``inventory()`` keeps an account of; a store
+      holding more is walked at each call instead.
     - Lifetime: the returned memoryview owns the mapping. It stays valid (also after the
       block is deleted, since POSIX keeps an unlinked file's pages) until the view and every
       object built on it (numpy arrays, slices) are garbage collected; then the mapping is
@@ -75,6 +77,7 @@ class DirectoryStore(BlockStore):
         verify_reads: bool = True,
         create: bool = True,
         trust_own_writes: bool = False,
+        inventory_limit: int = MAX_KNOWN,
     ) -> None:
         self.root = Path(root)
         self.fsync = fsync
@@ -82,7 +85,7 @@ class DirectoryStore(BlockStore):
         self.trust_own_writes = trust_own_writes
         self._own: OrderedDict[Cid, tuple[int, int, int, int]] = OrderedDict()
         self._own_lock = threading.Lock()
-        self._inventory = Inventory()
+        self._inventory = Inventory(inventory_limit)
         self._blocks = os.path.join(self.root, "blocks")
         self._quarantine = os.path.join(self.root, "quarantine")
         fmt = self.root / "FORMAT"
@@ -158,6 +161,7 @@ class DirectoryStore(BlockStore):
 
     def _write_file_atomic(self, path: str, data: memoryview) -> os.stat_result:
         """Write ``data`` to ``path`` atomically; the written file's stat."""
+        self.fault_point("write", path)
         directory, name = os.path.split(path)
         tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}{_TMP_SUFFIX}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -301,6 +305,7 @@ class DirectoryStore(BlockStore):
         read re-hashes it.
         """
         try:
+            self.fault_point("touch", path)  # outside the lock: it may delete the block
             with self._own_lock:
                 self._own.pop(cid, None)
                 os.utime(path, follow_symlinks=False)  # never a file outside the store
@@ -373,6 +378,22 @@ class DirectoryStore(BlockStore):
                         continue
                     if (f"{cid.digest[0]:02x}", f"{cid.digest[1]:02x}") == (top.name, sub.name):
                         yield cid, entry
+        self.fault_point("walked", self._blocks)
+
+    def fault_point(self, point: str, path: str) -> None:
+        """A seam for fault injection and observability; does nothing here.
+
+        Called at these points, so that a subclass (or a test patching the method on one
+        store) can fail the operation with an ``OSError`` (a full disk), change the file
+        system there (a concurrent delete), or count and record what the store does:
+
+        - ``"write"``: before a file is written at ``path`` (a block, or ``FORMAT``);
+        - ``"touch"``: before the modification time of the file at ``path`` is set (a
+          ``touch``, or a put of a block already held);
+        - ``"walked"``: after a walk of the shards (a listing, ``size``, a rescan by
+          ``inventory``) has listed every block file, before the walk's result is used;
+          ``path`` is the blocks directory.
+        """
 
     def __iter__(self) -> Iterator[Cid]:
         """A live scan of the shards: blocks added or removed meanwhile may or may not appear."""

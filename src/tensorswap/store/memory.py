@@ -76,6 +76,15 @@ class MemoryStore(BlockStore):
                 if cid in self._blocks:
                     self._stored[cid] = now
 
+    def backdate(self, cid: Cid, seconds: float) -> None:
+        """Move the block's last put or touch ``seconds`` into the past, as setting a file's
+        modification time back does for a ``DirectoryStore``: for tests and simulations of
+        age-based collection (``delete_if_older``) without waiting. BlockNotFound if absent."""
+        with self._lock:
+            if cid not in self._stored:
+                raise BlockNotFound(cid)
+            self._stored[cid] -= seconds
+
     def delete_if_older(self, cid: Cid, min_age: float) -> bool | None:
         with self._lock:
             stored = self._stored.get(cid)

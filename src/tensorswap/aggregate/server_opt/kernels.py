@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TypeAlias
 
 import numpy as np
@@ -41,6 +42,14 @@ except ImportError:  # not built (no compiler at install): the numpy kernels ser
 
 #: Whether the fused C kernels run (built, and not turned off with TENSORSWAP_FUSED=0).
 FUSED = _fused is not None and os.environ.get("TENSORSWAP_FUSED", "1") != "0"
+
+
+def native() -> ModuleType | None:
+    """The fused C extension module (its ``adaptive`` entry point and the ``ADAM``, ``YOGI``,
+    ``ADAGRAD`` rule codes), or None where it was not built; whether it runs is ``FUSED``.
+    For tests and benchmarks that check or time the C form against the numpy kernels."""
+    return _fused
+
 
 #: Values per chunk: 2 scratch buffers + 5 array slices of 256 KiB (float32) fit in L2.
 CHUNK = 1 << 16

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 
@@ -41,6 +42,12 @@ MODULUS = 1 << 32
 FUSED = _quantize is not None and os.environ.get("TENSORSWAP_FUSED", "1") != "0"
 """Whether ``Quantizer.quantize`` runs its one-pass C loop (built, and not turned off with
 TENSORSWAP_FUSED=0); its words are bit for bit the numpy loop's."""
+
+
+def native() -> ModuleType | None:
+    """The one-pass C extension module (its ``quantize`` entry point), or None where it was
+    not built; whether it runs is ``FUSED``. For tests and benchmarks of the C form."""
+    return _quantize
 
 
 def max_bits(peers: int) -> int:

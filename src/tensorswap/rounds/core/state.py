@@ -123,6 +123,9 @@ class RoundTracker:
         self._changed = threading.Condition(self._lock)
         self._rounds: dict[RoundId, RoundEntry] = {}
         self._listeners: list[Listener] = []
+        self.on_settle_wait: Callable[[RoundId], None] | None = None
+        """Observability seam, None by default: called (under the tracker's lock) each time
+        ``settle`` waits for a reserved contribution, so a test can act at that moment."""
         if journal is not None:
             for info, contributions in journal.load():
                 self._rounds[info.round_id] = RoundEntry(info, contributions)
@@ -265,6 +268,8 @@ class RoundTracker:
         write (a deadline's verdict then counts every contribution that will be kept)."""
         with self._changed:
             while (entry := self._rounds.get(round_id)) is not None and entry.pending:
+                if self.on_settle_wait is not None:
+                    self.on_settle_wait(round_id)
                 self._changed.wait()
 
     def begin_aggregation(self, round_id: RoundId) -> bool:

@@ -294,6 +294,13 @@ class Coordinator(RoundViews):
             acted.append(rid)
         return acted
 
+    @property
+    def collection_lock(self) -> SharedLock:
+        """The lock submits and aggregations share and a collection takes exclusive, for
+        observability (``exclusive_held``, ``waiting``); to hold collections off use
+        ``no_collection``."""
+        return self._gc_lock
+
     def no_collection(self) -> AbstractContextManager[None]:
         """Hold collections off (shared, as submits are) while a hook stores and names a root."""
         return self._gc_lock.shared()

@@ -25,6 +25,25 @@ class SharedLock:
         self._waiting = 0
         self._held: dict[int, int] = {}  # thread id -> how many times it holds it shared
 
+    # ── observability (tests of what runs while a collection waits or holds it) ──────
+    @property
+    def exclusive_held(self) -> bool:
+        """Whether a holder (a collection) has the lock exclusive now."""
+        with self._cond:
+            return self._exclusive
+
+    @property
+    def waiting(self) -> int:
+        """How many threads wait to take the lock exclusive now."""
+        with self._cond:
+            return self._waiting
+
+    def wait_for_waiter(self, timeout: float | None = None) -> bool:
+        """Block until a thread waits to take the lock exclusive; False after ``timeout``.
+        Lets a test act at that moment (a submit while a collection waits) without sleeping."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._waiting > 0, timeout=timeout)
+
     @contextmanager
     def shared(self) -> Iterator[None]:
         me = threading.get_ident()
