@@ -69,6 +69,39 @@ async def test_three_regions_of_four_give_the_flat_runs_global_models(
         assert stats.forwarded == up_models and stats.failed == 0
 
 
+@pytest.mark.parametrize("optimizer", ["fedavg", "fedadam"])
+async def test_a_deterministic_run_through_three_regions_has_the_flat_runs_bits(
+    tmp_path: Path, optimizer: str
+) -> None:
+    """``--deterministic``: each region relays its peers' updates one by one (nothing folded
+    regionally) and the top folds in canonical order, so every version's CID is the flat
+    12-peer run's, whatever order the peers' updates arrived in at either tier."""
+    spec = RunSpec(
+        per_round=12,
+        rounds=ROUNDS,
+        seed=3,
+        optimizer=optimizer,
+        params={"deterministic": 1},
+    )
+    assert spec.deterministic
+    async with top(tmp_path, "flat") as flat:
+        await drive([flat.server.port], flat.server.port, spec)
+        flat_versions = flat.runs.versions(RUN)
+    async with AsyncExitStack() as stack:
+        up = await stack.enter_async_context(top(tmp_path))
+        regions = [
+            await stack.enter_async_context(tier(tmp_path, f"region-{r}", up.server.port))
+            for r in range(3)
+        ]
+        await drive([rg.server.port for rg in regions], up.server.port, spec)
+        versions = up.runs.versions(RUN)
+        folded = [rg.tier.stats().forwarded for rg in regions]
+    assert [v.global_cid for v in versions] == [v.global_cid for v in flat_versions]
+    assert len(versions) == ROUNDS + 1
+    assert folded == [0, 0, 0]  # relayed peer by peer
+    assert all(p.startswith("peer-") for v in versions[1:] for p in v.participants)
+
+
 async def until(check: Callable[[], bool]) -> None:
     for _ in range(6000):
         if check():

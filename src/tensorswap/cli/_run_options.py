@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from tensorswap.cli._util import SECONDS, option_group, parse_numbers, parse_options
+from tensorswap.cli._util import SECONDS, option_group, parse_numbers, policy_params
 from tensorswap.runs.errors import InvalidRunSpec
 from tensorswap.runs.model import AUTO, MAX_PEERS_PER_ROUND, RunMode, RunSpec, Staleness
 
@@ -227,7 +227,7 @@ def run_spec(o: dict[str, Any]) -> RunSpec:
             deadline_cap_s=o["deadline_cap"],
             deadline_k=o["deadline_k"],
             strategy=o["strategy"],
-            params=parse_options(o["params"]),
+            params=policy_params(o),
             optimizer=o["optimizer"],
             optimizer_params=parse_numbers(o["opts"]),
             seed=o["seed"],

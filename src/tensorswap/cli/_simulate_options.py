@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from tensorswap.cli._util import option_group, parse_host_port, parse_numbers, parse_options
+from tensorswap.cli._util import option_group, parse_host_port, parse_numbers, policy_params
 
 if TYPE_CHECKING:
     from tensorswap.simulate import SimConfig
@@ -157,7 +157,7 @@ def sim_config(o: dict[str, Any]) -> SimConfig:
             advertise=o["advertise"],
             keep_rounds=o["keep_rounds"],
             strategy=o["strategy"],
-            params=parse_options(o["params"]),
+            params=policy_params(o),
             optimizer=o["optimizer"],
             optimizer_params=parse_numbers(o["opts"]),
         )

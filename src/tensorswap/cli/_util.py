@@ -232,6 +232,13 @@ _POLICY_OPTIONS = (
         help="A strategy option (repeatable), e.g. trim_fraction=0.2.",
     ),
     click.option(
+        "--deterministic",
+        is_flag=True,
+        help="Fold each round's contributions in canonical order (by peer name) when it"
+        " closes: the same inputs give the same bits whatever order they arrive in, and"
+        " regions relay each one (docs/rounds.md, Guarantees).",
+    ),
+    click.option(
         "--optimizer",
         default="fedavg",
         show_default=True,
@@ -247,10 +254,18 @@ _POLICY_OPTIONS = (
 )
 
 
+def policy_params(o: dict[str, Any]) -> dict[str, float | int | str]:
+    """The strategy params ``--param`` and ``--deterministic`` give (``policy_options``)."""
+    params = parse_options(o["params"])
+    if o.get("deterministic"):
+        params["deterministic"] = 1  # rounds.core.DETERMINISTIC
+    return params
+
+
 def policy_options(command: F) -> F:
-    """``--strategy``/``--param`` and ``--optimizer``/``--opt`` (a run's aggregation and server
-    optimizer; parse with ``parse_options`` / ``parse_numbers``), as ``run create`` and
-    ``simulate`` take them."""
+    """``--strategy``/``--param``/``--deterministic`` and ``--optimizer``/``--opt`` (a run's
+    aggregation and server optimizer; parse with ``policy_params`` / ``parse_numbers``), as
+    ``run create`` and ``simulate`` take them."""
     for option in reversed(_POLICY_OPTIONS):
         command = option(command)
     return command

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tensorswap.rounds.core import DETERMINISTIC
 from tensorswap.runs.errors import InvalidRunSpec
 
 __all__ = [
@@ -203,7 +204,7 @@ def check_secagg_options(spec: Any) -> None:
             f"a secure run sums the peers' deltas (FedAvg-weighted by num_samples); strategy "
             f"{spec.strategy!r} is not one of {list(DP_STRATEGIES)}"
         )
-    if spec.params:
+    if any(name != DETERMINISTIC for name in spec.params):  # integer sums: exact in any order
         raise InvalidRunSpec("a secure run sums the peers' deltas: it takes no strategy params")
     if spec.dp_clip is not None and (spec.dp_clipping != "client" or spec.dp_adaptive):
         raise InvalidRunSpec(

@@ -10,7 +10,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from tensorswap.cid import Cid
-from tensorswap.rounds.core import RoundId
+from tensorswap.rounds.core import DETERMINISTIC, RoundId
 from tensorswap.runs.dp_params import check_dp_options, check_secagg_options
 from tensorswap.runs.errors import InvalidRunSpec
 
@@ -145,6 +145,13 @@ class RunSpec:
     secagg_phase_timeout_s: float = 30.0
     secagg_min_survivors: int = 3  # privacy.secagg.protocol.DEFAULT_MIN_SURVIVORS
     max_samples_per_peer: int | None = None
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether each round folds in canonical order (``params`` ``"deterministic": 1``;
+        ``run create --deterministic``): the global model's bits do not depend on arrival
+        order, and regions relay each peer's contribution rather than fold them."""
+        return bool(self.params.get(DETERMINISTIC))
 
     @property
     def auto_deadline(self) -> bool:

@@ -32,6 +32,7 @@ from tensorswap.rounds.core.errors import (
     UpdateMismatch,
 )
 from tensorswap.rounds.core.model import (
+    DETERMINISTIC,
     MAX_ROUND,
     Aggregating,
     Collecting,
@@ -52,6 +53,7 @@ from tensorswap.rounds.core.state import Listener, RoundJournal, RoundTracker, T
 from tensorswap.rounds.core.stats import CoordinatorStats
 
 __all__ = [
+    "DETERMINISTIC",
     "MAX_ROUND",
     "Aggregating",
     "Clock",

@@ -30,6 +30,9 @@ __all__ = [
 
 MAX_ROUND = 2**64 - 1
 
+DETERMINISTIC = "deterministic"
+"""The round parameter that carries ``RoundSpec.deterministic`` on the wire and in journals."""
+
 
 # ── ids ──────────────────────────────────────────────────────────────────────
 @dataclass(frozen=True, slots=True, order=True)
@@ -205,6 +208,10 @@ class RoundSpec:
     deadline passes to be aggregated rather than failed. ``timeout_s`` None means no deadline.
     ``strategy`` names an aggregator of ``tensorswap.aggregate``; ``params`` are its options.
     ``layout`` fixes the update's layers up front; when None the first contribution fixes it.
+    ``deterministic``: the aggregate's bits do not depend on the order contributions arrive
+    in: they are folded in a canonical order (by peer name) when the round closes, instead
+    of as they arrive (docs/rounds.md, "Guarantees"). On the wire and in the journal it is
+    the parameter ``"deterministic": 1``, which ``params`` may also give.
     """
 
     expected_peers: int
@@ -213,6 +220,7 @@ class RoundSpec:
     strategy: str = "fedavg"
     params: Mapping[str, float | int | str] = field(default_factory=dict)
     layout: Layout | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         expected = self.expected_peers
@@ -230,7 +238,15 @@ class RoundSpec:
             raise InvalidRoundSpec(f"timeout_s must be > 0, got {self.timeout_s}")
         if not isinstance(self.strategy, str) or not self.strategy:
             raise InvalidRoundSpec(f"strategy must be a non-empty str, got {self.strategy!r}")
-        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        params = dict(self.params)
+        if DETERMINISTIC in params:
+            flag = params.pop(DETERMINISTIC)
+            if flag not in (0, 1) or isinstance(flag, str):
+                raise InvalidRoundSpec(f"{DETERMINISTIC!r} must be 0 or 1, got {flag!r}")
+            object.__setattr__(self, "deterministic", self.deterministic or bool(flag))
+        if not isinstance(self.deterministic, bool):
+            raise InvalidRoundSpec(f"deterministic must be a bool, got {self.deterministic!r}")
+        object.__setattr__(self, "params", MappingProxyType(params))
         if self.layout is not None:
             object.__setattr__(self, "layout", tuple(self.layout))
 
@@ -238,6 +254,13 @@ class RoundSpec:
     def min_peers(self) -> int:
         """The quorum as an int (never None after construction)."""
         return self.quorum if self.quorum is not None else self.expected_peers
+
+    def stored_params(self) -> dict[str, float | int | str]:
+        """``params`` as the wire and the journal carry them (``deterministic`` included)."""
+        params = dict(self.params)
+        if self.deterministic:
+            params[DETERMINISTIC] = 1
+        return params
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,7 +73,9 @@ def compute_aggregate(
     its tensors cut into chunks of ``chunk_bytes`` (the coordinator's ``result_chunk_bytes``).
 
     Streaming kinds (FedAvg, mean) use the sums folded at submit time and fold the rest (after
-    a restart, or a rebuild); other strategies read every contribution back. Every block is
+    a restart, or a rebuild) in fold order; other strategies read every contribution back,
+    in the same order. A deterministic round folds here, in canonical order (by peer name),
+    each contribution read back chunk by chunk from the store. Every block is
     re-hashed on the read that feeds the aggregate. A contribution whose blocks fail that
     check or are missing is dropped through ``drop`` with the reason; if fewer than the
     round's quorum remain, ContributionsLost is raised and nothing is stored. An aggregate
@@ -85,6 +87,8 @@ def compute_aggregate(
     spec = aggregator_spec(info.spec)
     gone = info.dropped_peers
     live = [c for c in contributions if c.peer not in gone]
+    if info.spec.deterministic:  # canonical order: the arrival order changes no bit
+        live.sort(key=lambda c: c.peer)
     lost: dict[str, str] = {}
 
     def lose(contribution: Contribution, exc: Exception) -> None:

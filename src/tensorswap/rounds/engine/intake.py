@@ -152,9 +152,10 @@ def _reserve(
     spec = aggregator_spec(info.spec)
     with work.lock:
         info = tracker.check_submit(round_id, peer)
-        if spec.kind in STREAMING_KINDS:
+        now = not info.spec.deterministic  # else folded at the close, in canonical order
+        if now and spec.kind in STREAMING_KINDS:
             _catch_up(ctx, work, spec, info)
-        folded = screen(store, work, spec, facts, key, peer, scale)
+        folded = screen(store, work, spec, facts, key, peer, scale, fold=now)
         contribution = Contribution(
             round_id, peer, str(facts.cid), facts.num_samples, facts.nbytes, ctx.now(), scale
         )

@@ -29,16 +29,18 @@ def screen(
     key: str,
     peer: str,
     scale: float = 1.0,
+    fold: bool = True,
 ) -> bool:
-    """Fold the update into the round's sums (streaming kinds, times ``scale``) or check its
-    values; True if folded. The caller holds ``work.lock``.
+    """Fold the update into the round's sums (streaming kinds, times ``scale``; unless
+    ``fold`` is False: a deterministic round folds at its close, in canonical order) or
+    check its values; True if folded. The caller holds ``work.lock``.
 
     Every chunk is re-hashed as it is read. A chunk that fails its hash check (quarantined by a
     directory store) or vanished refuses the submit with UnknownUpdate: nothing is recorded,
     and the peer's next push sends that block again.
     """
     try:
-        if spec.kind in STREAMING_KINDS:
+        if fold and spec.kind in STREAMING_KINDS:
             if work.acc is None:
                 work.reset(spec)
             pieces, bounds, n = load_pieces(store, facts, work.bounds)

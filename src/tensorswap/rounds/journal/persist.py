@@ -199,7 +199,7 @@ class RoundDatabase:
                     spec.min_peers,
                     spec.timeout_s,
                     spec.strategy,
-                    json.dumps(dict(spec.params), sort_keys=True),
+                    json.dumps(spec.stored_params(), sort_keys=True),
                     layout_json(spec.layout),
                     layout_json(info.layout),
                     *status_columns(info.status),

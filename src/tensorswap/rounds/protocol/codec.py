@@ -144,7 +144,12 @@ def spec_to_wire(spec: RoundSpec) -> SpecWire:
     if spec.layout is not None:
         layout = [(layer.name, layer.dtype, list(layer.shape)) for layer in spec.layout]
     return SpecWire(
-        spec.expected_peers, spec.quorum, spec.timeout_s, spec.strategy, dict(spec.params), layout
+        spec.expected_peers,
+        spec.quorum,
+        spec.timeout_s,
+        spec.strategy,
+        spec.stored_params(),
+        layout,
     )
 
 
