@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from typing import Any
 
 from tensorswap.netlab.lab import read_line
 
+KILL_SERVE = Path(__file__).with_name("kill_serve.py")
+
 SECRET = "restart-test-secret"
 """The key every test server is started with."""
 
@@ -20,7 +23,9 @@ class Server:
     """A `tensorswap serve` child process on a free loopback port.
 
     ``listen`` and ``popen`` place it elsewhere: a network-lab host passes its address and
-    ``Host.popen`` (the process then runs inside that host's namespace).
+    ``Host.popen`` (the process then runs inside that host's namespace). With ``env``
+    it runs ``kill_serve.py`` under those extra environment variables instead: a server that
+    SIGKILLs itself at a chosen point (see that module).
     """
 
     def __init__(
@@ -29,12 +34,13 @@ class Server:
         *extra: str,
         listen: str = "127.0.0.1:0",
         popen: Callable[..., subprocess.Popen[Any]] = subprocess.Popen,
+        env: dict[str, str] | None = None,
     ) -> None:
+        program = ["-m", "tensorswap.cli.serve_cmd"] if env is None else [str(KILL_SERVE)]
         self.proc = popen(
             [
                 sys.executable,
-                "-m",
-                "tensorswap.cli.serve_cmd",
+                *program,
                 "--listen",
                 listen,
                 "--data",
@@ -48,6 +54,7 @@ class Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            **({} if env is None else {"env": {**os.environ, **env}}),
         )
         self.port = self._wait_listening(timeout=60.0)
 
@@ -71,6 +78,13 @@ class Server:
         self.proc.wait(timeout=30)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
+
+    def died(self, timeout: float = 60.0) -> int:
+        """Wait for the process to end by itself (a ``kill_serve`` kill), reap, its code."""
+        code = self.proc.wait(timeout=timeout)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        return code
 
     def stop(self) -> int:
         """SIGTERM, reap, the exit code."""
