@@ -76,6 +76,18 @@ async def test_an_upper_round_that_does_not_average_is_refused(tmp_path: Path) -
         assert "'median'" in status.reason and "fedavg" in status.reason
 
 
+async def test_a_deterministic_upper_round_is_refused(tmp_path: Path) -> None:
+    """A deterministic round's bits are each peer's update in name order: no regional
+    partial can give them, so the region says so rather than folding."""
+    async with network(tmp_path, 1) as net:
+        await start(net.top.port, RoundSpec(1, deterministic=True))
+        answers = await region_round(net.regions[0], [0, 1])
+        assert net.top.coordinator.info(RID).received == 0  # nothing went up
+    for status, result in answers:
+        assert isinstance(status, Failed) and result is None
+        assert "deterministic" in status.reason and "name order" in status.reason
+
+
 async def test_an_upper_round_that_fails_fails_the_regional_round(tmp_path: Path) -> None:
     clock = FakeClock()
     async with network(tmp_path, 1, clock=clock) as net:

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 COMPOSING_STRATEGY = "fedavg"
 """The one upstream strategy regional partials compose under (sample-weighted averaging)."""
+DETERMINISTIC_REFUSAL = "deterministic: folds each peer's update in name order, not partials"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +75,9 @@ class RegionalTier(CoordinatorHooks):
       the upper tier averages the regions weighted by samples) or = the peers it covers
       (``mean``), so an upstream FedAvg gives the flat result. An upstream round with any
       other strategy is refused: the regional round fails with UpstreamIncompatible's
-      reason. An upper round not started yet is waited for (within the link's patience).
+      reason, and so is a deterministic upper round (``RoundSpec.deterministic``: its bits
+      are each peer's update summed in name order, which no partial can give; a run's
+      regions relay such a run's peers one by one instead). An upper round not started yet is waited for (within the link's patience).
     - The regional round completes with the upstream's result (its blocks pulled into the
       region's store first) or fails with the upstream's reason; a region whose submit came
       too late (the upper round closed) still serves the global result to its peers.
@@ -229,6 +232,8 @@ class RegionalTier(CoordinatorHooks):
         row = await self.link.round_row(rid, until_started=True)
         if row.strategy != COMPOSING_STRATEGY:
             raise UpstreamIncompatible(rid.as_key(), row.strategy)
+        if row.deterministic:  # its bits come from each peer's update, in name order
+            raise UpstreamIncompatible(rid.as_key(), row.strategy, DETERMINISTIC_REFUSAL)
         state = ForwardState.SUBMITTED
         try:
             await self.link.submit(rid, record.partial)

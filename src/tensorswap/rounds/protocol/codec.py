@@ -210,6 +210,7 @@ def row_of(info: RoundInfo) -> RoundRow:
         created_at=info.created_at,
         deadline=info.deadline,
         dropped=[(peer, why[:MAX_REASON_CHARS]) for peer, why in info.dropped],
+        deterministic=spec.deterministic,
     )
 
 

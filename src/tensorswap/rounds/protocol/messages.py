@@ -334,7 +334,8 @@ class RoundRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_de
     """One round as ``status`` reports it; ``dropped`` (left out while empty) lists the
     accepted contributions left out of its aggregate, as ``[peer, reason]``. ``hidden``: a
     DP run's round shown to a peer, its ``peers`` and ``dropped`` left empty (``received``
-    still counts them)."""
+    still counts them). ``deterministic`` (left out while false): the round folds its
+    contributions in peer-name order when it closes (``RoundSpec.deterministic``)."""
 
     round: int
     initiator: str
@@ -349,6 +350,7 @@ class RoundRow(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_de
     deadline: float | None
     dropped: list[tuple[str, str]] = []
     hidden: bool = False
+    deterministic: bool = False
 
 
 class RoundAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
