@@ -77,7 +77,8 @@ class RegionalTier(CoordinatorHooks):
       other strategy is refused: the regional round fails with UpstreamIncompatible's
       reason, and so is a deterministic upper round (``RoundSpec.deterministic``: its bits
       are each peer's update summed in name order, which no partial can give; a run's
-      regions relay such a run's peers one by one instead). An upper round not started yet is waited for (within the link's patience).
+      regions relay such a run's peers one by one instead). An upper round not started
+      yet is waited for (within the link's patience).
     - The regional round completes with the upstream's result (its blocks pulled into the
       region's store first) or fails with the upstream's reason; a region whose submit came
       too late (the upper round closed) still serves the global result to its peers.
