@@ -168,10 +168,13 @@ class Coordinator:
 
 
 # ── 1 + 2: one round of big updates ──────────────────────────────────────────
-async def big_round(port: int, peers: int, nbytes: int, rep: int = 0) -> tuple[float, float, float]:
+async def big_round(
+    port: int, peers: int, nbytes: int, rep: int = 0, deterministic: bool = False
+) -> tuple[float, float, float]:
     """(round seconds, seconds until every submit was accepted, aggregation seconds).
 
-    Round ``rep + 1``. Every update holds random values of its own, so every chunk is a
+    Round ``rep + 1`` (``RoundSpec.deterministic`` with ``deterministic``). Every update
+    holds random values of its own, so every chunk is a
     distinct block and all ``peers * nbytes`` bytes cross the wire (constant values would
     make all chunks of an update one block, sent once).
     """
@@ -183,7 +186,8 @@ async def big_round(port: int, peers: int, nbytes: int, rep: int = 0) -> tuple[f
             rng = np.random.default_rng([rep, i])
             values = rng.standard_normal(nbytes // 4, dtype=np.float32)
             cids.append(put_update(client.store, ModelUpdate({"w": values}, 1 + i)))
-        await clients[0].start_round(rid, RoundSpec(peers))
+        spec = RoundSpec(peers, deterministic=deterministic)
+        await clients[0].start_round(rid, spec)
         accepted: list[float] = []
 
         async def one(client: RoundClient, cid: Cid) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from tensorswap.aggregate import AggregatorSpec, StreamingAccumulator
 from tensorswap.codec import DType
 from tensorswap.rounds.core.state import Layout
 from tensorswap.rounds.engine._chunks import ChunkDecoder
-from tensorswap.rounds.engine.updates import UpdateFacts, new_accumulator
+from tensorswap.rounds.engine.updates import UpdateFacts, count_nonfinite, new_accumulator
 from tensorswap.store import BlockStore, TensorManifest, get_tensor
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "RoundWork",
     "assemble",
     "chunk_sources",
+    "count_nonfinite_chunks",
     "load_chunk",
     "load_pieces",
     "piece_key",
@@ -124,6 +125,14 @@ def _chunk_values(store: BlockStore, tensor: TensorManifest, index: int) -> np.n
     """Chunk ``index`` of ``tensor``, re-hashed as it is read, decoded as the store decodes
     (small chunks through their remembered layout, ``rounds.engine._chunks``)."""
     return CHUNKS.decode(store.get(tensor.chunks[index].cid, verify=True), tensor, index)
+
+
+def count_nonfinite_chunks(store: BlockStore, facts: UpdateFacts) -> Iterator[tuple[str, int]]:
+    """Per tensor of ``facts``, its name and how many of its values are NaN or infinite,
+    read chunk by chunk (each re-hashed, then let go): memory stays one chunk."""
+    for _, tensor in facts.tensors:
+        chunks = range(len(tensor.chunks))
+        yield tensor.name, sum(count_nonfinite(_chunk_values(store, tensor, i)) for i in chunks)
 
 
 def assemble(

@@ -80,3 +80,4 @@ def catch_up(
             continue
         work.fold(loaded, cut, n, facts, c.scale)
         work.folded.add(c.peer)
+        del loaded  # unmapped before the next one is read: one contribution's chunks at a time

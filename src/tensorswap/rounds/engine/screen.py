@@ -6,9 +6,9 @@ from tensorswap.aggregate import AggregatorSpec
 from tensorswap.errors import AggregationError, BlockNotFound, CorruptBlock, NonFiniteValues
 from tensorswap.rounds.core.errors import InvalidUpdate, UnknownUpdate, UpdateMismatch
 from tensorswap.rounds.core.state import Layout, RoundInfo, layout_mismatch
-from tensorswap.rounds.engine.fold import RoundWork, load_pieces
+from tensorswap.rounds.engine.fold import RoundWork, count_nonfinite_chunks, load_pieces
 from tensorswap.rounds.engine.updates import STREAMING_KINDS, UpdateFacts, check_finite
-from tensorswap.store import BlockStore, get_update
+from tensorswap.store import BlockStore
 
 __all__ = ["check_layout", "screen"]
 
@@ -52,7 +52,7 @@ def screen(
                 raise InvalidUpdate(key, peer, str(exc)) from exc
             return True
         if spec.non_finite.value == "raise":
-            check_finite(dict(get_update(store, facts.cid, verify=True).tensors), key, peer)
+            check_finite(count_nonfinite_chunks(store, facts), key, peer)  # chunk by chunk
         return False
     except (CorruptBlock, BlockNotFound) as exc:
         detail = f"{exc} (push it again: the coordinator lacks it now)"

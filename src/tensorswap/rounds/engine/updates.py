@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,9 +164,9 @@ def count_nonfinite(values: np.ndarray) -> int:
     return bad
 
 
-def check_finite(tensors: dict[str, np.ndarray], key: str, peer: str) -> None:
-    """InvalidUpdate naming the first tensor that holds NaN or infinite values."""
-    for name, values in tensors.items():
-        bad = count_nonfinite(values)
+def check_finite(counts: Iterable[tuple[str, int]], key: str, peer: str) -> None:
+    """InvalidUpdate naming the first tensor that holds NaN or infinite values, given each
+    tensor's name and count of them (``fold.count_nonfinite_chunks``)."""
+    for name, bad in counts:
         if bad:
             raise InvalidUpdate(key, peer, f"tensor {name!r} has {bad} non-finite values")
