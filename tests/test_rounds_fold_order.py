@@ -24,7 +24,7 @@ from tensorswap.rounds import (
     RoundSpec,
     RoundTracker,
 )
-from tensorswap.store import MemoryStore, ModelUpdate, get_update, put_update
+from tensorswap.store import DirectoryStore, MemoryStore, ModelUpdate, get_update, put_update
 
 RID = RoundId(1, "r")
 PEERS = ("p0", "p1", "p2", "p3", "p4")
@@ -136,3 +136,48 @@ def test_contributions_journaled_out_of_order_are_listed_in_fold_order(tmp_path:
         (tc,) = [again.reserve(made[2])]
         again.record([tc])
         assert [c.peer for c in again.in_fold_order(RID)] == ["a", "b", "c"]
+
+
+def _blocks(data: Path) -> DirectoryStore:
+    return DirectoryStore(data / "blocks")
+
+
+def _reopen(data: Path) -> Coordinator:
+    journal = RoundDatabase.in_dir(data)
+    return Coordinator(_blocks(data), journal=journal, run_timer=False, owns=True)
+
+
+def _with_gaps(data: Path, restart_again: bool) -> bytes:
+    """p1's and p2's writes fail (two places given back: a gap in the journal's numbers);
+    after a restart p1 submits again, then (with ``restart_again``) another restart, then p2
+    and p4: the aggregate's bytes."""
+    journal = _FailOnce.in_dir(data)
+    with Coordinator(_blocks(data), journal=journal, run_timer=False, owns=True) as coord:
+        coord.start_round(RID, SPECS["fedavg"])
+        cids = {peer: put_update(coord.store, u) for peer, u in _updates().items()}
+        coord.submit(RID, "p0", cids["p0"])
+        for peer in ("p1", "p2"):
+            journal.peer = peer
+            with pytest.raises(RoundsError, match="disk full"):
+                coord.submit(RID, peer, cids[peer])
+        coord.submit(RID, "p3", cids["p3"])
+    coord = _reopen(data)
+    try:
+        coord.submit(RID, "p1", cids["p1"])
+        if restart_again:
+            coord.close()
+            coord = _reopen(data)
+        coord.submit(RID, "p2", cids["p2"])
+        coord.submit(RID, "p4", cids["p4"], scale=0.5)
+        status = coord.tracker.wait(RID, timeout=60)
+        return get_update(coord.store, Cid.parse(status.cid)).tensors["w"].tobytes()  # type: ignore[union-attr]
+    finally:
+        coord.close()
+
+
+def test_places_given_back_by_failed_writes_never_reorder_a_later_restart(tmp_path: Path) -> None:
+    """A restart renumbers the journal's places by rank: a place taken after it always
+    comes after the older ones, so one more restart refolds in the same order."""
+    once = _with_gaps(tmp_path / "once", restart_again=False)
+    twice = _with_gaps(tmp_path / "twice", restart_again=True)
+    assert once == twice

@@ -267,14 +267,16 @@ class RoundDatabase:
             )
             contributions = tx.query(
                 "SELECT round, initiator, peer, update_cid, num_samples, nbytes,"
-                " submitted_at, scale FROM contributions ORDER BY round, initiator, seq, rowid"
+                " submitted_at, scale, seq FROM contributions"
+                " ORDER BY round, initiator, seq, rowid"
             )
+            _close_gaps(tx, contributions)
             dropped_rows = tx.query(
                 "SELECT round, initiator, peer, reason FROM dropped"
                 " ORDER BY round, initiator, rowid"
             )
         by_round: dict[RoundId, list[Contribution]] = {}
-        for number, initiator, peer, cid, samples, nbytes, at, scale in contributions:
+        for number, initiator, peer, cid, samples, nbytes, at, scale, _ in contributions:
             try:
                 rid = RoundId(number, initiator)
                 contribution = Contribution(rid, peer, cid, samples, nbytes, at, scale)
@@ -415,3 +417,25 @@ def _set_aside(path: Path) -> Path | None:
     except OSError as exc:
         raise RoundsError(f"cannot move the round journal {path} aside: {exc}") from exc
     return aside
+
+
+def _close_gaps(tx: Tx, rows: list[Any]) -> None:
+    """Renumber each round's places 0, 1, ... in fold order (rows sorted by round, initiator,
+    seq, row id; ``seq`` last), in the loading transaction. A journal write that failed
+    gives its places back and leaves a gap; a tracker rebuilt from the journal numbers its
+    places by rank and hands out new ones after them, so the stored numbers must be those
+    ranks: otherwise a place taken after this restart could sort before an older one at the
+    next, and the round would be refolded in another order."""
+    rank: dict[tuple[int, str], int] = {}
+    moved = []
+    for row in rows:
+        key = (row[0], row[1])
+        want = rank.get(key, 0)
+        rank[key] = want + 1
+        if row[-1] != want:
+            moved.append((want, row[0], row[1], row[2]))
+    if moved:
+        tx.executemany(
+            "UPDATE contributions SET seq = ? WHERE round = ? AND initiator = ? AND peer = ?",
+            moved,
+        )
