@@ -25,6 +25,7 @@ from tensorswap.store import MemoryStore
 from tensorswap.wire import BlockServer, ByteBudget, memory_pair
 from tensorswap.wire.auth import client_handshake
 from tensorswap.wire.connection import FrameConnection, Timeouts, prepare_block
+from tensorswap.wire.errors import ProtocolViolation
 from tensorswap.wire.frames import Compression
 from test_wire_bomb import GatedStore, bomb_frame
 
@@ -155,3 +156,39 @@ async def test_a_stored_block_gives_its_share_back_though_the_store_keeps_its_by
         conn.transport.abort()
         await asyncio.wait([serving])
     assert store.get(cid) == data
+
+
+class FailingWatch(Watch):
+    """A decompressor that makes the buffer, then fails (a size that does not match, say):
+    the buffer stays referenced from the failing frame, that is, from the error's traceback.
+    ``at_death``: the budget's bytes in flight when each buffer was freed."""
+
+    def __init__(self, budget: ByteBudget) -> None:
+        super().__init__()
+        self.budget = budget
+        self.at_death: list[int] = []
+
+    def __call__(self, data: Any, compression: Any, raw_len: int) -> Any:
+        out = self.real(data, compression, raw_len)
+        owner = memoryview(out).obj
+        self.buffers.append(weakref.ref(owner))
+        weakref.finalize(owner, lambda: self.at_death.append(self.budget.in_flight))
+        raise ProtocolViolation(f"decompressed to {len(out)} bytes, not as claimed")
+
+
+async def test_a_block_that_fails_to_decompress_gives_its_share_back_after_its_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = BlockServer(MemoryStore())
+    watch = FailingWatch(server.budget)
+    monkeypatch.setattr(connection_module, "decompress", watch)
+    conn, serving = await open_connection(server)
+    try:
+        await conn.transport.send(bomb_frame(RAW))
+        await asyncio.wait([serving], timeout=30)  # the server refuses and ends the connection
+        await until(lambda: server.budget.in_flight == 0, "the share given back", seconds=10)
+    finally:
+        conn.transport.abort()
+    assert watch.alive() == 0
+    assert len(watch.at_death) == 1
+    assert watch.at_death[0] >= RAW  # still counted when it was freed: its share went after

@@ -386,12 +386,13 @@ def _needed(header: FrameHeader, prefix: BlockPrefix | None) -> tuple[int, str]:
 async def _parse_block(conn: FrameConnection, frame: Frame, raw: Tie | None) -> BlockFrame:
     """``conn.parse_block(frame)``, a compressed one in a worker thread (decompression is
     CPU work). ``raw``, the budget share of the decompressed bytes, follows them as soon as
-    the thread returns (or follows its error, whose traceback may hold them), even if the
-    caller was cancelled meanwhile: those bytes count until they are freed."""
+    the thread returns (an error comes back without the frames that held them, so its
+    share goes back at once), even if the caller was cancelled meanwhile: those bytes count
+    until they are freed."""
     if frame.header.compression is Compression.NONE:
         return conn.parse_block(frame)
     loop = asyncio.get_running_loop()
-    parsing = loop.run_in_executor(None, conn.parse_block, frame)
+    parsing = loop.run_in_executor(None, _parse_bare, conn, frame)
     if raw is not None:
         parsing.add_done_callback(partial(_follow, raw))
     try:
@@ -409,12 +410,27 @@ async def _parse_block(conn: FrameConnection, frame: Frame, raw: Tie | None) -> 
         raise
 
 
+def _parse_bare(conn: FrameConnection, frame: Frame) -> BlockFrame:
+    """``conn.parse_block(frame)`` on a worker thread; an error leaves it without its
+    traceback (and those of the errors chained to it), whose frames would hold the
+    decompressed buffer after the share for it went back: the buffer is freed here."""
+    try:
+        return conn.parse_block(frame)
+    except BaseException as exc:
+        seen: set[int] = set()
+        error: BaseException | None = exc
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
+            error.__traceback__ = None
+            chained = error.__cause__ or error.__context__
+            error = chained
+        raise exc.with_traceback(None) from exc.__cause__
+
+
 def _follow(raw: Tie, done: asyncio.Future[BlockFrame]) -> None:
     """The decompressed bytes' share follows what holds them once the parse is done."""
-    if done.cancelled():
-        raw.release()
-    elif done.exception() is not None:
-        raw.follow(done)  # the error's traceback may hold the buffer: its end frees it
+    if done.cancelled() or done.exception() is not None:
+        raw.release()  # nothing holds them: an error comes back without its frames
     else:
         raw.follow(owner_of(done.result().data))
 
