@@ -151,7 +151,7 @@ class RunSpec:
         """Whether each round folds in canonical order (``params`` ``"deterministic": 1``;
         ``run create --deterministic``): the global model's bits do not depend on arrival
         order, and regions relay each peer's contribution rather than fold them."""
-        return bool(self.params.get(DETERMINISTIC))
+        return self.params.get(DETERMINISTIC) == 1  # other values: refused at run create
 
     @property
     def auto_deadline(self) -> bool:

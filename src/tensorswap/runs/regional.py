@@ -18,7 +18,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from tensorswap.rounds.core import RoundId
+from tensorswap.rounds.core import DETERMINISTIC, RoundId
 from tensorswap.runs.messages import PartWire
 from tensorswap.runs.model import RunInfo, RunMode, RunSpec
 from tensorswap.runs.registry import ClientRegistry
@@ -34,12 +34,14 @@ REGION_FACT = "region"
 
 def folds(spec: RunSpec) -> bool:
     """Whether a run's rounds are folded per region: a sync run aggregating with plain
-    FedAvg (no options), without DP or secure aggregation. FedAvg of regional FedAvgs
-    weighted by summed num_samples is the flat FedAvg; nothing else composes that way."""
+    FedAvg (no options; ``deterministic`` 0 is none), without DP or secure aggregation.
+    FedAvg of regional FedAvgs weighted by summed num_samples is the flat FedAvg; nothing
+    else composes that way (a deterministic run is relayed: its bits are name-ordered)."""
+    options = {k: v for k, v in spec.params.items() if not (k == DETERMINISTIC and v == 0)}
     return (
         spec.mode is RunMode.SYNC
         and spec.strategy == "fedavg"
-        and not spec.params
+        and not options
         and spec.dp_clip is None
         and not spec.secagg
     )
