@@ -392,7 +392,12 @@ async def _parse_block(conn: FrameConnection, frame: Frame, raw: Tie | None) -> 
     if frame.header.compression is Compression.NONE:
         return conn.parse_block(frame)
     loop = asyncio.get_running_loop()
-    parsing = loop.run_in_executor(None, _parse_bare, conn, frame)
+    try:
+        parsing = loop.run_in_executor(None, _parse_bare, conn, frame)
+    except BaseException:  # no thread to run it (the loop shutting down): nothing made
+        if raw is not None:
+            raw.release()
+        raise
     if raw is not None:
         parsing.add_done_callback(partial(_follow, raw))
     try:
