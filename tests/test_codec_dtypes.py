@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import ml_dtypes
@@ -246,3 +248,23 @@ def test_as_numpy_resolves_lazily_negated_torch_views() -> None:
     np.testing.assert_array_equal(as_numpy(view), -np.arange(4, dtype=np.float32))
     plain = torch.arange(4, dtype=torch.float32)
     assert np.shares_memory(as_numpy(plain), plain.numpy())  # no copy without the bit
+
+
+def test_ml_dtypes_is_imported_only_for_bfloat16() -> None:
+    """Importing ml_dtypes costs most of a second of CPU (its ufunc loops are registered one
+    by one): a process that never meets bfloat16 never pays it, and one that does gets it
+    on first use, from a name, a DType or the bytes of a stored tensor."""
+    code = (
+        "import sys\n"
+        "import tensorswap, tensorswap.cli, tensorswap.rounds, tensorswap.runs\n"
+        "assert 'ml_dtypes' not in sys.modules, 'imported at start'\n"
+        "from tensorswap import MemoryStore, ModelUpdate, get_update, put_update\n"
+        "from tensorswap.codec import DType\n"
+        "import numpy as np\n"
+        "assert DType.of('bfloat16') is DType.BFLOAT16\n"
+        "bits = np.arange(6, dtype=np.uint16).view(DType.BFLOAT16.numpy)\n"
+        "store = MemoryStore()\n"
+        "back = get_update(store, put_update(store, ModelUpdate({'x': bits}))).tensors['x']\n"
+        "assert back.dtype == DType.BFLOAT16.numpy and back.tobytes() == bits.tobytes()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

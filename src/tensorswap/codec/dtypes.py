@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 from enum import StrEnum
+from functools import cache
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pyarrow as pa
 
@@ -27,8 +27,10 @@ class DType(StrEnum):
 
     @property
     def numpy(self) -> np.dtype[Any]:
-        """The little-endian numpy dtype of this element type."""
-        return _NUMPY[self]
+        """The little-endian numpy dtype of this element type (bfloat16: ml_dtypes', which is
+        imported on first use: it costs most of a second of CPU to import)."""
+        found = _NUMPY.get(self)
+        return bfloat16() if found is None else found
 
     @property
     def arrow(self) -> pa.DataType:
@@ -37,7 +39,7 @@ class DType(StrEnum):
 
     @property
     def itemsize(self) -> int:
-        return int(_NUMPY[self].itemsize)
+        return _ITEMSIZE[self]
 
     @property
     def is_float(self) -> bool:
@@ -49,8 +51,12 @@ class DType(StrEnum):
         try:
             np_dtype = np.dtype(dtype)  # type: ignore[call-overload]
         except TypeError as exc:
-            raise UnsupportedDtype(dtype, [d.value for d in cls]) from exc
+            if dtype != "bfloat16":  # numpy knows the name once ml_dtypes is imported
+                raise UnsupportedDtype(dtype, [d.value for d in cls]) from exc
+            np_dtype = bfloat16()
         found = _BY_NUMPY.get(np_dtype.newbyteorder("=") if np_dtype.byteorder != "|" else np_dtype)
+        if found is None and "ml_dtypes" in sys.modules and np_dtype == bfloat16():
+            found = DType.BFLOAT16  # such an array exists only once ml_dtypes is imported
         if found is None:
             raise UnsupportedDtype(np_dtype, [d.value for d in cls])
         return found
@@ -64,10 +70,17 @@ class DType(StrEnum):
             raise UnsupportedDtype(name, [d.value for d in cls]) from exc
 
 
-_NUMPY: dict[DType, np.dtype[Any]] = {
+@cache
+def bfloat16() -> np.dtype[Any]:
+    """ml_dtypes' bfloat16 as a numpy dtype, imported on first use."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+_NUMPY: dict[DType, np.dtype[Any]] = {  # all but bfloat16 (DType.numpy: imported lazily)
     DType.FLOAT32: np.dtype("<f4"),
     DType.FLOAT16: np.dtype("<f2"),
-    DType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
     DType.FLOAT64: np.dtype("<f8"),
     DType.INT8: np.dtype("i1"),
     DType.UINT8: np.dtype("u1"),
@@ -84,9 +97,11 @@ _ARROW: dict[DType, pa.DataType] = {
     DType.INT32: pa.int32(),
     DType.INT64: pa.int64(),
 }
+_ITEMSIZE: dict[DType, int] = {d: int(dt.itemsize) for d, dt in _NUMPY.items()}
+_ITEMSIZE[DType.BFLOAT16] = 2
 _BY_NUMPY: dict[np.dtype[Any], DType] = {dt: d for d, dt in _NUMPY.items()}
-# Completeness of the registries is checked at import: every DType has both mappings.
-if set(_NUMPY) != set(DType) or set(_ARROW) != set(DType):  # pragma: no cover
+# Completeness of the registries is checked at import: every DType has its mappings.
+if {*_NUMPY, DType.BFLOAT16} != set(DType) or set(_ARROW) != set(DType):  # pragma: no cover
     raise RuntimeError("dtype registry incomplete")
 
 _TORCH_TO_DTYPE = {
@@ -132,7 +147,7 @@ def as_numpy(values: object) -> np.ndarray:
         if name == "torch.bfloat16":
             import torch
 
-            arr = tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+            arr = tensor.view(torch.int16).numpy().view(bfloat16())
         else:
             arr = tensor.numpy()
     else:

@@ -29,7 +29,6 @@ from collections.abc import Iterator
 from enum import StrEnum
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pyarrow as pa
 
@@ -221,7 +220,7 @@ class CastBF16(TensorEncoding):
             raise LossyValueError(
                 f"float16 values with |x| >= {F16_VIA_BF16_MAX:g} round past the float16 maximum"
             )
-        bf = cast(flat, np.dtype(ml_dtypes.bfloat16))
+        bf = cast(flat, DType.BFLOAT16.numpy)
         if max(-lo, hi) > BF16_MAX and bool(np.isinf(bf).any()):  # float64 double rounding
             raise LossyValueError("values round past the bfloat16 maximum")
         return [("values", array_of(bf.view(np.uint16), pa.uint16()))], {}
@@ -229,7 +228,7 @@ class CastBF16(TensorEncoding):
     def decode(
         self, cols: dict[str, np.ndarray], params: Params, dtype: DType, size: int
     ) -> np.ndarray:
-        bf = cols["values"].view(ml_dtypes.bfloat16)
+        bf = cols["values"].view(DType.BFLOAT16.numpy)
         if dtype is DType.FLOAT16:
             # bf16 values can exceed the float16 range only if the block was not made by us.
             wide = cast(bf, np.dtype(np.float32))
