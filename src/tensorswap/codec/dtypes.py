@@ -51,7 +51,7 @@ class DType(StrEnum):
         try:
             np_dtype = np.dtype(dtype)  # type: ignore[call-overload]
         except TypeError as exc:
-            if dtype != "bfloat16":  # numpy knows the name once ml_dtypes is imported
+            if not (isinstance(dtype, str) and dtype == "bfloat16"):  # known once imported
                 raise UnsupportedDtype(dtype, [d.value for d in cls]) from exc
             np_dtype = bfloat16()
         found = _BY_NUMPY.get(np_dtype.newbyteorder("=") if np_dtype.byteorder != "|" else np_dtype)
