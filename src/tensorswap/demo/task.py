@@ -155,3 +155,59 @@ def evaluate(model: Any, x: np.ndarray, y: np.ndarray) -> float:
     with torch.no_grad():
         pred = model(torch.from_numpy(x)).argmax(dim=1).numpy()
     return float((pred == y).mean())
+
+
+class StepTrainer:
+    """Minibatch SGD (momentum 0.9, as `train_local`) that runs a given number of steps.
+
+    For DiLoCo's inner loop: the momentum buffers and the batch order carry over between
+    calls of `run`, a fresh permutation of the shard is drawn each time one is used up.
+    """
+
+    def __init__(
+        self, model: Any, shard: Shard, *, lr: float = 0.05, batch_size: int = 32, seed: int = 0
+    ) -> None:
+        import torch
+
+        self.model = model
+        self.lr = lr
+        self.batch_size = batch_size
+        self._gen = torch.Generator().manual_seed(seed)
+        self._x, self._y = torch.from_numpy(shard.x), torch.from_numpy(shard.y)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._momentum: list[Any] = [None] * len(self._params)
+        self._order: list[Any] = []
+
+    def _batch(self) -> Any:
+        import torch
+
+        if not self._order:
+            perm = torch.randperm(self._y.numel(), generator=self._gen)
+            self._order = list(torch.split(perm, self.batch_size))
+        return self._order.pop(0)
+
+    def run(self, steps: int) -> float:
+        """Take `steps` minibatch steps in place; return their mean training loss."""
+        import torch
+
+        loss_fn = torch.nn.CrossEntropyLoss()
+        self.model.train()
+        total = 0.0
+        for _ in range(steps):
+            idx = self._batch()
+            for p in self._params:
+                p.grad = None
+            loss = loss_fn(self.model(self._x[idx]), self._y[idx])
+            loss.backward()
+            with torch.no_grad():
+                for i, p in enumerate(self._params):
+                    if p.grad is None:
+                        continue
+                    buf = self._momentum[i]
+                    if buf is None:
+                        buf = self._momentum[i] = p.grad.detach().clone()
+                    else:
+                        buf.mul_(0.9).add_(p.grad)
+                    p.add_(buf, alpha=-self.lr)
+            total += loss.item()
+        return total / max(steps, 1)
