@@ -12,7 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers.region_runs import MODEL_BYTES, RUN, drive, initial, models, tier, top, trained
+from helpers.region_runs import (
+    MODEL_BYTES,
+    RUN,
+    Tier,
+    Top,
+    drive,
+    initial,
+    models,
+    tier,
+    top,
+    trained,
+)
 from tensorswap.region import SecureRunThroughRegion
 from tensorswap.rounds.core import Complete, Failed, FakeClock, RoundId
 from tensorswap.rounds.protocol import PeerKeys
@@ -38,11 +49,7 @@ async def test_three_regions_of_four_give_the_flat_runs_global_models(
         flat_models = models(flat.runs)
         flat_versions = flat.runs.versions(RUN)
     async with AsyncExitStack() as stack:
-        up = await stack.enter_async_context(top(tmp_path))
-        regions = [
-            await stack.enter_async_context(tier(tmp_path, f"region-{r}", up.server.port))
-            for r in range(3)
-        ]
+        up, regions = await three_regions(stack, tmp_path)
         counts = await drive([rg.server.port for rg in regions], up.server.port, spec)
         hier_models = models(up.runs)
         versions = up.runs.versions(RUN)
@@ -88,11 +95,7 @@ async def test_a_deterministic_run_through_three_regions_has_the_flat_runs_bits(
         await drive([flat.server.port], flat.server.port, spec)
         flat_versions = flat.runs.versions(RUN)
     async with AsyncExitStack() as stack:
-        up = await stack.enter_async_context(top(tmp_path))
-        regions = [
-            await stack.enter_async_context(tier(tmp_path, f"region-{r}", up.server.port))
-            for r in range(3)
-        ]
+        up, regions = await three_regions(stack, tmp_path)
         await drive([rg.server.port for rg in regions], up.server.port, spec)
         versions = up.runs.versions(RUN)
         folded = [rg.tier.stats().forwarded for rg in regions]
@@ -100,6 +103,16 @@ async def test_a_deterministic_run_through_three_regions_has_the_flat_runs_bits(
     assert len(versions) == ROUNDS + 1
     assert folded == [0, 0, 0]  # relayed peer by peer
     assert all(p.startswith("peer-") for v in versions[1:] for p in v.participants)
+
+
+async def three_regions(stack: AsyncExitStack, tmp_path: Path) -> tuple[Top, list[Tier]]:
+    """A top coordinator and three folding regions under it, closed with ``stack``."""
+    up = await stack.enter_async_context(top(tmp_path))
+    regions = [
+        await stack.enter_async_context(tier(tmp_path, f"region-{r}", up.server.port))
+        for r in range(3)
+    ]
+    return up, regions
 
 
 async def until(check: Callable[[], bool]) -> None:
