@@ -75,7 +75,8 @@ def compute_aggregate(
     Streaming kinds (FedAvg, mean) use the sums folded at submit time and fold the rest (after
     a restart, or a rebuild) in fold order; other strategies read every contribution back,
     in the same order. A deterministic round folds here, in canonical order (by peer name),
-    each contribution read back chunk by chunk from the store. Every block is
+    each contribution read back from its chunk blocks (one contribution mapped at a time,
+    let go before the next). Every block is
     re-hashed on the read that feeds the aggregate. A contribution whose blocks fail that
     check or are missing is dropped through ``drop`` with the reason; if fewer than the
     round's quorum remain, ContributionsLost is raised and nothing is stored. An aggregate
