@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,24 @@ _MOVED = (
 def test_a_moved_name_is_the_same_object_where_it_was(old: str, new: str, name: str) -> None:
     moved = getattr(importlib.import_module(new), name)
     assert getattr(importlib.import_module(old), name) is moved
+
+
+def test_the_top_level_names_load_on_first_use() -> None:
+    """``import tensorswap.wire`` (the send/recv commands, every peer process) loads the wire
+    and what it needs, not the coordinator, the runs or the aggregators; a top-level name
+    loads its home module when first asked for."""
+    code = (
+        "import sys, tensorswap.cli.send_cmd, tensorswap.cli.recv_cmd\n"
+        "heavy = ('tensorswap.rounds', 'tensorswap.runs', 'tensorswap.aggregate')\n"
+        "assert not [m for m in heavy if m in sys.modules], sorted(sys.modules)\n"
+        "import tensorswap\n"
+        "assert tensorswap.RoundServer.__module__.startswith('tensorswap.rounds')\n"
+        "assert 'tensorswap.rounds' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_unknown_top_level_name_is_an_attribute_error() -> None:
+    assert set(tensorswap.__all__) <= set(dir(tensorswap))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        tensorswap.nope  # noqa: B018
