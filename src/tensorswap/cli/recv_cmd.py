@@ -60,6 +60,7 @@ async def _serve_blocks(
     ssl: Any,
     timeouts: Timeouts,
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    block_crc: bool = False,
 ) -> None:
     server = BlockServer(
         landing.store,
@@ -67,6 +68,7 @@ async def _serve_blocks(
         timeouts=timeouts,
         on_root=landing,
         max_inflight_bytes=max_inflight_bytes,
+        block_crc=block_crc,
     )
     async with await server.start(host, port, ssl=ssl):
         click.echo(f"listening on {host}:{server.port}", err=True)
@@ -128,6 +130,12 @@ async def _serve_ipfrs(host: str, port: int, landing: _Landing, ssl: Any, timeou
     "whose next block does not fit waits (the server stops reading it); a block larger than "
     "the whole budget is refused (error over_budget). Bytes, or with a unit: 512MiB, 2GiB.",
 )
+@click.option(
+    "--block-crc",
+    is_flag=True,
+    help="Insist on a CRC32C on every block frame (by default a sender may leave it out: each "
+    "block's CID is checked, which covers its bytes).",
+)
 def recv(
     listen: str,
     out: str,
@@ -138,10 +146,12 @@ def recv(
     count: int,
     timeout: float,
     max_inflight_bytes: int,
+    block_crc: bool,
 ) -> None:
     """Receive tensors into the directory store OUT; print each root CID as it lands.
 
-    Every block is checked (CRC32C per frame, CID per block) before it is stored. Prints
+    Every block's CID is checked before it is stored (and a frame's CRC32C where the sender
+    sent one: with --block-crc on either side, every block frame carries one). Prints
     "listening on HOST:PORT" to stderr once ready (port 0 picks a free port).
     """
     host, port = parse_host_port(listen)
@@ -158,6 +168,10 @@ def recv(
             asyncio.run(_serve_ipfrs(host, port, landing, ssl, timeout))
         else:
             timeouts = Timeouts(read=timeout)
-            asyncio.run(_serve_blocks(host, port, landing, key, ssl, timeouts, max_inflight_bytes))
+            asyncio.run(
+                _serve_blocks(
+                    host, port, landing, key, ssl, timeouts, max_inflight_bytes, block_crc
+                )
+            )
     except KeyboardInterrupt:
         click.echo(f"stopped after {landing.landed} tensor(s)", err=True)

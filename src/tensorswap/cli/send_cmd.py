@@ -130,12 +130,13 @@ async def _send_blocks(
     chunk_bytes: int,
     timeouts: Timeouts,
     show_progress: bool | None,
+    block_crc: bool = False,
 ) -> str:
     total = item.nbytes if isinstance(item, TensorBlock) else item_nbytes(item)
     start = time.perf_counter()
     with _progress(total, show_progress) as progress:
         async with await BlockClient.connect(
-            host, port, key=key, ssl=ssl, timeouts=timeouts
+            host, port, key=key, ssl=ssl, timeouts=timeouts, block_crc=block_crc
         ) as client:
             if isinstance(item, TensorBlock):
                 result = await client.push_tensor(
@@ -194,6 +195,13 @@ _CONNECTION_OPTIONS = option_group(
     click.option(
         "--timeout", type=SECONDS, default=60.0, show_default=True, help="Seconds per frame."
     ),
+    click.option(
+        "--block-crc",
+        is_flag=True,
+        help="Keep a CRC32C on every block frame. By default blocks go without one where the "
+        "receiver agrees: each block's CID (blake3) is checked on receipt, which covers its "
+        "bytes.",
+    ),
 )
 
 
@@ -241,6 +249,7 @@ def send(
     tls: bool,
     tls_ca: str | None,
     timeout: float,
+    block_crc: bool,
     progress: bool | None,
 ) -> None:
     """Send FILE (.npy, .npz, safetensors, Arrow IPC) to a `tensorswap recv` at HOST:PORT.
@@ -271,6 +280,7 @@ def send(
                 chunk_bytes=chunk_bytes,
                 timeouts=timeouts,
                 show_progress=progress,
+                block_crc=block_crc,
             )
         )
     click.echo(line)

@@ -40,17 +40,24 @@ class PreparedChunk:
 _SLICE = 256 * 1024  # hashed and checksummed together while the slice is in the L2 cache
 
 
-def _digest_and_crc(parts: tuple[Buffer, ...], hash: HashFunction) -> tuple[bytes, int]:
-    """The hash digest and the CRC32C of ``parts`` joined, in one pass over the memory."""
+def _digest_and_crc(
+    parts: tuple[Buffer, ...], hash: HashFunction, crc: bool = True
+) -> tuple[bytes, int | None]:
+    """The hash digest and the CRC32C of ``parts`` joined, in one pass over the memory (the
+    digest alone, and None, without ``crc``)."""
     hasher = blake3.blake3() if hash is HashFunction.BLAKE3 else hashlib.sha256()
-    crc = 0
+    if not crc:
+        for part in parts:
+            hasher.update(byte_view(part))
+        return hasher.digest(), None
+    value = 0
     for part in parts:
         view = byte_view(part)
         for start in range(0, view.nbytes, _SLICE):
             piece = view[start : start + _SLICE]
             hasher.update(piece)
-            crc = crc32c(piece, crc)
-    return hasher.digest(), crc
+            value = crc32c(piece, value)
+    return hasher.digest(), value
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +99,7 @@ class TensorChunker:
     hashed and checksummed part by part and framed with the values as a view of the
     tensor, so no chunk is copied (unless it is compressed). ``prepare`` is CPU-bound and
     thread-safe, meant for worker threads; the tensor must not change until it is sent.
+    Without ``crc`` the frames carry no CRC32C (for a peer that accepted lean blocks).
     """
 
     def __init__(
@@ -101,8 +109,10 @@ class TensorChunker:
         chunk_bytes: int,
         hash: HashFunction = HashFunction.BLAKE3,
         compression: CompressionChoice = Compression.NONE,
+        crc: bool = True,
     ) -> None:
         self.tensor = tensor
+        self.crc = crc
         self.hash = HashFunction(hash)
         self.compression = compression
         self._flat = tensor.flat()
@@ -118,11 +128,11 @@ class TensorChunker:
             parts: tuple[Buffer, ...] = (encode_block(TensorBlock("", values)),)
         else:
             parts = (template.head, values.view(np.uint8).data, template.tail)
-        digest, crc = _digest_and_crc(parts, self.hash)
+        digest, crc = _digest_and_crc(parts, self.hash, self.crc)
         cid = Cid(Multicodec.RAW, self.hash, digest)
         sample = values.view(np.uint8).data
         compression = choose_compression(sample, self.compression)
-        frame = prepare_block(cid, parts, compression, data_crc=crc)
+        frame = prepare_block(cid, parts, compression, data_crc=crc, crc=self.crc)
         return PreparedChunk(cid, ChunkRef(cid.to_bytes(), values.size, frame.raw_len), frame)
 
     def manifest(self, refs: list[ChunkRef]) -> PreparedChunk:

@@ -210,7 +210,12 @@ class PushPath(ClientBase):
         Blocks of the last offers may still be unsent when this returns: ``offers.flush``.
         """
         chunker = await asyncio.to_thread(
-            TensorChunker, tensor, chunk_bytes=chunk_bytes, hash=hash, compression=compression
+            TensorChunker,
+            tensor,
+            chunk_bytes=chunk_bytes,
+            hash=hash,
+            compression=compression,
+            crc=not self.conn.send_lean,
         )
         refs: list[ChunkRef] = []
         waiting: list[PreparedChunk] = []
@@ -263,12 +268,13 @@ class PushPath(ClientBase):
         prefetch: int,
     ) -> int:
         limit = self.welcome.max_block_bytes
+        crc = not self.conn.send_lean
 
         def load(cid: Cid) -> PreparedBlock:
             data = store.get(cid)
             if data.nbytes > limit:
                 raise FrameTooLarge(f"block {cid}", data.nbytes, limit)
-            return prepare_block(cid, data, choose_compression(data, compression))
+            return prepare_block(cid, data, choose_compression(data, compression), crc=crc)
 
         total = sum(await asyncio.to_thread(_sizes, store, cids)) if progress else 0
         done = 0

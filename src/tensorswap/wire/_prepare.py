@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, cast
 
 from tensorswap.cid import Cid
 from tensorswap.wire.frames import (
+    NO_PAYLOAD_CRC,
     Compression,
     FrameHeader,
     FrameKind,
@@ -54,13 +55,15 @@ def prepare_block(
     stream_id: int = 0,
     *,
     data_crc: int | None = None,
+    crc: bool = True,
 ) -> PreparedBlock:
     """Checksum (and compress, if asked) a block given whole or as consecutive parts.
 
     CPU-bound, safe to run in a worker thread. Parts are checksummed in place, not copied,
     unless compression is asked for; compression is dropped for a block it would not shrink.
     ``data_crc``, the CRC32C of the (uncompressed) parts if the caller already computed it,
-    saves reading them again.
+    saves reading them again. Without ``crc`` the frame carries none (``NO_PAYLOAD_CRC``:
+    only for a peer that accepted it, ``FrameConnection.send_lean``).
     """
     if isinstance(data, list | tuple):
         parts = tuple(_flat(part) for part in data)
@@ -76,11 +79,14 @@ def prepare_block(
             compression = Compression.NONE
     prefix = pack_block_prefix(cid, raw_len)
     length = len(prefix) + sum(part.nbytes for part in parts)
-    if data_crc is not None and compression is Compression.NONE:
-        crc = crc32c_combine(crc32c(prefix), data_crc, raw_len)
+    flags = int(compression)
+    if not crc:
+        value, flags = 0, flags | NO_PAYLOAD_CRC
+    elif data_crc is not None and compression is Compression.NONE:
+        value = crc32c_combine(crc32c(prefix), data_crc, raw_len)
     else:
-        crc = crc32c(prefix)
+        value = crc32c(prefix)
         for part in parts:
-            crc = crc32c(part, crc)
-    header = FrameHeader(FrameKind.BLOCK, length, crc, stream_id, int(compression)).pack()
+            value = crc32c(part, value)
+    header = FrameHeader(FrameKind.BLOCK, length, value, stream_id, flags).pack()
     return PreparedBlock(header, prefix, parts, raw_len)

@@ -114,13 +114,14 @@ class ServerHandlers:
         """The requested blocks, then Got; with ``below`` "manifests" or "closure" (Get's
         flags), the blocks linked below them first (unlisted in Got), except ``have``."""
         missing: list[Cid] = []
+        crc = not conn.send_lean
 
         def load(cid: Cid) -> PreparedBlock | None:
             try:
                 data = self.store.get(cid)
             except BlockNotFound:
                 return None
-            return prepare_block(cid, data, self.compression, stream_id)
+            return prepare_block(cid, data, self.compression, stream_id, crc=crc)
 
         async with contextlib.aclosing(prefetched(cids, load, 2)) as blocks:
             index = 0

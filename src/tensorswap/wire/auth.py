@@ -94,6 +94,7 @@ async def server_handshake(
     *,
     name: str = "tensorswap",
     operator_key: bytes | None = None,
+    lean_blocks: bool = True,
 ) -> Hello:
     """Run the server side: Welcome, check the client's Hello, answer Ready.
 
@@ -102,7 +103,8 @@ async def server_handshake(
     ``operator_key`` instead (a second secret, only with ``key``) is the operator: the
     server proves that key back and marks the connection (``conn.operator``), so the
     applications above may show it what peers are not shown. Nothing else is read from the
-    client before this returns.
+    client before this returns. ``lean_blocks``: offer to take, and if the client offers the
+    same, send, BLOCK frames without a payload CRC32C (``conn.accept_lean`` / ``send_lean``).
     """
     if operator_key is not None and (key is None or not operator_key or operator_key == key):
         raise ValueError("an operator key needs a shared key, and must differ from it")
@@ -115,8 +117,10 @@ async def server_handshake(
             auth=key is not None,
             max_block_bytes=conn.limits.max_block_bytes,
             server=name,
+            lean_blocks=lean_blocks,
         )
     )
+    conn.accept_lean = lean_blocks
     try:
         hello, _ = await conn.receive_message(
             Hello, timeout=seconds, max_payload=HANDSHAKE_MESSAGE_BYTES, whole_frame=True
@@ -128,6 +132,7 @@ async def server_handshake(
         raise ProtocolViolation(f"client speaks protocol {hello.protocol}")
     if len(hello.nonce) != NONCE_BYTES:
         raise ProtocolViolation(f"client nonce of {len(hello.nonce)} bytes")
+    conn.send_lean = lean_blocks and hello.lean_blocks
     if key is None:
         await conn.send_message(Ready(mac=None))
         return hello
@@ -149,7 +154,7 @@ async def server_handshake(
 
 
 async def client_handshake(
-    conn: FrameConnection, key: bytes | None, *, name: str = "tensorswap"
+    conn: FrameConnection, key: bytes | None, *, name: str = "tensorswap", lean_blocks: bool = True
 ) -> Welcome:
     """Run the client side; returns the server's Welcome once both sides are satisfied.
 
@@ -157,6 +162,7 @@ async def client_handshake(
     key is configured but the server does not authenticate (a server without the key could
     be anyone), when the server refuses the proof, or when the server's proof is wrong;
     ServerBusy when the server answers ``ERROR busy`` (at its connection cap) instead.
+    ``lean_blocks`` as for ``server_handshake``.
     """
     seconds = conn.timeouts.handshake
     try:
@@ -181,7 +187,11 @@ async def client_handshake(
         )
     nonce = secrets.token_bytes(NONCE_BYTES)
     mac = client_proof(key, welcome.nonce, nonce) if key is not None else None
-    await conn.send_message(Hello(protocol=PROTOCOL_VERSION, nonce=nonce, mac=mac, client=name))
+    hello = Hello(
+        protocol=PROTOCOL_VERSION, nonce=nonce, mac=mac, client=name, lean_blocks=lean_blocks
+    )
+    conn.accept_lean = lean_blocks
+    await conn.send_message(hello)
     try:
         frame = await conn.receive_frame(
             timeout=seconds, max_payload=HANDSHAKE_MESSAGE_BYTES, whole_frame=True
@@ -199,6 +209,7 @@ async def client_handshake(
         expected = server_proof(key, welcome.nonce, nonce)
         if ready.mac is None or not hmac.compare_digest(ready.mac, expected):
             raise AuthenticationFailed(conn.peer, "the server's proof does not verify")
+    conn.send_lean = lean_blocks and welcome.lean_blocks
     return welcome
 
 

@@ -23,11 +23,12 @@ async def _handshake(
     limits: WireLimits | None,
     timeouts: Timeouts | None,
     name: str,
+    block_crc: bool,
 ) -> tuple[FrameConnection, Welcome]:
     """The client's handshake on ``transport``; on failure the transport is aborted."""
     conn = FrameConnection(transport, limits=limits, timeouts=timeouts)
     try:
-        welcome = await client_handshake(conn, key, name=name)
+        welcome = await client_handshake(conn, key, name=name, lean_blocks=not block_crc)
     except BaseException:
         transport.abort()
         raise
@@ -59,13 +60,14 @@ class BlockClient(PushPath, FetchPath):
         limits: WireLimits | None = None,
         timeouts: Timeouts | None = None,
         name: str = "tensorswap",
+        block_crc: bool = False,
     ) -> Self:
         """Run the handshake on ``transport``; on failure the transport is aborted.
 
         Such a client cannot dial again: once its connection is broken (see the class
-        docstring) its calls raise ConnectionBroken.
+        docstring) its calls raise ConnectionBroken. ``block_crc`` as for ``connect``.
         """
-        conn, welcome = await _handshake(transport, key, limits, timeouts, name)
+        conn, welcome = await _handshake(transport, key, limits, timeouts, name, block_crc)
         return cls(conn, welcome)
 
     @classmethod
@@ -79,18 +81,21 @@ class BlockClient(PushPath, FetchPath):
         server_hostname: str | None = None,
         limits: WireLimits | None = None,
         timeouts: Timeouts | None = None,
+        block_crc: bool = False,
     ) -> Self:
         """Connect (within ``timeouts.connect``), then authenticate (``timeouts.handshake``).
 
         A broken connection (see the class docstring) is replaced the same way by the next
-        call."""
+        call. Blocks travel without a CRC32C in their frames where both sides agree (their
+        CIDs are checked on receipt, which covers every byte); ``block_crc=True`` keeps it,
+        both ways, for those who want both checks."""
         timeouts = timeouts or Timeouts()
 
         async def dial() -> tuple[FrameConnection, Welcome]:
             transport = await connect_tcp(
                 host, port, ssl=ssl, server_hostname=server_hostname, timeout=timeouts.connect
             )
-            return await _handshake(transport, key, limits, timeouts, "tensorswap")
+            return await _handshake(transport, key, limits, timeouts, "tensorswap", block_crc)
 
         client = cls(*await dial())
         client.redial = dial

@@ -126,6 +126,8 @@ class BlockFrame:
 
 
 def _check_crc(header: FrameHeader, payload: memoryview) -> None:
+    if header.lean:  # accepted at the handshake: the block's CID is checked instead
+        return
     actual = crc32c(payload)
     if actual != header.payload_crc:
         raise ChecksumMismatch(
@@ -161,6 +163,11 @@ class FrameConnection:
         self._send_broken = False
         self.operator = False
         """Whether the client proved the server's operator key (``server_handshake``)."""
+        self.accept_lean = False
+        """Whether BLOCK frames without a CRC32C are taken (this side offered it)."""
+        self.send_lean = False
+        """Whether BLOCK frames are sent without a CRC32C (both sides offered it): a block's
+        CID, checked by its receiver, covers its bytes; the CRC32C would check them twice."""
 
     @property
     def peer(self) -> str:
@@ -214,7 +221,7 @@ class FrameConnection:
         self, cid: Cid, data: Buffer, compression: Compression = Compression.NONE
     ) -> int:
         """Send one block (checksummed here, on the loop); the bytes put on the wire."""
-        block = prepare_block(cid, data, compression)
+        block = prepare_block(cid, data, compression, crc=not self.send_lean)
         await self.send_prepared(block)
         return block.wire_bytes
 
@@ -353,9 +360,12 @@ class FrameConnection:
         if max_payload is not None:
             message_limit = min(message_limit, max_payload)
             block_limit = min(block_limit, max_payload)
-        return FrameHeader.unpack(
+        header = FrameHeader.unpack(
             self._header, max_payload=message_limit, max_block_payload=block_limit
         )
+        if header.lean and not self.accept_lean:
+            raise ProtocolViolation("a BLOCK frame without a CRC32C, which this side refused")
+        return header
 
     async def _receive_block_prefix(
         self, header: FrameHeader, what: str, seconds: float | None, deadline: float | None

@@ -22,6 +22,7 @@ __all__ = [
     "BLOCK_PREFIX_MAX",
     "HEADER_SIZE",
     "MAGIC",
+    "NO_PAYLOAD_CRC",
     "PROTOCOL_VERSION",
     "BlockPrefix",
     "Compression",
@@ -43,6 +44,10 @@ HEADER_SIZE = 32
 _HEADER = struct.Struct("<3sBBBHQQII")
 _HEADER_CRC_OFFSET = 28
 _COMPRESSION_MASK = 0x03
+NO_PAYLOAD_CRC = 0x04
+"""BLOCK flags bit 2: the payload carries no CRC32C (``payload_crc`` is 0); only between peers
+that both accepted it at the handshake (``lean_blocks``), since the block's CID is checked."""
+_BLOCK_FLAGS = _COMPRESSION_MASK | NO_PAYLOAD_CRC
 _BLOCK_RAW_LEN = struct.Struct("<Q")
 _MAX_CID_BYTES = 255
 BLOCK_PREFIX_MAX = 1 + _MAX_CID_BYTES + _BLOCK_RAW_LEN.size
@@ -150,7 +155,7 @@ class FrameHeader:
     0  3  magic  b"TSW"           16  8  payload_len  u64
     3  1  version (1)              24  4  payload_crc  u32  CRC32C of the payload
     4  1  kind  (FrameKind)        28  4  header_crc   u32  CRC32C of bytes 0..28
-    5  1  flags (bits 0-1: Compression; bits 2-7 zero)
+    5  1  flags (bits 0-1: Compression; bit 2: NO_PAYLOAD_CRC; bits 3-7 zero)
     6  2  reserved, zero
     8  8  stream_id  u64 (request id chosen by the client, echoed by the server)
     """
@@ -164,6 +169,11 @@ class FrameHeader:
     @property
     def compression(self) -> Compression:
         return Compression(self.flags & _COMPRESSION_MASK)
+
+    @property
+    def lean(self) -> bool:
+        """A BLOCK frame without a payload CRC32C (``NO_PAYLOAD_CRC``)."""
+        return bool(self.flags & NO_PAYLOAD_CRC)
 
     def pack(self) -> bytes:
         head = _HEADER.pack(
@@ -204,13 +214,15 @@ class FrameHeader:
             raise ProtocolViolation(f"unknown frame kind {kind}") from None
         if reserved:
             raise ProtocolViolation(f"reserved header bytes are {reserved:#06x}, must be zero")
-        if flags & ~_COMPRESSION_MASK:
+        if flags & ~_BLOCK_FLAGS:
             raise ProtocolViolation(f"reserved flag bits set: {flags:#04x}")
         if frame_kind is FrameKind.BLOCK:
             try:
                 Compression(flags & _COMPRESSION_MASK)
             except ValueError:
                 raise ProtocolViolation(f"unknown compression {flags & 3}") from None
+            if flags & NO_PAYLOAD_CRC and pcrc:
+                raise ProtocolViolation(f"BLOCK without a CRC32C has payload_crc {pcrc:#010x}")
             limit = max_block_payload
         else:
             if flags:

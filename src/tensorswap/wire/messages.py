@@ -48,6 +48,8 @@ class Welcome(_Base, frozen=True):
     auth: bool
     max_block_bytes: int
     server: str = ""
+    lean_blocks: bool = False
+    """The server accepts BLOCK frames without a payload CRC32C (it checks their CIDs)."""
 
 
 class Hello(_Base, frozen=True):
@@ -57,6 +59,8 @@ class Hello(_Base, frozen=True):
     nonce: bytes
     mac: bytes | None = None
     client: str = ""
+    lean_blocks: bool = False
+    """The client accepts BLOCK frames without a payload CRC32C (it checks their CIDs)."""
 
 
 class Ready(_Base, frozen=True):

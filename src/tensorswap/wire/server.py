@@ -117,6 +117,7 @@ class BlockServer(ServerHandlers):
         handlers: Mapping[str, RequestHandler] | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        block_crc: bool = False,
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
@@ -131,6 +132,9 @@ class BlockServer(ServerHandlers):
         self.limits = limits or WireLimits()
         self.timeouts = timeouts or Timeouts()
         self.compression = compression
+        self.block_crc = block_crc
+        """Keep the CRC32C of block frames both ways (by default they go without one where
+        the client agrees: each block's CID is checked, which covers its bytes)."""
         self.on_root = on_root
         self.name = name
         self.store_depth = store_depth
@@ -210,7 +214,13 @@ class BlockServer(ServerHandlers):
         conn = FrameConnection(transport, limits=self.limits, timeouts=self.timeouts)
         sink = BlockSink(self.store, self.store_depth)
         try:
-            await server_handshake(conn, self.key, name=self.name, operator_key=self.operator_key)
+            await server_handshake(
+                conn,
+                self.key,
+                name=self.name,
+                operator_key=self.operator_key,
+                lean_blocks=not self.block_crc,
+            )
             await self._serve_watched(conn, sink)
         except (TensorSwapError, OSError) as exc:
             self._failed(exc, transport)
