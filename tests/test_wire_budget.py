@@ -189,7 +189,7 @@ async def test_on_idle_reports_the_bytes_granted_each_time_the_budget_empties() 
 # ── heap trimming after bursts ───────────────────────────────────────────────
 async def test_the_heap_is_trimmed_once_enough_bytes_went_by_and_not_while_busy() -> None:
     busy = False
-    trimmer = HeapTrimmer(lambda: busy, after=100, interval=0)
+    trimmer = HeapTrimmer(lambda: busy, after=100, interval=0, quiet=0)
     trimmer(60)
     await settle()
     assert trimmer.trims == 0  # 60 bytes: not worth it
@@ -207,3 +207,15 @@ async def test_the_heap_is_trimmed_once_enough_bytes_went_by_and_not_while_busy(
     await settle()
     assert trimmer.trims == 1
     assert isinstance(release_free_memory(), bool)  # False where there is no glibc
+
+
+async def test_the_heap_is_not_trimmed_until_bursts_have_stopped_for_a_while() -> None:
+    """Freed memory stays with the process between bursts (the next round's uploads reuse
+    it) and goes back to the OS only ``quiet`` seconds after the last burst."""
+    trimmer = HeapTrimmer(after=100, interval=0, quiet=3600)
+    trimmer(200)
+    for _ in range(3):
+        await settle()
+        trimmer(200)  # the next bursts end: still within quiet seconds of the last
+    await settle()
+    assert trimmer.trims == 0

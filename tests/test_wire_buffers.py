@@ -57,3 +57,49 @@ def test_idle_slabs_beyond_the_limit_are_freed() -> None:
     assert pool.idle_bytes == 2 << 20
     pool.clear()
     assert pool.idle_bytes == 0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_idle_slabs_go_back_to_the_os_only_after_idle_seconds() -> None:
+    clock = _Clock()
+    pool = ReceiveBuffers(keep_bytes=8 << 20, min_bytes=1024, idle_seconds=10, clock=clock)
+    try:
+        first, second = pool.take(1 << 20), pool.take(1 << 20)
+        del first
+        gc.collect()
+        clock.now += 6
+        del second
+        gc.collect()
+        assert pool.idle_bytes == 2 << 20
+        assert pool.expire() == 0  # 6 s and 0 s idle: both kept
+        clock.now += 5
+        assert pool.expire() == 1 << 20  # the first, idle for 11 s
+        assert pool.idle_bytes == 1 << 20 and pool.expired == 1
+        again = pool.take(1 << 20)  # the second, reused: warm memory
+        assert (pool.allocated, pool.reused) == (2, 1)
+        del again
+        gc.collect()
+        clock.now += 10
+        assert pool.expire() == 1 << 20 and pool.idle_bytes == 0
+    finally:
+        pool.clear()
+
+
+def test_a_server_lets_the_pool_keep_what_its_budget_allows() -> None:
+    pool = ReceiveBuffers(keep_bytes=1 << 20, idle_seconds=None)
+    pool.allow(8 << 20)
+    pool.allow(2 << 20)  # a smaller ask never lowers the bound
+    assert pool.keep_bytes == 8 << 20
+    views = [pool.take(1 << 20) for _ in range(6)]
+    del views
+    gc.collect()
+    assert pool.idle_bytes == 6 << 20
+    assert pool.expire() == 0  # idle_seconds None: kept until cleared
+    pool.clear()

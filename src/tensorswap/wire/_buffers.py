@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import sys
 import threading
+import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -18,26 +19,54 @@ __all__ = ["HeapTrimmer", "ReceiveBuffers", "receive_buffers", "release_free_mem
 _GRANULE = 1 << 20  # slab sizes are rounded up to this, so blocks of similar size share slabs
 
 
+IDLE_SECONDS = 10.0
+"""How long a recycled slab may sit unused before it goes back to the OS."""
+
+
 class ReceiveBuffers:
     """Hands out writable buffers for frame payloads and takes them back when unused.
 
     A payload of ``min_bytes`` or more gets a view of a recycled slab (or a new one); when
     the last reference to that view (or anything built on it: slices, read-only views, a
     store that adopted the block) goes away, the slab returns here, up to ``keep_bytes``
-    held idle; beyond that it is freed. Reusing slabs saves the page faults of fresh memory,
-    which on small VMs cost more than receiving the bytes. The default keeps 16 MiB (four
-    default-size blocks): enough for a server that writes blocks out and receives the next
-    ones into the same memory, little enough not to raise a process's peak much. Thread-safe.
+    held idle; beyond that it is freed. A slab idle for ``idle_seconds`` is freed too
+    (``expire``, run by a timer thread while slabs are idle; then the C heap is trimmed), so
+    memory goes back to the OS only once a process has stopped receiving for a while, not
+    after each burst. Reusing slabs saves the page faults of fresh memory, which on small
+    VMs cost more than receiving the bytes, and far more on a VM that hands the memory its
+    guest frees back to the host (free page reporting): touched again, each page is faulted
+    in twice, by the guest and by the host. ``keep_bytes`` defaults to 64 MiB (what four
+    connections hold with their blocks queued to be stored); a ``BlockServer`` raises it to
+    its ``max_inflight_bytes`` (``allow``): idle slabs are then never more than the bytes its
+    connections may hold at once, which its budget already allows. Thread-safe.
     """
 
-    def __init__(self, keep_bytes: int = 16 << 20, min_bytes: int = 256 << 10) -> None:
+    def __init__(
+        self,
+        keep_bytes: int = 64 << 20,
+        min_bytes: int = 256 << 10,
+        *,
+        idle_seconds: float | None = IDLE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.keep_bytes = keep_bytes
         self.min_bytes = min_bytes
-        self._idle: defaultdict[int, list[np.ndarray]] = defaultdict(list)
+        self.idle_seconds = idle_seconds
+        """Seconds a slab may stay idle before ``expire`` frees it (None: never)."""
+        self.clock = clock
+        self._idle: defaultdict[int, list[tuple[np.ndarray, float]]] = defaultdict(list)
         self._idle_bytes = 0
         self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
         self.reused = 0
         self.allocated = 0
+        self.expired = 0
+        """Idle slabs freed by ``expire`` so far."""
+
+    def allow(self, keep_bytes: int) -> None:
+        """Keep up to ``keep_bytes`` idle (never lowers the bound: the largest ask holds)."""
+        with self._lock:
+            self.keep_bytes = max(self.keep_bytes, keep_bytes)
 
     def take(self, nbytes: int) -> memoryview:
         """A writable, uninitialised, flat byte buffer of exactly ``nbytes``.
@@ -49,7 +78,7 @@ class ReceiveBuffers:
         size = -(-nbytes // _GRANULE) * _GRANULE
         with self._lock:
             idle = self._idle.get(size)
-            slab = idle.pop() if idle else None
+            slab = idle.pop()[0] if idle else None
             if slab is not None:
                 self._idle_bytes -= size
                 self.reused += 1
@@ -63,9 +92,43 @@ class ReceiveBuffers:
 
     def _give_back(self, slab: np.ndarray) -> None:
         with self._lock:
-            if self._idle_bytes + slab.nbytes <= self.keep_bytes:
-                self._idle[slab.nbytes].append(slab)
-                self._idle_bytes += slab.nbytes
+            if self._idle_bytes + slab.nbytes > self.keep_bytes:
+                return
+            self._idle[slab.nbytes].append((slab, self.clock()))
+            self._idle_bytes += slab.nbytes
+            if self._timer is None and self.idle_seconds is not None:
+                self._arm(self.idle_seconds)
+
+    def _arm(self, seconds: float) -> None:
+        """Run ``expire`` in ``seconds`` on a daemon thread (lock held)."""
+        timer = threading.Timer(seconds, self._expire_and_rearm)
+        timer.daemon = True
+        self._timer = timer
+        timer.start()
+
+    def _expire_and_rearm(self) -> None:
+        if self.expire():
+            release_free_memory()
+        with self._lock:
+            self._timer = None
+            if self._idle_bytes and self.idle_seconds is not None:
+                oldest = min(since for slabs in self._idle.values() for _, since in slabs)
+                self._arm(max(0.0, oldest + self.idle_seconds - self.clock()))
+
+    def expire(self) -> int:
+        """Free the slabs idle for ``idle_seconds`` or longer (by ``clock``); their bytes."""
+        if self.idle_seconds is None:
+            return 0
+        cutoff = self.clock() - self.idle_seconds
+        freed = 0
+        with self._lock:
+            for size, slabs in self._idle.items():
+                keep = [(slab, since) for slab, since in slabs if since > cutoff]
+                freed += size * (len(slabs) - len(keep))
+                self.expired += len(slabs) - len(keep)
+                slabs[:] = keep
+            self._idle_bytes -= freed
+        return freed
 
     @property
     def idle_bytes(self) -> int:
@@ -73,10 +136,13 @@ class ReceiveBuffers:
         return self._idle_bytes
 
     def clear(self) -> None:
-        """Free every idle slab."""
+        """Free every idle slab (and stop the timer)."""
         with self._lock:
             self._idle.clear()
             self._idle_bytes = 0
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
 
 _SHARED = ReceiveBuffers()
@@ -115,11 +181,16 @@ def release_free_memory() -> bool:
 
 
 class HeapTrimmer:
-    """``release_free_memory`` after bursts: call it with the bytes a burst moved, when it ends.
+    """``release_free_memory`` once bursts stop: call it with the bytes a burst moved, when it
+    ends.
 
-    Once ``after`` bytes have gone by since the last trim, the next call schedules one on the
-    running loop's default executor, at most one per ``interval`` seconds; ``busy()`` true
-    when it is due (a new burst began) puts it off until the next call. A server hands it to
+    Once ``after`` bytes have gone by since the last trim, a trim is scheduled on the running
+    loop's default executor for when ``quiet`` seconds have passed since the latest burst
+    ended (a burst ending meanwhile puts it off again), at most one per ``interval``
+    seconds; ``busy()`` true when it is due (a new burst under way) puts it off until the
+    next call. So a server that receives a round's uploads every few seconds keeps its
+    freed memory for the next round instead of handing it to the OS and faulting it in
+    again; one that stops receiving returns it ``quiet`` seconds later. A server hands it to
     its ``ByteBudget`` as ``on_idle``. Event loop only.
     """
 
@@ -129,32 +200,43 @@ class HeapTrimmer:
         *,
         after: int = 64 << 20,
         interval: float = 1.0,
+        quiet: float = IDLE_SECONDS,
     ) -> None:
         self.busy = busy
         self.after = after
         self.interval = interval
+        self.quiet = quiet
         self.trims = 0
         """Trims started so far."""
         self._untrimmed = 0
         self._last = -interval
+        self._ended = 0.0  # when the latest burst ended, by the loop's clock
         self._due = False
 
     def __call__(self, nbytes: int) -> None:
         self._untrimmed += nbytes
-        if self._untrimmed < self.after or self._due:
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # called outside a loop: nothing to schedule on
             return
+        self._ended = loop.time()
+        if self._untrimmed < self.after or self._due:
+            return
         self._due = True
-        loop.call_later(max(0.0, self._last + self.interval - loop.time()), self._trim)
+        loop.call_later(self._wait(loop.time()), self._trim)
+
+    def _wait(self, now: float) -> float:
+        return max(0.0, self._last + self.interval - now, self._ended + self.quiet - now)
 
     def _trim(self) -> None:
         if self.busy():
             self._due = False
             return
         loop = asyncio.get_running_loop()
+        wait = self._wait(loop.time())
+        if wait > 0:  # another burst ended since this trim was scheduled
+            loop.call_later(wait, self._trim)
+            return
         self._untrimmed = 0
         self._last = loop.time()
         self.trims += 1
