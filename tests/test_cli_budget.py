@@ -68,13 +68,17 @@ def test_recv_passes_the_budget_to_the_block_server(
     seen: dict[str, Any] = {}
 
     async def fake_serve(*args: Any) -> None:
-        seen["max_inflight_bytes"] = args[-1]
+        seen["max_inflight_bytes"], seen["block_crc"] = args[6], args[7]
 
     monkeypatch.setattr(recv_cmd, "_serve_blocks", fake_serve)
     args = ["--listen", "127.0.0.1:0", "--out", str(tmp_path / "out")]
     result = CliRunner().invoke(recv_cmd.recv, [*args, "--max-inflight-bytes", "3G"])
     assert result.exit_code == 0, result.output
     assert seen["max_inflight_bytes"] == 3 << 30
+    assert seen["block_crc"] is False  # lean blocks by default
+    result = CliRunner().invoke(recv_cmd.recv, [*args, "--block-crc"])
+    assert result.exit_code == 0, result.output
+    assert seen["block_crc"] is True
 
 
 def test_the_round_server_passes_its_budget_to_the_block_service() -> None:
