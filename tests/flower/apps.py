@@ -1,5 +1,6 @@
 """A small numpy Flower app for the bridge's tests: a deterministic "training" per node, a
-ServerApp running a given strategy for some rounds and keeping its Result."""
+ServerApp running a given strategy for some rounds and keeping its Result, and ``simulate``
+(both through ``run_simulation``, with or without the bridge)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
+from flwr.simulation import run_simulation
+
+from tensorswap.flower import BlockStrategy, blocks_mod
+from tensorswap.flower.mod import shared_link
+
+BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}}
 
 
 def initial_model(floats: int = 64 * 1024) -> ArrayRecord:
@@ -24,7 +31,9 @@ def initial_model(floats: int = 64 * 1024) -> ArrayRecord:
     )
 
 
-def client_app(mods: list[Any]) -> ClientApp:
+def client_app(mods: list[Any], report_link: str | None = None) -> ClientApp:
+    """``report_link``: the train replies' metrics carry ``from-peers``, the bytes this
+    process's link to that block service has had from swarm peers so far (its counter)."""
     app = ClientApp(mods=mods)
 
     @app.train()
@@ -41,6 +50,8 @@ def client_app(mods: list[Any]) -> ClientApp:
         metrics = MetricRecord(
             {"num-examples": 10 * (node + 1), "loss": float(node + 1) / server_round}
         )
+        if report_link is not None:
+            metrics["from-peers"] = shared_link(report_link).counters.from_peers
         return Message(
             RecordDict({"arrays": ArrayRecord(trained), "metrics": metrics}), reply_to=msg
         )
@@ -57,7 +68,10 @@ def client_app(mods: list[Any]) -> ClientApp:
 
 
 def server_app(
-    make_strategy: Callable[[], Strategy], rounds: int, results: dict[str, Any]
+    make_strategy: Callable[[], Strategy],
+    rounds: int,
+    results: dict[str, Any],
+    floats: int = 64 * 1024,
 ) -> ServerApp:
     app = ServerApp()
 
@@ -65,6 +79,34 @@ def server_app(
     def main(grid: Grid, context: Context) -> None:
         strategy = make_strategy()
         results["strategy"] = strategy
-        results["result"] = strategy.start(grid, initial_model(), num_rounds=rounds)
+        results["result"] = strategy.start(grid, initial_model(floats), num_rounds=rounds)
 
     return app
+
+
+def simulate(
+    make: Callable[[], Strategy],
+    address: str | None,
+    *,
+    nodes: int,
+    rounds: int,
+    floats: int = 64 * 1024,
+    swarm: bool = True,
+    report_link: bool = False,
+) -> dict[str, Any]:
+    """One ``run_simulation`` (Ray, 2 workers of 1 CPU) of ``make()``'s strategy: plain when
+    ``address`` is None, else wrapped in a BlockStrategy and the ClientApp given the mod.
+    The dict holds the ``strategy`` and its ``result``."""
+    results: dict[str, Any] = {}
+    if address is None:
+        strategy, mods = make, []
+    else:
+        strategy = lambda: BlockStrategy(make(), address, swarm=swarm)  # noqa: E731
+        mods = [blocks_mod(address)]
+    run_simulation(
+        server_app(strategy, rounds, results, floats),
+        client_app(mods, address if report_link else None),
+        num_supernodes=nodes,
+        backend_config=BACKEND,  # type: ignore[arg-type]
+    )
+    return results

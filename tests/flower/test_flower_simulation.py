@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
@@ -21,14 +20,12 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-from apps import client_app, server_app  # noqa: E402
+from apps import simulate  # noqa: E402
 from flwr.serverapp.strategy import FedAdam, FedAvg, Strategy  # noqa: E402
-from flwr.simulation import run_simulation  # noqa: E402
 
-from tensorswap.flower import BlockService, BlockStrategy, blocks_mod  # noqa: E402
+from tensorswap.flower import BlockService  # noqa: E402
 
 NODES, ROUNDS = 4, 3
-BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}}
 
 # Flower sizes a round's sample from the nodes connected *before* it waits for
 # min_available_nodes (FedAvg.configure_train), so with the defaults an early round may train on
@@ -43,31 +40,15 @@ STRATEGIES: dict[str, Callable[[], Strategy]] = {
 TOLERANCE = {"fedavg": 1e-6, "fedadam": 1e-5}
 
 
-def simulate(make: Callable[[], Strategy], address: str | None) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    if address is None:
-        strategy, mods = make, []
-    else:
-        strategy = lambda: BlockStrategy(make(), address)  # noqa: E731
-        mods = [blocks_mod(address)]
-    run_simulation(
-        server_app(strategy, ROUNDS, results),
-        client_app(mods),
-        num_supernodes=NODES,
-        backend_config=BACKEND,  # type: ignore[arg-type]
-    )
-    return results
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
     ["fedavg", "fedadam"],
 )
 def test_the_bridge_changes_no_result(name: str) -> None:
-    plain = simulate(STRATEGIES[name], None)["result"]
+    plain = simulate(STRATEGIES[name], None, nodes=NODES, rounds=ROUNDS)["result"]
     with BlockService() as service:
-        bridged_run = simulate(STRATEGIES[name], service.address)
+        bridged_run = simulate(STRATEGIES[name], service.address, nodes=NODES, rounds=ROUNDS)
     bridged = bridged_run["result"]
     strategy = bridged_run["strategy"]
     strategy.close()

@@ -4,19 +4,25 @@ aggregates."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 
 from tensorswap.flower.link import BlockLink
 from tensorswap.flower.records import has_reference, swap_in, swap_out
 from tensorswap.flower.reference import ArrayRef, is_reference
 
 __all__ = ["BlockStrategy", "MessageBytes"]
+
+_BRIDGED = ("configure_train", "aggregate_train", "configure_evaluate", "aggregate_evaluate")
+"""The four calls the bridge stands in: while an overridden ``start`` runs, they are set on the
+wrapped strategy's instance (shadowing its class's methods, ``super()`` calls untouched)."""
+_ABSENT = object()
 
 
 @dataclass
@@ -75,6 +81,12 @@ class BlockStrategy(Strategy):
     def close(self) -> None:
         self.link.close()
 
+    def __enter__(self) -> BlockStrategy:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     # ── Strategy ─────────────────────────────────────────────────────────────
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -98,6 +110,47 @@ class BlockStrategy(Strategy):
 
     def summary(self) -> None:
         self.strategy.summary()
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any) -> Result:
+        """Run the wrapped strategy: its own ``start`` where its class overrides Flower's (the
+        bridge set on the instance for the call's duration), else Flower's ``Strategy.start``
+        over this wrapper. Arguments as ``Strategy.start``'s."""
+        inner = self.strategy
+        if type(inner).start is Strategy.start:
+            return super().start(grid, initial_arrays, *args, **kwargs)
+        with self._bridged(inner):
+            return inner.start(grid, initial_arrays, *args, **kwargs)
+
+    @contextmanager
+    def _bridged(self, inner: Strategy) -> Iterator[None]:
+        """``inner``'s four calls through the bridge on its instance, restored afterwards."""
+        own = vars(inner)
+        saved = {name: own.get(name, _ABSENT) for name in _BRIDGED}
+        originals = {name: getattr(inner, name) for name in _BRIDGED}
+        sending = {"configure_train", "configure_evaluate"}
+        for name, call in originals.items():
+            bridge = self._sending_call(call) if name in sending else self._received_call(call)
+            setattr(inner, name, bridge)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is _ABSENT:
+                    own.pop(name, None)
+                else:
+                    own[name] = value
+
+    def _sending_call(self, call: Callable[..., Iterable[Message]]) -> Callable[..., list[Message]]:
+        def bridge(*args: Any, **kwargs: Any) -> list[Message]:
+            return self._sending(call(*args, **kwargs))
+
+        return bridge
+
+    def _received_call(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def bridge(server_round: int, replies: Iterable[Message]) -> Any:
+            return call(server_round, self._received(replies))
+
+        return bridge
 
     # ── the swaps ────────────────────────────────────────────────────────────
     def _sending(self, messages: Iterable[Message]) -> list[Message]:

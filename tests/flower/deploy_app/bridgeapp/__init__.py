@@ -1,0 +1,1 @@
+"""A Flower app for the deployment test (tests/flower/test_flower_deployment.py)."""
