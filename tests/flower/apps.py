@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -16,6 +17,15 @@ from flwr.simulation import run_simulation
 
 from tensorswap.flower import BlockStrategy, blocks_mod
 from tensorswap.flower.mod import shared_link
+
+# Ray's own processes leave /dev/null handles and deprecation notes behind: not ours.
+SIMULATION_MARKS = [
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    pytest.mark.timeout(600),
+]
+"""``pytestmark`` of a test module that runs Flower simulations on Ray."""
 
 BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}}
 

@@ -4,26 +4,18 @@ arrays' bytes."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 flwr = pytest.importorskip("flwr")
-os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # else Ray warns, -W error
-# Ray's own processes leave /dev/null handles and deprecation notes behind: not ours.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-    pytest.mark.timeout(600),
-]
-
-from apps import simulate  # noqa: E402
+from apps import SIMULATION_MARKS, simulate  # noqa: E402
 from flwr.serverapp.strategy import FedAdam, FedAvg, Strategy  # noqa: E402
 
 from tensorswap.flower import BlockService  # noqa: E402
+
+pytestmark = SIMULATION_MARKS
 
 NODES, ROUNDS = 4, 3
 

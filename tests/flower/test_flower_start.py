@@ -3,27 +3,20 @@ BlockStrategy, with the bridge still in effect for the calls that start makes on
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 import pytest
 
 flwr = pytest.importorskip("flwr")
-os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # else Ray warns, -W error
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-    pytest.mark.timeout(600),
-]
-
-from apps import simulate  # noqa: E402
+from apps import SIMULATION_MARKS, simulate  # noqa: E402
 from flwr.app import ArrayRecord  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.serverapp.strategy import FedAvg, Result  # noqa: E402
 
 from tensorswap.flower import BlockService, BlockStrategy  # noqa: E402
+
+pytestmark = SIMULATION_MARKS
 
 NODES = 2
 BRIDGED = ("configure_train", "aggregate_train", "configure_evaluate", "aggregate_evaluate")

@@ -3,25 +3,17 @@ processes fetch chunks of the global model from each other, not only from the bl
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 flwr = pytest.importorskip("flwr")
-os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # else Ray warns, -W error
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-    pytest.mark.timeout(600),
-]
-
-from apps import simulate  # noqa: E402
+from apps import SIMULATION_MARKS, simulate  # noqa: E402
 from flwr.app import MetricRecord, RecordDict  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from tensorswap.flower import BlockService  # noqa: E402
 from tensorswap.store import DEFAULT_CHUNK_BYTES  # noqa: E402
+
+pytestmark = SIMULATION_MARKS
 
 NODES, ROUNDS = 4, 3
 FLOATS = 4 * 1024 * 1024  # apps.initial_model: 1.5 * FLOATS float32 values, 24 MiB, 6 chunks
