@@ -1,6 +1,10 @@
 """The Flower tests import their shared app (``apps``) by name: this folder on sys.path, so
 that ``pytest tests/flower`` collects them without a PYTHONPATH of its own. Ray is told not
-to warn about accelerators it does not see (the suite runs with warnings as errors)."""
+to warn about accelerators it does not see (the suite runs with warnings as errors).
+
+Ray's worker processes leave ``/dev/null`` handles in this process that the garbage collector
+finds later, in whatever test happens to run then (a deployment test after the simulations,
+in CI's order). Those, and only those, are ignored in every test here."""
 
 from __future__ import annotations
 
@@ -8,7 +12,18 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+
+_RAY_DEVNULL = pytest.mark.filterwarnings(
+    r"ignore:Exception ignored in.*name='/dev/null':pytest.PytestUnraisableExceptionWarning"
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(_RAY_DEVNULL)
