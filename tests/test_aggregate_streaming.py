@@ -82,6 +82,37 @@ def test_result_is_fresh_and_accumulation_continues() -> None:
     assert acc.result().values.tolist() == [3.0]
 
 
+@settings(max_examples=30, deadline=None)
+@given(_batches)
+def test_a_consumed_result_has_the_same_bits_and_empties_the_accumulator(
+    data: tuple[np.ndarray, list[int]],
+) -> None:
+    rows, counts = data
+    kept, spent = StreamingAccumulator(), StreamingAccumulator()
+    for row, n in zip(rows, counts, strict=True):
+        kept.add({"w": row}, n)
+        spent.add({"w": row}, n)
+    want = kept.result()
+    got = spent.result(consume=True)
+    assert got.values["w"].tobytes() == want.values["w"].tobytes()
+    assert (got.used, got.total_samples) == (want.used, want.total_samples)
+    assert spent.count == 0 and spent.nbytes == 0 and spent.layout is None
+    with pytest.raises(EmptyInput):
+        spent.result()
+    spent.add({"other": f32(1.0, 3.0)}, 1)  # as new: any layout again
+    assert spent.result().values["other"].tolist() == [1.0, 3.0]
+
+
+def test_a_consumed_result_that_overflows_still_empties_the_accumulator() -> None:
+    acc = StreamingAccumulator(AggregatorKind.MEAN)
+    big = np.float32(3e38)
+    acc.add(f32(big), 0)
+    acc.add(f32(big), 0)
+    with pytest.raises(AggregateOverflow):
+        acc.result(consume=True)
+    assert acc.count == 0
+
+
 def test_mapping_contributions() -> None:
     acc = StreamingAccumulator()
     acc.add({"w": f32(1.0, 1.0), "b": f32(0.0)}, 1)

@@ -1,12 +1,14 @@
-"""tensorswap._alloc: large arrays from pyarrow's pool behave as numpy arrays."""
+"""tensorswap._alloc: large arrays from the process's slab pool behave as numpy arrays."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from tensorswap._alloc import POOL_MIN_BYTES, empty
+from tensorswap._pool import receive_buffers
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int8, np.uint8, np.int64])
@@ -22,11 +24,16 @@ def test_empty_is_a_writable_contiguous_array(dtype: type, nbytes: int) -> None:
 
 
 def test_large_arrays_come_from_the_pool_and_are_aligned() -> None:
+    pool = receive_buffers()
+    before = pool.in_use_bytes
     out = empty(POOL_MIN_BYTES // 4, np.float32)
-    assert isinstance(out.base, pa.Buffer)
+    assert pool.in_use_bytes == before + POOL_MIN_BYTES
     assert out.ctypes.data % 64 == 0
     small = empty(4, np.float32)
-    assert not isinstance(small.base, pa.Buffer)
+    assert pool.in_use_bytes == before + POOL_MIN_BYTES
+    del out, small
+    gc.collect()
+    assert pool.in_use_bytes == before  # its slab is back (idle, or freed)
 
 
 def test_arrays_do_not_share_memory() -> None:
@@ -44,9 +51,11 @@ def test_negative_size_is_refused() -> None:
 
 
 def _pooled(array: np.ndarray) -> bool:
-    while array.base is not None and not isinstance(array.base, pa.Buffer):
-        array = array.base
-    return isinstance(array.base, pa.Buffer)
+    """Whether ``array`` is a view of a pool slab (a memoryview the pool handed out)."""
+    base: object = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return isinstance(base, memoryview)
 
 
 @pytest.mark.parametrize("kind", ["fedavg", "mean", "median", "trimmed_mean"])

@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pytest
 
+from tensorswap import _pool
 from tensorswap.store import MemoryStore
 from tensorswap.wire._buffers import ReceiveBuffers
 
@@ -49,14 +51,31 @@ def test_an_adopted_block_holds_its_slab_until_the_store_lets_go() -> None:
     assert pool.idle_bytes == 1 << 20
 
 
-def test_idle_slabs_beyond_the_limit_are_freed() -> None:
-    pool = ReceiveBuffers(keep_bytes=2 << 20, min_bytes=1024)
+def test_idle_slabs_are_bounded_by_the_working_set() -> None:
+    pool = ReceiveBuffers(keep_bytes=1 << 20, min_bytes=1024)
+    views = [pool.take(1 << 20) for _ in range(4)]  # 4 MiB in use at once
+    assert pool.in_use_bytes == pool.working_set_bytes == 4 << 20
+    del views
+    gc.collect()
+    assert pool.idle_bytes == 4 << 20 and pool.in_use_bytes == 0  # all were in use at once
+    # a burst of another size class: beyond the 4 MiB working set, freed, not kept
+    big = pool.take(2 << 20)
+    assert pool.working_set_bytes == 4 << 20  # 2 MiB in use, the idle 4 MiB not counted
+    del big
+    gc.collect()
+    assert pool.idle_bytes == 4 << 20
+    pool.clear()
+    assert pool.idle_bytes == 0
+    assert pool.working_set_bytes == 0  # forgotten once nothing is idle or in use
+
+
+def test_the_working_set_kept_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_pool, "WORKING_SET_CAP", 2 << 20)
+    pool = ReceiveBuffers(keep_bytes=1 << 20, min_bytes=1024)
     views = [pool.take(1 << 20) for _ in range(4)]
     del views
     gc.collect()
     assert pool.idle_bytes == 2 << 20
-    pool.clear()
-    assert pool.idle_bytes == 0
 
 
 class _Clock:

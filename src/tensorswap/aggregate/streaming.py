@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from tensorswap import _alloc
 from tensorswap.aggregate._kernels import build_values, quiet
 from tensorswap.aggregate.clip import check_rows, clip_scales, ensure_finite
 from tensorswap.aggregate.types import (
@@ -69,6 +70,10 @@ class StreamingAccumulator:
         if kind not in (AggregatorKind.MEAN, AggregatorKind.FEDAVG):
             raise InvalidAggregatorOption("kind", kind, "streaming supports MEAN and FEDAVG")
         self.spec = AggregatorSpec(kind=kind, dtype=dtype, max_norm=max_norm, non_finite=non_finite)
+        self._empty()
+
+    def _empty(self) -> None:
+        """Nothing folded: the state of a new accumulator of this spec."""
         self.layout: Layout | None = None
         self._dtypes: list[np.dtype] = []
         self._sums: list[np.ndarray] = []
@@ -158,7 +163,8 @@ class StreamingAccumulator:
             assert self.layout is not None  # set by add before folding
             acc = [default_accumulate(d, self.spec.dtype) for d in self._dtypes]
             sizes = self.layout.sizes
-            self._sums = [np.empty(size, dtype=a) for size, a in zip(sizes, acc, strict=True)]
+            # pooled memory: the slabs the uploads arrived in, already faulted in
+            self._sums = [_alloc.empty(size, a) for size, a in zip(sizes, acc, strict=True)]
         if self.spec.kind is AggregatorKind.FEDAVG and n > 0:
             weight = n
             restart = restart or not self._weighted  # the first weighted term replaces the sums
@@ -202,11 +208,13 @@ class StreamingAccumulator:
             np.add(into, tmp, out=into)
 
     @quiet
-    def result(self) -> AggregateResult:
+    def result(self, *, consume: bool = False) -> AggregateResult:
         """The aggregate of everything folded so far, as new arrays (the accumulator goes on).
 
-        Raises EmptyInput if nothing was folded, AggregateOverflow if finite contributions
-        overflowed the accumulator dtype.
+        ``consume``: the sums are divided in place and become the result's arrays (the same
+        bits, no second copy of the model in memory), and the accumulator is left empty, as
+        new, whether this returns or raises. Raises EmptyInput if nothing was folded,
+        AggregateOverflow if finite contributions overflowed the accumulator dtype.
         """
         if not self._used or self.layout is None:
             raise EmptyInput(
@@ -215,13 +223,23 @@ class StreamingAccumulator:
                 else f"all {len(self._dropped)} contributions were dropped for non-finite values"
             )
         fraction = self._weight / self._ref  # weighted: Σ n_i / R <= 1; uniform: the count
-        outs = [np.divide(s, s.dtype.type(fraction)) for s in self._sums]
-        values = build_values(self.layout, outs)
+        layout, used, total, dropped = self.layout, tuple(self._used), self._total, self.dropped
+        if consume:
+            outs = self._sums
+            self._empty()
+            for s in outs:
+                np.divide(s, s.dtype.type(fraction), out=s)
+        else:
+            outs = [
+                np.divide(s, s.dtype.type(fraction), out=_alloc.empty(s.size, s.dtype))
+                for s in self._sums
+            ]
+        values = build_values(layout, outs)
         ensure_finite(values, self.spec.kind, self.spec.non_finite)
         return AggregateResult(
             values=values,
             kind=self.spec.kind,
-            used=tuple(self._used),
-            total_samples=self._total,
-            dropped=tuple(self._dropped),
+            used=used,
+            total_samples=total,
+            dropped=dropped,
         )

@@ -6,6 +6,8 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
+from tensorswap._alloc import POOL_MIN_BYTES
+from tensorswap._pool import receive_buffers
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, CorruptBlock
 from tensorswap.store.base import BlockStore, StoreSize
@@ -19,7 +21,8 @@ class MemoryStore(BlockStore):
     Bytes are hashed once, when they are put; ``get`` hands out read-only views of the held
     buffer without copying and without re-hashing (the memory cannot change behind our back
     unless a caller broke its ``adopt=True`` promise). ``put`` copies the data into an
-    immutable ``bytes`` unless ``adopt=True``, in which case the caller's buffer itself is kept.
+    immutable buffer (a large block into a slab of the process's pool, whose pages are
+    already faulted in) unless ``adopt=True``, in which case the caller's buffer itself is kept.
     """
 
     def __init__(self) -> None:
@@ -33,7 +36,7 @@ class MemoryStore(BlockStore):
             if cid in self._blocks:
                 self._stored[cid] = time.monotonic()
                 return
-        held = data.toreadonly() if adopt else memoryview(bytes(data))
+        held = data.toreadonly() if adopt else _copy(data)
         with self._lock:
             self._stored[cid] = time.monotonic()
             if cid not in self._blocks:
@@ -117,3 +120,12 @@ class MemoryStore(BlockStore):
     def __repr__(self) -> str:
         size = self.size()
         return f"MemoryStore(blocks={size.blocks}, nbytes={size.nbytes})"
+
+
+def _copy(data: memoryview) -> memoryview:
+    """A read-only copy of ``data``: pooled memory for a large block, else ``bytes``."""
+    if data.nbytes < POOL_MIN_BYTES:
+        return memoryview(bytes(data))
+    copy = receive_buffers().take(data.nbytes)
+    copy[:] = data if data.format == "B" and data.ndim == 1 else data.cast("B")
+    return copy.toreadonly()

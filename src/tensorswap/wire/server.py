@@ -22,7 +22,7 @@ from tensorswap.wire._budget import (
     Tie,
     owner_of,
 )
-from tensorswap.wire._buffers import HeapTrimmer, receive_buffers
+from tensorswap.wire._buffers import HeapTrimmer
 from tensorswap.wire._server_handlers import (
     AppRequest,
     BlocksReply,
@@ -145,7 +145,6 @@ class BlockServer(ServerHandlers):
         self.budget = ByteBudget(max_inflight_bytes)
         """Bytes in flight over all connections (see the class docstring)."""
         self.budget.on_idle = HeapTrimmer(_busy(self.budget))
-        receive_buffers().allow(max_inflight_bytes)  # idle slabs within what the budget allows
         self._counters = ServerStats(inflight_limit_bytes=max_inflight_bytes)
         self.errors: deque[BaseException] = deque(maxlen=100)
         self.listener: TcpListener | None = None

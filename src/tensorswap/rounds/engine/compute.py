@@ -152,8 +152,11 @@ def _store_streaming(
     contribution, whose layout is the round's when the round has none recorded; with
     ``finite_among`` (the folded contributions) NonFiniteAggregate for a non-finite piece."""
     assert work.acc is not None and work.bounds is not None
-    result, bounds, same = work.acc.result(), work.bounds, work.same or {}
-    work.reset()  # free the sums before building and storing the result
+    bounds, same = work.bounds, work.same or {}
+    try:  # the sums become the result (divided in place): one model's memory, not two
+        result = work.acc.result(consume=True)
+    finally:
+        work.reset()  # spent either way: a retry folds again from the stored contributions
     layout: Layout = info.layout or facts_of(store, first).layout
     pieces: dict[str, np.ndarray] = result.values  # type: ignore[assignment]
     if exact_shared:

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from tensorswap import _alloc
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.codec import DType, TensorBlock, encode_block_into, encoded_size
 from tensorswap.rounds.core.state import Layout
@@ -75,8 +76,8 @@ def put_pieces(
         block = TensorBlock("", piece)
         need = encoded_size(block)
         buffer: np.ndarray | None = getattr(local, "buffer", None)
-        if buffer is None or buffer.nbytes < need:
-            buffer = local.buffer = np.empty(need, np.uint8)
+        if buffer is None or buffer.nbytes < need:  # pooled: page-aligned, written directly
+            buffer = local.buffer = _alloc.empty(need, np.uint8)
         length = encode_block_into(block, buffer)
         data = memoryview(buffer)[:length]  # type: ignore[arg-type]
         # copied out by the store, so the buffer is reused; workers hash single-threaded
