@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from tensorswap.cid import Cid
 from tensorswap.errors import BlockNotFound, CorruptBlock, InvalidCid, StoreError
+from tensorswap.store._direct import DirectIO, read_file, write_file
 from tensorswap.store._files import fsync_dir, identity, is_shard, list_dir, syncfs
 from tensorswap.store._inventory import MAX_KNOWN, Inventory
 from tensorswap.store.base import BlockStore, StoreSize
@@ -27,7 +28,6 @@ FORMAT_LINE = b"tensorswap-blockstore 1\n"
 """Contents of ``<root>/FORMAT``; a directory holding anything else is refused."""
 
 _TMP_SUFFIX = ".tmp"
-_WRITE_STEP = 1 << 30  # os.write moves at most ~2 GiB per call on Linux; write in 1 GiB steps
 EMPTY_SHARD_AGE = 600.0
 """Seconds a shard directory must have stayed empty before a rescan removes it: a delete
 leaves its shard in place, since a busy store writes into it again (see ``_inventory``)."""
@@ -49,11 +49,16 @@ class DirectoryStore(BlockStore):
       ``remove_temp_files`` (also run by garbage collection) deletes.
     - ``fsync=True`` syncs the file before the rename and the directory after it, so a put
       that returned survives a power loss.
-    - ``get`` maps the file read-only (``mmap``) and, unless verification is turned off,
-      re-hashes it before returning. A block that no longer matches its CID raises
-      CorruptBlock naming the CID and the path, its bytes are never returned, and the file is
-      moved to ``<root>/quarantine/`` so that ``has`` turns False and the block can be put
-      (fetched) again.
+    - ``direct_io`` (default True): blocks of 1 MiB or more are written and read with
+      O_DIRECT, between the process's pooled memory and the disk, not through fresh
+      page-cache pages (``store._direct``: on a VM that returns free memory to its host those
+      cost more than the disk); where the file system refuses O_DIRECT, through the page
+      cache.
+    - ``get`` reads a large block into pooled memory (direct I/O) or maps it read-only
+      (``mmap``) and, unless verification is turned off, re-hashes it before returning. A
+      block that no longer matches its CID raises CorruptBlock naming the CID and the path,
+      its bytes are never returned, and the file is moved to ``<root>/quarantine/`` so that
+      ``has`` turns False and the block can be put (fetched) again.
     - ``trust_own_writes=True``: a block this store object wrote itself (after hashing its
       bytes in ``put`` / ``put_verified``) is not re-hashed by ``get`` while its file is
       still the one written (same inode, size, modification and status change times);
@@ -62,11 +67,12 @@ class DirectoryStore(BlockStore):
       that feed an aggregate always re-hash).
     - ``inventory_limit``: the most blocks ``inventory()`` keeps an account of; a store
       holding more is walked at each call instead.
-    - Lifetime: the returned memoryview owns the mapping. It stays valid (also after the
-      block is deleted, since POSIX keeps an unlinked file's pages) until the view and every
-      object built on it (numpy arrays, slices) are garbage collected; then the mapping is
-      unmapped. Nothing needs closing. Files are never modified in place by the store; a
-      process that truncates a block file behind its back makes access to a live view fault.
+    - Lifetime: the returned memoryview owns its memory (pooled, or a mapping). It stays
+      valid (also after the block is deleted: a read is a copy, and POSIX keeps an unlinked
+      file's pages) until the view and every object built on it (numpy arrays, slices) are
+      garbage collected. Nothing needs closing. Files are never modified in place by the
+      store; a process that truncates a mapped block file behind its back makes access to a
+      live view fault.
     """
 
     def __init__(
@@ -78,8 +84,11 @@ class DirectoryStore(BlockStore):
         create: bool = True,
         trust_own_writes: bool = False,
         inventory_limit: int = MAX_KNOWN,
+        direct_io: bool = True,
     ) -> None:
         self.root = Path(root)
+        self.direct = DirectIO(direct_io)
+        """Direct I/O of large blocks: ``supported`` (False once refused), ``writes``, ``reads``."""
         self.fsync = fsync
         self.verify_reads = verify_reads
         self.trust_own_writes = trust_own_writes
@@ -167,10 +176,7 @@ class DirectoryStore(BlockStore):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             try:
-                done = 0
-                total = data.nbytes
-                while done < total:
-                    done += os.write(fd, data[done : done + _WRITE_STEP])
+                write_file(self.direct, fd, data)
                 if self.fsync:
                     os.fsync(fd)
                 os.replace(tmp, path)
@@ -210,7 +216,10 @@ class DirectoryStore(BlockStore):
                 os.close(fd)
                 fd = -1
                 self._not_a_block_file(cid, path, stat)
-            if stat.st_size > _READ_SMALL:
+            direct = read_file(self.direct, fd, stat.st_size)
+            if direct is not None:
+                view = direct  # into pooled memory, no page-cache pages (store._direct)
+            elif stat.st_size > _READ_SMALL:
                 mapping = mmap.mmap(fd, stat.st_size, access=mmap.ACCESS_READ)
                 view = memoryview(mapping)
             else:  # a small block: one read costs less than mapping and unmapping it
