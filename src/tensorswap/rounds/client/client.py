@@ -15,6 +15,7 @@ import numpy as np
 
 from tensorswap.cid import Cid
 from tensorswap.rounds.client.results import ServerStatus, SubmitResult
+from tensorswap.rounds.client.retention import RoundBlocks
 from tensorswap.rounds.core.errors import RoundFailed, RoundTimeout, UnknownUpdate
 from tensorswap.rounds.core.state import Complete, RoundId, RoundSpec, RoundStatus
 from tensorswap.rounds.protocol.batch import submit_proof
@@ -88,6 +89,8 @@ class RoundClient:
         self.blocks = blocks
         self.peer = peer
         self.store = store if store is not None else MemoryStore()
+        # a store of its own keeps the latest rounds' blocks only (retention.py)
+        self.retention = RoundBlocks(self.store) if store is None else None
         self.peer_key = peer_key
         """This peer's own key, for a coordinator with per-peer keys: inline submits then
         carry its ``submit_proof`` (plain ones cannot, and such a coordinator refuses them)."""
@@ -236,6 +239,8 @@ class RoundClient:
                 seconds=time.perf_counter() - start,
             )
         status = _status(answer)
+        if isinstance(status, Complete):  # its blocks may have come behind the answer
+            self._hold_result(round_id, Cid.parse(status.cid))
         if status.is_terminal:
             self._settled[round_id] = status
             while len(self._settled) > _SUBMITS_REMEMBERED:
@@ -392,6 +397,14 @@ class RoundClient:
         self._submitted[round_id] = closure
         while len(self._submitted) > _SUBMITS_REMEMBERED:
             self._submitted.popitem(last=False)
+        if self.retention is not None:
+            self.retention.hold(round_id, closure)
+
+    def _hold_result(self, round_id: RoundId, cid: Cid) -> None:
+        """Count the result ``cid`` of ``round_id`` among the blocks that round brought in,
+        where it is in this client's own store."""
+        if self.retention is not None and self.store.has(cid):
+            self.retention.hold(round_id, manifest_closure(self.store, cid))
 
     async def fetch(self, cid: Cid, *, have: Sequence[Cid] | None = None) -> ModelUpdate:
         """Pull the update ``cid`` into this client's store (only blocks it lacks) and load it.
@@ -414,6 +427,7 @@ class RoundClient:
         """
         cid = await self.result(round_id, timeout)
         update = await self.fetch(cid, have=self._submitted.get(round_id))
+        self._hold_result(round_id, cid)
         return dict(update.tensors)
 
     # ── one request ──────────────────────────────────────────────────────────
