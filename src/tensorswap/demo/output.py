@@ -33,8 +33,11 @@ def _from_peers(r: RoundReport) -> str:
 class ProgressUi:
     """Rich progress: one bar over the rounds, with the current round's figures."""
 
-    def __init__(self, console: Console, rounds: int, unit: str = "rounds") -> None:
+    def __init__(
+        self, console: Console, rounds: int, unit: str = "rounds", *, dedup: bool = True
+    ) -> None:
         self.console = console
+        saved = (TextColumn("dedup saved {task.fields[saved]}"),) if dedup else ()
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -42,7 +45,7 @@ class ProgressUi:
             TextColumn("peers {task.fields[done]}"),
             TextColumn("acc {task.fields[acc]}"),
             TextColumn("sent {task.fields[sent]}"),
-            TextColumn("dedup saved {task.fields[saved]}"),
+            *saved,
             TimeElapsedColumn(),
             console=console,
             transient=True,
@@ -92,6 +95,15 @@ def finish(cfg: DemoConfig, report: DemoReport, console: Console) -> DemoReport:
     plot = out / "demo.png"
     summary = out / "summary.json"
     report.plot, report.summary = str(plot), str(summary)
+    if report.outer_steps:
+        from tensorswap.demo.diloco import diloco_table, plot_diloco
+
+        plot_diloco([report], plot)
+        summary.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        diloco_table(cfg, report, console)
+        console.print(f"plot: {plot}")
+        console.print(f"summary: {summary}")
+        return report
     if report.versions:
         from tensorswap.demo.run_output import plot_runs, run_table
 
