@@ -6,9 +6,9 @@ it tells every peer once to join the collective group of this run and take ``--r
 outer steps of ``--inner-steps`` inner steps each, and reads their ``outer`` reports. When
 every peer still in the run has reported an outer step, that step is recorded
 (`OuterStepReport`: the test accuracy, the bytes each peer sent in the step's all-reduce, the
-slowest peer's seconds) and printed. At the end `finish` (`demo.output`) writes
-``summary.json`` (one entry per outer step under ``outer_steps``) and the plot of accuracy
-against the bytes sent (`plot_diloco`), and prints `diloco_table`.
+slowest peer's seconds) and printed. At the end `finish_diloco` writes ``summary.json`` (one
+entry per outer step under ``outer_steps``) and the plot of accuracy against the bytes sent
+(`plot_diloco`), and prints `diloco_table`.
 """
 
 from __future__ import annotations
@@ -19,21 +19,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from tensorswap.demo.config import DemoConfig, DemoError
-from tensorswap.demo.output import ProgressUi, fmt_bytes
+from tensorswap.demo.config import DEFAULT_INNER_STEPS, DemoConfig, DemoError
+from tensorswap.demo.fleet import Fleet
+from tensorswap.demo.output import ProgressUi, finish_with, fmt_bytes
 from tensorswap.demo.report import DemoReport
-
-if TYPE_CHECKING:
-    from tensorswap.demo.driver import _Run
 
 __all__ = [
     "OuterStepReport",
     "diloco_table",
+    "finish_diloco",
     "label_of",
     "outer_step_report",
     "plot_diloco",
@@ -92,12 +91,12 @@ def outer_step_report(
     )
 
 
-async def run_diloco(run: _Run, report: DemoReport) -> None:
-    """Start the peers' DiLoCo run and record its outer steps in ``report``."""
-    cfg, fleet = run.cfg, run.fleet
-    run.initiator = f"demo-{secrets.token_hex(3)}"  # the collective group's name
-    command = {"cmd": "diloco", "group": run.initiator, "outer_steps": cfg.rounds}
-    ui = ProgressUi(run.console, cfg.rounds, unit="outer steps", dedup=False)
+async def run_diloco(cfg: DemoConfig, fleet: Fleet, console: Console, report: DemoReport) -> None:
+    """Start the DiLoCo run of ``fleet``'s peers (all ready) and record its outer steps in
+    ``report``. DemoError when no peer is left, or none reports for `STEP_TIMEOUT_S`."""
+    group = f"demo-{secrets.token_hex(3)}"  # the collective group's name, new each run
+    command = {"cmd": "diloco", "group": group, "outer_steps": cfg.rounds}
+    ui = ProgressUi(console, cfg.rounds, unit="outer steps", dedup=False)
     start = time.perf_counter()
     for peer in fleet.peers:
         await fleet.send(peer, command)
@@ -106,7 +105,7 @@ async def run_diloco(run: _Run, report: DemoReport) -> None:
         while len(report.outer_steps) < cfg.rounds:
             number = len(report.outer_steps) + 1
             ui.progress.update(ui.task, description=f"outer step {number}")
-            index, event = await _next_event(run, number)
+            index, event = await _next_event(fleet, number)
             kind = event.get("event")
             if kind == "outer":
                 pending.setdefault(int(event["outer_step"]), {})[index] = event
@@ -127,9 +126,9 @@ async def run_diloco(run: _Run, report: DemoReport) -> None:
                 _step_done(ui, step, cfg.rounds)
 
 
-async def _next_event(run: _Run, number: int) -> tuple[int, dict[str, Any]]:
+async def _next_event(fleet: Fleet, number: int) -> tuple[int, dict[str, Any]]:
     try:
-        return await asyncio.wait_for(run.fleet.events.get(), STEP_TIMEOUT_S)
+        return await asyncio.wait_for(fleet.events.get(), STEP_TIMEOUT_S)
     except TimeoutError:
         raise DemoError(
             f"outer step {number}: no report from any peer in {STEP_TIMEOUT_S:.0f}s"
@@ -148,11 +147,16 @@ def _step_done(ui: ProgressUi, step: OuterStepReport, total: int) -> None:
 
 
 # ── what it shows and writes ─────────────────────────────────────────────────
+def finish_diloco(cfg: DemoConfig, report: DemoReport, console: Console) -> DemoReport:
+    """Write the plot (`plot_diloco`) and summary.json into ``cfg.out``, print the table."""
+    return finish_with(cfg, report, console, lambda r, p: plot_diloco([r], p), diloco_table)
+
+
 def label_of(report: DemoReport) -> str:
-    """``DiLoCo, 4 peers, H=20, int8``."""
+    """``DiLoCo, 4 peers, H=20, compression int8``."""
     cfg = report.config
-    inner = cfg.get("inner_steps") or DemoConfig().diloco_inner_steps
-    return f"DiLoCo, {cfg['peers']} peers, H={inner}, {cfg['compression']}"
+    inner = cfg.get("inner_steps") or DEFAULT_INNER_STEPS
+    return f"DiLoCo, {cfg['peers']} peers, H={inner}, compression {cfg['compression']}"
 
 
 def diloco_table(cfg: DemoConfig, report: DemoReport, console: Console) -> None:

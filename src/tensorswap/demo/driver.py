@@ -81,20 +81,22 @@ async def run_demo(
         await _start_peers(run)
         report = await _await_ready(run)
         await _link(run)
+        show = finish
         if cfg.federated:
             from tensorswap.demo.run_driver import run_federation
 
             run.initiator = f"demo-{secrets.token_hex(3)}"
             await run_federation(run, report)
         elif cfg.topology == "diloco":
-            from tensorswap.demo.diloco import run_diloco
+            from tensorswap.demo.diloco import finish_diloco, run_diloco
 
-            await run_diloco(run, report)
+            await run_diloco(cfg, run.fleet, console, report)
+            show = finish_diloco
         else:
             await _run_rounds(run, report)
         report.seconds = time.perf_counter() - start
         await _record_coordinator(run, report)
-        return finish(cfg, report, console)
+        return show(cfg, report, console)
     finally:
         await _close(run)
 
