@@ -138,6 +138,26 @@ def test_torch_in_torch_out() -> None:
         assert torch.equal(result["w"], torch.full((3, 4), 0.5))
 
 
+def test_bytes_sent_counts_every_push_of_a_call() -> None:
+    # Each peer pushes its share of every other member's slice, at once: the count must add
+    # up all of them (each non-reducer then fetches each reduced slice, as many bytes again).
+    rng = np.random.default_rng(5)
+    inputs = [{"w": rng.standard_normal(40_000).astype(np.float32)} for _ in range(4)]
+
+    async def main() -> list[tuple[int, int]]:
+        peers, server, rendezvous = await _group(4)
+        try:
+            await asyncio.gather(*(p.all_reduce(inputs[i]) for i, p in enumerate(peers)))
+            return [(p.stats.bytes_sent, p.stats.bytes_received) for p in peers]
+        finally:
+            await _close(peers, server, rendezvous)
+
+    counts = asyncio.run(main())
+    sent = sum(s for s, _ in counts)
+    assert sent == sum(r for _, r in counts)
+    assert sent >= 4 * 3 * inputs[0]["w"].nbytes // 4  # 3 of 4 slices from every peer
+
+
 def test_int8_compression_sends_fewer_bytes_and_reports_error() -> None:
     rng = np.random.default_rng(3)
     inputs = [{"w": rng.standard_normal(1 << 16).astype(np.float32)} for _ in range(2)]
