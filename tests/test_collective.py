@@ -14,7 +14,8 @@ from tensorswap.wire import BlockServer
 
 # Known leak, not yet found: in about 1 run of 15 a client socket of some peer or probe is
 # left to the garbage collector (asyncio's ResourceWarning, raised as unraisable in whichever
-# test is running then). Tolerated here only; docs/collective.md lists it as not done.
+# test is running then). Tolerated here (and in tests/test_demo_diloco.py's in-process
+# DiLoCo test) only; docs/collective.md lists it as not done.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Exception ignored in. <(socket.socket|function _SelectorTransport.__del__)"
     ":pytest.PytestUnraisableExceptionWarning"

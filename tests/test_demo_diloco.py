@@ -57,6 +57,8 @@ def test_the_cli_run_reaches_090_and_writes_one_entry_per_outer_step(
         assert {"outer_step", "accuracy", "bytes_sent", "seconds"} <= set(step)
         assert set(step["bytes_sent"]) == {"peer-0", "peer-1"}
         assert all(n > 0 for n in step["bytes_sent"].values())
+        # what the peers pushed to the reducers is what the others fetched back, reduced
+        assert sum(step["bytes_sent"].values()) == sum(step["bytes_received"].values())
         assert step["seconds"] > 0
         assert step["members"] and len(step["members"]) == 2
         # one model on every peer after a sync: one accuracy
