@@ -8,6 +8,7 @@ import click
 
 from tensorswap.aggregate import AggregatorKind
 from tensorswap.cli._util import option_group
+from tensorswap.demo.config import DEFAULT_INNER_STEPS
 
 __all__ = ["NETWORK_OPTIONS", "PRIVACY_OPTIONS", "SHAPE_OPTIONS", "TRAINING_OPTIONS"]
 
@@ -17,7 +18,13 @@ SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "n
 # What the demo trains, how many peers and rounds, and where it writes.
 TRAINING_OPTIONS = option_group(
     click.option("--peers", default=4, show_default=True, type=click.IntRange(1, 32)),
-    click.option("--rounds", default=10, show_default=True, type=click.IntRange(1, 1000)),
+    click.option(
+        "--rounds",
+        default=10,
+        show_default=True,
+        type=click.IntRange(1, 1000),
+        help="Rounds (star, p2p), versions (a federated run) or outer steps (diloco).",
+    ),
     click.option(
         "--aggregator",
         default="fedavg",
@@ -30,14 +37,25 @@ TRAINING_OPTIONS = option_group(
         default="none",
         show_default=True,
         type=click.Choice(COMPRESSIONS),
-        help="Lossy encoding of what peers send (star): they then send weight deltas.",
+        help="Lossy encoding of what peers send (star: they then send weight deltas; diloco: "
+        "the all-reduce's chunks, f16 or int8, with error feedback).",
     ),
     click.option(
         "--topology",
         default="star",
         show_default=True,
-        type=click.Choice(["star", "p2p"]),
-        help="star: a coordinator aggregates; p2p: peers broadcast deltas on the delta bus.",
+        type=click.Choice(["star", "p2p", "diloco"]),
+        help="star: a coordinator aggregates; p2p: peers broadcast deltas on the delta bus; "
+        "diloco: peers take --inner-steps local steps, then all-reduce their pseudo-gradients "
+        "among themselves and take DiLoCo's outer Nesterov step, --rounds times.",
+    ),
+    click.option(
+        "--inner-steps",
+        "inner_steps",
+        type=click.IntRange(1, 100_000),
+        default=None,
+        metavar="H",
+        help=f"diloco: minibatch steps per outer step [default: {DEFAULT_INNER_STEPS}].",
     ),
     click.option(
         "--kill-peer",

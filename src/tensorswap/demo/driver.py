@@ -1,16 +1,16 @@
 """The driver of `tensorswap demo`: a coordinator process, N peer processes, R rounds.
 
 It starts a local coordinator (`tensorswap serve` on 127.0.0.1, port 0, data in a temporary
-directory) for the star topology, spawns the peers (`python -m tensorswap.demo.peer`), sends
-them one command per round on stdin and reads their JSON-line reports from stdout. It shows
-progress with rich, and at the end writes `summary.json` and a plot `demo.png` (accuracy and
-bytes per round) into the output directory. Every process it started is stopped and reaped
-when it returns, fails or is interrupted.
+directory) for the star topology (for diloco: the collective's rendezvous), spawns the peers
+(`python -m tensorswap.demo.peer`), sends them one command per round on stdin and reads their
+JSON-line reports from stdout. It shows progress with rich, and at the end writes
+`summary.json` and a plot `demo.png` (accuracy and bytes per round) into the output directory.
+Every process it started is stopped and reaped when it returns, fails or is interrupted.
 
 `run_demo` runs one phase after another (coordinator, peers, ready, link, rounds, record,
 finish), each its own function over the run's `_Run`. The rest lives next door: the options in
 `demo.config`, the processes in `demo.fleet`, the records in `demo.report`, the progress,
-table and plot in `demo.output`.
+table and plot in `demo.output`, DiLoCo's outer steps (``--topology diloco``) in `demo.diloco`.
 """
 
 from __future__ import annotations
@@ -76,28 +76,35 @@ async def run_demo(
     start = time.perf_counter()
     run = _Run(cfg, console, Fleet(cfg.out), placement=placement)
     try:
-        if cfg.topology == "star":
+        if cfg.topology in ("star", "diloco"):
             await _start_coordinator(run)
         await _start_peers(run)
         report = await _await_ready(run)
         await _link(run)
+        show = finish
         if cfg.federated:
             from tensorswap.demo.run_driver import run_federation
 
             run.initiator = f"demo-{secrets.token_hex(3)}"
             await run_federation(run, report)
+        elif cfg.topology == "diloco":
+            from tensorswap.demo.diloco import finish_diloco, run_diloco
+
+            await run_diloco(cfg, run.fleet, console, report)
+            show = finish_diloco
         else:
             await _run_rounds(run, report)
         report.seconds = time.perf_counter() - start
         await _record_coordinator(run, report)
-        return finish(cfg, report, console)
+        return show(cfg, report, console)
     finally:
         await _close(run)
 
 
 # ── the phases, in order ─────────────────────────────────────────────────────
 async def _start_coordinator(run: _Run) -> None:
-    """Star: `tensorswap serve` on 127.0.0.1 over ``--data`` (else a temporary directory)."""
+    """Star (and diloco, its rendezvous): `tensorswap serve` on 127.0.0.1 over ``--data``
+    (else a temporary directory)."""
     if run.cfg.data is None:
         run.tmp = tempfile.TemporaryDirectory(prefix="tensorswap-demo-")
         data = Path(run.tmp.name)
@@ -115,7 +122,8 @@ async def _start_coordinator(run: _Run) -> None:
             data, listen=where.coordinator_listen, wrap=where.coordinator_wrap, extra=extra
         )
     run.coordinator = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    run.console.print(f"coordinator listening on {run.coordinator} (data in {data})")
+    what = "rendezvous" if run.cfg.topology == "diloco" else "coordinator"
+    run.console.print(f"{what} listening on {run.coordinator} (data in {data})")
 
 
 async def _start_peers(run: _Run) -> None:
@@ -128,6 +136,12 @@ async def _start_peers(run: _Run) -> None:
         wrap = () if where is None else where.peer_wraps[i]
         await run.fleet.start_peer(i, [*args, *slow], wrap)
     what = f"a {cfg.run_mode} federated run" if cfg.federated else f"compression {cfg.compression}"
+    if cfg.topology == "diloco":
+        run.console.print(
+            f"started {cfg.peers} peers (diloco, {cfg.diloco_inner_steps} inner steps per outer "
+            f"step, {what}); loading data and models..."
+        )
+        return
     run.console.print(
         f"started {cfg.peers} peers ({cfg.topology}, {cfg.aggregator}, {what}, "
         f"{cfg.local_epochs} local epochs); loading data and models..."
@@ -145,8 +159,11 @@ async def _await_ready(run: _Run) -> DemoReport:
 
 
 async def _link(run: _Run) -> None:
-    """P2P: tell every peer the others' endpoints. Star: connect the driver's RoundClient."""
+    """P2P: tell every peer the others' endpoints. Star: connect the driver's RoundClient.
+    DiLoCo: nothing (the peers meet at the rendezvous)."""
     fleet = run.fleet
+    if run.cfg.topology == "diloco":
+        return
     if run.cfg.topology == "p2p":
         endpoints = {p.name: str(p.ready["listen"]) for p in fleet.peers if p.ready}
         for peer in fleet.peers:
@@ -268,6 +285,8 @@ def _peer_args(cfg: DemoConfig, coordinator: str) -> list[str]:
         args.append("--freeze-first-layer")
     if cfg.max_fragment_bytes is not None:
         args += ["--max-fragment-bytes", str(cfg.max_fragment_bytes)]
+    if cfg.topology == "diloco":
+        args += ["--inner-steps", str(cfg.diloco_inner_steps)]
     return args
 
 

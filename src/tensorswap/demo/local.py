@@ -1,8 +1,10 @@
-"""What a demo peer holds and does on its own: shard, model, local training, its report lines."""
+"""What a demo peer holds and does on its own: shard, model, local training, its command and
+report lines."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from collections.abc import Mapping
@@ -14,7 +16,28 @@ import numpy as np
 if TYPE_CHECKING:
     from tensorswap.demo.inbox import DeltaInbox
 
-__all__ = ["PeerState", "build_state", "emit", "fail", "log"]
+__all__ = ["PeerState", "build_state", "commands", "emit", "fail", "log", "next_command"]
+
+
+async def commands() -> asyncio.StreamReader:
+    """The driver's commands: this process's stdin as an asyncio stream."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    return reader
+
+
+async def next_command(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    """The next command (a JSON object on a line of its own); None at the end of input."""
+    while True:
+        line = await reader.readline()
+        if not line:
+            return None
+        if line.strip():
+            cmd = json.loads(line)
+            if not isinstance(cmd, dict):
+                raise ValueError(f"a command must be a JSON object, got {line!r}")
+            return cmd
 
 
 def emit(event: str, **fields: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from rich.table import Table
 from tensorswap.demo.config import DemoConfig
 from tensorswap.demo.report import DemoReport, RoundReport
 
-__all__ = ["ProgressUi", "finish", "fmt_bytes", "plot_report"]
+__all__ = ["ProgressUi", "finish", "finish_with", "fmt_bytes", "plot_report"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -33,8 +34,11 @@ def _from_peers(r: RoundReport) -> str:
 class ProgressUi:
     """Rich progress: one bar over the rounds, with the current round's figures."""
 
-    def __init__(self, console: Console, rounds: int, unit: str = "rounds") -> None:
+    def __init__(
+        self, console: Console, rounds: int, unit: str = "rounds", *, dedup: bool = True
+    ) -> None:
         self.console = console
+        saved = (TextColumn("dedup saved {task.fields[saved]}"),) if dedup else ()
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -42,7 +46,7 @@ class ProgressUi:
             TextColumn("peers {task.fields[done]}"),
             TextColumn("acc {task.fields[acc]}"),
             TextColumn("sent {task.fields[sent]}"),
-            TextColumn("dedup saved {task.fields[saved]}"),
+            *saved,
             TimeElapsedColumn(),
             console=console,
             transient=True,
@@ -86,24 +90,35 @@ class ProgressUi:
         self.console.print(text)
 
 
+def finish_with(
+    cfg: DemoConfig,
+    report: DemoReport,
+    console: Console,
+    plot_with: Callable[[DemoReport, Path], None],
+    table_with: Callable[[DemoConfig, DemoReport, Console], None],
+) -> DemoReport:
+    """Write demo.png (``plot_with``) and summary.json into ``cfg.out``, print the table and
+    the totals (``table_with``), then where both went."""
+    plot, summary = cfg.out / "demo.png", cfg.out / "summary.json"
+    report.plot, report.summary = str(plot), str(summary)
+    plot_with(report, plot)
+    summary.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    table_with(cfg, report, console)
+    console.print(f"plot: {plot}")
+    console.print(f"summary: {summary}")
+    return report
+
+
 def finish(cfg: DemoConfig, report: DemoReport, console: Console) -> DemoReport:
     """Write demo.png and summary.json into ``cfg.out``, print the table and the totals."""
-    out = cfg.out
-    plot = out / "demo.png"
-    summary = out / "summary.json"
-    report.plot, report.summary = str(plot), str(summary)
     if report.versions:
         from tensorswap.demo.run_output import plot_runs, run_table
 
-        plot_runs([report], plot)
-        summary.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        run_table(cfg, report, console)
-        console.print(f"plot: {plot}")
-        console.print(f"summary: {summary}")
-        return report
-    plot_report(report, plot)
-    summary.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        return finish_with(cfg, report, console, lambda r, p: plot_runs([r], p), run_table)
+    return finish_with(cfg, report, console, plot_report, _round_table)
 
+
+def _round_table(cfg: DemoConfig, report: DemoReport, console: Console) -> None:
     table = Table(title=f"tensorswap demo: {cfg.peers} peers, {cfg.topology}, {cfg.aggregator}")
     table.add_column("round", justify="right")
     table.add_column("peers", justify="right")
@@ -139,9 +154,6 @@ def finish(cfg: DemoConfig, report: DemoReport, console: Console) -> DemoReport:
         f"[/bold] in {len(report.rounds)} rounds, {report.seconds:.1f}s; "
         f"sent {fmt_bytes(sent)}, dedup saved {fmt_bytes(saved)}"
     )
-    console.print(f"plot: {plot}")
-    console.print(f"summary: {summary}")
-    return report
 
 
 def plot_report(report: DemoReport, path: Path) -> None:

@@ -7,11 +7,12 @@ model. The driver (`tensorswap.demo.driver`) sends it commands on stdin, one JSO
     {"cmd": "round", "round": 3, "initiator": "demo-1a2b", "deadline_s": 20.0,
      "expect": ["peer-0", "peer-1", ...]}                     # one round
     {"cmd": "run", "run": "demo-1a2b"}                        # a whole federated run
+    {"cmd": "diloco", "group": "demo-1a2b", "outer_steps": 10}  # DiLoCo (--topology diloco)
     {"cmd": "stop"}                                           # (or end of input)
 
 and reads its reports on stdout, one JSON object a line (never pickle): ``ready``,
-``trained``, ``submitted``, ``round``, ``contributed``, ``refused``, ``run_done`` and
-``error`` events (see `docs/demo.md`). Logs and
+``trained``, ``submitted``, ``round``, ``contributed``, ``refused``, ``run_done``, ``outer``,
+``diloco_done`` and ``error`` events (see `docs/demo.md`). Logs and
 tracebacks go to stderr.
 
 Star topology: the peer trains locally, submits its update to the coordinator's round
@@ -26,18 +27,23 @@ to every other peer (split into several parts when it exceeds ``--max-fragment-b
 collects every part of the others' deltas for the round (until the deadline), and aggregates
 the whole deltas itself, weighting by each peer's sample count (known to every peer, as the
 shards are a deterministic split).
+
+DiLoCo topology: the peer joins a collective group at the rendezvous (``--coordinator``, a
+`tensorswap serve`), takes ``--inner-steps`` minibatch steps on its shard, then all-reduces
+its pseudo-gradient with the others (``--compression`` none, f16 or int8) and takes the
+outer Nesterov step, once per outer step, evaluating the (shared) model after each.
 """
 
 # This module is the process (its options, its command loop, and its --help: the docstring
 # above). What the peer holds and how it trains are in `demo.local`, one round of either
-# topology in `demo.peer_rounds`, the p2p reassembly of the others' deltas in `demo.inbox`.
+# topology in `demo.peer_rounds`, DiLoCo's loop in `demo.peer_diloco`, the p2p reassembly of
+# the others' deltas in `demo.inbox`.
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import sys
 from typing import Any
@@ -47,7 +53,8 @@ from tensorswap.delta.bincode import MAX_DWE_FRAGMENT_BYTES
 from tensorswap.demo.inbox import SEQ_STRIDE as SEQ_STRIDE
 from tensorswap.demo.inbox import DeltaInbox
 from tensorswap.demo.local import PeerState as PeerState
-from tensorswap.demo.local import build_state, emit, fail
+from tensorswap.demo.local import build_state, commands, emit, fail, next_command
+from tensorswap.demo.peer_diloco import run_diloco
 from tensorswap.demo.peer_rounds import p2p_round, star_round
 from tensorswap.demo.peer_run import run_tasks
 
@@ -56,26 +63,6 @@ __all__ = ["COMPRESSIONS", "DeltaInbox", "main"]
 COMPRESSIONS = ("none", "f16", "int8", "topk")
 #: Room for a part's header and a few values of a slice.
 MIN_FRAGMENT_BYTES = 1024
-
-
-# ── the command loop ─────────────────────────────────────────────────────────
-async def _commands() -> asyncio.StreamReader:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    return reader
-
-
-async def _next(reader: asyncio.StreamReader) -> dict[str, Any] | None:
-    while True:
-        line = await reader.readline()
-        if not line:
-            return None
-        if line.strip():
-            cmd = json.loads(line)
-            if not isinstance(cmd, dict):
-                raise ValueError(f"a command must be a JSON object, got {line!r}")
-            return cmd
 
 
 async def run_star(args: argparse.Namespace) -> int:
@@ -109,8 +96,8 @@ async def run_star(args: argparse.Namespace) -> int:
             pid=os.getpid(),
             **seeding,
         )
-        reader = await _commands()
-        while (cmd := await _next(reader)) is not None and cmd.get("cmd") != "stop":
+        reader = await commands()
+        while (cmd := await next_command(reader)) is not None and cmd.get("cmd") != "stop":
             if cmd.get("cmd") == "round":
                 await star_round(state, client, cmd)
             elif cmd.get("cmd") == "run":
@@ -139,8 +126,8 @@ async def run_p2p(args: argparse.Namespace) -> int:
             listen=str(listener.endpoint),
             pid=os.getpid(),
         )
-        reader = await _commands()
-        cmd = await _next(reader)
+        reader = await commands()
+        cmd = await next_command(reader)
         if cmd is None or cmd.get("cmd") == "stop":
             return 0
         if cmd.get("cmd") != "peers":
@@ -149,7 +136,7 @@ async def run_p2p(args: argparse.Namespace) -> int:
         bus: DweBus | None = None
         members: tuple[str, ...] | None = None
         try:
-            while (cmd := await _next(reader)) is not None and cmd.get("cmd") != "stop":
+            while (cmd := await next_command(reader)) is not None and cmd.get("cmd") != "stop":
                 if cmd.get("cmd") != "round":
                     continue
                 # One bus to the peers this round expects: a peer that left is dropped
@@ -176,10 +163,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peers", type=int, required=True, help="how many shards in all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--local-epochs", type=int, default=2)
-    parser.add_argument("--topology", choices=("star", "p2p"), default="star")
-    parser.add_argument("--coordinator", default="", help="HOST:PORT (star)")
+    parser.add_argument("--topology", choices=("star", "p2p", "diloco"), default="star")
+    parser.add_argument("--coordinator", default="", help="HOST:PORT (star; diloco: rendezvous)")
     parser.add_argument("--compression", choices=COMPRESSIONS, default="none")
     parser.add_argument("--aggregator", default="fedavg", help="p2p: how deltas are combined")
+    parser.add_argument(
+        "--inner-steps", type=int, default=20, help="diloco: minibatch steps per outer step"
+    )
     parser.add_argument("--freeze-first-layer", action="store_true", help="train the head only")
     parser.add_argument(
         "--swarm",
@@ -209,17 +199,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--max-fragment-bytes must be in [{MIN_FRAGMENT_BYTES}, 2**32 - 1]")
     if not 0 <= args.index < args.peers:
         parser.error(f"--index must be in [0, {args.peers})")
-    if args.topology == "star":
+    if args.inner_steps < 1:
+        parser.error("--inner-steps must be at least 1")
+    if args.topology in ("star", "diloco"):
         try:
             split_host_port(args.coordinator)
         except HostPortError as exc:
-            parser.error(f"--coordinator HOST:PORT is required with --topology star ({exc})")
+            parser.error(
+                f"--coordinator HOST:PORT is required with --topology {args.topology} ({exc})"
+            )
+    if args.topology == "diloco" and args.compression == "topk":
+        parser.error("--compression topk does not apply to diloco (none, f16 or int8)")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    runner = run_star if args.topology == "star" else run_p2p
+    runner = {"star": run_star, "p2p": run_p2p, "diloco": run_diloco}[args.topology]
     try:
         return asyncio.run(runner(args))
     except KeyboardInterrupt:

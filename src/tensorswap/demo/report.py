@@ -47,11 +47,15 @@ class DemoReport:
     """A federated run's versions (`demo.run_driver.VersionReport`); empty otherwise."""
     run: dict[str, Any] | None = None
     """A federated run: its name, spec and the peers' totals."""
+    outer_steps: list[Any] = field(default_factory=list)
+    """``--topology diloco``: one `demo.diloco.OuterStepReport` per outer step; else empty."""
 
     @property
     def final_accuracy(self) -> float:
         if self.versions:
             return float(self.versions[-1].accuracy)
+        if self.outer_steps:
+            return float(self.outer_steps[-1].accuracy)
         return self.rounds[-1].accuracy if self.rounds else self.initial_accuracy
 
     def to_json(self) -> dict[str, Any]:
