@@ -82,15 +82,15 @@ def _note_arrivals(peer: Collective, sender: str) -> asyncio.Event:
 
 
 def test_a_peer_that_commits_and_never_pushes_is_dropped_as_stalled() -> None:
-    """p2 commits, keeps polling, and never pushes: once the honest peers' pushes to each
-    other are measured, the clock moves past what they explain; p0 and p1 accuse p2 of a
-    stall, the rendezvous drops it, and they end with their own mean; p2's call raises
-    PeerExcluded."""
+    """p2 commits, keeps polling, and never pushes: once the honest peers' pushes are all
+    measured (every notice of them taken), their clock moves an hour on, far past what those
+    pushes explain; they accuse p2 of a stall, the rendezvous drops it, and they end with
+    their own mean; p2's call raises PeerExcluded."""
     inputs = [{"w": np.full(4096, float(i), np.float32)} for i in range(3)]
 
     async def main() -> tuple[list[dict[str, np.ndarray]], dict[str, str], BaseException]:
         peers, server, rendezvous = await group(3)
-        skew = [0.0]
+        skew = [0.0]  # the honest peers' clock: their own time, moved on by the test
         for p in peers:
             p.clock = lambda: time.monotonic() + skew[0]
         stalled, committed = peers[2], asyncio.Event()
@@ -107,7 +107,11 @@ def test_a_peer_that_commits_and_never_pushes_is_dropped_as_stalled() -> None:
 
         stalled.ask = ask_and_note  # type: ignore[method-assign]
         stalled.client_of = never_dials  # type: ignore[method-assign]
-        arrived = [_note_arrivals(peers[0], "p1"), _note_arrivals(peers[1], "p0")]
+        arrived = [
+            _note_arrivals(peers[0], "p1"),
+            _note_arrivals(peers[1], "p0"),
+            *(_note_arrivals(peers[2], f"p{i}") for i in (0, 1)),
+        ]
         stalling = asyncio.ensure_future(stalled.all_reduce(inputs[2]))
         try:
             await committed.wait()  # the honest peers see p2's commit from their first view
@@ -136,9 +140,30 @@ def test_the_no_progress_rule_waits_for_a_measure_then_scales_by_the_slowest() -
     now = [100.0]
     progress = Progress(lambda: now[0], earlier={})
     assert progress.due(0, "p2", 1000) is None  # nothing measured: never a guess
-    progress.arrived(0, "p1", 1000, 0.5)  # 2000 values/s
-    progress.arrived(0, "p3", 1000, 0.1)  # 10000 values/s: the slowest one counts
+    assert progress.due(0, "p1", 1000) is None  # the wait for p1 starts at 100.0
+    progress.arrived(0, "p1", 1000, 100.5)  # waited 0.5 s: 2000 values/s
+    progress.arrived(0, "p3", 1000, 100.0)  # here before the wait began: instant
+    progress.pushed(1000, 0.25)  # this peer's own push: 4000 values/s
     assert progress.due(0, "p2", 1000) == 100.0 + STALL_FLOOR + STALL_FACTOR * 0.5
     fresh = Progress(lambda: now[0], earlier=progress.earlier)
     assert fresh.due(1, "p1", 4000) == 100.0 + STALL_FLOOR + STALL_FACTOR * 2.0  # p1's last
     assert fresh.due(1, "p9", 4000) is None  # no push of p9 ever measured
+    fresh.pushed(4000, 0.5)  # a measure of this call replaces the earlier calls'
+    assert fresh.due(1, "p1", 4000) == 100.0 + STALL_FLOOR + STALL_FACTOR * 0.5
+
+
+def test_concurrent_pushes_to_one_member_share_one_connection() -> None:
+    """Two tasks of a call that reach the same member at once (two slices it reduces after a
+    drop, or a push and a fetch) get one connection: a second dial would leave the first
+    client unowned, its socket for the garbage collector."""
+
+    async def main() -> bool:
+        peers, server, rendezvous = await group(2)
+        try:
+            other = next(m for m in peers[0].roster if m.peer == "p1")
+            first, second = await asyncio.gather(*(peers[0].client_of(other) for _ in "ab"))
+            return first is second
+        finally:
+            await close(peers, server, rendezvous)
+
+    assert asyncio.run(main())

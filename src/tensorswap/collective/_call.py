@@ -72,7 +72,7 @@ class CallOwner(Protocol):
     store: MemoryStore
     errors: dict[str, Any]
     received: dict[tuple[int, str, int], list[bytes]]
-    timings: dict[tuple[int, str, int], float]
+    arrivals: dict[tuple[int, str, int], float]
     rates: dict[str, float]
     forged: dict[str, str]
     wake: asyncio.Event
@@ -288,9 +288,9 @@ class CallRun:
             start = owner.clock()
             client = await owner.client_of(member)
             self.stats.bytes_sent += await client.put_blocks(owner.store, cids)
-            seconds = owner.clock() - start
-            raw = [c.to_bytes() for c in cids]
-            note = SliceSent(owner.group, self.number, owner.peer, j, raw, seconds)
+            values = sum(self.bounds[k][1] - self.bounds[k][0] for k in chunks)
+            self.progress.pushed(values, owner.clock() - start)
+            note = SliceSent(owner.group, self.number, owner.peer, j, [c.to_bytes() for c in cids])
             await client.request(PEER_APP, encode(note))
         except (TensorSwapError, OSError) as exc:
             await owner.forget_client(member.peer)
@@ -342,7 +342,7 @@ class CallRun:
                 continue
             key = (self.number, peer, j)
             if key in owner.received:
-                self.progress.arrived(j, peer, values, owner.timings.get(key, 0.0))
+                self.progress.arrived(j, peer, values, owner.arrivals.get(key, owner.clock()))
                 continue
             due = self.progress.due(j, peer, values)
             if due is None or peer in self.accused:

@@ -200,15 +200,13 @@ class Answer(_Base, frozen=True):
 
 class SliceSent(_Base, frozen=True):
     """Peer -> reducer (the reducer's own port): the blocks just pushed on this connection
-    are ``peer``'s chunks of slice ``slice`` in ``call``; pushing them took ``seconds`` (the
-    reducer's measure of throughput, see ``_progress``)."""
+    are ``peer``'s chunks of slice ``slice`` in ``call``."""
 
     group: str
     call: int
     peer: str
     slice: int
     chunks: list[bytes]
-    seconds: float = 0.0
 
 
 class ResultRoot(_Base, frozen=True):
@@ -329,6 +327,4 @@ def decode_slice(body: bytes, peer: str = "") -> SliceSent:
     _cids(sent.chunks, peer)
     if not 0 <= sent.slice < MAX_MEMBERS or sent.call < 0:
         raise BadCollectiveMessage(f"slice {sent.slice} of call {sent.call}", peer)
-    if not (math.isfinite(sent.seconds) and sent.seconds >= 0):
-        raise BadCollectiveMessage(f"a push of {sent.seconds} seconds", peer)
     return sent

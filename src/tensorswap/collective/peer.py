@@ -83,8 +83,8 @@ class Collective:
         self.call = 0
         self.received: dict[tuple[int, str, int], list[bytes]] = {}
         """(call, peer, slice) -> the chunk CIDs that peer says it pushed here."""
-        self.timings: dict[tuple[int, str, int], float] = {}
-        """(call, peer, slice) -> the seconds that peer says its push took."""
+        self.arrivals: dict[tuple[int, str, int], float] = {}
+        """(call, peer, slice) -> when (on ``clock``) that notice came."""
         self.rates: dict[str, float] = {}
         """Per peer, the rate (values per second) of its last push measured here."""
         self.forged: dict[str, str] = {}
@@ -104,6 +104,7 @@ class Collective:
         self._poll_client: BlockClient | None = None
         self._poller: asyncio.Task[None] | None = None
         self._peers: dict[str, BlockClient] = {}
+        self._dialing: dict[str, asyncio.Lock] = {}
         self._addresses: dict[str, Member] = {}
         self._lock = asyncio.Lock()
         self._old: list[Cid] = []
@@ -222,16 +223,19 @@ class Collective:
 
     # ── peers ───────────────────────────────────────────────────────────────
     async def client_of(self, member: Member) -> BlockClient:
-        """A connection to ``member``'s slice server (one per member, kept)."""
-        client = self._peers.get(member.peer)
-        if client is None or self._addresses.get(member.peer) != member:
-            if client is not None:
-                with contextlib.suppress(Exception):
-                    await client.aclose()
-            client = await self._dial(member.host, member.port)
-            self._peers[member.peer] = client
-            self._addresses[member.peer] = member
-        return client
+        """A connection to ``member``'s slice server (one per member, kept). Tasks that
+        ask at once wait for one dial: a second would replace the first client unclosed."""
+        lock = self._dialing.setdefault(member.peer, asyncio.Lock())
+        async with lock:
+            client = self._peers.get(member.peer)
+            if client is None or self._addresses.get(member.peer) != member:
+                if client is not None:
+                    with contextlib.suppress(Exception):
+                        await client.aclose()
+                client = await self._dial(member.host, member.port)
+                self._peers[member.peer] = client
+                self._addresses[member.peer] = member
+            return client
 
     async def forget_client(self, name: str) -> None:
         client = self._peers.pop(name, None)
@@ -247,7 +251,7 @@ class Collective:
         if len(self.received) > 4 * 256 * 256:
             raise BadCollectiveMessage("too many slice notices held", request.peer)
         self.received[(sent.call, sent.peer, sent.slice)] = list(sent.chunks)
-        self.timings[(sent.call, sent.peer, sent.slice)] = sent.seconds
+        self.arrivals[(sent.call, sent.peer, sent.slice)] = self.clock()
         self.wake.set()
         return b"ok"
 
@@ -288,8 +292,8 @@ class Collective:
         self._old = held
         for key in [k for k in self.received if k[0] <= run.number]:
             del self.received[key]
-        for key in [k for k in self.timings if k[0] <= run.number]:
-            del self.timings[key]
+        for key in [k for k in self.arrivals if k[0] <= run.number]:
+            del self.arrivals[key]
 
     # ── lifecycle ───────────────────────────────────────────────────────────
     async def aclose(self) -> None:
