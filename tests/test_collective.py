@@ -13,14 +13,6 @@ from tensorswap.cid import Cid
 from tensorswap.collective import Collective, Rendezvous
 from tensorswap.wire import BlockServer
 
-# Known leak, not yet found: in about 1 run of 15 a client socket of some peer or probe is
-# left to the garbage collector (asyncio's ResourceWarning, raised as unraisable in whichever
-# test is running then). Tolerated here only; docs/collective.md lists it as not done.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Exception ignored in. <(socket.socket|function _SelectorTransport.__del__)"
-    ":pytest.PytestUnraisableExceptionWarning"
-)
-
 
 def test_two_peers_average_a_dict() -> None:
     async def main() -> list[dict[str, np.ndarray]]:

@@ -337,8 +337,10 @@ class CallRun:
         participant whose push is overdue, or note when the next one falls due."""
         owner = self.owner
         values = sum(self.bounds[k][1] - self.bounds[k][0] for k in chunks)
+        if not values:
+            return
         for peer in live:
-            if peer == owner.peer or peer not in view.commits or not values:
+            if peer == owner.peer or peer not in view.commits:
                 continue
             key = (self.number, peer, j)
             if key in owner.received:

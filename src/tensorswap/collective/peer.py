@@ -230,6 +230,7 @@ class Collective:
             client = self._peers.get(member.peer)
             if client is None or self._addresses.get(member.peer) != member:
                 if client is not None:
+                    client.redial = None
                     with contextlib.suppress(Exception):
                         await client.aclose()
                 client = await self._dial(member.host, member.port)
@@ -238,8 +239,12 @@ class Collective:
             return client
 
     async def forget_client(self, name: str) -> None:
+        """Drop the connection to ``name`` (the next ``client_of`` dials again). A task that
+        still holds the old client gets ConnectionBroken from it, not a redialled socket
+        that nothing would close."""
         client = self._peers.pop(name, None)
         if client is not None:
+            client.redial = None
             with contextlib.suppress(Exception):
                 client.conn.transport.abort()
 
