@@ -132,14 +132,6 @@ def test_the_cli_refuses_topk_and_documents_diloco(capsys: pytest.CaptureFixture
 
 
 # ── DiLoCo over numpy parameters, in process ─────────────────────────────────
-# The collective's known socket leak (see tests/test_collective.py, docs/collective.md).
-_LEAK = pytest.mark.filterwarnings(
-    "ignore:Exception ignored in. <(socket.socket|function _SelectorTransport.__del__)"
-    ":pytest.PytestUnraisableExceptionWarning"
-)
-
-
-@_LEAK
 def test_numpy_peers_hold_identical_parameters_after_each_sync_and_learn() -> None:
     rng = np.random.default_rng(0)
     target = rng.normal(size=(8, 1)).astype(np.float32)

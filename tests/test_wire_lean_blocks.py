@@ -161,3 +161,22 @@ async def test_a_checked_frame_still_fails_its_crc32c_as_before() -> None:
     with pytest.raises(ChecksumMismatch):
         await conn_b.receive_frame()
     assert not conn_a.send_lean and not conn_b.accept_lean
+
+
+async def test_on_failure_names_the_client_whose_block_failed_its_cid() -> None:
+    from tensorswap.wire import FailedConnection
+
+    failures: list[FailedConnection] = []
+    a, b = memory_pair()
+    server = BlockServer(MemoryStore(), on_failure=failures.append)
+    serving = asyncio.ensure_future(server.handle(b))
+    client = await BlockClient.open(a, name="pusher-7")
+    data = bytes(range(256)) * 16
+    block = prepare_block(Cid.of(data), data, crc=False)
+    await client.transport.send(block.header, block.prefix, bytes(4096))
+    with pytest.raises(RemoteError):
+        await client.commit([])
+    await serving
+    assert [(f.client, type(f.error)) for f in failures] == [("pusher-7", BlockHashMismatch)]
+    assert failures[0].peer == b.peer
+    await a.aclose()

@@ -14,6 +14,7 @@ import numpy as np
 from tensorswap.cid import Cid
 from tensorswap.collective._compress import Compression, codec_for
 from tensorswap.collective._layout import chunk_bounds, flatten, slice_range, unflatten
+from tensorswap.collective._progress import Progress
 from tensorswap.collective.errors import (
     CollectiveError,
     GroupMismatch,
@@ -27,6 +28,7 @@ from tensorswap.collective.messages import (
     CallView,
     Commit,
     Done,
+    Fault,
     Member,
     Reduced,
     ReducedInfo,
@@ -70,8 +72,12 @@ class CallOwner(Protocol):
     store: MemoryStore
     errors: dict[str, Any]
     received: dict[tuple[int, str, int], list[bytes]]
+    arrivals: dict[tuple[int, str, int], float]
+    rates: dict[str, float]
+    forged: dict[str, str]
     wake: asyncio.Event
     tamper: Callable[[list[Cid]], list[Cid]] | None
+    clock: Callable[[], float]
 
     def view(self, call: int) -> CallView | None: ...
     def note_view(self, view: CallView) -> None: ...
@@ -86,7 +92,8 @@ class CallRun:
     Each view starts what it makes possible, once: pushes of this peer's chunks of slice j
     to slice j's reducer, the fold of a slice this peer reduces once every live
     participant's chunks are here (checked against their commitments first), the fetch of
-    every reduced slice once the call is sealed."""
+    every reduced slice once the call is sealed. As a reducer it accuses a peer whose
+    blocks failed their CIDs (a mismatch) and one whose push is overdue (``Progress``)."""
 
     def __init__(
         self, owner: CallOwner, number: int, tensors: Mapping[str, Any], weight: float
@@ -104,6 +111,9 @@ class CallRun:
         self.final: list[str] = []
         self.accused: set[str] = set()
         self.fetch_failures = 0
+        self.progress = Progress(owner.clock, owner.rates)
+        self.next_check: float | None = None
+        """When (on ``owner.clock``) a push this peer waits for falls due, if one will."""
 
     def blocks(self) -> list[Cid]:
         """Every block this call put in the peer's store (for the next call to forget)."""
@@ -178,6 +188,7 @@ class CallRun:
         owner = self.owner
         while True:
             owner.wake.clear()
+            self.next_check = None
             view = owner.view(self.number)
             if view is not None and view.version > 0:
                 self._check_view(view)
@@ -187,7 +198,18 @@ class CallRun:
             for task in [t for t in self.tasks.values() if t.done() and not t.cancelled()]:
                 if (exc := task.exception()) is not None:
                     raise exc
-            await owner.wake.wait()
+            await self._wait()
+
+    async def _wait(self) -> None:
+        """Until something wakes the call (a view, a notice, a task's end) or a push that
+        this peer waits for falls due."""
+        wake = self.owner.wake
+        if self.next_check is None:
+            await wake.wait()
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, self.next_check - self.owner.clock())):
+                await wake.wait()
 
     def _check_view(self, view: CallView) -> None:
         me = self.owner.peer
@@ -205,6 +227,7 @@ class CallRun:
         me = self.owner.peer
         members = {m.peer: m for m in view.participants}
         n = len(view.participants)
+        self._accuse_forgers(view)
         for j, reducer in enumerate(view.assign):
             chunks = slice_range(len(self.bounds), n, j)
             if reducer != me and len(chunks) and (j, reducer) not in self.pushed:
@@ -217,6 +240,17 @@ class CallRun:
                     self._start(("gather", j), self._gather, j, info, view.final, members)
                 elif info.reducer == me:
                     self.gathered.add(j)
+
+    def _accuse_forgers(self, view: CallView) -> None:
+        """Accuse (of a mismatch) each live participant whose push this peer's server
+        refused for a block that does not hash to its CID (``Collective.forged``)."""
+        live = [m.peer for m in view.participants if m.peer not in view.dropped]
+        for suspect, why in list(self.owner.forged.items()):
+            del self.owner.forged[suspect]
+            if suspect in live and suspect != self.owner.peer and suspect not in self.accused:
+                self.accused.add(suspect)
+                reason = f"pushed a block that does not hash to its CID ({why})"
+                self._start(("accuse", suspect), self._accuse, suspect, reason, Fault.MISMATCH)
 
     @property
     def pushed(self) -> set[tuple[int, str]]:
@@ -251,11 +285,14 @@ class CallRun:
         owner = self.owner
         cids = [self.mine[k] for k in chunks]
         try:
+            start = owner.clock()
             client = await owner.client_of(member)
             sent = await client.put_blocks(owner.store, cids)
             # Added after the await: ``stats.bytes_sent += await ...`` would read the count
             # before it, and the pushes to the other reducers, running meanwhile, be lost.
             self.stats.bytes_sent += sent
+            values = sum(self.bounds[k][1] - self.bounds[k][0] for k in chunks)
+            self.progress.pushed(values, owner.clock() - start)
             note = SliceSent(owner.group, self.number, owner.peer, j, [c.to_bytes() for c in cids])
             await client.request(PEER_APP, encode(note))
         except (TensorSwapError, OSError) as exc:
@@ -263,9 +300,9 @@ class CallRun:
             await self._accuse(member.peer, f"push of slice {j} failed: {exc}")
             await self._forget_later(("push", j, member.peer))
 
-    async def _accuse(self, suspect: str, reason: str, mismatch: bool = False) -> None:
+    async def _accuse(self, suspect: str, reason: str, kind: Fault = Fault.DEAD) -> None:
         owner = self.owner
-        accusation = Accuse(owner.group, self.number, owner.peer, suspect, reason, mismatch)
+        accusation = Accuse(owner.group, self.number, owner.peer, suspect, reason, kind)
         with contextlib.suppress(TensorSwapError, OSError):
             answer = await owner.ask(accusation)
             if answer.view is not None:
@@ -278,6 +315,7 @@ class CallRun:
         held = view.reduced.get(j)
         if held is not None and held.contributors == live and held.reducer == me:
             return
+        self._watch_pushes(view, j, chunks, live)
         if any(p not in view.commits for p in live):
             return
         for peer in live:
@@ -293,9 +331,33 @@ class CallRun:
                     self.accused.add(peer)
                     why = "sent other chunks than it committed to" if sent != committed else ""
                     detail = why or f"named {len(missing)} committed chunks it never sent"
-                    self._start(("accuse", peer), self._accuse, peer, detail, True)
+                    self._start(("accuse", peer), self._accuse, peer, detail, Fault.MISMATCH)
                 return
         self._start(("fold", j, tuple(live)), self._fold, view, j, chunks, live)
+
+    def _watch_pushes(self, view: CallView, j: int, chunks: range, live: list[str]) -> None:
+        """Measure the pushes of slice j that are here; accuse (of a stall) a committed
+        participant whose push is overdue, or note when the next one falls due."""
+        owner = self.owner
+        values = sum(self.bounds[k][1] - self.bounds[k][0] for k in chunks)
+        if not values:
+            return
+        for peer in live:
+            if peer == owner.peer or peer not in view.commits:
+                continue
+            key = (self.number, peer, j)
+            if key in owner.received:
+                self.progress.arrived(j, peer, values, owner.arrivals.get(key, owner.clock()))
+                continue
+            due = self.progress.due(j, peer, values)
+            if due is None or peer in self.accused:
+                continue
+            if owner.clock() < due:
+                self.next_check = due if self.next_check is None else min(self.next_check, due)
+                continue
+            self.accused.add(peer)
+            reason = self.progress.explain(j, peer, values)
+            self._start(("accuse", peer), self._accuse, peer, reason, Fault.STALLED)
 
     async def _fold(self, view: CallView, j: int, chunks: range, live: list[str]) -> None:
         owner = self.owner

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import TypeVar
 
@@ -22,6 +23,7 @@ __all__ = [
     "Commit",
     "CommitInfo",
     "Done",
+    "Fault",
     "Join",
     "JoinAnswer",
     "Member",
@@ -111,16 +113,28 @@ class Reduced(_Base, frozen=True, tag="reduced", tag_field="op"):
     chunks: list[bytes]
 
 
+class Fault(enum.StrEnum):
+    """What an accusation says of its suspect."""
+
+    DEAD = "dead"
+    """It looks dead (a push to it failed): the rendezvous probes its port."""
+    MISMATCH = "mismatch"
+    """It sent bytes it did not commit to, or a block that does not hash to its CID: it is
+    excluded and named in ``liars``."""
+    STALLED = "stalled"
+    """It committed, but its push has not arrived long after the throughput this reducer
+    measured explains: it is dropped."""
+
+
 class Accuse(_Base, frozen=True, tag="accuse", tag_field="op"):
-    """Peer -> rendezvous: ``suspect`` looks dead (``mismatch`` False: the rendezvous checks
-    it) or sent bytes it did not commit to (``mismatch`` True: it is excluded)."""
+    """Peer -> rendezvous: ``suspect`` is at fault in ``call``, as ``kind`` says."""
 
     group: str
     call: int
     peer: str
     suspect: str
     reason: str
-    mismatch: bool = False
+    kind: Fault = Fault.DEAD
 
 
 class Done(_Base, frozen=True, tag="done", tag_field="op"):

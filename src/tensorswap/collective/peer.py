@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Self
 
@@ -14,6 +15,7 @@ from tensorswap.collective._call import CallRun, CallStats, Compression
 from tensorswap.collective.errors import BadCollectiveMessage, GroupMismatch, JoinTimedOut
 from tensorswap.collective.messages import (
     APP,
+    MAX_MEMBERS,
     MAX_WAIT,
     PEER_APP,
     Answer,
@@ -29,7 +31,15 @@ from tensorswap.collective.messages import (
     encode,
 )
 from tensorswap.store import MemoryStore
-from tensorswap.wire import AppRequest, BlockClient, BlockServer, Timeouts, TransportError
+from tensorswap.wire import (
+    AppRequest,
+    BlockClient,
+    BlockHashMismatch,
+    BlockServer,
+    FailedConnection,
+    Timeouts,
+    TransportError,
+)
 
 __all__ = ["POLL_WAIT", "CallStats", "Collective"]
 
@@ -60,7 +70,11 @@ class Collective:
         self.compression: Compression = compression
         self.store = MemoryStore()
         self.server = BlockServer(
-            self.store, key=key, handlers={PEER_APP: self._on_slice}, name="collective"
+            self.store,
+            key=key,
+            handlers={PEER_APP: self._on_slice},
+            on_failure=self._on_failure,
+            name="collective",
         )
         self.members: list[str] = []
         """The peers whose inputs are in the last result (before any call: the group)."""
@@ -68,6 +82,14 @@ class Collective:
         self.stats = CallStats()
         self.call = 0
         self.received: dict[tuple[int, str, int], list[bytes]] = {}
+        """(call, peer, slice) -> the chunk CIDs that peer says it pushed here."""
+        self.arrivals: dict[tuple[int, str, int], float] = {}
+        """(call, peer, slice) -> when (on ``clock``) that notice came."""
+        self.rates: dict[str, float] = {}
+        """Per peer, the rate (values per second) of its last push measured here."""
+        self.forged: dict[str, str] = {}
+        """Peers whose push this server refused for a block that fails its CID, and why
+        (the call in progress, or the next, accuses them)."""
         self.errors: dict[str, Any] = {}
         """Per tensor name, the compression error kept for error feedback."""
         self.wake = asyncio.Event()
@@ -75,11 +97,14 @@ class Collective:
         """Fault-injection seam, None by default: called once per call with the CIDs of the
         chunks this peer has just committed to; the chunks it returns are what the peer then
         sends (a lying peer, for tests that its reducers name and exclude it)."""
+        self.clock: Callable[[], float] = time.monotonic
+        """The clock the no-progress rule reads (``_progress``); a test may set its own."""
         self._views: dict[int, CallView] = {}
         self._control: BlockClient | None = None
         self._poll_client: BlockClient | None = None
         self._poller: asyncio.Task[None] | None = None
         self._peers: dict[str, BlockClient] = {}
+        self._dialing: dict[str, asyncio.Lock] = {}
         self._addresses: dict[str, Member] = {}
         self._lock = asyncio.Lock()
         self._old: list[Cid] = []
@@ -128,7 +153,11 @@ class Collective:
         return self
 
     async def _dial(self, host: str, port: int) -> BlockClient:
-        return await BlockClient.connect(host, port, key=self.key, timeouts=_TIMEOUTS)
+        """A connection that names this peer in its handshake (how a reducer knows whose
+        push failed its checks)."""
+        return await BlockClient.connect(
+            host, port, key=self.key, timeouts=_TIMEOUTS, name=self.peer
+        )
 
     async def _join(self, advertise: str, timeout: float) -> None:
         loop = asyncio.get_running_loop()
@@ -194,20 +223,28 @@ class Collective:
 
     # ── peers ───────────────────────────────────────────────────────────────
     async def client_of(self, member: Member) -> BlockClient:
-        """A connection to ``member``'s slice server (one per member, kept)."""
-        client = self._peers.get(member.peer)
-        if client is None or self._addresses.get(member.peer) != member:
-            if client is not None:
-                with contextlib.suppress(Exception):
-                    await client.aclose()
-            client = await self._dial(member.host, member.port)
-            self._peers[member.peer] = client
-            self._addresses[member.peer] = member
-        return client
+        """A connection to ``member``'s slice server (one per member, kept). Tasks that
+        ask at once wait for one dial: a second would replace the first client unclosed."""
+        lock = self._dialing.setdefault(member.peer, asyncio.Lock())
+        async with lock:
+            client = self._peers.get(member.peer)
+            if client is None or self._addresses.get(member.peer) != member:
+                if client is not None:
+                    client.redial = None
+                    with contextlib.suppress(Exception):
+                        await client.aclose()
+                client = await self._dial(member.host, member.port)
+                self._peers[member.peer] = client
+                self._addresses[member.peer] = member
+            return client
 
     async def forget_client(self, name: str) -> None:
+        """Drop the connection to ``name`` (the next ``client_of`` dials again). A task that
+        still holds the old client gets ConnectionBroken from it, not a redialled socket
+        that nothing would close."""
         client = self._peers.pop(name, None)
         if client is not None:
+            client.redial = None
             with contextlib.suppress(Exception):
                 client.conn.transport.abort()
 
@@ -219,8 +256,18 @@ class Collective:
         if len(self.received) > 4 * 256 * 256:
             raise BadCollectiveMessage("too many slice notices held", request.peer)
         self.received[(sent.call, sent.peer, sent.slice)] = list(sent.chunks)
+        self.arrivals[(sent.call, sent.peer, sent.slice)] = self.clock()
         self.wake.set()
         return b"ok"
+
+    def _on_failure(self, failure: FailedConnection) -> None:
+        """A connection whose block did not hash to its CID: its client (the name it gave)
+        is to be accused of a mismatch."""
+        if not isinstance(failure.error, BlockHashMismatch) or not failure.client:
+            return
+        if failure.client in self.forged or len(self.forged) < MAX_MEMBERS:
+            self.forged[failure.client] = str(failure.error)
+            self.wake.set()
 
     # ── the collective calls ────────────────────────────────────────────────
     async def all_reduce(self, tensors: Mapping[str, Any], weight: float = 1.0) -> dict[str, Any]:
@@ -250,6 +297,8 @@ class Collective:
         self._old = held
         for key in [k for k in self.received if k[0] <= run.number]:
             del self.received[key]
+        for key in [k for k in self.arrivals if k[0] <= run.number]:
+            del self.arrivals[key]
 
     # ── lifecycle ───────────────────────────────────────────────────────────
     async def aclose(self) -> None:

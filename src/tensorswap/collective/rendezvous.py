@@ -19,6 +19,7 @@ from tensorswap.collective.messages import (
     Commit,
     CommitInfo,
     Done,
+    Fault,
     Join,
     JoinAnswer,
     Member,
@@ -51,7 +52,8 @@ class Rendezvous:
     the first commit, with the roster of that moment), ``poll`` (the call's view once it
     changes; also the peer's sign of life), ``reduced`` (a reducer's slice, accepted only
     from the slice's current reducer over the current live participants), ``accuse`` (a
-    peer that looks dead is probed; one that broke its commitment is excluded) and ``done``
+    peer that looks dead is probed; one that broke its commitment is excluded; one that
+    committed but whose push stalled is dropped) and ``done``
     (result roots compared). Bounded: ``max_groups`` groups (the longest inactive one is
     forgotten), MAX_MEMBERS peers per group, a few calls per group.
     """
@@ -169,12 +171,19 @@ class Rendezvous:
         raise BadCollectiveMessage(f"unexpected {type(call).__name__}")
 
     def _accuse(self, group: GroupState, state: CallState, call: Accuse) -> str | None:
+        """A live participant's accusation: a mismatch or a stall is believed (the suspect
+        of a stall must have committed), a death is checked by a probe."""
         if call.peer not in state.live:
             return f"{call.peer!r} is not a live participant of call {state.number}"
-        if call.mismatch:
+        if call.kind is Fault.MISMATCH:
             if call.suspect not in state.liars:
                 state.liars.append(call.suspect)
             self._drop(group, call.suspect, f"broke its commitment: {call.reason}")
+            return None
+        if call.kind is Fault.STALLED:
+            if call.suspect not in state.commits:
+                return f"{call.suspect!r} has not committed to call {state.number}"
+            self._drop(group, call.suspect, f"made no progress: {call.reason}")
             return None
         member = group.roster.get(call.suspect)
         if member is not None:

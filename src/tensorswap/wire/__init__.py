@@ -45,6 +45,7 @@ from tensorswap.wire.server import (
     AppRequest,
     BlockServer,
     BlocksReply,
+    FailedConnection,
     RequestHandler,
     ServerStats,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "ConnectionBroken",
     "ConnectionFailed",
     "DuplicateChunk",
+    "FailedConnection",
     "FrameConnection",
     "FrameHeader",
     "FrameKind",

@@ -21,7 +21,7 @@ from tensorswap.wire.messages import Got, Reply, Request, wire_cids
 if TYPE_CHECKING:
     from tensorswap.wire._server_stats import ServerStats
 
-__all__ = ["AppRequest", "BlocksReply", "RequestHandler", "ServerHandlers"]
+__all__ = ["AppRequest", "BlocksReply", "FailedConnection", "RequestHandler", "ServerHandlers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +38,20 @@ class AppRequest:
     operator: bool = False
     """Whether the connection proved the operator key (``BlockServer(operator_key=...)``):
     an application may show the operator what it hides from peers."""
+
+
+@dataclass(frozen=True, slots=True)
+class FailedConnection:
+    """A connection that ended in a failure, as ``BlockServer(on_failure=...)`` is told."""
+
+    peer: str
+    """The client's address."""
+    client: str
+    """The name the client gave in its handshake (``BlockClient.connect(name=...)``); empty
+    when the connection failed before the handshake. Claimed by the client: with a shared
+    key it proves membership, not this name."""
+    error: BaseException
+    """What ended it (a BlockHashMismatch for a block that does not hash to its CID)."""
 
 
 class BlocksReply(bytes):

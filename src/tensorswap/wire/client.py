@@ -81,21 +81,23 @@ class BlockClient(PushPath, FetchPath):
         server_hostname: str | None = None,
         limits: WireLimits | None = None,
         timeouts: Timeouts | None = None,
+        name: str = "tensorswap",
         block_crc: bool = False,
     ) -> Self:
         """Connect (within ``timeouts.connect``), then authenticate (``timeouts.handshake``).
 
-        A broken connection (see the class docstring) is replaced the same way by the next
-        call. Blocks travel without a CRC32C in their frames where both sides agree (their
-        CIDs are checked on receipt, which covers every byte); ``block_crc=True`` keeps it,
-        both ways, for those who want both checks."""
+        ``name``: this client's name in its handshake (the server's ``FailedConnection``
+        shows it). A broken connection (see the class docstring) is replaced the same way by
+        the next call. Blocks travel without a CRC32C in their frames where both sides agree
+        (their CIDs are checked on receipt, which covers every byte); ``block_crc=True``
+        keeps it, both ways, for those who want both checks."""
         timeouts = timeouts or Timeouts()
 
         async def dial() -> tuple[FrameConnection, Welcome]:
             transport = await connect_tcp(
                 host, port, ssl=ssl, server_hostname=server_hostname, timeout=timeouts.connect
             )
-            return await _handshake(transport, key, limits, timeouts, "tensorswap", block_crc)
+            return await _handshake(transport, key, limits, timeouts, name, block_crc)
 
         client = cls(*await dial())
         client.redial = dial

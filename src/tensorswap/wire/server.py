@@ -26,6 +26,7 @@ from tensorswap.wire._buffers import HeapTrimmer
 from tensorswap.wire._server_handlers import (
     AppRequest,
     BlocksReply,
+    FailedConnection,
     RequestHandler,
     ServerHandlers,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "AppRequest",
     "BlockServer",
     "BlocksReply",
+    "FailedConnection",
     "RequestHandler",
     "ServerStats",
     "error_code",
@@ -89,7 +91,9 @@ class BlockServer(ServerHandlers):
       answered one at a time, in order.
 
     A failure is answered with an Error frame (when the connection still works), counted,
-    kept in ``errors`` (the last 100) and logged; the connection is then closed. A block
+    kept in ``errors`` (the last 100), logged and handed to ``on_failure`` (a
+    ``FailedConnection``: the client's address and handshake name, the error), if set; the
+    connection is then closed. A block
     that fails its hash or CRC check is answered so at once, while the client may still be
     sending or waiting, not at its next request.
 
@@ -112,6 +116,7 @@ class BlockServer(ServerHandlers):
         timeouts: Timeouts | None = None,
         compression: Compression = Compression.NONE,
         on_root: Callable[[Cid], None] | None = None,
+        on_failure: Callable[[FailedConnection], None] | None = None,
         name: str = "tensorswap",
         store_depth: int = 4,
         handlers: Mapping[str, RequestHandler] | None = None,
@@ -136,6 +141,7 @@ class BlockServer(ServerHandlers):
         """Keep the CRC32C of block frames both ways (by default they go without one where
         the client agrees: each block's CID is checked, which covers its bytes)."""
         self.on_root = on_root
+        self.on_failure = on_failure
         self.name = name
         self.store_depth = store_depth
         self.handlers: dict[str, RequestHandler] = dict(handlers or {})
@@ -213,21 +219,23 @@ class BlockServer(ServerHandlers):
         self.stats.opened(transport)
         conn = FrameConnection(transport, limits=self.limits, timeouts=self.timeouts)
         sink = BlockSink(self.store, self.store_depth)
+        client = ""
         try:
-            await server_handshake(
+            hello = await server_handshake(
                 conn,
                 self.key,
                 name=self.name,
                 operator_key=self.operator_key,
                 lean_blocks=not self.block_crc,
             )
+            client = hello.client
             await self._serve_watched(conn, sink)
         except (TensorSwapError, OSError) as exc:
-            self._failed(exc, transport)
+            self._failed(exc, transport, client)
             if isinstance(exc, TensorSwapError) and not isinstance(exc, _NOT_REPORTED):
                 await self._report(conn, error_code(exc), str(exc))
         except Exception as exc:  # a bug (ours or a handler's): never lost silently
-            self._failed(exc, transport, unexpected=True)
+            self._failed(exc, transport, client, unexpected=True)
             await self._report(conn, "internal", f"internal server error: {type(exc).__name__}")
         finally:
             self.stats.ended(transport)
@@ -236,14 +244,20 @@ class BlockServer(ServerHandlers):
             self.stats.bytes_stored += sink.nbytes
 
     def _failed(
-        self, exc: BaseException, transport: Transport, *, unexpected: bool = False
+        self, exc: BaseException, transport: Transport, client: str, *, unexpected: bool = False
     ) -> None:
         self.stats.failed_connections += 1
         if unexpected:
             logger.error("connection from %s failed: %r", transport.peer, exc, exc_info=exc)
         else:
             logger.warning("connection from %s failed: %s", transport.peer, exc)
-        self.errors.append(_without_frames(exc))
+        error = _without_frames(exc)
+        self.errors.append(error)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(FailedConnection(transport.peer, client, error))
+            except Exception as bug:  # the hook's own bug: logged, the connection still ends
+                logger.error("on_failure hook failed: %r", bug, exc_info=bug)
 
     @staticmethod
     async def _report(conn: FrameConnection, code: str, message: str) -> None:
