@@ -220,8 +220,8 @@ def test_a_round_aggregate_that_is_not_finite_fails_the_round(
 
     real = streaming.StreamingAccumulator.result
 
-    def poisoned(self: streaming.StreamingAccumulator) -> object:
-        out = real(self)
+    def poisoned(self: streaming.StreamingAccumulator, *, consume: bool = False) -> object:
+        out = real(self, consume=consume)
         for piece in out.values.values():  # type: ignore[union-attr]
             piece.reshape(-1)[-1] = np.nan
         return out
