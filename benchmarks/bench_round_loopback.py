@@ -181,6 +181,7 @@ class Rounds:
     phases: list[tuple[float, float]] = field(default_factory=list)  # accepted, then fetched
     peak: int = 0  # the server's VmHWM, bytes
     idle: int = 0  # the server's VmRSS before the rounds, bytes
+    pool: int = 0  # the server's slab pool working set after the rounds, bytes
 
 
 def one_round(coord: Coordinator, peers: list[Peer], round_no: int) -> tuple[float, ...]:
@@ -209,6 +210,13 @@ def one_round(coord: Coordinator, peers: list[Peer], round_no: int) -> tuple[flo
     return last - first, coord_cpu, peers_cpu, accepted - first, last - accepted
 
 
+async def pool_working_set(port: int) -> int:
+    """The coordinator's slab pool working set (its status), bytes."""
+    async with await RoundClient.connect("127.0.0.1", port, peer="bench", key=KEY) as client:
+        stats = (await client.server_status()).stats
+    return int(stats.get("pool_working_set_bytes", 0))
+
+
 def run_tensorswap(tmp: Path, peers: int, nbytes: int, reps: int) -> Rounds:
     """A coordinator and ``peers`` peer processes; one warm-up round and ``reps`` more."""
     out = Rounds()
@@ -229,6 +237,7 @@ def run_tensorswap(tmp: Path, peers: int, nbytes: int, reps: int) -> Rounds:
                 out.parts.append((coord_cpu, peers_cpu))
                 out.phases.append((accepted, fetched))
         out.peak = vm_bytes(coord.proc.pid, "VmHWM")
+        out.pool = asyncio.run(pool_working_set(coord.port))
     finally:
         for p in procs:
             p.stop()
@@ -313,7 +322,8 @@ def report(ts: Rounds, flower: Rounds | None, peers: int, nbytes: int, judge: bo
           f"fetched {_spread(fetched)} s")  # fmt: skip
     peak, growth = ts.peak / nbytes, (ts.peak - ts.idle) / nbytes
     print(f"  coordinator peak RSS {ts.peak / MiB:.0f} MiB = {peak:.2f}x one update "
-          f"(idle {ts.idle / MiB:.0f} MiB; growth {growth:.2f}x)")  # fmt: skip
+          f"(idle {ts.idle / MiB:.0f} MiB; growth {growth:.2f}x; slab pool working set "
+          f"{ts.pool / MiB:.0f} MiB)")  # fmt: skip
     ok = True
     cpu = statistics.median(ts.cpu)
     if flower is not None:

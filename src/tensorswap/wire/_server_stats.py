@@ -49,6 +49,12 @@ class ServerStats:
     """Frames a connection had to wait for (it stopped reading) until others released bytes."""
     inflight_refused: int = 0
     """Frames refused outright (``over_budget``): more than the whole limit at once."""
+    pool_in_use_bytes: int = 0
+    """Bytes of the process's slab pool in use now (payloads, sums, loaded tensors)."""
+    pool_idle_bytes: int = 0
+    """Bytes the pool keeps idle for reuse (freed after ``IDLE_SECONDS`` unused)."""
+    pool_working_set_bytes: int = 0
+    """The most of the pool in use at once since it was last idle: what it may keep."""
 
     def __post_init__(self) -> None:
         self._open: set[Transport] = set()

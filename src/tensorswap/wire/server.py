@@ -22,7 +22,7 @@ from tensorswap.wire._budget import (
     Tie,
     owner_of,
 )
-from tensorswap.wire._buffers import HeapTrimmer
+from tensorswap.wire._buffers import HeapTrimmer, receive_buffers
 from tensorswap.wire._server_handlers import (
     AppRequest,
     BlocksReply,
@@ -164,6 +164,10 @@ class BlockServer(ServerHandlers):
         stats.inflight_limit_bytes = budget.limit
         stats.inflight_waits = budget.waits
         stats.inflight_refused = budget.refused
+        pool = receive_buffers()
+        stats.pool_in_use_bytes = pool.in_use_bytes
+        stats.pool_idle_bytes = pool.idle_bytes
+        stats.pool_working_set_bytes = pool.working_set_bytes
         return stats
 
     # ── lifecycle ────────────────────────────────────────────────────────────

@@ -455,6 +455,9 @@ class RoundServer:
             inflight_limit_bytes=wire.inflight_limit_bytes,
             inflight_waits=wire.inflight_waits,
             inflight_refused=wire.inflight_refused,
+            pool_in_use_bytes=wire.pool_in_use_bytes,
+            pool_idle_bytes=wire.pool_idle_bytes,
+            pool_working_set_bytes=wire.pool_working_set_bytes,
         )
         for source in self.stat_sources:
             stats.update(source())
