@@ -84,7 +84,7 @@ async def test_traffic_is_the_wire_count_of_open_and_closed_connections() -> Non
                 report = await second.server_status()
                 assert int(report.stats["bytes_in"]) >= sent
                 assert int(report.stats["connections"]) == 2
-                assert list(report.stats)[-11:] == [
+                assert list(report.stats)[-14:] == [
                     "bytes_in",
                     "bytes_out",
                     "connections",
@@ -96,4 +96,7 @@ async def test_traffic_is_the_wire_count_of_open_and_closed_connections() -> Non
                     "inflight_limit_bytes",
                     "inflight_waits",
                     "inflight_refused",
+                    "pool_in_use_bytes",
+                    "pool_idle_bytes",
+                    "pool_working_set_bytes",
                 ]
