@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from tensorswap import _alloc
+from tensorswap._pool import receive_buffers
 from tensorswap.cid import Cid, HashFunction, Multicodec
 from tensorswap.codec import DType, Encoding, TensorBlock, as_numpy, encode_block
-from tensorswap.codec.arrow import MAX_DECODED_VALUES
+from tensorswap.codec.arrow import MAX_DECODED_VALUES, encode_block_into, encoded_size
 from tensorswap.store.manifest import (
     DEFAULT_CHUNK_BYTES,
     ChunkRef,
@@ -78,10 +79,10 @@ def put_tensor(
 
     def put_chunk(start: int) -> ChunkRef:
         piece = TensorBlock("", flat[start : start + per_chunk])
-        data = encode_block(piece, encoding=enc, compression=compression)
+        data = _encode(piece, enc, compression)
         # Parallel workers hash single-threaded: blake3's own pool would only contend.
         cid = store.put(data, hash=hash, adopt=True, threads=1 if threads > 1 else None)
-        return ChunkRef(cid.to_bytes(), piece.size, data.size)
+        return ChunkRef(cid.to_bytes(), piece.size, len(data))
 
     refs = _map(put_chunk, starts, threads)
     manifest = tensor_manifest(
@@ -168,6 +169,16 @@ def _load_tensor(
     return TensorBlock(
         manifest.name, values.reshape(manifest.shape), manifest.num_samples, manifest.metadata
     )
+
+
+def _encode(piece: TensorBlock, enc: Encoding, compression: Compression) -> memoryview:
+    """``piece``'s chunk block: a large dense one encoded into a slab of the process's pool
+    (warm pages, page-aligned for a direct write; back to the pool once the store has copied
+    it or let it go), anything else by ``encode_block``."""
+    if enc is Encoding.DENSE and not compression and piece.nbytes >= _alloc.POOL_MIN_BYTES:
+        slab = receive_buffers().take(encoded_size(piece))
+        return slab[: encode_block_into(piece, slab)]
+    return memoryview(encode_block(piece, encoding=enc, compression=compression))
 
 
 def _thread_count(requested: int | None, tasks: int, nbytes: int) -> int:
