@@ -20,6 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 from apps import initial_model  # noqa: E402
 from deployment import FLOWER_BIN, HERE, Processes, environment, free_port  # noqa: E402
 
+from tensorswap.flower import NodeStore  # noqa: E402
+
 NODES, ROUNDS = 2, 2
 
 
@@ -33,9 +35,10 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         started.close()
 
 
-def start_federation(processes: Processes, home: Path) -> str:
-    """A SuperLink and NODES SuperNodes (``partition-id`` 0, 1, ...), all registered; the name
-    of the SuperLink connection written to ``home/config.toml`` for ``flwr run``."""
+def start_federation(processes: Processes, home: Path, stores: Path) -> str:
+    """A SuperLink and NODES SuperNodes (``partition-id`` 0, 1, ...; node n keeps its blocks in
+    ``stores/n``), all registered; the name of the SuperLink connection written to
+    ``home/config.toml`` for ``flwr run``."""
     link = free_port()
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.toml").write_text(
@@ -57,7 +60,8 @@ def start_federation(processes: Processes, home: Path) -> str:
             [
                 str(FLOWER_BIN / "flower-supernode"),
                 *("--insecure", "--superlink", f"127.0.0.1:{link}", "--host", "127.0.0.1"),
-                *("--port", str(free_port()), "--node-config", f"partition-id={node}"),
+                *("--port", str(free_port())),
+                *("--node-config", f"partition-id={node} blocks-store='{stores / str(node)}'"),
             ],
         )
     for node in range(NODES):
@@ -101,7 +105,7 @@ def expected_fedavg(rounds: int) -> dict[str, np.ndarray]:
 def test_the_bridge_in_a_flower_deployment(processes: Processes, tmp_path: Path) -> None:
     home, out = tmp_path / "flwr-home", tmp_path / "out"
     out.mkdir()
-    connection = start_federation(processes, home)
+    connection = start_federation(processes, home, tmp_path / "stores")
     blocks = start_block_service(processes, tmp_path / "blocks")
     config = f"blocks='{blocks}' out='{out}' rounds={ROUNDS} nodes={NODES}"
     run = subprocess.run(
@@ -129,3 +133,6 @@ def test_the_bridge_in_a_flower_deployment(processes: Processes, tmp_path: Path)
     # each round: the model down to each node twice (train, evaluate), a trained one back
     assert counted["referenced"] >= ROUNDS * 3 * NODES * model_bytes
     assert counted["carried"] <= 0.01 * counted["referenced"], counted
+    for node in range(NODES):  # each node's processes shared one store on disk
+        kept = NodeStore(tmp_path / "stores" / str(node)).roots()
+        assert len(kept) >= ROUNDS, kept  # a global model per round at least

@@ -17,6 +17,7 @@ from tensorswap.flower.errors import (
     ReferenceMismatch,
 )
 from tensorswap.flower.link import BlockLink, LinkCounters
+from tensorswap.flower.node_store import NodeStore
 from tensorswap.flower.reference import ArrayRef, is_reference
 from tensorswap.flower.service import BlockService
 
@@ -34,6 +35,7 @@ __all__ = [
     "BlockStrategy",
     "FlowerBridgeError",
     "LinkCounters",
+    "NodeStore",
     "ReferenceMismatch",
     "StoredArray",
     "blocks_mod",

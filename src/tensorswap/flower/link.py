@@ -21,6 +21,7 @@ from tensorswap._netaddr import split_host_port
 from tensorswap.cid import Cid
 from tensorswap.errors import TensorSwapError
 from tensorswap.errors.flower import ArraysUnavailable
+from tensorswap.flower.node_store import NodeStore
 from tensorswap.store import BlockStore, MemoryStore, ModelUpdate, get_update, put_update
 from tensorswap.store.gc import collect_garbage
 from tensorswap.swarm import SwarmPeer
@@ -58,7 +59,8 @@ class BlockLink:
     asks only for what the local ``store`` lacks. ``swarm``-marked fetches go through a
     ``SwarmPeer``: chunks from the service and from peers that hold them, this process
     serving what it holds on a read-only seeder (on the address it reaches the service from).
-    The store keeps the arrays of the last ``keep`` roots (the rest collected).
+    The store keeps the arrays of the last ``keep`` roots (the rest collected); a
+    ``NodeStore`` keeps them on disk for every process of a Flower node, its roots shared.
     """
 
     def __init__(
@@ -66,7 +68,7 @@ class BlockLink:
         address: str,
         *,
         key: bytes | None = None,
-        store: BlockStore | None = None,
+        store: BlockStore | NodeStore | None = None,
         attempts: int = 5,
         keep: int = 4,
         timeouts: Timeouts | None = None,
@@ -74,6 +76,10 @@ class BlockLink:
         self.address = address
         self.host, self.port = split_host_port(address)
         self.key = key
+        self.node = store if isinstance(store, NodeStore) else None
+        """The node's store on disk, shared with its other processes (None: this link's own)."""
+        if isinstance(store, NodeStore):
+            store = store.store
         self.store = store if store is not None else MemoryStore()
         self.attempts = attempts
         self.keep = keep
@@ -200,11 +206,14 @@ class BlockLink:
     def _remember(self, root: Cid) -> None:
         self._roots[root] = None
         self._roots.move_to_end(root)
-        if len(self._roots) > self.keep:
-            while len(self._roots) > self.keep:
-                old, _ = self._roots.popitem(last=False)
-                if self._peer is not None and self._peer.seeder is not None:
-                    self._peer.seeder.holdings.forget(old)
+        trimmed = len(self._roots) > self.keep
+        while len(self._roots) > self.keep:
+            old, _ = self._roots.popitem(last=False)
+            if self._peer is not None and self._peer.seeder is not None:
+                self._peer.seeder.holdings.forget(old)
+        if self.node is not None:
+            self.node.remember(root)  # the node's roots, shared by its processes
+        elif trimmed:
             collect_garbage(self.store, list(self._roots))
 
     async def _aclose(self) -> None:

@@ -4,27 +4,35 @@ sends the reply's arrays as blocks through the block service, references in thei
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from collections.abc import Callable
 
 from flwr.app import Context, Message
 
 from tensorswap.flower.link import BlockLink
+from tensorswap.flower.node_store import NodeStore
 from tensorswap.flower.records import has_reference, swap_in, swap_out
 
 __all__ = ["blocks_mod", "shared_link"]
 
-_links: dict[tuple[str, bytes | None], BlockLink] = {}
+_links: dict[tuple[str, bytes | None, str | None], BlockLink] = {}
 _links_lock = threading.Lock()
 
 
-def shared_link(address: str, key: bytes | None = None) -> BlockLink:
-    """This process's link to the service at ``address`` (one per address and key; the
-    ClientApps a process runs share its connection, its store and its swarm seeder)."""
+def shared_link(
+    address: str, key: bytes | None = None, store: str | os.PathLike[str] | None = None
+) -> BlockLink:
+    """This process's link to the service at ``address`` (one per address, key and store;
+    the ClientApps a process runs share its connection, its store and its swarm seeder).
+    ``store``: a directory for the node's blocks, kept across processes (``NodeStore``);
+    None: in this process's memory."""
+    where = None if store is None else os.fspath(store)
     with _links_lock:
-        link = _links.get((address, key))
+        link = _links.get((address, key, where))
         if link is None:
-            link = _links[(address, key)] = BlockLink(address, key=key)
+            node = None if where is None else NodeStore(where)
+            link = _links[(address, key, where)] = BlockLink(address, key=key, store=node)
         return link
 
 
@@ -40,7 +48,9 @@ def _close_links() -> None:
 ClientAppCall = Callable[[Message, Context], Message]
 
 
-def blocks_mod(address: str, *, key: bytes | None = None) -> Callable[..., Message]:
+def blocks_mod(
+    address: str, *, key: bytes | None = None, store: str | os.PathLike[str] | None = None
+) -> Callable[..., Message]:
     """A ClientApp mod (``ClientApp(mods=[blocks_mod("HOST:PORT")])``).
 
     On a message whose content holds references (a ``BlockStrategy`` sent it) each is
@@ -50,13 +60,16 @@ def blocks_mod(address: str, *, key: bytes | None = None) -> Callable[..., Messa
     and the ArrayRecords of its reply are pushed (only the blocks the service lacks; a push
     cut by a broken connection is resumed) and replaced by references. A message without
     references, and its reply, pass through untouched: a ServerApp without the bridge is
-    answered as before. ``key``: the block service's shared key.
+    answered as before. ``key``: the block service's shared key. ``store``: a directory
+    where the node keeps its blocks across messages (``NodeStore``): in deployment each
+    message runs in a fresh ``flwr-clientapp`` process, and without it every round fetches
+    every tensor again, changed or not.
     """
 
     def mod(message: Message, context: Context, call_next: ClientAppCall) -> Message:
         if not message.has_content() or not has_reference(message.content):
             return call_next(message, context)
-        link = shared_link(address, key)
+        link = shared_link(address, key, store)
         message.content = swap_in(
             message.content, lambda ref: link.fetch(ref.root, swarm=ref.swarm)
         )

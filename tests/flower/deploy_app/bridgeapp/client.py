@@ -1,4 +1,5 @@
-"""The test ClientApp, with the bridge's mod when the run config names a block service."""
+"""The test ClientApp, with the bridge's mod when the run config names a block service; the
+node keeps its blocks in the directory its node config names (``blocks-store``), if any."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def run_config_mod(
     address = str(context.run_config["blocks"])
     if not address:
         return call_next(message, context)
-    return blocks_mod(address)(message, context, call_next)
+    store = str(context.node_config.get("blocks-store", "")) or None
+    return blocks_mod(address, store=store)(message, context, call_next)
 
 
 app = client_app([run_config_mod])
