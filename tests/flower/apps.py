@@ -42,8 +42,9 @@ def initial_model(floats: int = 64 * 1024) -> ArrayRecord:
 
 
 def client_app(mods: list[Any], report_link: str | None = None) -> ClientApp:
-    """``report_link``: the train replies' metrics carry ``from-peers``, the bytes this
-    process's link to that block service has had from swarm peers so far (its counter)."""
+    """``report_link``: the train replies' metrics carry this process's link counters for that
+    block service so far: ``from-peers`` (bytes had from swarm peers), ``retries`` (calls made
+    again on a fresh connection) and ``sent-blocks``."""
     app = ClientApp(mods=mods)
 
     @app.train()
@@ -61,7 +62,10 @@ def client_app(mods: list[Any], report_link: str | None = None) -> ClientApp:
             {"num-examples": 10 * (node + 1), "loss": float(node + 1) / server_round}
         )
         if report_link is not None:
-            metrics["from-peers"] = shared_link(report_link).counters.from_peers
+            counters = shared_link(report_link).counters
+            metrics["from-peers"] = counters.from_peers
+            metrics["retries"] = counters.retries
+            metrics["sent-blocks"] = counters.sent_blocks
         return Message(
             RecordDict({"arrays": ArrayRecord(trained), "metrics": metrics}), reply_to=msg
         )
@@ -103,19 +107,22 @@ def simulate(
     floats: int = 64 * 1024,
     swarm: bool = True,
     report_link: bool = False,
+    client_address: str | None = None,
 ) -> dict[str, Any]:
     """One ``run_simulation`` (Ray, 2 workers of 1 CPU) of ``make()``'s strategy: plain when
-    ``address`` is None, else wrapped in a BlockStrategy and the ClientApp given the mod.
+    ``address`` is None, else wrapped in a BlockStrategy and the ClientApp given the mod
+    (pointed at ``client_address`` when given: a proxy in front of the same service).
     The dict holds the ``strategy`` and its ``result``."""
     results: dict[str, Any] = {}
     if address is None:
         strategy, mods = make, []
     else:
         strategy = lambda: BlockStrategy(make(), address, swarm=swarm)  # noqa: E731
-        mods = [blocks_mod(address)]
+        client_address = client_address or address
+        mods = [blocks_mod(client_address)]
     run_simulation(
         server_app(strategy, rounds, results, floats),
-        client_app(mods, address if report_link else None),
+        client_app(mods, (client_address or address) if report_link else None),
         num_supernodes=nodes,
         backend_config=BACKEND,  # type: ignore[arg-type]
     )
