@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -122,3 +123,37 @@ def test_a_server_lets_the_pool_keep_what_its_budget_allows() -> None:
     assert pool.idle_bytes == 6 << 20
     assert pool.expire() == 0  # idle_seconds None: kept until cleared
     pool.clear()
+
+
+def test_a_slab_finalized_by_a_collection_inside_the_pool_does_not_deadlock() -> None:
+    # A garbage collection can start at any allocation, also one the pool makes while it holds
+    # its lock; a view only the cyclic collector frees is then finalized on that thread, and
+    # its slab comes back through the same lock. The clock (called under the lock when a slab
+    # is given back) runs that collection here, deterministically.
+    armed = threading.Event()
+
+    def clock() -> float:
+        if armed.is_set():
+            armed.clear()
+            gc.collect()
+        return 100.0
+
+    pool = ReceiveBuffers(keep_bytes=8 << 20, min_bytes=1024, idle_seconds=None, clock=clock)
+    done = threading.Event()
+
+    def run() -> None:
+        cycle: list[object] = [pool.take(1 << 20)]
+        cycle.append(cycle)  # freed by the cyclic collector only
+        del cycle
+        view = pool.take(1 << 20)
+        armed.set()
+        del view  # given back: the clock collects the cycle, under the pool's lock
+        done.set()
+
+    gc.disable()  # no collection before the one the clock runs
+    try:
+        threading.Thread(target=run, daemon=True).start()
+        assert done.wait(10), "the pool deadlocked on its own lock"
+    finally:
+        gc.enable()
+    assert pool.in_use_bytes == 0 and pool.idle_bytes == 2 << 20

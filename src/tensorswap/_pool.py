@@ -79,7 +79,9 @@ class ReceiveBuffers:
         self._idle_bytes = 0
         self._in_use = 0  # bytes of slabs handed out and not yet back
         self._peak = 0  # the most in use at once since the pool last emptied by expiry
-        self._lock = threading.Lock()
+        # reentrant: a garbage collection run while the lock is held (an allocation inside) may
+        # finalize a view, whose slab then comes back through _give_back on this very thread
+        self._lock = threading.RLock()
         self._timer: threading.Timer | None = None
         self.reused = 0
         self.allocated = 0
