@@ -77,6 +77,8 @@ class Rounds:
     seconds: list[float]
     received: list[int]
     sent: list[int]
+    phases: dict[str, float]
+    """Median seconds from a round's start to each phase (the ClientApps' over every node)."""
 
     def total(self) -> list[int]:
         return [r + s for r, s in zip(self.received, self.sent, strict=True)]
@@ -222,21 +224,45 @@ def _toml(value: object) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def read_marks(path: Path, warmup: int) -> Rounds:
-    """The rounds after the first ``warmup`` ones, from the ServerApp's marks."""
+PHASES = {
+    "process": "clientapp started",
+    "imported": "imported",
+    "train": "arrays in",
+    "trained": "trained",
+    "replied": "reply out",
+}
+"""The ClientApp's phases in ``trace.jsonl`` (epoch seconds), as printed."""
+
+
+def measured(out: Path, warmup: int) -> Rounds:
+    """The rounds after the first ``warmup`` ones, from the ServerApp's marks, and the
+    ClientApps' phases in them (median seconds after each round's start)."""
     marks: dict[tuple[str, int], dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
+    for line in (out / "marks.jsonl").read_text().splitlines():
         mark = json.loads(line)
         marks[(mark["event"], int(mark["round"]))] = mark
     rounds = sorted({r for event, r in marks if event == "end" and r > warmup})
     if not rounds:
-        raise ProcessFailed(f"no measured round in {path}: {sorted(marks)}")
+        raise ProcessFailed(f"no measured round in {out}: {sorted(marks)}")
     starts = [marks[("start", r)] for r in rounds]
     ends = [marks[("end", r)] for r in rounds]
+    traces = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
+    offsets: dict[str, list[float]] = {name: [] for name in PHASES}
+    last, aggregating = [], []
+    for r, start in zip(rounds, starts, strict=True):
+        mine = [t for t in traces if t["round"] == r]
+        for name in PHASES:
+            offsets[name] += [t[name] - start["t"] for t in mine]
+        last.append(max(t["replied"] for t in mine) - start["t"])
+        aggregating.append(marks[("aggregating", r)]["t"] - start["t"])
+    phases = {PHASES[name]: statistics.median(values) for name, values in offsets.items()}
+    phases["last reply out"] = statistics.median(last)
+    phases["aggregation began"] = statistics.median(aggregating)
     return Rounds(
         [e["t"] - s["t"] for s, e in zip(starts, ends, strict=True)],
         [e["rx"] - s["rx"] for s, e in zip(starts, ends, strict=True)],
         [e["tx"] - s["tx"] for s, e in zip(starts, ends, strict=True)],
+        phases,
     )
 
 
@@ -274,7 +300,7 @@ def run_variant(
         if variant.bridge:
             procs.stop("blocks")
             shutil.rmtree(tmp / f"blocks-{seed}", ignore_errors=True)
-    return read_marks(out / "marks.jsonl", settings.warmup)
+    return measured(out, settings.warmup)
 
 
 def report(results: dict[str, Rounds], settings: Settings, judge: bool) -> list[str]:
@@ -293,6 +319,7 @@ def report(results: dict[str, Rounds], settings: Settings, judge: bool) -> list[
             f"{statistics.median(rounds.total()) / model:.2f} models/round "
             f"(down {down:.2f}, up {up:.2f})"
         )
+        print("    " + ", ".join(f"{k} {v:.1f}" for k, v in rounds.phases.items()))
     seconds = {n: statistics.median(r.seconds) for n, r in results.items()}
     models = {n: statistics.median(r.total()) / model for n, r in results.items()}
     checks = [
@@ -301,6 +328,7 @@ def report(results: dict[str, Rounds], settings: Settings, judge: bool) -> list[
         ("flower_bridge_frozen_bytes", models["bridge-frozen"] / models["flower-frozen"],
          GOAL_FROZEN),
     ]  # fmt: skip
+    print("  (phases: median s after a round's start; the ClientApps' over every node)")
     print(ratio_line("flower_bridge_flower_models_per_round", models["flower"]))
     print(ratio_line("flower_bridge_frozen_round_time",
                      seconds["bridge-frozen"] / seconds["flower-frozen"]))  # fmt: skip

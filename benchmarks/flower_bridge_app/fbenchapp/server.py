@@ -31,9 +31,9 @@ def link_bytes(device: str) -> tuple[int, int]:
 
 
 class MarkedFedAvg(FedAvg):  # type: ignore[misc]
-    """FedAvg that marks when each round's training starts (before the messages are made)
-    and ends (after aggregation): inside BlockStrategy, the global model's push and the
-    replies' fetches fall between the two marks."""
+    """FedAvg that marks when each round's training starts (before the messages are made),
+    when its aggregation begins (every reply in) and ends: inside BlockStrategy, the global
+    model's push and the replies' fetches fall between the first two marks."""
 
     def __init__(self, marks: Path, device: str, **options: object) -> None:
         super().__init__(**options)
@@ -54,6 +54,7 @@ class MarkedFedAvg(FedAvg):  # type: ignore[misc]
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        self.mark("aggregating", server_round)
         aggregated = super().aggregate_train(server_round, replies)
         self.mark("end", server_round)
         return aggregated
