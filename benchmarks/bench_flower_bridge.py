@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -352,6 +353,27 @@ def default_flower() -> str | None:
     return sys.executable if importlib.util.find_spec("flwr") is not None else None
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_all(lab: Lab, flower: str, settings: Settings, keep_logs: str | None) -> dict[str, Rounds]:
+    """Every variant's rounds, on one federation in ``lab`` (closed afterwards, as is every
+    process, also when a run fails)."""
+    with lab, tempfile.TemporaryDirectory(prefix="tensorswap-fbench-") as tmp:
+        procs = Processes(Path(tmp) / "logs", flower_env(flower, Path(tmp) / "home"), flower)
+        try:
+            link = start_federation(lab, procs, settings.nodes)
+            return {
+                v.name: run_variant(procs, link, v, settings, Path(tmp), seed)
+                for seed, v in enumerate(VARIANTS, start=1)
+            }
+        finally:
+            procs.close()
+            if keep_logs:
+                shutil.copytree(procs.logs, keep_logs, dirs_exist_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -376,19 +398,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {exc.reason}")
         return 0
     began = time.perf_counter()
-    with lab, tempfile.TemporaryDirectory(prefix="tensorswap-fbench-") as tmp:
-        env = flower_env(args.flower_python, Path(tmp) / "home")
-        procs = Processes(Path(tmp) / "logs", env, args.flower_python)
-        try:
-            link = start_federation(lab, procs, settings.nodes)
-            results = {
-                v.name: run_variant(procs, link, v, settings, Path(tmp), seed)
-                for seed, v in enumerate(VARIANTS, start=1)
-            }
-        finally:
-            procs.close()
-            if args.keep_logs:
-                shutil.copytree(procs.logs, args.keep_logs, dirs_exist_ok=True)
+    # SIGTERM (timeout, a CI's cancel) ends the run through the finally blocks below, which
+    # end every process group and delete the namespaces; Python's default would skip them
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    try:
+        results = run_all(lab, args.flower_python, settings, args.keep_logs)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     missed = report(results, settings, judge=not args.quick)
     print(f"  ({time.perf_counter() - began:.0f} s in all)")
     if missed:
