@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -80,6 +81,8 @@ class Rounds:
     sent: list[int]
     phases: dict[str, float]
     """Median seconds from a round's start to each phase (the ClientApps' over every node)."""
+    load: float = 0.0
+    """The machine's 1-minute load average when the run ended (other work included)."""
 
     def total(self) -> list[int]:
         return [r + s for r, s in zip(self.received, self.sent, strict=True)]
@@ -301,7 +304,7 @@ def run_variant(
         if variant.bridge:
             procs.stop("blocks")
             shutil.rmtree(tmp / f"blocks-{seed}", ignore_errors=True)
-    return measured(out, settings.warmup)
+    return dataclasses.replace(measured(out, settings.warmup), load=os.getloadavg()[0])
 
 
 def report(results: dict[str, Rounds], settings: Settings, judge: bool) -> list[str]:
@@ -318,7 +321,7 @@ def report(results: dict[str, Rounds], settings: Settings, judge: bool) -> list[
         print(
             f"  {name:<14} round {_spread(rounds.seconds)} s; link "
             f"{statistics.median(rounds.total()) / model:.2f} models/round "
-            f"(down {down:.2f}, up {up:.2f})"
+            f"(down {down:.2f}, up {up:.2f}); load {rounds.load:.1f}"
         )
         print("    " + ", ".join(f"{k} {v:.1f}" for k, v in rounds.phases.items()))
     seconds = {n: statistics.median(r.seconds) for n, r in results.items()}
@@ -329,7 +332,8 @@ def report(results: dict[str, Rounds], settings: Settings, judge: bool) -> list[
         ("flower_bridge_frozen_bytes", models["bridge-frozen"] / models["flower-frozen"],
          GOAL_FROZEN),
     ]  # fmt: skip
-    print("  (phases: median s after a round's start; the ClientApps' over every node)")
+    print(f"  (phases: median s after a round's start, the ClientApps' over every node; "
+          f"load: the 1-minute load average at the run's end, {os.cpu_count()} CPUs)")  # fmt: skip
     print(ratio_line("flower_bridge_flower_models_per_round", models["flower"]))
     print(ratio_line("flower_bridge_frozen_round_time",
                      seconds["bridge-frozen"] / seconds["flower-frozen"]))  # fmt: skip
