@@ -8,14 +8,12 @@ import logging
 import ssl as ssl_module
 import time
 from dataclasses import dataclass
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import numpy as np
 
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.errors import TensorSwapError
-from tensorswap.rounds import RoundClient
-from tensorswap.rounds.core import RoundId
 from tensorswap.store import BlockStore, get_update, read_manifest
 from tensorswap.swarm.errors import SwarmExhausted
 from tensorswap.swarm.messages import (
@@ -31,6 +29,10 @@ from tensorswap.swarm.scheduler import ChunkSource, SourceReport, SwarmSchedule
 from tensorswap.swarm.seeder import SwarmSeeder
 from tensorswap.swarm.sources import BlockSource, dial_seeder
 from tensorswap.wire import BlockClient, RemoteError, Timeouts, WireLimits
+
+if TYPE_CHECKING:  # the rounds engine is not imported for a fetch (a Flower ClientApp's)
+    from tensorswap.rounds import RoundClient
+    from tensorswap.rounds.core import RoundId
 
 __all__ = ["SwarmFetch", "SwarmPeer"]
 
