@@ -109,6 +109,9 @@ def test_the_default_config_reaches_090(tmp_path: Path) -> None:
         ({"mode": "sync"}, "run on the star topology"),
         ({"max_fragment_bytes": 4096}, "--max-fragment-bytes applies to the p2p"),
         ({"inner_steps": 0}, "--inner-steps 0 must be at least 1"),
+        ({"local_epochs": 5}, "--local-epochs applies to the star and p2p"),
+        ({"deadline_s": 3.0}, "--deadline and --quorum apply to rounds"),
+        ({"quorum": 2}, "--deadline and --quorum apply to rounds"),
     ],
 )
 def test_options_that_do_not_go_with_diloco_are_refused(

@@ -135,6 +135,13 @@ def _check_diloco(cfg: DemoConfig) -> None:
         )
     if cfg.freeze_first_layer:
         raise DemoError("--freeze-first-layer applies to the star and p2p topologies")
+    defaults = DemoConfig()
+    if cfg.local_epochs != defaults.local_epochs:
+        raise DemoError("--local-epochs applies to the star and p2p topologies: diloco's local "
+                        "work per outer step is --inner-steps")  # fmt: skip
+    if cfg.deadline_s != defaults.deadline_s or cfg.quorum is not None:
+        raise DemoError("--deadline and --quorum apply to rounds: diloco's all-reduce has no "
+                        "deadline (a dead peer is dropped when found)")  # fmt: skip
 
 
 def _check_run_options(cfg: DemoConfig) -> None:
