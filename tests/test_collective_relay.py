@@ -9,7 +9,12 @@ import numpy as np
 
 from helpers.collective import KEY, close
 from helpers.collective import rendezvous as start_rendezvous
+from tensorswap.cid import Cid
 from tensorswap.collective import Collective, Rendezvous
+from tensorswap.collective._relay import Relay, RelayRefused
+from tensorswap.collective._state import CallState
+from tensorswap.collective.messages import CommitInfo, Member, RelayPut
+from tensorswap.store import MemoryStore
 from tensorswap.wire import BlockServer
 
 
@@ -102,3 +107,85 @@ def test_a_relayed_peer_that_dies_mid_call_is_dropped() -> None:
     assert "closed" in dropped["p2"]
     np.testing.assert_array_equal(results[0]["w"], np.full(5000, 0.5, np.float32))
     assert results[0]["w"].tobytes() == results[1]["w"].tobytes()
+
+
+def test_a_peer_relaying_uncommitted_chunks_is_excluded_by_the_rendezvous() -> None:
+    """p0 commits to one input and sends another to p1, which is relayed: the rendezvous
+    refuses the first uncommitted block and drops p0 as a liar; p1 ends with its own input."""
+    from tensorswap.collective import PeerExcluded
+
+    async def main() -> tuple[list[Any], list[str]]:
+        server, made = await start_rendezvous()
+        address = f"127.0.0.1:{server.port}"
+        peers = list(
+            await asyncio.gather(
+                Collective.join(address, group="g", peer="p0", size=2, key=KEY),
+                Collective.join(address, group="g", peer="p1", size=2, key=KEY, listen=None),
+            )
+        )
+        liar = peers[0]
+
+        def forge(committed: list[Cid]) -> list[Cid]:
+            store = liar.store
+            return [store.put(np.frombuffer(store.get(c), np.float32) + 1) for c in committed]
+
+        liar.tamper = forge
+        try:
+            out = await asyncio.gather(
+                *(
+                    p.all_reduce({"w": np.full(100, float(i), np.float32)})
+                    for i, p in enumerate(peers)
+                ),
+                return_exceptions=True,
+            )
+            view = peers[1].view(0)
+            assert view is not None
+            return list(out), list(view.liars)
+        finally:
+            await close(peers, server, made)
+
+    (lied, honest), liars = asyncio.run(main())
+    assert isinstance(lied, PeerExcluded) and "relayed" in lied.reason
+    assert liars == ["p0"]
+    np.testing.assert_array_equal(honest["w"], np.full(100, 1.0, np.float32))
+
+
+def test_the_relay_holds_only_committed_blocks_within_its_budget() -> None:
+    """Admission: a committed chunk for a relayed reducer, nothing for a direct one, nothing
+    uncommitted; a relayed reducer's reduced chunks at most twice the call's chunk count; no
+    block beyond ``max_bytes``; a call's blocks go once every final member reported."""
+    data = [bytes([i]) * 64 for i in range(6)]
+    cids = [Cid.of(d) for d in data]
+    members = [Member("a", "h", 1), Member("r", "", 0, relayed=True)]
+    state = CallState(0, members, 2)
+    for name in ("a", "r"):
+        state.commits[name] = CommitInfo(1.0, bytes(32), [c.to_bytes() for c in cids[:2]])
+    relay = Relay(MemoryStore(), max_bytes=3 * 64)
+
+    def put(peer: str, j: int, i: int, reduced: bool = False) -> str | None:
+        message = RelayPut("g", 0, peer, j, cids[i].to_bytes(), data[i], reduced)
+
+        async def go() -> None:
+            await relay.put(message, relay.admit(state, {"r"}, message))
+
+        try:
+            asyncio.run(go())
+        except RelayRefused as exc:
+            return f"{'liar: ' if exc.liar else ''}{exc}"
+        return None
+
+    assert put("a", 1, 1) is None  # a's committed chunk of slice 1, whose reducer r is relayed
+    assert put("r", 0, 0) is not None and "not relayed" in str(put("r", 0, 0))
+    assert str(put("a", 1, 0)).startswith("liar: ")  # chunk 0 is a's slice 0, not slice 1
+    assert put("r", 1, 2, reduced=True) is None and put("r", 1, 3, reduced=True) is None
+    assert "full" in str(put("r", 1, 4, reduced=True))
+    assert "reduce" in str(put("a", 1, 5, reduced=True))
+    relay.max_bytes = 1 << 20
+    assert put("r", 1, 4, reduced=True) is None and put("r", 1, 5, reduced=True) is None
+    assert "share" in str(put("r", 1, 0, reduced=True))  # a fifth: over 2 x 2 chunks
+    state.final, state.roots = ["a", "r"], {"a": b"x"}
+    relay.release_if_done(state, "g")
+    assert relay.bytes == 5 * 64
+    state.roots["r"] = b"x"
+    relay.release_if_done(state, "g")
+    assert relay.bytes == 0 and list(relay.store) == []

@@ -68,7 +68,7 @@ class Relay:
             info = state.commits.get(put.peer)
             have = self.held.get((put.group, put.call), _Held()).reduced.get(put.peer, 0)
             if info is None or have >= 2 * len(info.chunks):
-                raise RelayRefused("over the relay's share of reduced chunks", liar=True)
+                raise RelayRefused("over the relay's share of reduced chunks")
             return cid
         if reducer not in relayed:
             raise RelayRefused(f"slice {put.slice}'s reducer {reducer!r} is not relayed")
