@@ -48,7 +48,8 @@ dropped even when its port still accepts connections (a stopped process)."""
 
 
 class Rendezvous:
-    """Membership, commitments and liveness for collective groups; no tensor bytes.
+    """Membership, commitments and liveness for collective groups; tensor bytes only as
+    the relay of members that open no port.
 
     Answers the ``"collective"`` app on a BlockServer (``attach``): ``join`` (the group is
     formed once ``size`` peers joined; later joiners take part from the next call),
@@ -57,9 +58,11 @@ class Rendezvous:
     changes; also the peer's sign of life), ``reduced`` (a reducer's slice, accepted only
     from the slice's current reducer over the current live participants), ``accuse`` (a
     peer that looks dead is probed; one that broke its commitment is excluded; one that
-    committed but whose push stalled is dropped) and ``done``
-    (result roots compared). Bounded: ``max_groups`` groups (the longest inactive one is
-    forgotten), MAX_MEMBERS peers per group, a few calls per group.
+    committed but whose push stalled is dropped), ``done`` (result roots compared) and
+    ``relay`` (a block for, or from, a relayed member: ``Relay``, held in the attached
+    server's store until the call ends). Bounded: ``max_groups`` groups (the longest
+    inactive one is forgotten), MAX_MEMBERS peers per group, a few calls per group, the
+    relay's bytes.
     """
 
     def __init__(
