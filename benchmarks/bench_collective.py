@@ -1,10 +1,13 @@
 """All-reduce on loopback: tensorswap.collective against gloo (torch.distributed), one run.
 
     PYTHONPATH=src python benchmarks/bench_collective.py [--peers 4 --mib 64] [--calls 3]
+        [--kill] [--relay]
 
 Every peer is its own process. Prints each system's median call time (the slowest peer's),
-CPU-seconds summed over the peers per call, and the ratios. hivemind is measured only if
-importable (it is not installed here).
+CPU-seconds summed over the peers per call, and the ratios. ``--relay``: also the same
+all-reduce with the last peer behind the relay (``listen=None``) against all direct, with the
+rendezvous process's CPU-seconds over the whole run. hivemind is measured only if importable
+(it is not installed here).
 """
 
 from __future__ import annotations
@@ -28,13 +31,23 @@ def _cpu() -> float:
 
 
 def _ts_peer(
-    rank: int, n: int, elems: int, calls: int, address: str, out: Any, kill: bool = False
+    rank: int,
+    n: int,
+    elems: int,
+    calls: int,
+    address: str,
+    out: Any,
+    kill: bool = False,
+    relay: bool = False,
 ) -> None:
     from tensorswap.collective import Collective
 
     async def main() -> list[tuple[float, float]]:
         x = {"w": np.full(elems, float(rank), np.float32)}
-        g = await Collective.join(address, group="bench", peer=f"p{rank}", size=n, key=b"k")
+        listen = None if relay and rank == n - 1 else "127.0.0.1:0"
+        g = await Collective.join(
+            address, group="bench", peer=f"p{rank}", size=n, key=b"k", listen=listen
+        )
         times = []
         async with g:
             await g.all_reduce(x)  # warm-up
@@ -70,6 +83,7 @@ def _rendezvous(ready: Any, stop: Any) -> None:
         while stop.empty():
             await asyncio.sleep(0.05)
         await server.aclose()
+        ready.put(_cpu())
 
     asyncio.run(main())
 
@@ -108,14 +122,19 @@ def _medians(results: dict[int, Any], n: int) -> tuple[float, float]:
     return statistics.median(wall), statistics.median(cpu)
 
 
-def run_tensorswap(n: int, elems: int, calls: int) -> tuple[float, float]:
+RENDEZVOUS_CPU: list[float] = []
+"""The rendezvous process's CPU-seconds, one entry per ``run_tensorswap``."""
+
+
+def run_tensorswap(n: int, elems: int, calls: int, relay: bool = False) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     ready, stop, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
     server = ctx.Process(target=_rendezvous, args=(ready, stop))
     server.start()
     address = f"127.0.0.1:{ready.get(timeout=60)}"
     procs = [
-        ctx.Process(target=_ts_peer, args=(r, n, elems, calls, address, out)) for r in range(n)
+        ctx.Process(target=_ts_peer, args=(r, n, elems, calls, address, out, False, relay))
+        for r in range(n)
     ]
     for p in procs:
         p.start()
@@ -123,6 +142,7 @@ def run_tensorswap(n: int, elems: int, calls: int) -> tuple[float, float]:
         return _gather(procs, out, n)
     finally:
         stop.put(True)
+        RENDEZVOUS_CPU.append(ready.get(timeout=60))
         server.join(30)
 
 
@@ -172,6 +192,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--kill", action="store_true", help="also: a peer SIGKILLed mid-call")
+    parser.add_argument("--relay", action="store_true", help="also: the last peer relayed")
     args = parser.parse_args()
     elems = args.mib * (1 << 20) // 4
     print(f"{args.peers} peers x {args.mib} MiB float32, {os.cpu_count()} CPUs, loopback")
@@ -180,6 +201,15 @@ def main() -> None:
     print(f"gloo        {gloo[0]:7.3f} s/call  {gloo[1]:7.2f} CPU-s/call")
     print(f"tensorswap  {ts[0]:7.3f} s/call  {ts[1]:7.2f} CPU-s/call")
     print(f"ratio tensorswap/gloo: time {ts[0] / gloo[0]:.2f}x  CPU {ts[1] / gloo[1]:.2f}x")
+    if args.relay:
+        direct = run_tensorswap(args.peers, elems, args.calls)
+        relayed = run_tensorswap(args.peers, elems, args.calls, relay=True)
+        print(
+            f"one peer relayed: {relayed[0]:.3f} s/call ({relayed[1]:.2f} CPU-s, peers only) "
+            f"vs all direct {direct[0]:.3f} s/call ({direct[1]:.2f} CPU-s): "
+            f"{relayed[0] / direct[0]:.2f}x; rendezvous CPU-s over the run: "
+            f"{RENDEZVOUS_CPU[-1]:.2f} relayed vs {RENDEZVOUS_CPU[-2]:.2f} direct"
+        )
     if args.kill:
         normal, killed = run_kill(args.peers, elems, args.calls)
         print(

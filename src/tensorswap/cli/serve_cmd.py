@@ -138,7 +138,7 @@ async def _round_server(
         operator_key=operator_key,
     )
     SwarmTracker(coordinator.store).attach(server.blocks)  # peers that serve results
-    Rendezvous().attach(server.blocks)  # collective groups meet here (no tensor bytes)
+    Rendezvous().attach(server.blocks)  # collective groups meet here (and relay NATed peers)
     if tier is not None:  # regions below say hello: names checked, loops refused
         RegionGate(server, link=tier.link)
     else:

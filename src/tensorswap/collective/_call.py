@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from tensorswap.cid import Cid
+from tensorswap.collective._call_relay import put_to_relay, start_pulls
 from tensorswap.collective._compress import Compression, codec_for
 from tensorswap.collective._layout import chunk_bounds, flatten, slice_range, unflatten
 from tensorswap.collective._progress import Progress
@@ -67,6 +68,7 @@ class CallOwner(Protocol):
     group: str
     peer: str
     size: int
+    relayed: bool
     quorum: int
     compression: Compression
     store: MemoryStore
@@ -84,6 +86,8 @@ class CallOwner(Protocol):
     async def ask(self, message: Any) -> Any: ...
     async def client_of(self, member: Member) -> BlockClient: ...
     async def forget_client(self, name: str) -> None: ...
+    async def relay_client(self) -> BlockClient: ...
+    async def forget_relay(self) -> None: ...
 
 
 class CallRun:
@@ -231,13 +235,15 @@ class CallRun:
         for j, reducer in enumerate(view.assign):
             chunks = slice_range(len(self.bounds), n, j)
             if reducer != me and len(chunks) and (j, reducer) not in self.pushed:
-                self._start(("push", j, reducer), self._push, j, chunks, members[reducer])
+                self.start_task(("push", j, reducer), self._push, j, chunks, members[reducer])
             if reducer == me:
+                if self.owner.relayed:
+                    start_pulls(self, view, j, chunks)
                 self._reduce(view, j, chunks)
         if view.final is not None:
             for j, info in view.reduced.items():
                 if j not in self.gathered and info.reducer != me:
-                    self._start(("gather", j), self._gather, j, info, view.final, members)
+                    self.start_task(("gather", j), self._gather, j, info, view.final, members)
                 elif info.reducer == me:
                     self.gathered.add(j)
 
@@ -250,13 +256,13 @@ class CallRun:
             if suspect in live and suspect != self.owner.peer and suspect not in self.accused:
                 self.accused.add(suspect)
                 reason = f"pushed a block that does not hash to its CID ({why})"
-                self._start(("accuse", suspect), self._accuse, suspect, reason, Fault.MISMATCH)
+                self.start_task(("accuse", suspect), self._accuse, suspect, reason, Fault.MISMATCH)
 
     @property
     def pushed(self) -> set[tuple[int, str]]:
         return {(k[1], k[2]) for k in self.tasks if k[0] == "push"}
 
-    def _start(
+    def start_task(
         self, key: tuple[Any, ...], work: Callable[..., Coroutine[Any, Any, None]], *args: Any
     ) -> None:
         if key in self.tasks:
@@ -272,7 +278,7 @@ class CallRun:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
-    async def _forget_later(self, key: tuple[Any, ...]) -> None:
+    async def forget_later(self, key: tuple[Any, ...]) -> None:
         """Let ``key``'s work (the caller) be started again after a pause (the view may
         change first); the caller ends right after."""
         await asyncio.sleep(_RETRY)
@@ -284,6 +290,14 @@ class CallRun:
         """Send this peer's chunks of slice j to its reducer, then say what they are."""
         owner = self.owner
         cids = [self.mine[k] for k in chunks]
+        if member.relayed:  # through the rendezvous, which tells the reducer (its view)
+            start = owner.clock()
+            if not await put_to_relay(self, j, cids, reduced=False):
+                await self.forget_later(("push", j, member.peer))
+                return
+            values = sum(self.bounds[k][1] - self.bounds[k][0] for k in chunks)
+            self.progress.pushed(values, owner.clock() - start)
+            return
         try:
             start = owner.clock()
             client = await owner.client_of(member)
@@ -298,7 +312,7 @@ class CallRun:
         except (TensorSwapError, OSError) as exc:
             await owner.forget_client(member.peer)
             await self._accuse(member.peer, f"push of slice {j} failed: {exc}")
-            await self._forget_later(("push", j, member.peer))
+            await self.forget_later(("push", j, member.peer))
 
     async def _accuse(self, suspect: str, reason: str, kind: Fault = Fault.DEAD) -> None:
         owner = self.owner
@@ -331,9 +345,9 @@ class CallRun:
                     self.accused.add(peer)
                     why = "sent other chunks than it committed to" if sent != committed else ""
                     detail = why or f"named {len(missing)} committed chunks it never sent"
-                    self._start(("accuse", peer), self._accuse, peer, detail, Fault.MISMATCH)
+                    self.start_task(("accuse", peer), self._accuse, peer, detail, Fault.MISMATCH)
                 return
-        self._start(("fold", j, tuple(live)), self._fold, view, j, chunks, live)
+        self.start_task(("fold", j, tuple(live)), self._fold, view, j, chunks, live)
 
     def _watch_pushes(self, view: CallView, j: int, chunks: range, live: list[str]) -> None:
         """Measure the pushes of slice j that are here; accuse (of a stall) a committed
@@ -357,12 +371,15 @@ class CallRun:
                 continue
             self.accused.add(peer)
             reason = self.progress.explain(j, peer, values)
-            self._start(("accuse", peer), self._accuse, peer, reason, Fault.STALLED)
+            self.start_task(("accuse", peer), self._accuse, peer, reason, Fault.STALLED)
 
     async def _fold(self, view: CallView, j: int, chunks: range, live: list[str]) -> None:
         owner = self.owner
         cids = await asyncio.to_thread(self._fold_chunks, view, chunks, live)
         self.folded.extend(cids)
+        if owner.relayed and not await put_to_relay(self, j, cids, reduced=True):
+            await self.forget_later(("fold", j, tuple(live)))
+            return
         message = Reduced(
             owner.group, self.number, owner.peer, j, live, [c.to_bytes() for c in cids]
         )
@@ -400,13 +417,17 @@ class CallRun:
         sources = [info.reducer, *(p for p in final if p not in (info.reducer, owner.peer))]
         for name in sources:
             lacking = [c for c in cids if not owner.store.has(c)]
+            member = members[name]
             if not lacking:
                 break
+            if member.relayed and name != info.reducer:
+                continue  # no port: its slices are at the relay, asked for as its reducer's
             try:
-                client = await owner.client_of(members[name])
+                relay = member.relayed
+                client = await (owner.relay_client() if relay else owner.client_of(member))
                 await client.get_blocks(lacking, into=owner.store)
             except (TensorSwapError, OSError):
-                await owner.forget_client(name)
+                await (owner.forget_relay() if member.relayed else owner.forget_client(name))
                 continue
             self.stats.bytes_received += sum(
                 owner.store.size_of(c) for c in lacking if owner.store.has(c)
@@ -420,7 +441,7 @@ class CallRun:
                 f"call {self.number}: reduced slice {j} (reducer {info.reducer!r}) could not "
                 f"be fetched from any member after {_MAX_FETCH_ROUNDS} rounds"
             )
-        await self._forget_later(("gather", j))
+        await self.forget_later(("gather", j))
 
     def _gathered_all(self, view: CallView) -> bool:
         return all(j in self.gathered for j in range(len(view.participants)))

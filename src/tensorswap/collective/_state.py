@@ -23,6 +23,8 @@ class PeerState:
     seen: float
     polling: int = 0
     max_gap: float = 0.0
+    addresses: list[str] = field(default_factory=list)
+    """A relayed member's last client addresses (its connections to the rendezvous)."""
 
 
 @dataclass(slots=True)
@@ -40,6 +42,8 @@ class CallState:
     reduced: dict[int, ReducedInfo] = field(default_factory=dict)
     final: list[str] | None = None
     roots: dict[str, bytes] = field(default_factory=dict)
+    relayed: dict[str, list[int]] = field(default_factory=dict)
+    """Per participant, the slices whose committed chunks the relay holds."""
 
     def __post_init__(self) -> None:
         self.assign = [m.peer for m in self.participants]
@@ -65,6 +69,7 @@ class CallState:
             reduced=dict(self.reduced),
             final=None if self.final is None else list(self.final),
             roots=dict(self.roots),
+            relayed={p: list(s) for p, s in self.relayed.items()},
         )
 
     def drop(self, peer: str, reason: str) -> bool:

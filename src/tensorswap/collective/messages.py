@@ -15,6 +15,7 @@ __all__ = [
     "MAX_CHUNKS",
     "MAX_MEMBERS",
     "MAX_NAME",
+    "MAX_RELAY_BLOCK",
     "MAX_WAIT",
     "PEER_APP",
     "Accuse",
@@ -30,6 +31,7 @@ __all__ = [
     "Poll",
     "Reduced",
     "ReducedInfo",
+    "RelayPut",
     "RendezvousCall",
     "ResultRoot",
     "SliceSent",
@@ -51,6 +53,8 @@ MAX_MEMBERS = 256
 """Most peers in one group."""
 MAX_CHUNKS = 1 << 16
 """Most chunks one peer commits to in one call."""
+MAX_RELAY_BLOCK = 4 * (1 << 20) + 4096
+"""Largest block a ``RelayPut`` carries (a float32 chunk and its codec's header)."""
 MAX_WAIT = 2.0
 """Longest a poll or join waits at the rendezvous for news (seconds)."""
 _CID_BYTES = 64
@@ -64,6 +68,9 @@ class Member(_Base, frozen=True):
     peer: str
     host: str
     port: int
+    relayed: bool = False
+    """It accepts no connections (port 0): pushes to it and fetches of its reduced slices
+    go through the rendezvous (``RelayPut``)."""
 
 
 class Join(_Base, frozen=True, tag="join", tag_field="op"):
@@ -76,6 +83,7 @@ class Join(_Base, frozen=True, tag="join", tag_field="op"):
     host: str
     port: int
     wait: float = 0.0
+    relayed: bool = False
 
 
 class Commit(_Base, frozen=True, tag="commit", tag_field="op"):
@@ -146,7 +154,21 @@ class Done(_Base, frozen=True, tag="done", tag_field="op"):
     root: bytes
 
 
-RendezvousCall = Join | Commit | Poll | Reduced | Accuse | Done
+class RelayPut(_Base, frozen=True, tag="relay", tag_field="op"):
+    """Peer -> rendezvous: one block for a relayed member in ``call``: ``peer``'s committed
+    chunk of slice ``slice`` for its relayed reducer, or (``reduced``) the relayed reducer's
+    own reduced chunk of that slice. ``data`` must hash to ``cid``."""
+
+    group: str
+    call: int
+    peer: str
+    slice: int
+    cid: bytes
+    data: bytes
+    reduced: bool = False
+
+
+RendezvousCall = Join | Commit | Poll | Reduced | Accuse | Done | RelayPut
 
 
 class JoinAnswer(_Base, frozen=True):
@@ -189,6 +211,9 @@ class CallView(_Base, frozen=True):
     final: list[str] | None = None
     roots: dict[str, bytes] = msgspec.field(default_factory=dict)
     error: str | None = None
+    relayed: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    """Per participant, the slices whose committed chunks the relay holds for their
+    relayed reducer."""
 
 
 class Answer(_Base, frozen=True):
@@ -264,7 +289,7 @@ def decode_call(body: bytes, peer: str = "") -> RendezvousCall:
     if isinstance(call, Join):
         if not 1 <= call.size <= MAX_MEMBERS:
             raise BadCollectiveMessage(f"size {call.size} outside 1..{MAX_MEMBERS}", peer)
-        if len(call.host) > MAX_NAME or not 0 < call.port < 65536:
+        if len(call.host) > MAX_NAME or not (call.relayed or 0 < call.port < 65536):
             raise BadCollectiveMessage(f"address {call.host[:MAX_NAME]}:{call.port}", peer)
         _bounded_wait(call.wait, peer)
         return call
@@ -286,6 +311,11 @@ def decode_call(body: bytes, peer: str = "") -> RendezvousCall:
         _name(call.suspect, "suspect", peer)
         if len(call.reason) > 1024:
             raise BadCollectiveMessage("an accusation's reason over 1024 chars", peer)
+    elif isinstance(call, RelayPut):
+        if not 0 < len(call.cid) <= _CID_BYTES or len(call.data) > MAX_RELAY_BLOCK:
+            raise BadCollectiveMessage(f"a relayed block of {len(call.data)} bytes", peer)
+        if not 0 <= call.slice < MAX_MEMBERS:
+            raise BadCollectiveMessage(f"slice {call.slice}", peer)
     elif isinstance(call, Done) and not 0 < len(call.root) <= _CID_BYTES:
         raise BadCollectiveMessage(f"a root of {len(call.root)} bytes", peer)
     return call
@@ -297,7 +327,7 @@ def decode_join_answer(body: bytes, peer: str = "") -> JoinAnswer:
         raise BadCollectiveMessage(f"{len(answer.members)} members, over {MAX_MEMBERS}", peer)
     for member in answer.members:
         _name(member.peer, "member", peer)
-        if not member.host or not 0 < member.port < 65536:
+        if not member.host or not (member.relayed or 0 < member.port < 65536):
             raise BadCollectiveMessage(f"member at {member.host}:{member.port}", peer)
     return answer
 
@@ -307,6 +337,8 @@ def _check_view(view: CallView, peer: str) -> CallView:
         raise BadCollectiveMessage("a call view over the member limit", peer)
     for info in view.commits.values():
         _cids(info.chunks, peer)
+    if len(view.relayed) > MAX_MEMBERS or any(len(s) > MAX_MEMBERS for s in view.relayed.values()):
+        raise BadCollectiveMessage("a call view's relay notes over the member limit", peer)
     return view
 
 

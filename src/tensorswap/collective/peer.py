@@ -63,8 +63,11 @@ class Collective:
         key: bytes | None,
         quorum: int = 1,
         compression: Compression = "none",
+        relayed: bool = False,
     ) -> None:
         self.rendezvous = rendezvous
+        self.relayed = relayed
+        """No listener: others reach this peer through the rendezvous (``join(listen=None)``)."""
         self.group, self.peer, self.size, self.key = group, peer, size, key
         self.quorum = quorum
         self.compression: Compression = compression
@@ -102,6 +105,8 @@ class Collective:
         self._views: dict[int, CallView] = {}
         self._control: BlockClient | None = None
         self._poll_client: BlockClient | None = None
+        self._relay: BlockClient | None = None
+        self._relay_lock = asyncio.Lock()
         self._poller: asyncio.Task[None] | None = None
         self._peers: dict[str, BlockClient] = {}
         self._dialing: dict[str, asyncio.Lock] = {}
@@ -119,7 +124,7 @@ class Collective:
         peer: str,
         size: int,
         key: bytes | None = None,
-        listen: str = "127.0.0.1:0",
+        listen: str | None = "127.0.0.1:0",
         advertise: str = "",
         timeout: float = 120.0,
         quorum: int = 1,
@@ -127,6 +132,8 @@ class Collective:
     ) -> Self:
         """Join ``group`` at the rendezvous ``address`` (``HOST:PORT`` of a ``tensorswap
         serve``), serving slices on ``listen``; returns once ``size`` peers are in the group.
+        ``listen=None``: open no listener (behind a NAT): the peer only dials out, and the
+        rendezvous relays what others push to it and fetch from it (docs/collective.md).
 
         ``advertise``: the host others dial (default: the address the rendezvous sees).
         Raises JoinTimedOut after ``timeout`` seconds, GroupMismatch when the group has
@@ -139,10 +146,11 @@ class Collective:
             key=key,
             quorum=quorum,
             compression=compression,
+            relayed=listen is None,
         )
         try:
-            host, port = split_host_port(listen)
-            await self.server.start(host, port)
+            if listen is not None:
+                await self.server.start(*split_host_port(listen))
             self._control = await self._dial(*self.rendezvous)
             self._poll_client = await self._dial(*self.rendezvous)
             await self._join(advertise, timeout)
@@ -169,8 +177,9 @@ class Collective:
                 self.peer,
                 self.size,
                 advertise,
-                self.server.port,
+                0 if self.relayed else self.server.port,
                 wait=max(0.0, min(MAX_WAIT, left)),
+                relayed=self.relayed,
             )
             answer = decode_join_answer(await self._ask(message), self.peer)
             if answer.error is not None:
@@ -248,6 +257,21 @@ class Collective:
             with contextlib.suppress(Exception):
                 client.conn.transport.abort()
 
+    async def relay_client(self) -> BlockClient:
+        """The connection to the rendezvous that carries relayed blocks (dialled once)."""
+        async with self._relay_lock:
+            if self._relay is None:
+                self._relay = await self._dial(*self.rendezvous)
+            return self._relay
+
+    async def forget_relay(self) -> None:
+        """Drop the relay connection (the next ``relay_client`` dials again)."""
+        client, self._relay = self._relay, None
+        if client is not None:
+            client.redial = None
+            with contextlib.suppress(Exception):
+                client.conn.transport.abort()
+
     async def _on_slice(self, request: AppRequest) -> bytes:
         """A peer's "the blocks just pushed are my slice j of call c" (kept for the call)."""
         sent = decode_slice(request.body, request.peer)
@@ -307,7 +331,7 @@ class Collective:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        for client in [self._control, self._poll_client, *self._peers.values()]:
+        for client in [self._control, self._poll_client, self._relay, *self._peers.values()]:
             if client is not None:
                 with contextlib.suppress(Exception):
                     await client.aclose()

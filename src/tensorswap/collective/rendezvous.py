@@ -8,6 +8,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from tensorswap.collective._layout import slice_range
+from tensorswap.collective._relay import Relay, RelayRefused
 from tensorswap.collective._state import CallState, GroupState, PeerState
 from tensorswap.collective.errors import BadCollectiveMessage
 from tensorswap.collective.messages import (
@@ -26,9 +28,11 @@ from tensorswap.collective.messages import (
     Poll,
     Reduced,
     ReducedInfo,
+    RelayPut,
     decode_call,
     encode,
 )
+from tensorswap.store import MemoryStore
 from tensorswap.wire import AppRequest, BlockServer, TransportError, connect_tcp
 
 __all__ = ["PROBE_AFTER", "Rendezvous"]
@@ -44,7 +48,8 @@ dropped even when its port still accepts connections (a stopped process)."""
 
 
 class Rendezvous:
-    """Membership, commitments and liveness for collective groups; no tensor bytes.
+    """Membership, commitments and liveness for collective groups; tensor bytes only as
+    the relay of members that open no port.
 
     Answers the ``"collective"`` app on a BlockServer (``attach``): ``join`` (the group is
     formed once ``size`` peers joined; later joiners take part from the next call),
@@ -53,9 +58,11 @@ class Rendezvous:
     changes; also the peer's sign of life), ``reduced`` (a reducer's slice, accepted only
     from the slice's current reducer over the current live participants), ``accuse`` (a
     peer that looks dead is probed; one that broke its commitment is excluded; one that
-    committed but whose push stalled is dropped) and ``done``
-    (result roots compared). Bounded: ``max_groups`` groups (the longest inactive one is
-    forgotten), MAX_MEMBERS peers per group, a few calls per group.
+    committed but whose push stalled is dropped), ``done`` (result roots compared) and
+    ``relay`` (a block for, or from, a relayed member: ``Relay``, held in the attached
+    server's store until the call ends). Bounded: ``max_groups`` groups (the longest
+    inactive one is forgotten), MAX_MEMBERS peers per group, a few calls per group, the
+    relay's bytes.
     """
 
     def __init__(
@@ -68,10 +75,16 @@ class Rendezvous:
         self._probes: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.requests = 0
         self.drops = 0
+        self.relay = Relay(MemoryStore())
+        """Blocks for relayed members, in the attached server's store (``attach``)."""
+        self.server: BlockServer | None = None
 
     def attach(self, server: BlockServer) -> Rendezvous:
-        """Answer the ``"collective"`` app on ``server`` (a RoundServer's ``blocks``)."""
+        """Answer the ``"collective"`` app on ``server`` (a RoundServer's ``blocks``), whose
+        store also holds the relay's blocks (fetched from it with a Get)."""
         server.handlers[APP] = self.handle
+        self.server = server
+        self.relay = Relay(server.store, self.relay.max_bytes)
         return self
 
     async def aclose(self) -> None:
@@ -93,16 +106,43 @@ class Rendezvous:
         if group is None:
             return encode(Answer(error=f"no group {call.group!r}"))
         group.active = self.clock()
-        self._seen(group, call.peer)
+        self._seen(group, call.peer, request.peer)
         if isinstance(call, Poll):
             return encode(await self._poll(group, call))
         state = group.open_call(call.call) if isinstance(call, Commit) else None
         state = state or group.calls.get(call.call)
+        self.relay.release_gone(group.name, set(group.calls))
         if state is None:
             return encode(Answer(error=f"call {call.call} is not open"))
+        if isinstance(call, RelayPut):
+            return encode(Answer(error=await self._relay_put(group, state, call)))
         error = self._apply(group, state, call)
+        self.relay.release_if_done(state, group.name)
         self._bump(group)
         return encode(Answer(error=error, view=state.view()))
+
+    async def _relay_put(self, group: GroupState, state: CallState, put: RelayPut) -> str | None:
+        """Hold one block for a relayed member (``Relay``); a block its sender did not
+        commit to, or that does not hash to its CID, drops the sender as a liar. Once the
+        relay holds all of a sender's chunks of a slice, the view says so (``relayed``)."""
+        relayed = {m.peer for m in state.participants if m.relayed}
+        try:
+            cid = self.relay.admit(state, relayed, put)
+            await self.relay.put(put, cid)
+        except RelayRefused as exc:
+            if exc.liar and put.peer in state.live:
+                if put.peer not in state.liars:
+                    state.liars.append(put.peer)
+                self._drop(group, put.peer, f"broke its commitment: relayed {exc}")
+            return str(exc)
+        info = state.commits[put.peer]
+        if not put.reduced and put.slice not in state.relayed.get(put.peer, []):
+            mine = slice_range(len(info.chunks), len(state.participants), put.slice)
+            if self.relay.holds([info.chunks[k] for k in mine]):
+                state.relayed.setdefault(put.peer, []).append(put.slice)
+                state.version += 1
+                self._bump(group)
+        return None
 
     # ── the operations ──────────────────────────────────────────────────────
     async def _join(self, call: Join, address: str) -> JoinAnswer:
@@ -114,7 +154,7 @@ class Rendezvous:
             return JoinAnswer(error=f"the group's size is {group.size}, not {call.size}")
         if call.peer not in group.roster and len(group.roster) >= MAX_MEMBERS:
             return JoinAnswer(error=f"the group has {MAX_MEMBERS} members")
-        member = Member(call.peer, call.host or _host_of(address), call.port)
+        member = Member(call.peer, call.host or _host_of(address), call.port, call.relayed)
         group.roster[call.peer] = PeerState(member, self.clock())
         group.active = self.clock()
         if len(group.roster) >= group.size and not group.formed:
@@ -163,6 +203,9 @@ class Rendezvous:
         if isinstance(call, Commit):
             return _commit(state, call)
         if isinstance(call, Reduced):
+            relayed = any(m.peer == call.peer and m.relayed for m in state.participants)
+            if relayed and not self.relay.holds(call.chunks):
+                return "the relay lacks the reduced chunks of a relayed reducer"
             return _reduced(state, call)
         if isinstance(call, Accuse):
             return self._accuse(group, state, call)
@@ -191,9 +234,11 @@ class Rendezvous:
         return None
 
     # ── liveness ────────────────────────────────────────────────────────────
-    def _seen(self, group: GroupState, name: str) -> None:
+    def _seen(self, group: GroupState, name: str, address: str = "") -> None:
         peer = group.roster.get(name)
         if peer is not None:
+            if peer.member.relayed and address and address not in peer.addresses:
+                peer.addresses = [*peer.addresses[-3:], address]
             now = self.clock()
             if peer.polling == 0:
                 peer.max_gap = max(peer.max_gap, now - peer.seen)
@@ -216,6 +261,12 @@ class Rendezvous:
                 self._probe(group, peer.member, f"silent for {gap:.1f} s")
 
     def _probe(self, group: GroupState, member: Member, why: str) -> None:
+        if member.relayed:  # no port to probe: are its connections to us still open?
+            peer, server = group.roster.get(member.peer), self.server
+            addresses = [] if peer is None else peer.addresses
+            if server is not None and not any(server.serving(a) for a in addresses):
+                self._drop(group, member.peer, f"{why}; its connections here are closed")
+            return
         key = (group.name, member.peer)
         if key in self._probes:
             return
@@ -251,6 +302,7 @@ class Rendezvous:
         while len(self.groups) >= self.max_groups:
             oldest = min(self.groups.values(), key=lambda g: g.active)
             del self.groups[oldest.name]
+            self.relay.release_gone(oldest.name, None)
             self._bump(oldest)
 
 

@@ -70,6 +70,10 @@ class ServerStats:
         self.ended_bytes_in += transport.bytes_received
         self.ended_bytes_out += transport.bytes_sent
 
+    def serving(self, peer: str) -> bool:
+        """Whether a connection from the client address ``peer`` is being served now."""
+        return any(t.peer == peer for t in self._open)
+
     @property
     def open_connections(self) -> int:
         return len(self._open)

@@ -170,6 +170,11 @@ class BlockServer(ServerHandlers):
         stats.pool_working_set_bytes = pool.working_set_bytes
         return stats
 
+    def serving(self, peer: str) -> bool:
+        """Whether a connection from the client address ``peer`` is being served now (a
+        closed or reset one is not, once the server has read its end)."""
+        return self._counters.serving(peer)
+
     # ── lifecycle ────────────────────────────────────────────────────────────
     async def start(
         self,
