@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from tensorswap.cid import Cid
 from tensorswap.collective.messages import APP, CallView, RelayPut, decode_answer, encode
 from tensorswap.errors import TensorSwapError
 
-if TYPE_CHECKING:
-    from tensorswap.collective._call import CallRun
+__all__ = ["CallRun", "pull_from_relay", "put_to_relay", "start_pulls"]
 
-__all__ = ["pull_from_relay", "put_to_relay", "start_pulls"]
+
+class CallRun(Protocol):
+    """What the relay's traffic needs of a call in progress (``_call.CallRun``; a protocol,
+    so that module and this one do not import each other)."""
+
+    owner: Any  # the Collective
+    number: int
+    stats: Any  # its CallStats
+
+    def start_task(
+        self, key: tuple[Any, ...], work: Callable[..., Coroutine[Any, Any, None]], *args: Any
+    ) -> None: ...
+
+    async def forget_later(self, key: tuple[Any, ...]) -> None: ...
 
 
 async def put_to_relay(run: CallRun, j: int, cids: list[Cid], *, reduced: bool) -> bool:
