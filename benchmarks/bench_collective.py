@@ -1,10 +1,13 @@
 """All-reduce on loopback: tensorswap.collective against gloo (torch.distributed), one run.
 
     PYTHONPATH=src python benchmarks/bench_collective.py [--peers 4 --mib 64] [--calls 3]
+    PYTHONPATH=src python benchmarks/bench_collective.py --perf /tmp/cb   # + a profile
 
 Every peer is its own process. Prints each system's median call time (the slowest peer's),
 CPU-seconds summed over the peers per call, and the ratios. hivemind is measured only if
-importable (it is not installed here).
+importable (it is not installed here). ``--perf PREFIX`` records `perf record -a -g` over
+each system's timed calls only (not the processes' start nor the warm-up) into
+PREFIX-tensorswap.data and PREFIX-gloo.data (`perf report --no-children --sort pid,sym -i`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import resource
 import signal
 import statistics
+import subprocess
 import time
 from typing import Any
 
@@ -28,7 +32,14 @@ def _cpu() -> float:
 
 
 def _ts_peer(
-    rank: int, n: int, elems: int, calls: int, address: str, out: Any, kill: bool = False
+    rank: int,
+    n: int,
+    elems: int,
+    calls: int,
+    address: str,
+    out: Any,
+    kill: bool = False,
+    marks: Any = None,
 ) -> None:
     from tensorswap.collective import Collective
 
@@ -38,6 +49,8 @@ def _ts_peer(
         times = []
         async with g:
             await g.all_reduce(x)  # warm-up
+            if marks is not None:  # the profile starts now (the loop keeps polling)
+                await asyncio.to_thread(_warm, rank, marks)
             for _ in range(calls):
                 c0, t0 = _cpu(), time.perf_counter()
                 await g.all_reduce(x)
@@ -57,6 +70,41 @@ def _ts_peer(
     out.put((rank, asyncio.run(main())))
 
 
+def _warm(rank: int, marks: Any) -> None:
+    """Say this peer is warm (rank 0 speaks for all), then wait for the profiler."""
+    warm, go = marks
+    if rank == 0:
+        warm.set()
+    go.wait(120)
+
+
+class _Profile:
+    """`perf record -a -g` from when the peers are warm to when they are done."""
+
+    def __init__(self, ctx: Any, path: str | None) -> None:
+        self.path = path
+        self.marks = (ctx.Event(), ctx.Event()) if path else None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        if self.marks is None:
+            return
+        warm, go = self.marks
+        if not warm.wait(600):
+            raise RuntimeError("the peers never finished their warm-up")
+        argv = ["perf", "record", "-a", "-g", "-F", "499", "-o", str(self.path)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)  # perf's start: mmap and its first samples
+        go.set()
+
+    def stop(self, procs: list[Any]) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(60)
+            pids = ",".join(str(p.pid) for p in procs)
+            print(f"  profile: {self.path} (the peers: perf report --pid {pids})")
+
+
 def _rendezvous(ready: Any, stop: Any) -> None:
     from tensorswap.collective import Rendezvous
     from tensorswap.store import MemoryStore
@@ -74,7 +122,9 @@ def _rendezvous(ready: Any, stop: Any) -> None:
     asyncio.run(main())
 
 
-def _gloo_peer(rank: int, n: int, elems: int, calls: int, port: int, out: Any) -> None:
+def _gloo_peer(
+    rank: int, n: int, elems: int, calls: int, port: int, out: Any, marks: Any = None
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -82,6 +132,8 @@ def _gloo_peer(rank: int, n: int, elems: int, calls: int, port: int, out: Any) -
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
     x = torch.full((elems,), float(rank))
     dist.all_reduce(x.clone())
+    if marks is not None:
+        _warm(rank, marks)
     times = []
     for _ in range(calls):
         y = x.clone()
@@ -108,20 +160,24 @@ def _medians(results: dict[int, Any], n: int) -> tuple[float, float]:
     return statistics.median(wall), statistics.median(cpu)
 
 
-def run_tensorswap(n: int, elems: int, calls: int) -> tuple[float, float]:
+def run_tensorswap(n: int, elems: int, calls: int, perf: str | None = None) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     ready, stop, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
     server = ctx.Process(target=_rendezvous, args=(ready, stop))
     server.start()
     address = f"127.0.0.1:{ready.get(timeout=60)}"
+    profile = _Profile(ctx, perf)
     procs = [
-        ctx.Process(target=_ts_peer, args=(r, n, elems, calls, address, out)) for r in range(n)
+        ctx.Process(target=_ts_peer, args=(r, n, elems, calls, address, out, False, profile.marks))
+        for r in range(n)
     ]
     for p in procs:
         p.start()
     try:
+        profile.start()
         return _gather(procs, out, n)
     finally:
+        profile.stop(procs)
         stop.put(True)
         server.join(30)
 
@@ -152,7 +208,7 @@ def run_kill(n: int, elems: int, calls: int) -> tuple[float, float]:
         server.join(30)
 
 
-def run_gloo(n: int, elems: int, calls: int) -> tuple[float, float]:
+def run_gloo(n: int, elems: int, calls: int, perf: str | None = None) -> tuple[float, float]:
     import socket
 
     with socket.socket() as s:
@@ -160,10 +216,18 @@ def run_gloo(n: int, elems: int, calls: int) -> tuple[float, float]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_peer, args=(r, n, elems, calls, port, out)) for r in range(n)]
+    profile = _Profile(ctx, perf)
+    procs = [
+        ctx.Process(target=_gloo_peer, args=(r, n, elems, calls, port, out, profile.marks))
+        for r in range(n)
+    ]
     for p in procs:
         p.start()
-    return _gather(procs, out, n)
+    try:
+        profile.start()
+        return _gather(procs, out, n)
+    finally:
+        profile.stop(procs)
 
 
 def main() -> None:
@@ -172,11 +236,13 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--kill", action="store_true", help="also: a peer SIGKILLed mid-call")
+    parser.add_argument("--perf", metavar="PREFIX", help="perf record the timed calls")
     args = parser.parse_args()
     elems = args.mib * (1 << 20) // 4
     print(f"{args.peers} peers x {args.mib} MiB float32, {os.cpu_count()} CPUs, loopback")
-    gloo = run_gloo(args.peers, elems, args.calls)
-    ts = run_tensorswap(args.peers, elems, args.calls)
+    perf = {k: f"{args.perf}-{k}.data" if args.perf else None for k in ("gloo", "tensorswap")}
+    gloo = run_gloo(args.peers, elems, args.calls, perf["gloo"])
+    ts = run_tensorswap(args.peers, elems, args.calls, perf["tensorswap"])
     print(f"gloo        {gloo[0]:7.3f} s/call  {gloo[1]:7.2f} CPU-s/call")
     print(f"tensorswap  {ts[0]:7.3f} s/call  {ts[1]:7.2f} CPU-s/call")
     print(f"ratio tensorswap/gloo: time {ts[0] / gloo[0]:.2f}x  CPU {ts[1] / gloo[1]:.2f}x")
