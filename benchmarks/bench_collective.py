@@ -4,10 +4,14 @@
     PYTHONPATH=src python benchmarks/bench_collective.py --perf /tmp/cb   # + a profile
 
 Every peer is its own process. Prints each system's median call time (the slowest peer's),
-CPU-seconds summed over the peers per call, and the ratios. hivemind is measured only if
-importable (it is not installed here). ``--perf PREFIX`` records `perf record -a -g` over
-each system's timed calls only (not the processes' start nor the warm-up) into
-PREFIX-tensorswap.data and PREFIX-gloo.data (`perf report --no-children --sort pid,sym -i`).
+CPU-seconds summed over the peers per call, and the ratios. Each peer's input is random and
+changes before every call (outside the timing): the same input twice would let the
+all-gather skip every reduced block a peer still holds from the call before (content
+addressing), and a constant input makes all of a slice's reduced chunks one block.
+hivemind is measured only if importable (it is not installed here). ``--perf PREFIX``
+records `perf record -a -g` over each system's timed calls only (not the processes' start
+nor the warm-up) into PREFIX-tensorswap.data and PREFIX-gloo.data (`perf report
+--no-children --sort pid,sym -i ...`; the peers' process ids are printed).
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ import time
 from typing import Any
 
 import numpy as np
+
+WARMUP = 2
+"""Calls before the timed ones, for both systems: a tensorswap peer holds two calls' blocks
+(the last one's stay for late fetchers), so its slab pool reaches its working set in the
+second call; until then its buffers are fresh pages (~3 ms/MiB on this VM)."""
 
 
 def _cpu() -> float:
@@ -43,19 +52,23 @@ def _ts_peer(
 ) -> None:
     from tensorswap.collective import Collective
 
-    async def main() -> list[tuple[float, float]]:
-        x = {"w": np.full(elems, float(rank), np.float32)}
+    async def main() -> list[tuple[float, float, int]]:
+        x = {"w": np.random.default_rng(rank).standard_normal(elems, np.float32)}
         g = await Collective.join(address, group="bench", peer=f"p{rank}", size=n, key=b"k")
         times = []
         async with g:
-            await g.all_reduce(x)  # warm-up
+            for _ in range(WARMUP):
+                x["w"] += np.float32(1.0)
+                await g.all_reduce(x)
             if marks is not None:  # the profile starts now (the loop keeps polling)
                 await asyncio.to_thread(_warm, rank, marks)
             for _ in range(calls):
+                x["w"] += np.float32(1.0)  # every value, so every chunk, new
                 c0, t0 = _cpu(), time.perf_counter()
                 await g.all_reduce(x)
-                times.append((time.perf_counter() - t0, _cpu() - c0))
+                times.append((time.perf_counter() - t0, _cpu() - c0, g.stats.bytes_received))
             if kill:  # one more call, in which the last peer SIGKILLs itself once committed
+                x["w"] += np.float32(1.0)
                 c0, t0 = _cpu(), time.perf_counter()
                 if rank == n - 1:
                     call = asyncio.ensure_future(g.all_reduce(x))
@@ -64,7 +77,7 @@ def _ts_peer(
                     os.kill(os.getpid(), signal.SIGKILL)
                     await call
                 await g.all_reduce(x)
-                times.append((time.perf_counter() - t0, _cpu() - c0))
+                times.append((time.perf_counter() - t0, _cpu() - c0, g.stats.bytes_received))
         return times
 
     out.put((rank, asyncio.run(main())))
@@ -130,12 +143,14 @@ def _gloo_peer(
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
-    x = torch.full((elems,), float(rank))
-    dist.all_reduce(x.clone())
+    x = torch.from_numpy(np.random.default_rng(rank).standard_normal(elems, np.float32))
+    for _ in range(WARMUP):
+        dist.all_reduce(x.clone())
     if marks is not None:
         _warm(rank, marks)
     times = []
     for _ in range(calls):
+        x += 1.0
         y = x.clone()
         dist.barrier()
         c0, t0 = _cpu(), time.perf_counter()
@@ -175,8 +190,13 @@ def run_tensorswap(n: int, elems: int, calls: int, perf: str | None = None) -> t
         p.start()
     try:
         profile.start()
-        return _gather(procs, out, n)
+        results = dict(out.get(timeout=600) for _ in range(n))
+        fetched = statistics.median(call[2] for r in results for call in results[r])
+        print(f"  tensorswap: each peer fetched {fetched / 2**20:.1f} MiB a call (all-gather)")
+        return _medians(results, n)
     finally:
+        for p in procs:
+            p.join(60)
         profile.stop(procs)
         stop.put(True)
         server.join(30)
