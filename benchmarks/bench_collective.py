@@ -80,7 +80,11 @@ def _ts_peer(
                 times.append((time.perf_counter() - t0, _cpu() - c0, g.stats.bytes_received))
         return times
 
-    out.put((rank, asyncio.run(main())))
+    try:
+        out.put((rank, asyncio.run(main())))
+    except Exception as exc:  # a peer dropped (a loaded machine) says so, not a hang
+        out.put((rank, f"p{rank} failed: {exc!r}"))
+        raise
 
 
 def _warm(rank: int, marks: Any) -> None:
@@ -161,6 +165,15 @@ def _gloo_peer(
     out.put((rank, times))
 
 
+def _results(out: Any, n: int) -> dict[int, Any]:
+    """Every peer's timings, by rank (RuntimeError naming a peer that failed)."""
+    results = dict(out.get(timeout=600) for _ in range(n))
+    failed = [r for r in results.values() if isinstance(r, str)]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    return results
+
+
 def _gather(procs: list[Any], out: Any, n: int) -> tuple[float, float]:
     results = dict(out.get(timeout=600) for _ in range(n))
     for p in procs:
@@ -190,7 +203,7 @@ def run_tensorswap(n: int, elems: int, calls: int, perf: str | None = None) -> t
         p.start()
     try:
         profile.start()
-        results = dict(out.get(timeout=600) for _ in range(n))
+        results = _results(out, n)
         fetched = statistics.median(call[2] for r in results for call in results[r])
         print(f"  tensorswap: each peer fetched {fetched / 2**20:.1f} MiB a call (all-gather)")
         return _medians(results, n)
@@ -217,7 +230,7 @@ def run_kill(n: int, elems: int, calls: int) -> tuple[float, float]:
     for p in procs:
         p.start()
     try:
-        results = dict(out.get(timeout=600) for _ in range(n - 1))
+        results = _results(out, n - 1)
         normal = _medians({r: results[r][:-1] for r in results}, n - 1)[0]
         killed = max(results[r][-1][0] for r in results)
         return normal, killed

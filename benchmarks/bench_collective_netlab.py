@@ -216,8 +216,9 @@ def report(
     pushed = statistics.median(per_call(f32, "pushed", statistics.mean))
     pushed8 = statistics.median(per_call(int8, "pushed", statistics.mean))
     fewer, fewer_pushed = tx / tx8, pushed / pushed8
+    slower = fractions["tensorswap"] / fractions["tensorswap int8"]
     print(f"  int8: {fewer:.2f}x fewer bytes on each peer's link than float32 "
-          f"({fewer_pushed:.2f}x fewer pushed), time {fractions['tensorswap'] / fractions['tensorswap int8']:.2f}x float32's")  # fmt: skip
+          f"({fewer_pushed:.2f}x fewer pushed), time {slower:.2f}x float32's")  # fmt: skip
     ts_vs_gloo = fractions["gloo"] / fractions["tensorswap"]
     print(f"  tensorswap / gloo time: {ts_vs_gloo:.2f}x")
     goal = (lambda op, g: (op, g)) if judge else (lambda op, g: (None, None))
