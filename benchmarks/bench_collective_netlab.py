@@ -234,6 +234,10 @@ def report(
     return missed
 
 
+def _retransmitted(peers: list[Host]) -> int:
+    return sum(host.tcp_counters().get("RetransSegs", 0) for host in peers)
+
+
 def run_lab(args: argparse.Namespace, lab: Lab, tmp: Path) -> list[str]:
     """Build the hosts, start the rendezvous, run the three systems; the goals missed."""
     rdv = lab.add_host("rdv")
@@ -252,9 +256,17 @@ def run_lab(args: argparse.Namespace, lab: Lab, tmp: Path) -> list[str]:
     timeout = 180 + 20 * bound * (WARMUP + args.calls)
     target = f"{rdv.address}:{TS_PORT}"
     common = (args.mib, args.calls)
-    f32 = run_peers(peers, "tensorswap", target, *common, "none", tmp, timeout)
-    gloo = run_peers(peers, "gloo", peers[0].address, *common, "none", tmp, timeout)
-    int8 = run_peers(peers, "tensorswap", target, *common, "int8", tmp, timeout)
+    systems = {}
+    for name, system, where, compression in (
+        ("tensorswap", "tensorswap", target, "none"),
+        ("gloo", "gloo", peers[0].address, "none"),
+        ("tensorswap int8", "tensorswap", target, "int8"),
+    ):
+        before = _retransmitted(peers)
+        systems[name] = run_peers(peers, system, where, *common, compression, tmp, timeout)
+        lost = _retransmitted(peers) - before
+        print(f"  {name}: {lost} TCP segments retransmitted by the peers (the whole run)")
+    f32, gloo, int8 = systems.values()
     return report(args.peers, args.mib, args.mbit, f32, gloo, int8, judge=not args.quick)
 
 
