@@ -2,12 +2,19 @@
 
     PYTHONPATH=src python benchmarks/bench_collective.py [--peers 4 --mib 64] [--calls 3]
         [--kill] [--relay]
+    PYTHONPATH=src python benchmarks/bench_collective.py --perf /tmp/cb   # + a profile
 
 Every peer is its own process. Prints each system's median call time (the slowest peer's),
-CPU-seconds summed over the peers per call, and the ratios. ``--relay``: also the same
-all-reduce with the last peer behind the relay (``listen=None``) against all direct, with the
-rendezvous process's CPU-seconds over the whole run. hivemind is measured only if importable
-(it is not installed here).
+CPU-seconds summed over the peers per call, and the ratios. Each peer's input is random and
+changes before every call (outside the timing): the same input twice would let the
+all-gather skip every reduced block a peer still holds from the call before (content
+addressing), and a constant input makes all of a slice's reduced chunks one block.
+``--relay``: also the same all-reduce with the last peer behind the relay (``listen=None``)
+against all direct, with the rendezvous process's CPU-seconds over the whole run. hivemind is
+measured only if importable (it is not installed here). ``--perf PREFIX``
+records `perf record -a -g` over each system's timed calls only (not the processes' start
+nor the warm-up) into PREFIX-tensorswap.data and PREFIX-gloo.data (`perf report
+--no-children --sort pid,sym -i ...`; the peers' process ids are printed).
 """
 
 from __future__ import annotations
@@ -19,10 +26,16 @@ import os
 import resource
 import signal
 import statistics
+import subprocess
 import time
 from typing import Any
 
 import numpy as np
+
+WARMUP = 2
+"""Calls before the timed ones, for both systems: a tensorswap peer holds two calls' blocks
+(the last one's stay for late fetchers), so its slab pool reaches its working set in the
+second call; until then its buffers are fresh pages (~3 ms/MiB on this VM)."""
 
 
 def _cpu() -> float:
@@ -38,24 +51,31 @@ def _ts_peer(
     address: str,
     out: Any,
     kill: bool = False,
+    marks: Any = None,
     relay: bool = False,
 ) -> None:
     from tensorswap.collective import Collective
 
-    async def main() -> list[tuple[float, float]]:
-        x = {"w": np.full(elems, float(rank), np.float32)}
+    async def main() -> list[tuple[float, float, int]]:
+        x = {"w": np.random.default_rng(rank).standard_normal(elems, np.float32)}
         listen = None if relay and rank == n - 1 else "127.0.0.1:0"
         g = await Collective.join(
             address, group="bench", peer=f"p{rank}", size=n, key=b"k", listen=listen
         )
         times = []
         async with g:
-            await g.all_reduce(x)  # warm-up
+            for _ in range(WARMUP):
+                x["w"] += np.float32(1.0)
+                await g.all_reduce(x)
+            if marks is not None:  # the profile starts now (the loop keeps polling)
+                await asyncio.to_thread(_warm, rank, marks)
             for _ in range(calls):
+                x["w"] += np.float32(1.0)  # every value, so every chunk, new
                 c0, t0 = _cpu(), time.perf_counter()
                 await g.all_reduce(x)
-                times.append((time.perf_counter() - t0, _cpu() - c0))
+                times.append((time.perf_counter() - t0, _cpu() - c0, g.stats.bytes_received))
             if kill:  # one more call, in which the last peer SIGKILLs itself once committed
+                x["w"] += np.float32(1.0)
                 c0, t0 = _cpu(), time.perf_counter()
                 if rank == n - 1:
                     call = asyncio.ensure_future(g.all_reduce(x))
@@ -64,10 +84,49 @@ def _ts_peer(
                     os.kill(os.getpid(), signal.SIGKILL)
                     await call
                 await g.all_reduce(x)
-                times.append((time.perf_counter() - t0, _cpu() - c0))
+                times.append((time.perf_counter() - t0, _cpu() - c0, g.stats.bytes_received))
         return times
 
-    out.put((rank, asyncio.run(main())))
+    try:
+        out.put((rank, asyncio.run(main())))
+    except Exception as exc:  # a peer dropped (a loaded machine) says so, not a hang
+        out.put((rank, f"p{rank} failed: {exc!r}"))
+        raise
+
+
+def _warm(rank: int, marks: Any) -> None:
+    """Say this peer is warm (rank 0 speaks for all), then wait for the profiler."""
+    warm, go = marks
+    if rank == 0:
+        warm.set()
+    go.wait(120)
+
+
+class _Profile:
+    """`perf record -a -g` from when the peers are warm to when they are done."""
+
+    def __init__(self, ctx: Any, path: str | None) -> None:
+        self.path = path
+        self.marks = (ctx.Event(), ctx.Event()) if path else None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        if self.marks is None:
+            return
+        warm, go = self.marks
+        if not warm.wait(600):
+            raise RuntimeError("the peers never finished their warm-up")
+        argv = ["perf", "record", "-a", "-g", "-F", "499", "-o", str(self.path)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)  # perf's start: mmap and its first samples
+        go.set()
+
+    def stop(self, procs: list[Any]) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(60)
+            pids = ",".join(str(p.pid) for p in procs)
+            print(f"  profile: {self.path} (the peers: perf report --pid {pids})")
 
 
 def _rendezvous(ready: Any, stop: Any) -> None:
@@ -83,21 +142,27 @@ def _rendezvous(ready: Any, stop: Any) -> None:
         while stop.empty():
             await asyncio.sleep(0.05)
         await server.aclose()
-        ready.put(_cpu())
 
     asyncio.run(main())
+    ready.put(_cpu())
 
 
-def _gloo_peer(rank: int, n: int, elems: int, calls: int, port: int, out: Any) -> None:
+def _gloo_peer(
+    rank: int, n: int, elems: int, calls: int, port: int, out: Any, marks: Any = None
+) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
-    x = torch.full((elems,), float(rank))
-    dist.all_reduce(x.clone())
+    x = torch.from_numpy(np.random.default_rng(rank).standard_normal(elems, np.float32))
+    for _ in range(WARMUP):
+        dist.all_reduce(x.clone())
+    if marks is not None:
+        _warm(rank, marks)
     times = []
     for _ in range(calls):
+        x += 1.0
         y = x.clone()
         dist.barrier()
         c0, t0 = _cpu(), time.perf_counter()
@@ -106,6 +171,15 @@ def _gloo_peer(rank: int, n: int, elems: int, calls: int, port: int, out: Any) -
         times.append((time.perf_counter() - t0, _cpu() - c0))
     dist.destroy_process_group()
     out.put((rank, times))
+
+
+def _results(out: Any, n: int) -> dict[int, Any]:
+    """Every peer's timings, by rank (RuntimeError naming a peer that failed)."""
+    results = dict(out.get(timeout=600) for _ in range(n))
+    failed = [r for r in results.values() if isinstance(r, str)]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    return results
 
 
 def _gather(procs: list[Any], out: Any, n: int) -> tuple[float, float]:
@@ -126,21 +200,33 @@ RENDEZVOUS_CPU: list[float] = []
 """The rendezvous process's CPU-seconds, one entry per ``run_tensorswap``."""
 
 
-def run_tensorswap(n: int, elems: int, calls: int, relay: bool = False) -> tuple[float, float]:
+def run_tensorswap(
+    n: int, elems: int, calls: int, perf: str | None = None, relay: bool = False
+) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     ready, stop, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
     server = ctx.Process(target=_rendezvous, args=(ready, stop))
     server.start()
     address = f"127.0.0.1:{ready.get(timeout=60)}"
+    profile = _Profile(ctx, perf)
     procs = [
-        ctx.Process(target=_ts_peer, args=(r, n, elems, calls, address, out, False, relay))
+        ctx.Process(
+            target=_ts_peer, args=(r, n, elems, calls, address, out, False, profile.marks, relay)
+        )
         for r in range(n)
     ]
     for p in procs:
         p.start()
     try:
-        return _gather(procs, out, n)
+        profile.start()
+        results = _results(out, n)
+        fetched = statistics.median(call[2] for r in results for call in results[r])
+        print(f"  tensorswap: each peer fetched {fetched / 2**20:.1f} MiB a call (all-gather)")
+        return _medians(results, n)
     finally:
+        for p in procs:
+            p.join(60)
+        profile.stop(procs)
         stop.put(True)
         RENDEZVOUS_CPU.append(ready.get(timeout=60))
         server.join(30)
@@ -161,7 +247,7 @@ def run_kill(n: int, elems: int, calls: int) -> tuple[float, float]:
     for p in procs:
         p.start()
     try:
-        results = dict(out.get(timeout=600) for _ in range(n - 1))
+        results = _results(out, n - 1)
         normal = _medians({r: results[r][:-1] for r in results}, n - 1)[0]
         killed = max(results[r][-1][0] for r in results)
         return normal, killed
@@ -172,7 +258,7 @@ def run_kill(n: int, elems: int, calls: int) -> tuple[float, float]:
         server.join(30)
 
 
-def run_gloo(n: int, elems: int, calls: int) -> tuple[float, float]:
+def run_gloo(n: int, elems: int, calls: int, perf: str | None = None) -> tuple[float, float]:
     import socket
 
     with socket.socket() as s:
@@ -180,10 +266,18 @@ def run_gloo(n: int, elems: int, calls: int) -> tuple[float, float]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_peer, args=(r, n, elems, calls, port, out)) for r in range(n)]
+    profile = _Profile(ctx, perf)
+    procs = [
+        ctx.Process(target=_gloo_peer, args=(r, n, elems, calls, port, out, profile.marks))
+        for r in range(n)
+    ]
     for p in procs:
         p.start()
-    return _gather(procs, out, n)
+    try:
+        profile.start()
+        return _gather(procs, out, n)
+    finally:
+        profile.stop(procs)
 
 
 def main() -> None:
@@ -192,15 +286,23 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--kill", action="store_true", help="also: a peer SIGKILLed mid-call")
+    parser.add_argument("--perf", metavar="PREFIX", help="perf record the timed calls")
     parser.add_argument("--relay", action="store_true", help="also: the last peer relayed")
     args = parser.parse_args()
     elems = args.mib * (1 << 20) // 4
     print(f"{args.peers} peers x {args.mib} MiB float32, {os.cpu_count()} CPUs, loopback")
-    gloo = run_gloo(args.peers, elems, args.calls)
-    ts = run_tensorswap(args.peers, elems, args.calls)
+    perf = {k: f"{args.perf}-{k}.data" if args.perf else None for k in ("gloo", "tensorswap")}
+    gloo = run_gloo(args.peers, elems, args.calls, perf["gloo"])
+    ts = run_tensorswap(args.peers, elems, args.calls, perf["tensorswap"])
     print(f"gloo        {gloo[0]:7.3f} s/call  {gloo[1]:7.2f} CPU-s/call")
     print(f"tensorswap  {ts[0]:7.3f} s/call  {ts[1]:7.2f} CPU-s/call")
     print(f"ratio tensorswap/gloo: time {ts[0] / gloo[0]:.2f}x  CPU {ts[1] / gloo[1]:.2f}x")
+    if args.kill:
+        normal, killed = run_kill(args.peers, elems, args.calls)
+        print(
+            f"SIGKILL mid-call: survivors {killed:.3f} s vs a normal call {normal:.3f} s: "
+            f"{killed / normal:.2f}x"
+        )
     if args.relay:
         direct = run_tensorswap(args.peers, elems, args.calls)
         relayed = run_tensorswap(args.peers, elems, args.calls, relay=True)
@@ -209,12 +311,6 @@ def main() -> None:
             f"vs all direct {direct[0]:.3f} s/call ({direct[1]:.2f} CPU-s): "
             f"{relayed[0] / direct[0]:.2f}x; rendezvous CPU-s over the run: "
             f"{RENDEZVOUS_CPU[-1]:.2f} relayed vs {RENDEZVOUS_CPU[-2]:.2f} direct"
-        )
-    if args.kill:
-        normal, killed = run_kill(args.peers, elems, args.calls)
-        print(
-            f"SIGKILL mid-call: survivors {killed:.3f} s vs a normal call {normal:.3f} s: "
-            f"{killed / normal:.2f}x"
         )
     try:
         import hivemind  # noqa: F401

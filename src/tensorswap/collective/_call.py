@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tensorswap._alloc import empty
 from tensorswap.cid import Cid
 from tensorswap.collective._call_relay import put_to_relay, start_pulls
 from tensorswap.collective._compress import Compression, codec_for
@@ -173,7 +174,7 @@ class CallRun:
         if error is not None:
             flat += error
         cids = []
-        sent = np.empty_like(flat) if owner.compression != "none" else flat
+        sent = empty(flat.size, np.float32) if owner.compression != "none" else flat
         for start, stop in self.bounds:
             data = self.codec.encode(flat[start:stop])
             cid = owner.store.put(data.data, adopt=True)
@@ -181,7 +182,7 @@ class CallRun:
             if owner.compression != "none":
                 sent[start:stop] = self.codec.decode(owner.store.get(cid), stop - start)
         if owner.compression != "none":
-            residual = flat - sent
+            residual = np.subtract(flat, sent, out=sent)
             owner.errors[key] = residual
             norm = float(np.linalg.norm(flat))
             self.stats.compression_error = float(np.linalg.norm(residual)) / max(norm, 1e-30)
@@ -388,15 +389,18 @@ class CallRun:
             owner.note_view(answer.view)
 
     def _fold_chunks(self, view: CallView, chunks: range, live: list[str]) -> list[Cid]:
-        """sum(w_i x_i) / sum(w_i) over ``live`` in their order, float32, chunk by chunk."""
+        """sum(w_i x_i) / sum(w_i) over ``live`` in their order, float32, chunk by chunk.
+
+        Each sum is pooled memory (the store adopts it); one scratch chunk serves them all."""
         store = self.owner.store
         weights = [np.float32(view.commits[p].weight) for p in live]
         total = np.float32(sum(float(w) for w in weights))
         out = []
+        scratch = empty(max((b - a for a, b in self.bounds), default=0), np.float32)
         for k in chunks:
             start, stop = self.bounds[k]
-            acc = np.empty(stop - start, np.float32)
-            tmp = np.empty_like(acc)
+            acc = empty(stop - start, np.float32)
+            tmp = scratch[: stop - start]
             for i, (peer, w) in enumerate(zip(live, weights, strict=True)):
                 data = store.get(Cid.parse(view.commits[peer].chunks[k]))
                 x = self.codec.decode(data, stop - start)
@@ -447,7 +451,8 @@ class CallRun:
         return all(j in self.gathered for j in range(len(view.participants)))
 
     def _assemble(self, view: CallView) -> np.ndarray:
-        out = np.empty(self.layout.total, np.float32)
+        """The result: every reduced chunk decoded into one (pooled) vector."""
+        out = empty(self.layout.total, np.float32)
         n = len(view.participants)
         for j in range(n):
             for k, raw in zip(
