@@ -10,20 +10,13 @@ from tensorswap.collective._layout import slice_range
 from tensorswap.collective._state import CallState
 from tensorswap.collective.messages import RelayPut
 from tensorswap.errors import TensorSwapError
+from tensorswap.errors.collective import RelayRefused
 from tensorswap.store import BlockStore
 
 __all__ = ["MAX_RELAY_BYTES", "Relay", "RelayRefused"]
 
 MAX_RELAY_BYTES = 1 << 30
 """Bytes the relay holds at most over every call of every group (a put beyond waits)."""
-
-
-class RelayRefused(Exception):
-    """A relayed block not taken; ``liar`` when it is not a block its sender committed to."""
-
-    def __init__(self, reason: str, *, liar: bool = False) -> None:
-        super().__init__(reason)
-        self.liar = liar
 
 
 @dataclass(slots=True)

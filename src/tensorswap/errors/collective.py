@@ -11,6 +11,8 @@
     ├── CommitmentMismatch     a peer sent slice bytes that are not the ones it committed to
     │                          (the peer is named and excluded)
     ├── PeerExcluded           this peer was dropped from the call (found dead, or excluded)
+    ├── RelayRefused           the rendezvous did not take a block to relay (``liar``: one
+    │                          its sender never committed to)
     ├── TooFewPeers            fewer survivors than the call's quorum: it cannot complete
     └── ResultMismatch         two members ended a call with different result roots
 """
@@ -26,6 +28,7 @@ __all__ = [
     "GroupMismatch",
     "JoinTimedOut",
     "PeerExcluded",
+    "RelayRefused",
     "ResultMismatch",
     "TooFewPeers",
 ]
@@ -108,3 +111,13 @@ class ResultMismatch(CollectiveError):
         self.theirs = theirs
         self.peer = peer
         super().__init__(f"call {call}: result root {mine} differs from {peer!r}'s {theirs}")
+
+
+class RelayRefused(CollectiveError):
+    """A block the rendezvous did not take to relay; ``liar`` when it is not a block its sender
+    committed to (the rendezvous then drops the sender)."""
+
+    def __init__(self, reason: str, *, liar: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.liar = liar
