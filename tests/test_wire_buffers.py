@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -31,9 +33,9 @@ def test_a_slab_is_reused_once_every_view_of_it_is_gone() -> None:
     assert bytes(kept) == b"bc"
     del kept
     gc.collect()
-    assert pool.idle_bytes == 4 << 20  # rounded up to whole MiB
-    again = pool.take(4 << 20)
-    assert again.nbytes == 4 << 20
+    assert pool.idle_bytes == (3 << 20) + (64 << 10)  # rounded up to whole 64 KiB
+    again = pool.take((3 << 20) + 1000)  # the same size class
+    assert again.nbytes == (3 << 20) + 1000
     assert (pool.allocated, pool.reused) == (1, 1)
 
 
@@ -157,3 +159,37 @@ def test_a_slab_finalized_by_a_collection_inside_the_pool_does_not_deadlock() ->
     finally:
         gc.enable()
     assert pool.in_use_bytes == 0 and pool.idle_bytes == 2 << 20
+
+
+def test_slabs_of_another_size_make_room_so_the_pool_stays_within_its_working_set() -> None:
+    pool = ReceiveBuffers(keep_bytes=1 << 20, min_bytes=1024)
+    small = [pool.take(1 << 20) for _ in range(16)]  # a 16 MiB working set
+    del small
+    gc.collect()
+    assert pool.idle_bytes == 16 << 20
+    other = [pool.take((1 << 20) + 1) for _ in range(8)]  # another size class
+    # idle 1 MiB slabs were freed to make room: never more than the 16 MiB working set
+    assert pool.idle_bytes + pool.in_use_bytes <= 16 << 20
+    assert pool.working_set_bytes == 16 << 20
+    del other
+    gc.collect()
+    assert pool.idle_bytes + pool.in_use_bytes <= pool.working_set_bytes
+
+
+def test_views_alive_at_exit_are_not_handed_out_again() -> None:
+    # weakref runs pending finalizers at exit while the objects still live: an atexit handler
+    # registered before the pool's first slab would otherwise get a slab an array still uses
+    code = (
+        "import atexit\n"
+        "import numpy as np\n"
+        "from tensorswap._pool import receive_buffers\n"
+        "def late():\n"
+        "    fresh = np.frombuffer(receive_buffers().take(1 << 20), np.uint8)\n"
+        "    fresh[:] = 0\n"
+        "    print('intact' if (keep == 7).all() else 'overwritten', flush=True)\n"
+        "atexit.register(late)\n"
+        "keep = np.frombuffer(receive_buffers().take(1 << 20), np.uint8)\n"
+        "keep[:] = 7\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "intact", done.stdout + done.stderr

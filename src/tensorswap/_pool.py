@@ -6,6 +6,7 @@ back is the next stage's, already faulted in."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -13,14 +14,14 @@ import sys
 import threading
 import time
 import weakref
-from collections import defaultdict
-from collections.abc import Callable
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 __all__ = ["IDLE_SECONDS", "ReceiveBuffers", "receive_buffers", "release_free_memory"]
 
-_GRANULE = 1 << 20  # slab sizes are rounded up to this, so blocks of similar size share slabs
+_GRANULE = 64 << 10  # slab sizes are rounded up to this, so blocks of one size share slabs
 
 
 IDLE_SECONDS = 10.0
@@ -30,15 +31,25 @@ IDLE_SECONDS = 10.0
 _ALIGN = 4096  # every slab starts on a page: direct I/O (store._direct) and cache lines
 
 
-def _physical_bytes() -> int:
+def _memory_bytes() -> int:
+    """The machine's memory, or the cgroup's limit when it is lower (a container)."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return 8 << 30
+        total = 8 << 30
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
 
 
-WORKING_SET_CAP = _physical_bytes() // 4
-"""The most a pool keeps idle because its working set was that large (``keep_bytes`` aside)."""
+WORKING_SET_CAP = _memory_bytes() // 4
+"""The most a pool keeps because its working set was that large (``keep_bytes`` aside)."""
 
 
 class ReceiveBuffers:
@@ -46,20 +57,21 @@ class ReceiveBuffers:
 
     A buffer of ``min_bytes`` or more is a view of a recycled slab (or a new one); when
     the last reference to that view (or anything built on it: slices, read-only views, a
-    store that adopted the block, an array over it) goes away, the slab returns here. Idle
-    slabs are kept up to the larger of ``keep_bytes`` and the working set (the most bytes
-    handed out at once since the pool was last idle for ``idle_seconds``, at most
-    ``WORKING_SET_CAP``): a process that moves a round's worth of blocks, sums and results
-    every few seconds keeps that much, and no more; a slab beyond it is freed. A slab idle
-    for ``idle_seconds`` is freed too (``expire``, run by a timer thread while slabs are
-    idle; then the C heap is trimmed), so memory goes back to the OS only once a process has
+    store that adopted the block, an array over it) goes away, the slab returns here. The
+    pool holds, in use and idle together, at most the larger of ``keep_bytes`` and its
+    working set (the most bytes handed out at once since it was last idle, at most
+    ``WORKING_SET_CAP``, a quarter of the machine's or the container's memory): a slab given
+    back beyond that is freed, and idle slabs of other sizes are freed to make room for a new
+    one. So keeping slabs raises no peak: a process that moves a round's worth of blocks,
+    sums and results every few seconds keeps that much, and no more. A slab idle for
+    ``idle_seconds`` is freed too (``expire``, run by a timer thread while slabs are idle;
+    then the C heap is trimmed), so memory goes back to the OS only once a process has
     stopped for a while, not after each burst. Reusing slabs saves the page faults of fresh
     memory, which on small VMs cost more than receiving the bytes, and far more on a VM that
     hands the memory its guest frees back to the host (free page reporting): touched again,
-    each page is faulted in twice, by the guest and by the host. Because idle slabs are
-    bounded by the working set, keeping them raises no peak: they were all in use at once.
-    ``keep_bytes`` (64 MiB by default, raised by ``allow``) is kept even after a smaller
-    burst. Thread-safe.
+    each page is faulted in twice, by the guest and by the host. Thread-safe; a slab may come
+    back from any thread, also from a garbage collection that runs while the pool's own
+    lock is held (it waits in a queue, settled as soon as the lock is free).
     """
 
     def __init__(
@@ -79,9 +91,10 @@ class ReceiveBuffers:
         self._idle_bytes = 0
         self._in_use = 0  # bytes of slabs handed out and not yet back
         self._peak = 0  # the most in use at once since the pool last emptied by expiry
-        # reentrant: a garbage collection run while the lock is held (an allocation inside) may
-        # finalize a view, whose slab then comes back through _give_back on this very thread
-        self._lock = threading.RLock()
+        # slabs given back, waiting for the lock (deque.append takes none: a collection
+        # that frees a view while this thread holds the lock must not wait for it)
+        self._returned: deque[np.ndarray] = deque()
+        self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self.reused = 0
         self.allocated = 0
@@ -89,8 +102,8 @@ class ReceiveBuffers:
         """Idle slabs freed by ``expire`` so far."""
 
     def allow(self, keep_bytes: int) -> None:
-        """Keep up to ``keep_bytes`` idle (never lowers the bound: the largest ask holds)."""
-        with self._lock:
+        """Keep up to ``keep_bytes`` (never lowers the bound: the largest ask holds)."""
+        with self._locked():
             self.keep_bytes = max(self.keep_bytes, keep_bytes)
 
     def take(self, nbytes: int) -> memoryview:
@@ -101,7 +114,7 @@ class ReceiveBuffers:
         if nbytes < self.min_bytes:
             return memoryview(np.empty(nbytes, np.uint8))  # type: ignore[arg-type]
         size = -(-nbytes // _GRANULE) * _GRANULE
-        with self._lock:
+        with self._locked():
             idle = self._idle.get(size)
             slab = idle.pop()[0] if idle else None
             if slab is not None:
@@ -111,20 +124,60 @@ class ReceiveBuffers:
                 self.allocated += 1
             self._in_use += size
             self._peak = max(self._peak, self._in_use)
+            if slab is None:
+                self._make_room()
         if slab is None:
             slab = np.empty(size + _ALIGN, np.uint8)
         start = -slab.ctypes.data % _ALIGN
         view = slab[start : start + nbytes]
-        weakref.finalize(view, self._give_back, slab)
+        # not at exit: weakref runs pending finalizers then, while the views are still alive
+        weakref.finalize(view, self._give_back, slab).atexit = False
         return memoryview(view)  # type: ignore[arg-type]
 
+    def _limit(self) -> int:
+        return max(self.keep_bytes, min(self._peak, WORKING_SET_CAP))
+
+    def _make_room(self) -> None:
+        """Free idle slabs (other sizes: none of this one was idle) while in use and idle
+        together are over the limit (lock held)."""
+        limit = self._limit()
+        for size in sorted(self._idle, reverse=True):
+            slabs = self._idle[size]
+            while slabs and self._idle_bytes + self._in_use > limit:
+                slabs.pop()
+                self._idle_bytes -= size
+
     def _give_back(self, slab: np.ndarray) -> None:
-        size = slab.nbytes - _ALIGN
-        with self._lock:
-            self._in_use -= size
-            limit = max(self.keep_bytes, min(self._peak, WORKING_SET_CAP))
-            if self._idle_bytes + size > limit:
+        self._returned.append(slab)
+        if self._lock.acquire(blocking=False):  # else the holder settles it on release
+            self._release()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self._lock.acquire()
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Settle the slabs given back, then release the lock; again if more came meanwhile."""
+        while True:
+            try:
+                self._settle()
+            finally:
+                self._lock.release()
+            if not self._returned or not self._lock.acquire(blocking=False):
                 return
+
+    def _settle(self) -> None:
+        """Keep or free each slab given back (lock held)."""
+        while self._returned:
+            slab = self._returned.popleft()
+            size = slab.nbytes - _ALIGN
+            self._in_use -= size
+            if self._idle_bytes + self._in_use + size > self._limit():
+                continue  # freed with the last reference, here
             self._idle[size].append((slab, self.clock()))
             self._idle_bytes += size
             if self._timer is None and self.idle_seconds is not None:
@@ -138,13 +191,15 @@ class ReceiveBuffers:
         timer.start()
 
     def _expire_and_rearm(self) -> None:
-        if self.expire():
-            release_free_memory()
-        with self._lock:
-            self._timer = None
-            if self._idle_bytes and self.idle_seconds is not None:
-                oldest = min(since for slabs in self._idle.values() for _, since in slabs)
-                self._arm(max(0.0, oldest + self.idle_seconds - self.clock()))
+        try:
+            if self.expire():
+                release_free_memory()
+        finally:
+            with self._locked():
+                self._timer = None
+                if self._idle_bytes and self.idle_seconds is not None:
+                    oldest = min(t for slabs in self._idle.values() for _, t in slabs)
+                    self._arm(max(0.0, oldest + self.idle_seconds - self.clock()))
 
     def expire(self) -> int:
         """Free the slabs idle for ``idle_seconds`` or longer (by ``clock``); their bytes."""
@@ -152,8 +207,8 @@ class ReceiveBuffers:
             return 0
         cutoff = self.clock() - self.idle_seconds
         freed = 0
-        with self._lock:
-            for size, slabs in self._idle.items():
+        with self._locked():
+            for size, slabs in list(self._idle.items()):
                 keep = [(slab, since) for slab, since in slabs if since > cutoff]
                 freed += size * (len(slabs) - len(keep))
                 self.expired += len(slabs) - len(keep)
@@ -166,21 +221,24 @@ class ReceiveBuffers:
     @property
     def idle_bytes(self) -> int:
         """Bytes held idle for reuse."""
-        return self._idle_bytes
+        with self._locked():
+            return self._idle_bytes
 
     @property
     def in_use_bytes(self) -> int:
         """Bytes of slabs handed out and not yet given back."""
-        return self._in_use
+        with self._locked():
+            return self._in_use
 
     @property
     def working_set_bytes(self) -> int:
         """The most bytes in use at once since the pool was last idle (what it may keep)."""
-        return self._peak
+        with self._locked():
+            return self._peak
 
     def clear(self) -> None:
         """Free every idle slab (and stop the timer)."""
-        with self._lock:
+        with self._locked():
             self._idle.clear()
             self._idle_bytes = 0
             self._peak = self._in_use
