@@ -13,7 +13,7 @@ from tensorswap.cid import Cid
 from tensorswap.rounds import Coordinator, RoundClient, RoundServer
 from tensorswap.rounds.client.retention import ROUNDS_HELD, RoundBlocks
 from tensorswap.rounds.core import RoundId, RoundSpec
-from tensorswap.store import MemoryStore, manifest_closure
+from tensorswap.store import MemoryStore, ModelUpdate, manifest_closure, put_update
 
 FLOATS = 64 * 1024
 
@@ -77,7 +77,7 @@ def test_round_blocks_deletes_a_block_once_no_kept_round_lists_it() -> None:
     shared, *own = [store.put(bytes([i]) * 10) for i in range(4)]
     blocks = RoundBlocks(store, rounds=2)
     for i, cid in enumerate(own):
-        blocks.hold(RoundId(i + 1, "r"), [shared, cid])
+        blocks.hold(RoundId(i + 1, "r"), [shared, cid], brought=[shared, cid])
         blocks.hold(RoundId(i + 1, "r"), [cid])  # held twice: counted once
     # rounds 2 and 3 are kept: round 1's own block went, the shared one stays
     assert not store.has(own[0]) and store.has(own[1]) and store.has(own[2])
@@ -86,3 +86,35 @@ def test_round_blocks_deletes_a_block_once_no_kept_round_lists_it() -> None:
     assert blocks.held_rounds == [RoundId(2, "r"), RoundId(3, "r")]
     with pytest.raises(ValueError, match="at least 1"):
         RoundBlocks(store, rounds=0)
+
+
+def test_a_block_no_round_brought_in_is_never_deleted() -> None:
+    store = MemoryStore()
+    theirs = store.put(b"a run's global model, put by other code")
+    blocks = RoundBlocks(store, rounds=1)
+    blocks.begin()
+    mine = store.put(b"round 1's own block")
+    blocks.hold_new(RoundId(1, "r"), [theirs, mine])  # round 1 lists both, brought one
+    blocks.begin()
+    blocks.hold_new(RoundId(2, "r"), [store.put(b"round 2's")])
+    assert store.has(theirs) and not store.has(mine)
+
+
+def test_an_older_round_held_late_is_the_one_forgotten() -> None:
+    store = MemoryStore()
+    blocks = RoundBlocks(store, rounds=2)
+    cids = {r: store.put(bytes([r]) * 8) for r in (5, 6, 3)}
+    for r, cid in cids.items():  # round 3 comes last (a late fetch of an old round)
+        blocks.hold(RoundId(r, "r"), [cid], brought=[cid])
+    assert blocks.held_rounds == [RoundId(5, "r"), RoundId(6, "r")]
+    assert not store.has(cids[3]) and store.has(cids[5]) and store.has(cids[6])
+
+
+def test_a_partial_result_in_the_store_is_left_alone() -> None:
+    full = MemoryStore()
+    root = put_update(full, ModelUpdate({"w": np.ones(FLOATS, np.float32)}))
+    store = MemoryStore()
+    store.put(full.get(root))  # the root manifest only: what a push cut short may leave
+    blocks = RoundBlocks(store)
+    blocks.hold_root(RoundId(1, "r"), root)  # the manifests below are missing: no error
+    assert blocks.held_rounds == []

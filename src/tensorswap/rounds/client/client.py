@@ -198,6 +198,8 @@ class RoundClient:
         ``push_results`` off. Not for inline submits.
         """
         small = is_small(update)  # then encoding and listing it cost less than thread hops
+        if self.retention is not None:
+            self.retention.begin()
         if isinstance(update, Cid):
             cid = update
         else:
@@ -239,8 +241,8 @@ class RoundClient:
                 seconds=time.perf_counter() - start,
             )
         status = _status(answer)
-        if isinstance(status, Complete):  # its blocks may have come behind the answer
-            self._hold_result(round_id, Cid.parse(status.cid))
+        if isinstance(status, Complete) and self.retention is not None:
+            self.retention.hold_root(round_id, Cid.parse(status.cid))  # pushed behind it
         if status.is_terminal:
             self._settled[round_id] = status
             while len(self._settled) > _SUBMITS_REMEMBERED:
@@ -398,13 +400,7 @@ class RoundClient:
         while len(self._submitted) > _SUBMITS_REMEMBERED:
             self._submitted.popitem(last=False)
         if self.retention is not None:
-            self.retention.hold(round_id, closure)
-
-    def _hold_result(self, round_id: RoundId, cid: Cid) -> None:
-        """Count the result ``cid`` of ``round_id`` among the blocks that round brought in,
-        where it is in this client's own store."""
-        if self.retention is not None and self.store.has(cid):
-            self.retention.hold(round_id, manifest_closure(self.store, cid))
+            self.retention.hold_new(round_id, closure)
 
     async def fetch(self, cid: Cid, *, have: Sequence[Cid] | None = None) -> ModelUpdate:
         """Pull the update ``cid`` into this client's store (only blocks it lacks) and load it.
@@ -426,8 +422,11 @@ class RoundClient:
         contribution, a frozen layer, is the one kind it shares with them).
         """
         cid = await self.result(round_id, timeout)
+        if self.retention is not None:
+            self.retention.begin()
         update = await self.fetch(cid, have=self._submitted.get(round_id))
-        self._hold_result(round_id, cid)
+        if self.retention is not None:
+            self.retention.hold_root(round_id, cid)
         return dict(update.tensors)
 
     # ── one request ──────────────────────────────────────────────────────────
