@@ -4,6 +4,8 @@ keeps the last few roots (no Flower needed)."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -98,3 +100,26 @@ def test_a_damaged_roots_file_loses_only_its_bad_lines(tmp_path: Path) -> None:
     assert store.roots() == [good]
     with pytest.raises(ValueError, match="at least 1"):
         NodeStore(tmp_path / "other", keep=0)
+
+
+def test_a_fetch_in_progress_holds_off_the_collections_of_the_other_processes(
+    tmp_path: Path,
+) -> None:
+    store = NodeStore(tmp_path / "node")
+
+    def collection_could_run() -> bool:
+        """What another process's ``remember`` finds: can it take the lock exclusively?"""
+        fd = os.open(tmp_path / "node" / "flower-roots.lock", os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+        return True
+
+    with store.reading():
+        assert not collection_could_run()
+        with NodeStore(tmp_path / "node").reading():  # fetches share it
+            assert not collection_could_run()
+    assert collection_could_run()

@@ -100,14 +100,21 @@ class BlockLink:
     def push(self, arrays: Mapping[str, np.ndarray], *, hold: bool = False) -> Cid:
         """Make the service hold ``arrays`` as one update; its root CID. ``hold``: also keep
         them in the local store (so that later fetches of equal chunks are not made)."""
-        return self._run(lambda: self._push(arrays, hold), "push arrays")
+        root = self._run(lambda: self._push(arrays, hold), "push arrays")
+        if hold and self.node is not None:
+            self.node.remember(root)
+        return root
 
     def fetch(self, root: Cid, *, swarm: bool = False) -> dict[str, np.ndarray]:
         """The arrays of the update ``root``, fetched into the local store (what it lacks),
         every block CID-checked; read-only views of the store's blocks where a tensor is one
-        chunk (memory-mapped for a ``DirectoryStore``), else one array per tensor."""
-        self._run(lambda: self._fetch(root, swarm), f"fetch {root}")
-        update = get_update(self.store, root)
+        chunk, else one array per tensor."""
+        reading = self.node.reading() if self.node is not None else contextlib.nullcontext()
+        with reading:  # no collection by another process of the node until they are read
+            self._run(lambda: self._fetch(root, swarm), f"fetch {root}")
+            update = get_update(self.store, root)
+        if self.node is not None:
+            self.node.remember(root)
         return dict(update.tensors)
 
     def close(self) -> None:
@@ -211,9 +218,7 @@ class BlockLink:
             old, _ = self._roots.popitem(last=False)
             if self._peer is not None and self._peer.seeder is not None:
                 self._peer.seeder.holdings.forget(old)
-        if self.node is not None:
-            self.node.remember(root)  # the node's roots, shared by its processes
-        elif trimmed:
+        if self.node is None and trimmed:  # a node's roots are remembered by fetch / push
             collect_garbage(self.store, list(self._roots))
 
     async def _aclose(self) -> None:
