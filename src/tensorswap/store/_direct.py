@@ -11,19 +11,19 @@ process needs again is read back the same way, into a slab of the process's pool
 O_DIRECT wants the memory address, the length and the file offset aligned to the device's
 logical block size: buffers from ``tensorswap._pool`` start on a page, so a received
 payload is written from where it landed; anything else, and a block's last partial page,
-goes through a small per-thread staging buffer (a copy into warm memory). The file is
-then cut to its exact length. A file system that refuses O_DIRECT (tmpfs, some network
-file systems) makes ``DirectIO.supported`` False for that store, which then writes and
-reads through the page cache as before.
+goes through a 4 MiB staging slab taken from the pool for the write (a copy into warm
+memory). The file is then cut to its exact length. A file system that refuses O_DIRECT
+(some network and FUSE file systems; older kernels' tmpfs) makes ``DirectIO.supported``
+False for that store, logged once, which then writes and reads through the page cache as
+before.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import mmap
+import logging
 import os
-import threading
 
 import numpy as np
 
@@ -37,6 +37,7 @@ DIRECT_MIN_BYTES = 1 << 20
 _ALIGN = 4096  # covers 512- and 4096-byte logical blocks
 _STAGE = 4 << 20  # the staging buffer per thread; also the step of each write
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+log = logging.getLogger("tensorswap.store")
 
 
 class DirectIO:
@@ -49,16 +50,15 @@ class DirectIO:
         """Block files written directly so far."""
         self.reads = 0
         """Block files read directly so far."""
-        self._local = threading.local()
 
     def wants(self, nbytes: int) -> bool:
         return self.supported and nbytes >= DIRECT_MIN_BYTES
 
-    def _stage(self) -> memoryview:
-        stage: mmap.mmap | None = getattr(self._local, "stage", None)
-        if stage is None:
-            stage = self._local.stage = mmap.mmap(-1, _STAGE)  # page-aligned, kept warm
-        return memoryview(stage)
+    def refused(self, exc: OSError) -> None:
+        """Turn direct I/O off for this store (the file system refused it), saying so once."""
+        if self.supported:
+            log.info("direct I/O refused here, the page cache is used instead: %s", exc)
+        self.supported = False
 
     def set_direct(self, fd: int) -> bool:
         """Turn O_DIRECT on for ``fd`` (Linux allows it on an open file); False, and direct
@@ -70,7 +70,7 @@ class DirectIO:
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            self.supported = False
+            self.refused(exc)
             return False
         return True
 
@@ -79,10 +79,10 @@ class DirectIO:
         flat = data if data.format == "B" and data.ndim == 1 else data.cast("B")
         total = flat.nbytes
         aligned = _address(flat) % _ALIGN == 0
-        stage = self._stage()
+        stage = receive_buffers().take(min(_STAGE, -(-total // _ALIGN) * _ALIGN))
         done = 0
         while done < total:
-            step = min(_STAGE, total - done)
+            step = min(stage.nbytes, total - done)
             whole = step - step % _ALIGN
             if aligned and whole:  # straight from the caller's page-aligned memory
                 _pwrite_all(fd, flat[done : done + whole], done)
@@ -136,7 +136,7 @@ def write_file(direct: DirectIO, fd: int, data: memoryview) -> None:
         except OSError as exc:
             if exc.errno != errno.EINVAL:  # accepted at open, refused on write (FUSE...)
                 raise
-            direct.supported = False
+            direct.refused(exc)
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
             os.ftruncate(fd, 0)
     done = 0
@@ -155,5 +155,5 @@ def read_file(direct: DirectIO, fd: int, size: int) -> memoryview | None:
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
-        direct.supported = False
+        direct.refused(exc)
         return None
