@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from helpers.collective import KEY, close
+from helpers.collective import KEY, close, cut_after_commit
 from helpers.collective import rendezvous as start_rendezvous
 from tensorswap.cid import Cid
 from tensorswap.collective import Collective, Rendezvous
@@ -82,20 +82,7 @@ def test_a_relayed_peer_that_dies_mid_call_is_dropped() -> None:
     async def main() -> tuple[list[Any], dict[str, str]]:
         peers, server, made = await _group("p2")
         victim = peers[2]
-        committed = asyncio.Event()
-        original = victim.ask
-
-        async def ask_then_die(message):  # type: ignore[no-untyped-def]
-            answer = await original(message)
-            committed.set()
-            await asyncio.Event().wait()  # never returns: the peer hangs, then is cut
-            return answer
-
-        victim.ask = ask_then_die  # type: ignore[method-assign]
-        dying = asyncio.ensure_future(victim.all_reduce(inputs[2]))
-        await committed.wait()
-        dying.cancel()
-        await victim.aclose()
+        await cut_after_commit(victim, inputs[2])
         try:
             out = await asyncio.gather(*(p.all_reduce(inputs[i]) for i, p in enumerate(peers[:2])))
             assert peers[0].members == ["p0", "p1"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from tensorswap.collective import Collective, Rendezvous
 from tensorswap.collective._compress import Compression
@@ -43,3 +44,22 @@ async def close(peers: list[Collective], server: BlockServer, made: Rendezvous) 
         await peer.aclose()
     await made.aclose()
     await server.aclose()
+
+
+async def cut_after_commit(victim: Collective, values: dict[str, Any]) -> None:
+    """Start ``victim``'s call with ``values``; once its commit is answered, hang it, cancel
+    it and close the peer (its server and connections go, as a killed process's would)."""
+    committed = asyncio.Event()
+    original = victim.ask
+
+    async def ask_then_die(message):  # type: ignore[no-untyped-def]
+        answer = await original(message)
+        committed.set()
+        await asyncio.Event().wait()  # never returns: the peer hangs, then is cut
+        return answer
+
+    victim.ask = ask_then_die  # type: ignore[method-assign]
+    dying = asyncio.ensure_future(victim.all_reduce(values))
+    await committed.wait()
+    dying.cancel()
+    await victim.aclose()
