@@ -35,7 +35,7 @@ DIRECT_MIN_BYTES = 1 << 20
 """Blocks at least this large are written and read directly; smaller ones buffered."""
 
 _ALIGN = 4096  # covers 512- and 4096-byte logical blocks
-_STAGE = 4 << 20  # the staging buffer per thread; also the step of each write
+_STAGE = 4 << 20  # the most a staging slab holds; also the step of each write
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 log = logging.getLogger("tensorswap.store")
 
