@@ -14,6 +14,7 @@ from typing import Any, Literal, Self
 import numpy as np
 
 from tensorswap.cid import Cid
+from tensorswap.rounds.client._updates import children_first, is_small
 from tensorswap.rounds.client.results import ServerStatus, SubmitResult
 from tensorswap.rounds.client.retention import RoundBlocks
 from tensorswap.rounds.core.errors import RoundFailed, RoundTimeout, UnknownUpdate
@@ -40,7 +41,6 @@ from tensorswap.store import (
     MemoryStore,
     ModelUpdate,
     get_update,
-    manifest_closure,
     put_update,
 )
 from tensorswap.wire import (
@@ -198,8 +198,7 @@ class RoundClient:
         ``push_results`` off. Not for inline submits.
         """
         small = is_small(update)  # then encoding and listing it cost less than thread hops
-        if self.retention is not None:
-            self.retention.begin()
+        self._begin_round_call()
         if isinstance(update, Cid):
             cid = update
         else:
@@ -211,7 +210,7 @@ class RoundClient:
                 cid = await asyncio.to_thread(put_update, self.store, update)
         known = cid in self._inlined  # its blocks went inline before: submit, no offer
         if small and not isinstance(update, Cid) and self.inline and not known:
-            closure = _children_first(self.store, cid)
+            closure = children_first(self.store, cid)
             inlined = await self._submit_inline(round_id, cid, closure)
             if inlined is not None:
                 self._inlined[cid] = None
@@ -225,9 +224,9 @@ class RoundClient:
         async with self._lock:
             start, wire_start = time.perf_counter(), self.blocks.bytes_sent
             if small and not isinstance(update, Cid):
-                closure = _children_first(self.store, cid)
+                closure = children_first(self.store, cid)
             else:
-                closure = await asyncio.to_thread(_children_first, self.store, cid)
+                closure = await asyncio.to_thread(children_first, self.store, cid)
             answer, sent, sent_blocks = await self._push_and_call(
                 call, closure, known, compression, limit
             )
@@ -241,8 +240,7 @@ class RoundClient:
                 seconds=time.perf_counter() - start,
             )
         status = _status(answer)
-        if isinstance(status, Complete) and self.retention is not None:
-            self.retention.hold_root(round_id, Cid.parse(status.cid))  # pushed behind it
+        self._hold_result(round_id, status)  # its blocks may have come behind the answer
         if status.is_terminal:
             self._settled[round_id] = status
             while len(self._settled) > _SUBMITS_REMEMBERED:
@@ -402,6 +400,14 @@ class RoundClient:
         if self.retention is not None:
             self.retention.hold_new(round_id, closure)
 
+    def _begin_round_call(self) -> None:
+        if self.retention is not None:  # what the store holds before the call brings more
+            self.retention.begin()
+
+    def _hold_result(self, round_id: RoundId, status: RoundStatus) -> None:
+        if isinstance(status, Complete) and self.retention is not None:
+            self.retention.hold_root(round_id, Cid.parse(status.cid))
+
     async def fetch(self, cid: Cid, *, have: Sequence[Cid] | None = None) -> ModelUpdate:
         """Pull the update ``cid`` into this client's store (only blocks it lacks) and load it.
 
@@ -422,8 +428,7 @@ class RoundClient:
         contribution, a frozen layer, is the one kind it shares with them).
         """
         cid = await self.result(round_id, timeout)
-        if self.retention is not None:
-            self.retention.begin()
+        self._begin_round_call()
         update = await self.fetch(cid, have=self._submitted.get(round_id))
         if self.retention is not None:
             self.retention.hold_root(round_id, cid)
@@ -456,27 +461,6 @@ class RoundClient:
 
 
 _INLINED_KEPT = 1024
-
-SMALL_UPDATE = 64 * 1024
-"""Updates of at most this many bytes of values are stored and listed on the event loop."""
-
-
-def is_small(update: ModelUpdate | Mapping[str, Any] | Cid) -> bool:
-    """Whether ``update`` holds at most SMALL_UPDATE bytes of values (a CID: unknown, no)."""
-    if isinstance(update, Cid):
-        return False
-    tensors = update.tensors if isinstance(update, ModelUpdate) else update
-    total = 0
-    for value in tensors.values():
-        total += int(getattr(value, "nbytes", SMALL_UPDATE + 1))
-        if total > SMALL_UPDATE:
-            return False
-    return True
-
-
-def _children_first(store: BlockStore, root: Cid) -> list[Cid]:
-    """The blocks of ``root``, chunks before the manifests that list them (what a push sends)."""
-    return list(reversed(manifest_closure(store, root)))
 
 
 def _cut_short(exc: RoundTimeout, asked: float | None) -> bool:

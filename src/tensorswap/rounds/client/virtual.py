@@ -21,7 +21,8 @@ from typing import Any, Self
 import msgspec
 
 from tensorswap.cid import Cid
-from tensorswap.rounds.client.client import RoundClient, _children_first, is_small
+from tensorswap.rounds.client._updates import children_first, is_small
+from tensorswap.rounds.client.client import RoundClient
 from tensorswap.rounds.core.errors import UnknownUpdate
 from tensorswap.rounds.core.state import RoundId, RoundStatus
 from tensorswap.rounds.protocol.batch import (
@@ -289,7 +290,7 @@ class VirtualClients:
         order: list[Cid] = []
         for cid in cids:
             if cid not in seen:
-                fresh = [c for c in _children_first(self.store, cid) if c not in seen]
+                fresh = [c for c in children_first(self.store, cid) if c not in seen]
                 seen.update(fresh)
                 order.extend(fresh)
         return order
