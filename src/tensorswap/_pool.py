@@ -57,13 +57,17 @@ class ReceiveBuffers:
 
     A buffer of ``min_bytes`` or more is a view of a recycled slab (or a new one); when
     the last reference to that view (or anything built on it: slices, read-only views, a
-    store that adopted the block, an array over it) goes away, the slab returns here. The
-    pool holds, in use and idle together, at most the larger of ``keep_bytes`` and its
-    working set (the most bytes handed out at once since it was last idle, at most
-    ``WORKING_SET_CAP``, a quarter of the machine's or the container's memory): a slab given
-    back beyond that is freed, and idle slabs of other sizes are freed to make room for a new
-    one. So keeping slabs raises no peak: a process that moves a round's worth of blocks,
-    sums and results every few seconds keeps that much, and no more. A slab idle for
+    store that adopted the block, an array over it) goes away, the slab returns here. Idle
+    slabs are kept up to the larger of ``keep_bytes`` and the working set (the most bytes
+    handed out at once since the pool was last idle, at most ``WORKING_SET_CAP``, a quarter
+    of the machine's or the container's memory); a slab given back beyond that is freed. A
+    process that moves a round's worth of blocks, sums and results every few seconds keeps
+    that much. Slabs serve only requests of their own size class (64 KiB steps), so while a
+    process's mix of sizes changes, idle slabs of one size and slabs in use of another can
+    together reach twice the working set, for ``idle_seconds`` at most. (Freeing idle slabs
+    to stay within one working set was tried: on the loopback round it freed the slabs the
+    next round's uploads then faulted in afresh, 1.43-1.51 -> 2.16 CPU-seconds a round, for
+    no lower peak: 224 and 222 MiB.) A slab idle for
     ``idle_seconds`` is freed too (``expire``, run by a timer thread while slabs are idle;
     then the C heap is trimmed), so memory goes back to the OS only once a process has
     stopped for a while, not after each burst. Reusing slabs saves the page faults of fresh
@@ -124,8 +128,6 @@ class ReceiveBuffers:
                 self.allocated += 1
             self._in_use += size
             self._peak = max(self._peak, self._in_use)
-            if slab is None:
-                self._make_room()
         if slab is None:
             slab = np.empty(size + _ALIGN, np.uint8)
         start = -slab.ctypes.data % _ALIGN
@@ -136,16 +138,6 @@ class ReceiveBuffers:
 
     def _limit(self) -> int:
         return max(self.keep_bytes, min(self._peak, WORKING_SET_CAP))
-
-    def _make_room(self) -> None:
-        """Free idle slabs (other sizes: none of this one was idle) while in use and idle
-        together are over the limit (lock held)."""
-        limit = self._limit()
-        for size in sorted(self._idle, reverse=True):
-            slabs = self._idle[size]
-            while slabs and self._idle_bytes + self._in_use > limit:
-                slabs.pop()
-                self._idle_bytes -= size
 
     def _give_back(self, slab: np.ndarray) -> None:
         self._returned.append(slab)
@@ -176,7 +168,7 @@ class ReceiveBuffers:
             slab = self._returned.popleft()
             size = slab.nbytes - _ALIGN
             self._in_use -= size
-            if self._idle_bytes + self._in_use + size > self._limit():
+            if self._idle_bytes + size > self._limit():
                 continue  # freed with the last reference, here
             self._idle[size].append((slab, self.clock()))
             self._idle_bytes += size
