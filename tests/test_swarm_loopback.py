@@ -233,6 +233,32 @@ async def test_fetch_result_of_a_round_through_the_swarm(tmp_path: Path) -> None
         assert tracker.announces == 3
 
 
+async def test_a_swarm_fetch_into_the_clients_own_store_keeps_its_latest_rounds_only(
+    tmp_path: Path,
+) -> None:
+    with Coordinator.open(tmp_path, clock=FakeClock(), run_timer=False, durable=False) as coord:
+        server = RoundServer(coord, key=KEY)
+        SwarmTracker(coord.store).attach(server.blocks)
+        async with running(server):
+            client = await RoundClient.connect("127.0.0.1", server.port, peer="p", key=KEY)
+            results = []
+            try:
+                async with SwarmPeer(client.store, peer="p", key=KEY) as peer:
+                    for r in range(1, 5):
+                        rid = RoundId(r, "lead")
+                        await client.start_round(rid, RoundSpec(1))
+                        values = np.random.default_rng(r).standard_normal(300_000, np.float32)
+                        await client.submit(rid, {"w": values}, 1)
+                        got = await peer.fetch_result(client, rid, timeout=30)
+                        np.testing.assert_allclose(got["w"], values)
+                        results.append(await client.result(rid))
+            finally:
+                await client.aclose()
+    assert client.retention is not None
+    assert client.retention.held_rounds == [RoundId(3, "lead"), RoundId(4, "lead")]
+    assert not client.store.has(results[0]) and client.store.has(results[-1])
+
+
 @pytest.mark.slow
 async def test_tensorswap_serve_tracks_holders(tmp_path: Path, servers: list[Server]) -> None:
     serve = Server(tmp_path / "coordinator")

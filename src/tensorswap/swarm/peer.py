@@ -135,10 +135,17 @@ class SwarmPeer:
         self, client: RoundClient, round_id: RoundId, timeout: float | None = None
     ) -> dict[str, np.ndarray]:
         """``client.fetch_result`` through the swarm: wait for the round, fetch its aggregate
-        from the coordinator and the peers that hold it, return the named arrays."""
+        from the coordinator and the peers that hold it, return the named arrays. Into the
+        client's own store (``SwarmPeer(client.store)``), the result counts among the round's
+        blocks there, kept for the client's latest rounds only (``rounds.client.retention``)."""
         cid = await client.result(round_id, timeout)
+        retention = client.retention if self.store is client.store else None
+        if retention is not None:
+            retention.begin()
         await self.fetch(client.blocks, cid)
         update = await asyncio.to_thread(get_update, self.store, cid)
+        if retention is not None:
+            retention.hold_root(round_id, cid)
         return dict(update.tensors)
 
     async def fetch(self, coordinator: BlockClient, root: Cid) -> SwarmFetch:

@@ -10,8 +10,8 @@ and deletes a block once no kept round lists it, if a round brought it in: a blo
 in the store before any round used it (put there by other code, e.g. a run's global model
 fetched with ``fetch``) is never deleted, and a chunk shared across rounds (a frozen layer)
 stays while any kept round lists it. A store the caller passed in is the caller's: nothing is
-deleted from it. Not tracked: blocks fetched through ``SwarmPeer.fetch_result`` or a runs
-client's own calls (they stay, as before).
+deleted from it. ``SwarmPeer.fetch_result`` into the client's own store counts too. Not
+tracked: blocks a runs client's own calls bring in (they stay, as before).
 """
 
 from __future__ import annotations
