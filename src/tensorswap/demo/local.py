@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,6 +45,18 @@ def emit(event: str, **fields: Any) -> None:
     """One JSON report line on stdout."""
     sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
     sys.stdout.flush()
+
+
+def emit_ready(state: PeerState, **fields: Any) -> None:
+    """The peer's ``ready`` line: its name, samples, starting accuracy and process id."""
+    emit(
+        "ready",
+        peer=state.name,
+        samples=state.shard.num_samples,
+        accuracy=state.accuracy(),
+        pid=os.getpid(),
+        **fields,
+    )
 
 
 def fail(message: str, code: int = 2) -> int:

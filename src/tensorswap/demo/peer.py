@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import sys
 from typing import Any
 
@@ -53,7 +52,7 @@ from tensorswap.delta.bincode import MAX_DWE_FRAGMENT_BYTES
 from tensorswap.demo.inbox import SEQ_STRIDE as SEQ_STRIDE
 from tensorswap.demo.inbox import DeltaInbox
 from tensorswap.demo.local import PeerState as PeerState
-from tensorswap.demo.local import build_state, commands, emit, fail, next_command
+from tensorswap.demo.local import build_state, commands, emit_ready, fail, next_command
 from tensorswap.demo.peer_diloco import run_diloco
 from tensorswap.demo.peer_rounds import p2p_round, star_round
 from tensorswap.demo.peer_run import run_tasks
@@ -88,14 +87,7 @@ async def run_star(args: argparse.Namespace) -> int:
             node = SwarmPeer(client.store, peer=name, listen=(args.swarm_listen, 0))
             state.swarm = await stack.enter_async_context(node)
         seeding = {} if state.swarm is None else {"swarm": _seeding(state.swarm)}
-        emit(
-            "ready",
-            peer=state.name,
-            samples=state.shard.num_samples,
-            accuracy=state.accuracy(),
-            pid=os.getpid(),
-            **seeding,
-        )
+        emit_ready(state, **seeding)
         reader = await commands()
         while (cmd := await next_command(reader)) is not None and cmd.get("cmd") != "stop":
             if cmd.get("cmd") == "round":
@@ -118,14 +110,7 @@ async def run_p2p(args: argparse.Namespace) -> int:
     config = DweConfig(max_fragment_bytes=args.max_fragment_bytes)
     inbox: asyncio.Queue[Any] = asyncio.Queue()
     async with DweListener(inbox, config=config) as listener:
-        emit(
-            "ready",
-            peer=state.name,
-            samples=state.shard.num_samples,
-            accuracy=state.accuracy(),
-            listen=str(listener.endpoint),
-            pid=os.getpid(),
-        )
+        emit_ready(state, listen=str(listener.endpoint))
         reader = await commands()
         cmd = await next_command(reader)
         if cmd is None or cmd.get("cmd") == "stop":

@@ -15,11 +15,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 from typing import Any
 
-from tensorswap.demo.local import PeerState, build_state, commands, emit, fail, next_command
+from tensorswap.demo.local import (
+    PeerState,
+    build_state,
+    commands,
+    emit,
+    emit_ready,
+    fail,
+    next_command,
+)
 
 __all__ = ["COLLECTIVE_COMPRESSION", "run_diloco"]
 
@@ -35,13 +42,7 @@ async def run_diloco(args: argparse.Namespace) -> int:
     from tensorswap.errors import WireError
 
     state = await asyncio.to_thread(build_state, args)
-    emit(
-        "ready",
-        peer=state.name,
-        samples=state.shard.num_samples,
-        accuracy=state.accuracy(),
-        pid=os.getpid(),
-    )
+    emit_ready(state)
     reader = await commands()
     cmd = await next_command(reader)
     if cmd is None or cmd.get("cmd") == "stop":
