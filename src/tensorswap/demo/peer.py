@@ -53,6 +53,7 @@ from tensorswap.demo.inbox import SEQ_STRIDE as SEQ_STRIDE
 from tensorswap.demo.inbox import DeltaInbox
 from tensorswap.demo.local import PeerState as PeerState
 from tensorswap.demo.local import build_state, commands, emit_ready, fail, next_command
+from tensorswap.demo.local import emit as emit
 from tensorswap.demo.peer_diloco import run_diloco
 from tensorswap.demo.peer_rounds import p2p_round, star_round
 from tensorswap.demo.peer_run import run_tasks
