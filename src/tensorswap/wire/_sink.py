@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -36,9 +37,16 @@ class BlockSink:
     submit is cancelled, gives its share back when its bytes are freed, never before.
     """
 
-    def __init__(self, store: BlockStore, depth: int = 4) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        depth: int = 4,
+        on_stored: Callable[[Cid, memoryview], None] | None = None,
+    ) -> None:
         self.store = store
         self.depth = depth
+        self.on_stored = on_stored
+        """Called ``(cid, bytes)`` after each block is checked and stored (must not raise)."""
         self.blocks = 0
         self.nbytes = 0
         self.failed = asyncio.Event()
@@ -57,6 +65,8 @@ class BlockSink:
             self.store.put_verified(block.cid, block.data, adopt=True, threads=1)
         except HashMismatch as exc:
             raise BlockHashMismatch(block.cid, exc.actual) from exc
+        if self.on_stored is not None:
+            self.on_stored(block.cid, block.data)
         return block.data.nbytes
 
     async def submit(self, block: BlockFrame, share: Tie | None = None) -> None:

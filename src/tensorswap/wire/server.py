@@ -142,6 +142,9 @@ class BlockServer(ServerHandlers):
         the client agrees: each block's CID is checked, which covers its bytes)."""
         self.on_root = on_root
         self.on_failure = on_failure
+        self.on_stored: Callable[[Cid, memoryview], None] | None = None
+        """Called ``(cid, bytes)`` on the storing thread after each received block is checked
+        and stored (a rounds coordinator's cut-through); it must not raise."""
         self.name = name
         self.store_depth = store_depth
         self.handlers: dict[str, RequestHandler] = dict(handlers or {})
@@ -227,7 +230,7 @@ class BlockServer(ServerHandlers):
         """
         self.stats.opened(transport)
         conn = FrameConnection(transport, limits=self.limits, timeouts=self.timeouts)
-        sink = BlockSink(self.store, self.store_depth)
+        sink = BlockSink(self.store, self.store_depth, self.on_stored)
         client = ""
         try:
             hello = await server_handshake(

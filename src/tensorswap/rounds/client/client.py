@@ -14,7 +14,9 @@ from typing import Any, Literal, Self
 import numpy as np
 
 from tensorswap.cid import Cid
+from tensorswap.errors import StoreError
 from tensorswap.rounds.client._updates import children_first, is_small
+from tensorswap.rounds.client.cut import CutThroughClient
 from tensorswap.rounds.client.results import ServerStatus, SubmitResult
 from tensorswap.rounds.client.retention import RoundBlocks
 from tensorswap.rounds.core.errors import RoundFailed, RoundTimeout, UnknownUpdate
@@ -103,6 +105,7 @@ class RoundClient:
         self.dial: Callable[[], Awaitable[BlockClient]] | None = None
         """Opens another connection to the same coordinator, as this one was (set by
         ``connect``): for work that must not wait behind this connection's requests."""
+        self.cut = CutThroughClient(self)  # the result streamed while it uploads (client.cut)
         self._lock = asyncio.Lock()  # one request (push + rounds call) at a time
         # the blocks of what this client submitted to recent rounds: a result shares only
         # those with the store (a chunk equal in every contribution), so a fetch of the
@@ -150,12 +153,14 @@ class RoundClient:
         return client
 
     async def aclose(self) -> None:
+        await self.cut.aclose()
         await self.blocks.aclose()
 
     async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        await self.cut.aclose()
         await self.blocks.__aexit__(exc_type, exc, tb)
 
     # ── rounds ───────────────────────────────────────────────────────────────
@@ -207,7 +212,8 @@ class RoundClient:
             if small:
                 cid = put_update(self.store, update)
             else:
-                cid = await asyncio.to_thread(put_update, self.store, update)
+                size = self.cut.chunk_bytes
+                cid = await asyncio.to_thread(put_update, self.store, update, chunk_bytes=size)
         known = cid in self._inlined  # its blocks went inline before: submit, no offer
         if small and not isinstance(update, Cid) and self.inline and not known:
             closure = children_first(self.store, cid)
@@ -218,6 +224,8 @@ class RoundClient:
                     self._inlined.popitem(last=False)
                 self._remember(round_id, closure)
                 return inlined
+        if not small:  # its result may stream back while it uploads (client.cut)
+            cid = await self.cut.begin(round_id, cid, None if isinstance(update, Cid) else update)
         call = SubmitRequest.of(round_id, self.peer, cid, wait)
         read = self.blocks.conn.timeouts.read
         limit = None if wait is None or read is None else wait + read
@@ -279,8 +287,9 @@ class RoundClient:
     async def _submit_call(self, call: SubmitRequest, limit: float | None) -> RoundAnswer:
         """The submit's answer (the lock held); a submit that waits goes to ``rounds/fetch``,
         so a Complete answer comes with the result's blocks into the store
-        (``rounds.protocol.push``)."""
-        if call.timeout is not None and self.push_results:
+        (``rounds.protocol.push``), unless they come by the round's stream (``client.cut``)."""
+        rid = RoundId(call.round, call.initiator)
+        if call.timeout is not None and self.push_results and not self.cut.streaming(rid):
             try:
                 body, _ = await self.blocks.request_blocks(
                     APP_FETCH, encode_call(call), self.store, result_roots, timeout=limit or "read"
@@ -427,6 +436,15 @@ class RoundClient:
         trip: all its blocks but those of the update submitted (a chunk equal in every
         contribution, a frozen layer, is the one kind it shares with them).
         """
+        streamed = await self.cut.take(round_id, timeout)
+        if streamed is not None:  # the stream brought it whole: loaded here
+            try:
+                update = await asyncio.to_thread(get_update, self.store, streamed)
+            except StoreError:
+                pass
+            else:
+                self._hold_result(round_id, Complete(str(streamed)))
+                return dict(update.tensors)
         cid = await self.result(round_id, timeout)
         self._begin_round_call()
         update = await self.fetch(cid, have=self._submitted.get(round_id))

@@ -15,6 +15,7 @@ from tensorswap.codec import DType
 from tensorswap.errors import BlockNotFound, CorruptBlock
 from tensorswap.rounds.core.errors import ContributionsLost, NonFiniteAggregate
 from tensorswap.rounds.core.state import Contribution, Layout, RoundInfo
+from tensorswap.rounds.engine.cut import CutThrough
 from tensorswap.rounds.engine.fold import RoundWork, assemble, load_chunk
 from tensorswap.rounds.engine.refold import UNREADABLE, catch_up, facts_of
 from tensorswap.rounds.engine.result import put_pieces
@@ -68,6 +69,7 @@ def compute_aggregate(
     work: RoundWork,
     drop: Drop,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    cut: CutThrough | None = None,
 ) -> Cid:
     """Aggregate the round's contributions (less those dropped before) and store the result,
     its tensors cut into chunks of ``chunk_bytes`` (the coordinator's ``result_chunk_bytes``).
@@ -83,7 +85,9 @@ def compute_aggregate(
     that would hold NaN or Inf (finite contributions whose sum overflowed) raises
     NonFiniteAggregate and nothing is stored, unless the strategy propagates non-finite
     values on purpose (``non_finite=propagate``). Errors from storing the result (a full
-    disk) propagate for the caller to retry.
+    disk) propagate for the caller to retry. With ``cut``, a round whose pieces were all
+    folded at arrival over exactly the contributions accepted (``rounds.engine.cut``) only
+    has its manifests stored: the same values, read back from nothing.
     """
     spec = aggregator_spec(info.spec)
     gone = info.dropped_peers
@@ -106,6 +110,10 @@ def compute_aggregate(
 
     with work.lock:
         if spec.kind in STREAMING_KINDS:
+            done = None if cut is None else cut.finish(info, live, result_metadata(info, live, ()))
+            if done is not None:
+                work.reset()
+                return done
             # after a restart, or a rebuild: fold what is missing, in fold order
             catch_up(store, work, spec, live, lose)
             kept = [c for c in live if c.peer not in lost]

@@ -35,6 +35,7 @@ from tensorswap.rounds.core.stats import CoordinatorStats
 from tensorswap.rounds.engine._open import STORE_DIRNAME, open_in_dir
 from tensorswap.rounds.engine._views import RoundViews
 from tensorswap.rounds.engine.compute import compute_aggregate
+from tensorswap.rounds.engine.cut import CutThrough
 from tensorswap.rounds.engine.fold import RoundWork
 from tensorswap.rounds.engine.hooks import CoordinatorHooks, HookList
 from tensorswap.rounds.engine.intake import IntakeContext, SampleCap, intake
@@ -126,17 +127,13 @@ class Coordinator(RoundViews):
         self._retention.add_root_source(self.hooks.roots)
         self.samples = SampleCap()  # the num_samples a contribution may claim (engine.intake)
         self._intake = IntakeContext(
-            self.tracker,
-            store,
-            self.hooks,
-            self.samples,
-            verify_reads,
-            self.clock.now,
-            self._count,
-            self._drop,
-        )
+            self.tracker, store, self.hooks, self.samples, verify_reads, self.clock.now,
+            self._count, self._drop, lambda: self.cut,
+        )  # fmt: skip
         self.result_chunk_bytes = DEFAULT_CHUNK_BYTES
         """Chunk size of the aggregates' tensors (``serve --result-chunk``; see compute)."""
+        self.cut = CutThrough(store, self.tracker, self.hooks, lambda: self.result_chunk_bytes)
+        """Cut-through rounds: pieces folded as they arrive (``rounds.engine.cut``)."""
         self._work: dict[RoundId, RoundWork] = {}
         self._closed = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tensorswap-aggregate")
@@ -340,7 +337,9 @@ class Coordinator(RoundViews):
             try:
                 work, drop = self._work_for(round_id), partial(self._drop, round_id)
                 got = self.tracker.contributions(round_id)
-                cid = compute_aggregate(self.store, info, got, work, drop, self.result_chunk_bytes)
+                cid = compute_aggregate(
+                    self.store, info, got, work, drop, self.result_chunk_bytes, self.cut
+                )
                 cid = self.hooks.release(round_id, cid)
                 seconds = time.perf_counter() - started
                 with self._lock:  # counted before Complete wakes anyone who then reads them
@@ -395,6 +394,7 @@ class Coordinator(RoundViews):
             self._retention.schedule()  # queued before Failed wakes anyone
             self._retention.mark_ended(round_id)
         self._retries.forget(round_id)
+        self.cut.abandon(round_id, reason)
         if self.tracker.mark_failed(round_id, reason):
             self._count(rounds_failed=1)
             log.warning("round %s failed: %s", round_id, reason)

@@ -18,6 +18,7 @@ How the coordinator combines them, per method:
   ``fail_round``) and later hooks are not asked; when none does, the coordinator completes
   the round itself.
 - ``roots``: every hook's roots together are kept through collections.
+- ``may_stream``: a round cuts through only if every hook agrees.
 
 Every method is called on whatever thread submits or aggregates, without the coordinator's
 locks held, so a hook may call the coordinator back.
@@ -78,6 +79,14 @@ class CoordinatorHooks:
         what it will name under ``Coordinator.no_collection``."""
         return []
 
+    def may_stream(self, round_id: RoundId) -> bool:
+        """Whether the round's aggregate may reach peers chunk by chunk before it is released
+        (a cut-through round, ``rounds.engine.cut``). By default only when this hook
+        transforms no result: one that overrides ``release`` or ``finish`` (a DP release,
+        a regional tier) must not have the aggregate it releases instead streamed."""
+        cls = type(self)
+        return cls.release is CoordinatorHooks.release and cls.finish is CoordinatorHooks.finish
+
 
 class HookList:
     """A coordinator's hooks in order, combined as the module docstring says; thread-safe
@@ -124,3 +133,6 @@ class HookList:
 
     def roots(self) -> list[Cid]:
         return [cid for hook in self._hooks for cid in hook.roots()]
+
+    def may_stream(self, round_id: RoundId) -> bool:
+        return all(hook.may_stream(round_id) for hook in self._hooks)

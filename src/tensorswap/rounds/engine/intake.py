@@ -18,6 +18,7 @@ from tensorswap.rounds.core.state import (
     RoundTracker,
     Ticket,
 )
+from tensorswap.rounds.engine.cut import CutThrough
 from tensorswap.rounds.engine.fold import RoundWork
 from tensorswap.rounds.engine.hooks import Admission, CoordinatorHooks, HookList
 from tensorswap.rounds.engine.refold import catch_up
@@ -68,6 +69,8 @@ class IntakeContext:
     now: Callable[[], float]
     count: Callable[..., None]
     drop: Callable[[RoundId, str, str], None]
+    cut: Callable[[], CutThrough | None] = lambda: None
+    """The coordinator's cut-through state: an update it folds at arrival is not folded here."""
 
 
 def intake(
@@ -152,7 +155,9 @@ def _reserve(
     spec = aggregator_spec(info.spec)
     with work.lock:
         info = tracker.check_submit(round_id, peer)
-        now = not info.spec.deterministic  # else folded at the close, in canonical order
+        # else folded at the close, in canonical order, or at arrival (cut-through)
+        cut = ctx.cut()
+        now = not info.spec.deterministic and not (cut and cut.covers(round_id, peer, cid))
         if now and spec.kind in STREAMING_KINDS:
             _catch_up(ctx, work, spec, info)
         folded = screen(store, work, spec, facts, key, peer, scale, fold=now)

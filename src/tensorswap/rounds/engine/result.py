@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -13,7 +14,7 @@ import numpy as np
 from tensorswap import _alloc
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.codec import DType, TensorBlock, encode_block_into, encoded_size
-from tensorswap.rounds.core.state import Layout
+from tensorswap.rounds.core.state import LayerSpec, Layout
 from tensorswap.rounds.engine.fold import Bounds, piece_key
 from tensorswap.store import (
     DEFAULT_CHUNK_BYTES,
@@ -25,7 +26,7 @@ from tensorswap.store import (
     update_manifest,
 )
 
-__all__ = ["put_pieces"]
+__all__ = ["put_chunk_block", "put_manifests", "put_pieces"]
 
 _WORKERS = 4  # threads encoding, hashing and writing chunks (at most one per core)
 
@@ -70,27 +71,55 @@ def put_pieces(
             row.append(pieces_of[at][start - got[at] : stop - got[at]])
         plans.append((layer, dtype, row))
     refs = []
-    local = threading.local()  # one encoding buffer per worker thread, reused
-
-    def put_chunk(piece: np.ndarray) -> ChunkRef:
-        block = TensorBlock("", piece)
-        need = encoded_size(block)
-        buffer: np.ndarray | None = getattr(local, "buffer", None)
-        if buffer is None or buffer.nbytes < need:  # pooled: page-aligned, written directly
-            buffer = local.buffer = _alloc.empty(need, np.uint8)
-        length = encode_block_into(block, buffer)
-        data = memoryview(buffer)[:length]  # type: ignore[arg-type]
-        # copied out by the store, so the buffer is reused; workers hash single-threaded
-        cid = store.put(data, threads=1)
-        return ChunkRef(cid.to_bytes(), piece.size, length)
-
     workers = max(1, min(_WORKERS, os.cpu_count() or 1))
     with ThreadPoolExecutor(workers, thread_name_prefix="tensorswap-result") as pool:
-        for layer, dtype, row in plans:
-            chunks = list(pool.map(put_chunk, row))  # in order: the manifest lists them so
-            manifest = tensor_manifest(layer.name, dtype, tuple(layer.shape), chunks)
-            manifest_bytes = encode_manifest(manifest)
-            tensor_cid = store.put(manifest_bytes, codec=Multicodec.TENSORSWAP_MANIFEST)
-            refs.append((layer.name, tensor_cid))
+        for layer, _, row in plans:
+            put = functools.partial(put_chunk_block, store)
+            chunks = list(pool.map(put, row))  # in order: the manifest lists them so
+            refs.append((layer.name, _put_tensor_manifest(store, layer, chunks)))
+    update = update_manifest(name, num_samples, refs, metadata)
+    return store.put(encode_manifest(update), codec=Multicodec.TENSORSWAP_MANIFEST)
+
+
+_local = threading.local()  # one encoding buffer per thread, reused
+
+
+def put_chunk_block(store: BlockStore, piece: np.ndarray) -> ChunkRef:
+    """Store one flat piece of a result as a chunk block, encoded as ``put_update`` encodes
+    a chunk of the same values (so equal values give the same CID); its reference."""
+    block = TensorBlock("", piece)
+    need = encoded_size(block)
+    buffer: np.ndarray | None = getattr(_local, "buffer", None)
+    if buffer is None or buffer.nbytes < need:  # pooled: page-aligned, written directly
+        buffer = _local.buffer = _alloc.empty(need, np.uint8)
+    length = encode_block_into(block, buffer)
+    data = memoryview(buffer)[:length]  # type: ignore[arg-type]
+    # copied out by the store, so the buffer is reused; workers hash single-threaded
+    cid = store.put(data, threads=1)
+    return ChunkRef(cid.to_bytes(), piece.size, length)
+
+
+def _put_tensor_manifest(store: BlockStore, layer: LayerSpec, chunks: list[ChunkRef]) -> Cid:
+    dtype = DType.parse(layer.dtype)
+    manifest = tensor_manifest(layer.name, dtype, tuple(layer.shape), chunks)
+    return store.put(encode_manifest(manifest), codec=Multicodec.TENSORSWAP_MANIFEST)
+
+
+def put_manifests(
+    store: BlockStore,
+    layout: Layout,
+    chunks: Mapping[tuple[int, int], ChunkRef],
+    num_samples: int,
+    metadata: Mapping[str, str],
+    name: str,
+) -> Cid:
+    """Store the manifests of a result whose chunks are stored already (``chunks``: by
+    tensor index in ``layout`` and chunk index): what ``put_pieces`` stores after them."""
+    refs = []
+    for t, layer in enumerate(layout):
+        row: list[ChunkRef] = []
+        while (t, len(row)) in chunks:
+            row.append(chunks[(t, len(row))])
+        refs.append((layer.name, _put_tensor_manifest(store, layer, row)))
     update = update_manifest(name, num_samples, refs, metadata)
     return store.put(encode_manifest(update), codec=Multicodec.TENSORSWAP_MANIFEST)

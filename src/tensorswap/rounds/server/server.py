@@ -57,6 +57,7 @@ from tensorswap.rounds.protocol.paging import (
 )
 from tensorswap.rounds.protocol.push import APP_FETCH, result_push
 from tensorswap.rounds.server._queue import IntakeQueue
+from tensorswap.rounds.server.cut import CutService
 from tensorswap.rounds.server.visibility import Visibility
 from tensorswap.store import BlockStore
 from tensorswap.wire import (
@@ -99,13 +100,11 @@ class RoundServer:
     bounds the received blocks waiting to be stored per connection (memory: about
     ``connections * (store_depth + 1)`` blocks). The server does not own the coordinator.
 
-    A ``wait`` lasts at most ``max_wait`` seconds whatever the client asked (then it is
-    answered RoundTimeout with ``timeout`` = the time waited; RoundClient asks again), so a
-    client that went away holds its connection for ``max_wait`` at most. A wait timeout that
-    is not a finite number >= 0 is a protocol violation. A ``status`` answer that would not
-    fit in the message limit leaves rounds out (live ones and the newest are kept) and says
-    how many in ``omitted``. Wire counters (bytes, connections, blocks) are the block
-    server's ``stats``.
+    A ``wait`` lasts at most ``max_wait`` seconds whatever the client asked (then answered
+    RoundTimeout with ``timeout`` = the time waited; RoundClient asks again): a client gone
+    away holds its connection that long at most. A ``status`` answer too large for the
+    message limit leaves rounds out (keeping live ones and the newest; ``omitted`` counts
+    them). Wire counters are the block server's ``stats``. ``cut`` serves cut-through.
     """
 
     def __init__(
@@ -157,6 +156,10 @@ class RoundServer:
         """Whose rounds' peer names peers are not shown (a DP run's: the runs service adds
         its test); a connection with the operator key is shown them."""
         coordinator.subscribe(self._on_change)
+        self.cut = CutService(coordinator, lambda: self.peer_keys, lambda: self.max_wait)
+        """Cut-through rounds: announcements, and results streamed as they are folded."""
+        self.blocks.handlers.update(self.cut.handlers)
+        self.blocks.on_stored = self.cut.on_stored
 
     # ── lifecycle: the block server's ───────────────────────────────────────
     async def start(
@@ -210,8 +213,7 @@ class RoundServer:
         return self.blocks.stats
 
     @property
-    def errors(self) -> deque[BaseException]:
-        """The last failures that ended a connection (the block server's)."""
+    def errors(self) -> deque[BaseException]:  # the last failures that ended a connection
         return self.blocks.errors
 
     @property
@@ -259,7 +261,7 @@ class RoundServer:
         return body
 
     async def _on_inline(self, request: AppRequest) -> bytes:
-        """An inline submit (``protocol.inline``): proof first, then its blocks, then the submit."""
+        """An inline submit (``protocol.inline``): proof first, then its blocks, the submit."""
         self._loop = asyncio.get_running_loop()
         call = decode_inline(request.body)
         rid, cid = call.round_id, call.cid
@@ -275,9 +277,8 @@ class RoundServer:
                 raise
             except TensorSwapError as exc:
                 return encode_answer(RoundAnswer(error=error_info(exc)))
-        stats = self.blocks.stats
-        stats.blocks_stored += len(call.blocks)
-        stats.bytes_stored += call.nbytes
+        self.blocks.stats.blocks_stored += len(call.blocks)
+        self.blocks.stats.bytes_stored += call.nbytes
         return encode_answer(RoundAnswer(status=status_to_wire(status)))
 
     @property
@@ -424,9 +425,8 @@ class RoundServer:
             return self.coordinator.status(rid) or status
 
     def _on_change(self, rid: RoundId, status: RoundStatus) -> None:
-        """Called by the coordinator from any thread: wake this round's waiters on the loop
-        once it is terminal (a wait returns only then; a wake per accepted contribution would
-        cost a loop wake-up and a system call each)."""
+        """From any thread: wake this round's waiters on the loop once it is terminal (a wait
+        returns only then: no loop wake-up per accepted contribution)."""
         if not status.is_terminal:
             return
         loop = self._loop

@@ -1,0 +1,445 @@
+"""Cut-through rounds: fold chunk k as soon as every expected contribution's chunk k is in.
+
+A round whose participants are known (``expected_peers``), whose strategy folds (FedAvg, the
+mean) without clipping, and whose hooks do not transform its result (``may_stream``) can be
+aggregated while it uploads. Each peer first *announces* its update: its manifests (checked
+against their CIDs and the round's layout, held here in memory only: the store never shows
+a manifest before its chunks), then pushes the chunks in manifest order. Every stored block
+the block service hands to ``on_stored`` that is a chunk some announcement names is marked
+present (its values kept while they fit ``max_held_bytes``, read back re-hashed otherwise).
+When every expected peer has announced and holds chunk k of tensor t, that piece is folded
+across them in peer-name order, with the accumulator the barrier path uses, so each value is
+the same bit for bit as a deterministic round's; the result's piece is encoded as the
+barrier path encodes it, stored, and listed in ``progress`` for peers waiting on the stream
+(``rounds.server.cut``). Only hashes checked on receipt (or re-hashed on the read) reach a
+fold.
+
+The result is used only if, when the round aggregates, the accepted contributions are
+exactly the announced ones (same peers, same update CIDs, none scaled or dropped): then
+``finish`` writes the manifests over the pieces already stored. Anything else (a peer that
+never announced or never submits, a layout or chunking that differs, a non-finite piece, a
+restart: this state is memory only) *abandons* the cut-through and the round aggregates
+through the barrier path over what it accepted; chunks already streamed are then only a
+speculative prefetch, which a peer keeps only if the final manifest names them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tensorswap.aggregate import AggregatorSpec, NonFinitePolicy
+from tensorswap.cid import Cid, Multicodec
+from tensorswap.codec import DType
+from tensorswap.errors import HashMismatch, TensorSwapError
+from tensorswap.rounds.core.state import Contribution, Layout, RoundId, RoundInfo, RoundTracker
+from tensorswap.rounds.engine._cut_parse import Announced, parse_announce
+from tensorswap.rounds.engine.fold import CHUNKS, load_chunk, piece_key
+from tensorswap.rounds.engine.hooks import HookList
+from tensorswap.rounds.engine.result import put_chunk_block, put_manifests
+from tensorswap.rounds.engine.updates import (
+    STREAMING_KINDS,
+    aggregator_spec,
+    count_nonfinite,
+    new_accumulator,
+)
+from tensorswap.store import BlockStore, ChunkRef
+
+__all__ = ["AnnounceVerdict", "CutThrough"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_HELD_BYTES = 512 * 1024 * 1024
+"""Received chunk values kept for their fold, over all rounds; beyond, read back re-hashed."""
+
+_ROUNDS_KEPT = 32  # rounds whose cut-through state is remembered (ended ones go first)
+
+Piece = tuple[int, int]  # (tensor index in layout order, chunk index)
+
+
+@dataclass(frozen=True, slots=True)
+class AnnounceVerdict:
+    """Whether an announcement takes part in its round's cut-through, and why not; the
+    coordinator's result chunk size (an update cut otherwise cannot take part)."""
+
+    ok: bool
+    reason: str = ""
+    chunk_bytes: int = 0
+
+
+@dataclass(slots=True)
+class _Round:
+    spec: AggregatorSpec
+    expected: int
+    layout: Layout | None
+    announced: dict[str, Announced] = field(default_factory=dict)
+    present: dict[Piece, set[str]] = field(default_factory=dict)
+    held: dict[tuple[Piece, str], np.ndarray] = field(default_factory=dict)
+    results: dict[Piece, ChunkRef] = field(default_factory=dict)
+    progress: list[Cid] = field(default_factory=list)
+    abandoned: str | None = None
+    ended: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def pieces(self) -> int:
+        first = next(iter(self.announced.values()), None)
+        return 0 if first is None else sum(len(t.chunks) for t in first.tensors)
+
+
+class CutThrough:
+    """A coordinator's cut-through state (memory only, thread-safe); see the module docstring.
+
+    ``enabled`` turns it off (every announcement is then refused, and rounds run as
+    barriers). ``listeners`` are called ``(round_id)`` from any thread when a round's
+    progress changes (a piece stored, an abandonment).
+    """
+
+    def __init__(
+        self,
+        store: BlockStore,
+        tracker: RoundTracker,
+        hooks: HookList,
+        chunk_bytes: Callable[[], int],
+        *,
+        max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
+    ) -> None:
+        self.store = store
+        self.tracker = tracker
+        self.hooks = hooks
+        self.enabled = True
+        self.max_held_bytes = max_held_bytes
+        self.listeners: list[Callable[[RoundId], None]] = []
+        self._chunk_bytes = chunk_bytes
+        self._rounds: OrderedDict[RoundId, _Round] = OrderedDict()
+        self._index: dict[Cid, list[tuple[RoundId, str, Piece]]] = {}
+        self._held_bytes = 0
+        self._lock = threading.Lock()  # the rounds and the index; a round's own lock inside
+        self.folded = 0
+        """Pieces folded at arrival so far (for tests and status)."""
+
+    # ── announcements ────────────────────────────────────────────────────────
+    def announce(
+        self, round_id: RoundId, peer: str, cid: Cid, blocks: Mapping[Cid, bytes]
+    ) -> AnnounceVerdict:
+        """Take ``peer``'s announcement of update ``cid`` (its manifest blocks) for the round.
+
+        Refusals are verdicts, not errors: the peer then submits as it would have (the round
+        is a barrier); a refusal that leaves the round unable to cut through abandons it. A
+        block that does not hash to its CID raises HashMismatch (the peer sent bad bytes)."""
+        size = self._chunk_bytes()
+        if not self.enabled:
+            return AnnounceVerdict(False, "cut-through is off on this coordinator", size)
+        info = self.tracker.info(round_id)
+        reason = self._ineligible(info)
+        if reason is not None or info is None:
+            return AnnounceVerdict(False, reason or "no such round", size)
+        try:
+            self.tracker.check_submit(round_id, peer)
+            got = parse_announce(info, peer, cid, blocks, size)
+        except HashMismatch:
+            raise
+        except TensorSwapError as exc:
+            self._abandon_if_open(round_id, f"{peer!r}'s announcement refused: {exc}")
+            return AnnounceVerdict(False, str(exc), size)
+        with self._lock:
+            rc = self._rounds.get(round_id)
+            if rc is None:
+                spec = aggregator_spec(info.spec)
+                rc = _Round(spec, info.spec.expected_peers, info.layout)
+                self._rounds[round_id] = rc
+                self._evict()
+        verdict = self._admit(round_id, rc, got, size)
+        if verdict.ok:  # chunks it already held (a frozen layer) may complete pieces
+            self._try_fold(round_id, rc)
+        return verdict
+
+    def _ineligible(self, info: RoundInfo | None) -> str | None:
+        if info is None:
+            return "no such round"
+        if info.status.is_terminal or info.status.name == "Aggregating":
+            return f"the round is {info.status.name}"
+        spec = aggregator_spec(info.spec)
+        if spec.kind not in STREAMING_KINDS or spec.max_norm is not None:
+            return f"strategy {info.spec.strategy!r} does not fold unclipped"
+        if not self.hooks.may_stream(info.round_id):
+            return "a hook transforms this round's result"
+        return None
+
+    def _admit(self, rid: RoundId, rc: _Round, got: Announced, size: int) -> AnnounceVerdict:
+        with rc.lock:
+            if rc.abandoned is not None:
+                return AnnounceVerdict(False, rc.abandoned, size)
+            known = rc.announced.get(got.peer)
+            if known is not None:
+                if known.cid == got.cid:
+                    return AnnounceVerdict(True, "", size)
+                reason = f"{got.peer!r} announced a second update"
+                self._abandon_locked(rid, rc, reason)
+                return AnnounceVerdict(False, reason, size)
+            if len(rc.announced) >= rc.expected:
+                return AnnounceVerdict(False, "every expected peer has announced", size)
+            first = next(iter(rc.announced.values()), None)
+            if first is not None and first.bounds != got.bounds:
+                reason = f"{got.peer!r}'s update is laid out or cut differently"
+                self._abandon_locked(rid, rc, reason)
+                return AnnounceVerdict(False, reason, size)
+            rc.layout = rc.layout or got.layout
+            rc.announced[got.peer] = got
+        with self._lock:
+            for piece, chunk in got.chunks():
+                self._index.setdefault(chunk, []).append((rid, got.peer, piece))
+        held = [p for p, chunk in got.chunks() if self.store.has(chunk)]  # after the index
+        with rc.lock:
+            for piece in held:
+                rc.present.setdefault(piece, set()).add(got.peer)
+        return AnnounceVerdict(True, "", size)
+
+    # ── arrivals ─────────────────────────────────────────────────────────────
+    def on_stored(self, cid: Cid, data: memoryview) -> None:
+        """A block the block service checked and stored (any thread): marks the announced
+        chunks it is present, keeps their values for the fold while they fit, folds the
+        pieces it completes. Never raises (a failure abandons the round it concerns)."""
+        if cid.codec is Multicodec.TENSORSWAP_MANIFEST:
+            return
+        with self._lock:
+            entries = self._index.pop(cid, None)
+        if not entries:
+            return
+        for rid, peer, piece in entries:
+            rc = self._rounds.get(rid)
+            if rc is None:
+                continue
+            try:
+                self._arrived(rc, peer, piece, data)
+            except Exception as exc:  # the round falls back; the block stays stored
+                self._abandon(rid, rc, f"reading a chunk at arrival failed: {exc}")
+            self._try_fold(rid, rc)
+
+    def _arrived(self, rc: _Round, peer: str, piece: Piece, data: memoryview) -> None:
+        with rc.lock:
+            got = rc.announced.get(peer)
+            if got is None or rc.abandoned is not None or piece in rc.results:
+                return
+            rc.present.setdefault(piece, set()).add(peer)
+        tensor = got.tensors[piece[0]]
+        nbytes = data.nbytes
+        with self._lock:
+            keep = self._held_bytes + nbytes <= self.max_held_bytes
+            if keep:
+                self._held_bytes += nbytes
+        if keep:
+            values = CHUNKS.decode(data, tensor, piece[1])  # a view of the stored slab
+            with rc.lock:
+                rc.held[(piece, peer)] = values
+
+    # ── folding ──────────────────────────────────────────────────────────────
+    def _try_fold(self, rid: RoundId, rc: _Round) -> None:
+        """Fold every piece all expected peers hold (each once, in the caller's thread); a
+        failure (a non-finite piece, an unreadable chunk) abandons the round, never raises."""
+        try:
+            self._fold_ready(rid, rc)
+        except Exception as exc:  # the barrier path decides what it means
+            self._abandon(rid, rc, f"folding at arrival failed: {exc}")
+
+    def _fold_ready(self, rid: RoundId, rc: _Round) -> None:
+        while True:
+            with rc.lock:
+                if rc.abandoned is not None or len(rc.announced) < rc.expected:
+                    return
+                ready = [
+                    p
+                    for p, peers in rc.present.items()
+                    if p not in rc.results and len(peers) >= rc.expected
+                ]
+                if not ready:
+                    return
+                piece = ready[0]
+                rc.results[piece] = _CLAIMED  # no other thread folds it meanwhile
+                peers = sorted(rc.announced)
+                inputs = [(rc.announced[p], rc.held.pop((piece, p), None)) for p in peers]
+            try:
+                ref = self._fold(rc, piece, inputs)
+            finally:
+                self._release(inputs)
+            with rc.lock:
+                rc.results[piece] = ref
+                rc.progress.append(ref.cid)
+                rc.present.pop(piece, None)
+                self.folded += 1
+            self._notify(rid)
+
+    def _fold(
+        self, rc: _Round, piece: Piece, inputs: list[tuple[Announced, np.ndarray | None]]
+    ) -> ChunkRef:
+        """The result's chunk for ``piece`` stored, as the barrier path computes and encodes
+        it; ValueError when a value is not finite (the barrier path then decides)."""
+        t, c = piece
+        tensors = [(got, got.tensors[t]) for got, _ in inputs]
+        values = [
+            held if held is not None else load_chunk(self.store, (tensor, c))
+            for (_, tensor), (_, held) in zip(tensors, inputs, strict=True)
+        ]
+        first = tensors[0][1].chunks[c].cid_bytes
+        if all(tensor.chunks[c].cid_bytes == first for _, tensor in tensors):
+            result = values[0]  # every peer's chunk is the same block: its bits, as barrier
+        else:
+            acc = new_accumulator(_raising(rc.spec))
+            key = piece_key(tensors[0][1].name, 0)
+            for (got, _), piece_values in zip(tensors, values, strict=True):
+                acc.add({key: piece_values}, got.num_samples)
+            result = acc.result(consume=True).values[key]
+        if rc.spec.non_finite is not NonFinitePolicy.PROPAGATE and count_nonfinite(result):
+            raise ValueError(f"piece {c} of tensor {t} of the result is not finite")
+        assert rc.layout is not None
+        want = DType.parse(rc.layout[t].dtype).numpy
+        if result.dtype != want:
+            cast = np.empty(result.size, dtype=want)
+            np.copyto(cast, result, casting="unsafe")  # as the barrier's assemble narrows
+            result = cast
+        return put_chunk_block(self.store, result)
+
+    def _release(self, inputs: list[tuple[Announced, np.ndarray | None]]) -> None:
+        freed = sum(values.nbytes for _, values in inputs if values is not None)
+        if freed:
+            with self._lock:
+                self._held_bytes -= freed
+
+    # ── the round's end ──────────────────────────────────────────────────────
+    def covers(self, round_id: RoundId, peer: str, cid: Cid) -> bool:
+        """Whether ``peer``'s update ``cid`` is folded here (the intake need not fold it)."""
+        rc = self._rounds.get(round_id)
+        if rc is None:
+            return False
+        with rc.lock:
+            got = rc.announced.get(peer)
+            return rc.abandoned is None and got is not None and got.cid == cid
+
+    def finish(
+        self, info: RoundInfo, live: list[Contribution], metadata: dict[str, str]
+    ) -> Cid | None:
+        """The round's aggregate from the pieces folded at arrival, its manifests stored; None
+        when the accepted contributions (``live``) are not exactly those announced, or a
+        piece is missing (the caller takes the barrier path; this round's state goes)."""
+        rid = info.round_id
+        rc = self._rounds.get(rid)
+        if rc is None:
+            return None
+        with rc.lock:
+            announced = {p: a.cid for p, a in rc.announced.items()}
+            got = {c.peer: Cid.parse(c.update_cid) for c in live if c.scale == 1.0}
+            whole = len(rc.results) == rc.pieces and _CLAIMED not in rc.results.values()
+            if rc.abandoned is not None or announced != got or len(got) != len(live) or not whole:
+                why = rc.abandoned or "the accepted contributions are not those announced"
+                reason = why if whole or rc.abandoned else "pieces are still missing"
+                rc.abandoned = rc.abandoned or reason
+                layout, results = None, {}
+            else:
+                layout, results = rc.layout, dict(rc.results)
+        if layout is None:
+            log.info("round %s: cut-through not used (%s); barrier aggregation", rid, reason)
+            self._end(rid, rc)
+            return None
+        samples = sum(a.num_samples for a in rc.announced.values())
+        cid = put_manifests(self.store, layout, results, samples, metadata, rid.as_key())
+        self._end(rid, rc)
+        return cid
+
+    def state(self, round_id: RoundId) -> tuple[list[Cid], str | None] | None:
+        """``(progress, abandoned)`` for the stream: the result chunks stored so far, in
+        order, and why the round was abandoned (None if not); None when this coordinator
+        holds no cut-through state for the round."""
+        rc = self._rounds.get(round_id)
+        if rc is None:
+            return None
+        with rc.lock:
+            return list(rc.progress), rc.abandoned
+
+    def peer_blocks(self, round_id: RoundId, peer: str) -> list[Cid]:
+        """The blocks of ``peer``'s announced update (which a stream need not send it)."""
+        rc = self._rounds.get(round_id)
+        if rc is None:
+            return []
+        with rc.lock:
+            got = rc.announced.get(peer)
+        return [] if got is None else got.closure
+
+    def abandon(self, round_id: RoundId, reason: str) -> None:
+        """Give the round's cut-through up (its streams are told; it aggregates as a barrier)."""
+        rc = self._rounds.get(round_id)
+        if rc is not None:
+            self._abandon(round_id, rc, reason)
+
+    # ── internals ────────────────────────────────────────────────────────────
+    def _abandon_if_open(self, rid: RoundId, reason: str) -> None:
+        rc = self._rounds.get(rid)
+        if rc is not None:
+            self._abandon(rid, rc, reason)
+
+    def _abandon(self, rid: RoundId, rc: _Round, reason: str) -> None:
+        with rc.lock:
+            self._abandon_locked(rid, rc, reason)
+        self._drop_held(rc)
+        self._notify(rid)
+
+    def _abandon_locked(self, rid: RoundId, rc: _Round, reason: str) -> None:
+        if rc.abandoned is None:
+            rc.abandoned = reason
+            log.info("round %s: cut-through abandoned: %s", rid, reason)
+
+    def _drop_held(self, rc: _Round) -> None:
+        with rc.lock:
+            held, rc.held = rc.held, {}
+        freed = sum(v.nbytes for v in held.values())
+        with self._lock:
+            self._held_bytes -= freed
+
+    def _end(self, rid: RoundId, rc: _Round) -> None:
+        self._drop_held(rc)
+        with rc.lock:
+            rc.ended = True
+            chunks = [chunk for got in rc.announced.values() for _, chunk in got.chunks()]
+        with self._lock:
+            for chunk in chunks:
+                entries = self._index.get(chunk)
+                if entries is not None:
+                    entries[:] = [e for e in entries if e[0] != rid]
+                    if not entries:
+                        del self._index[chunk]
+        self._notify(rid)
+
+    def _evict(self) -> None:
+        """Forget the oldest rounds beyond ``_ROUNDS_KEPT`` (ended ones first); the caller
+        holds ``self._lock``."""
+        while len(self._rounds) > _ROUNDS_KEPT:
+            victim = next((r for r, rc in self._rounds.items() if rc.ended), None)
+            if victim is None:
+                victim = next(iter(self._rounds))
+            rc = self._rounds.pop(victim)
+            rc.abandoned = rc.abandoned or "forgotten (too many rounds at once)"
+            freed = sum(v.nbytes for v in rc.held.values())
+            rc.held = {}
+            self._held_bytes -= freed
+
+    def _notify(self, rid: RoundId) -> None:
+        for listener in list(self.listeners):
+            listener(rid)
+
+
+_CLAIMED = ChunkRef(Cid.of(b"").to_bytes(), 0, 0)
+"""A piece being folded by some thread (not yet stored)."""
+
+
+def _raising(spec: AggregatorSpec) -> AggregatorSpec:
+    """``spec`` whose non-finite policy drops nothing: a non-finite value either propagates
+    (as the round's policy says) or raises, so no peer is left out of one piece only."""
+    if spec.non_finite is NonFinitePolicy.PROPAGATE:
+        return spec
+    return AggregatorSpec(
+        spec.kind, dtype=spec.dtype, max_norm=None, non_finite=NonFinitePolicy.RAISE
+    )
