@@ -122,11 +122,14 @@ async def ts_peer(
     values: np.ndarray,
     start: threading.Barrier,
     marks: list[tuple[float, float]],
+    cut: bool = True,
 ) -> float:
     """Connect, wait for the start, submit, wait for the aggregate and fetch it; end time.
 
-    Appends to ``marks`` when its submit was answered and when its fetch ended."""
+    Appends to ``marks`` when its submit was answered and when its fetch ended. ``cut``
+    False turns cut-through off (the barrier round of earlier versions)."""
     async with await RoundClient.connect(*target, peer=name, key=KEY) as client:
+        client.cut.enabled = cut
         start.wait()
         # the submit holds its answer until the round is complete and the aggregate's blocks
         # follow it (rounds/fetch): submit, wait and fetch in one round trip
@@ -222,7 +225,7 @@ def run_scenario(
         raw_relay = lab.relay(raw, rtt=scenario.rtt, mbit=mbit)
         ts, raw = (ts_relay.address, ts_relay.port), (raw_relay.address, raw_relay.port)
     floats = nbytes // 4
-    raws, rounds, ratios = [], [], []
+    raws, rounds, ratios, barriers = [], [], [], []
     phases: list[tuple[float, float]] = []
     aggregations: list[float] = []
     for rep in range(reps):
@@ -249,6 +252,18 @@ def run_scenario(
         phases.append((submitted - began, began + seconds - submitted))
         aggregations.append(coord.call(lambda d=direct: asyncio.run(aggregation_seconds(d))))
         ratios.append(rounds[-1] / raws[-1])
+        # the same round with cut-through off, in the same turn: what it gains
+        bid = RoundId(first_round + 50 + rep, "bench")
+        coord.call(lambda rid=bid, direct=direct: asyncio.run(start_round(direct, rid, len(peers))))
+
+        other = [rng.standard_normal(floats, np.float32) for _ in peers]  # no dedup
+
+        def barrier(
+            i: int, host: Host, start: threading.Barrier, rid: RoundId = bid, fresh=other,
+        ) -> float:  # fmt: skip
+            return asyncio.run(ts_peer(ts, f"peer{i}", rid, fresh[i], start, [], cut=False))
+
+        barriers.append(timed(peers, barrier)[1])
     ratio = statistics.median(ratios)
     relay_cpu = sum(_cpu_seconds(relay.proc.pid) for relay in lab.relays)
     print(f"{scenario.name}: {len(peers)} peers x {nbytes // MiB} MiB up and down, {reps} rounds")
@@ -260,6 +275,9 @@ def run_scenario(
     for k, name in enumerate(names):
         print(f"    {name:<22} {_spread([p[k] for p in phases])} s")
     print(f"    coordinator's aggregate  {_spread(aggregations)} s (in the submit phase)")
+    print(f"  barrier     {_spread(barriers)} s (cut-through off, same turns)")
+    cut_gain = statistics.median(barriers) / statistics.median(rounds)
+    print(f"  barrier / cut-through (medians) {cut_gain:.3f}x")
     print(f"  ratio       {_spread(ratios)} -> {ratio:.3f}x (goal <= {scenario.goal}x at 8 MiB)")
     if flower is not None:
         port = FLOWER_PORT + first_round  # a fresh port per scenario
@@ -296,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--only", choices=[s.name for s in SCENARIOS], default=None)
     parser.add_argument(
+        "--result-chunk-kib", type=int, default=4096,
+        help="the coordinator's result chunk size (serve --result-chunk): a cut-through "
+        "round pipelines chunk by chunk, so smaller chunks overlap more",
+    )  # fmt: skip
+    parser.add_argument(
         "--flower-python",
         default=flower_python(),
         metavar="PYTHON",
@@ -326,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         serve = coord.python(
             "-m", "tensorswap.cli.serve_cmd", "--listen", f"{coord.address}:{TS_PORT}",
             "--data", str(Path(tmp) / "coordinator"), "--key", KEY.decode(),
-            "--log-level", "warning", stderr=subprocess.PIPE, text=True, env=env, cwd=here,
+            "--log-level", "warning", "--result-chunk", str(args.result_chunk_kib * 1024),
+            stderr=subprocess.PIPE, text=True, env=env, cwd=here,
         )  # fmt: skip
         wait_listening(serve, 60, "tensorswap serve")
         raw = coord.python(

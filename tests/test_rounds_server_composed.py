@@ -11,6 +11,7 @@ from tensorswap.rounds.client import RoundClient
 from tensorswap.rounds.core import Complete, RoundId, RoundSpec, RoundStatus
 from tensorswap.rounds.engine import Coordinator
 from tensorswap.rounds.protocol import APP, APP_INLINE
+from tensorswap.rounds.protocol.cut import APP_ANNOUNCE, APP_STREAM
 from tensorswap.rounds.protocol.push import APP_FETCH
 from tensorswap.rounds.server import RoundServer
 from tensorswap.store import MemoryStore
@@ -34,7 +35,8 @@ def test_the_round_server_composes_a_block_server() -> None:
         server = RoundServer(coordinator, max_connections=5)
         assert not isinstance(server, BlockServer)
         assert isinstance(server.blocks, BlockServer)
-        assert server.blocks.handlers.keys() == {APP, APP_INLINE, APP_FETCH}
+        cut = {APP_ANNOUNCE, APP_STREAM}
+        assert server.blocks.handlers.keys() == {APP, APP_INLINE, APP_FETCH, *cut}
         assert server.store is coordinator.store is server.blocks.store
         assert server.stats is server.blocks.stats and server.errors is server.blocks.errors
         assert server.max_connections == server.blocks.max_connections == 5

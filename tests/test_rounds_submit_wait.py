@@ -56,6 +56,7 @@ async def test_a_submit_with_wait_answers_once_the_round_is_complete(
             a = await RoundClient.connect("127.0.0.1", server.port, peer="a")
             b = await RoundClient.connect("127.0.0.1", server.port, peer="b")
             async with a, b:
+                a.cut.enabled = b.cut.enabled = False  # rounds/fetch here: no cut-through
                 await a.start_round(RID, RoundSpec(2))
                 sent = requests_of(a)
                 first = asyncio.ensure_future(

@@ -383,6 +383,11 @@ class RunManager(CoordinatorHooks):
         trained_on = self.journal.trained_on(info.name, info.round)
         return self.publisher.release(info, aggregate, self._kept(round_id), trained_on)
 
+    def may_stream(self, round_id: RoundId) -> bool:
+        """A run's round may not stream (``release`` may noise or step it); others may."""
+        with self._lock:
+            return round_id.initiator not in self._runs
+
     def _step(self, info: RunInfo, status: Complete) -> RunInfo:
         rid = RoundId(info.round, info.name)
         contributions = self._kept(rid)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tensorswap.cid import Cid
-from tensorswap.store import BlockStore, ModelUpdate, manifest_closure
+from tensorswap.cid import Cid, Multicodec
+from tensorswap.store import BlockStore, ModelUpdate, read_manifest
 
 __all__ = ["SMALL_UPDATE", "children_first", "is_small"]
 
@@ -29,5 +29,20 @@ def is_small(update: ModelUpdate | Mapping[str, Any] | Cid) -> bool:
 
 
 def children_first(store: BlockStore, root: Cid) -> list[Cid]:
-    """The blocks of ``root``, chunks before the manifests that list them (what a push sends)."""
-    return list(reversed(manifest_closure(store, root)))
+    """The blocks of ``root``, chunks before the manifests that list them (what a push sends),
+    each manifest's links in its own order: a tensor's chunks go first to last, which is
+    the order a cut-through round folds them in (``rounds.engine.cut``)."""
+    order: list[Cid] = []
+    seen: set[Cid] = set()
+
+    def visit(cid: Cid) -> None:
+        if cid in seen:
+            return
+        seen.add(cid)
+        if cid.codec is Multicodec.TENSORSWAP_MANIFEST:
+            for link in read_manifest(store, cid).links():
+                visit(link)
+        order.append(cid)
+
+    visit(root)
+    return order
