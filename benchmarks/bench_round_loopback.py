@@ -96,6 +96,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_BARRIER = "TENSORSWAP_BENCH_BARRIER"
+
+
 # ── a peer process ───────────────────────────────────────────────────────────
 async def peer(port: int, index: int, peers: int, nbytes: int) -> None:
     """One peer: connect, then obey stdin: ``prep R`` (draw round R's values, answer
@@ -103,6 +106,7 @@ async def peer(port: int, index: int, peers: int, nbytes: int) -> None:
     checksum of the aggregate), ``quit``."""
     name = f"peer-{index}"
     async with await RoundClient.connect("127.0.0.1", port, peer=name, key=KEY) as client:
+        client.cut.enabled = os.environ.get(_BARRIER) != "1"
         print("connected", flush=True)
         values = np.empty(0, np.float32)
         while (line := await asyncio.to_thread(sys.stdin.readline)).strip() not in ("", "quit"):
@@ -359,8 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         ".venv-flower; none: Flower is not run)",
     )
     parser.add_argument("--no-flower", action="store_true", help="tensorswap's rounds only")
+    parser.add_argument(
+        "--barrier", action="store_true", help="cut-through off: every round a barrier"
+    )
     parser.add_argument("--peer", nargs=4, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.barrier:
+        os.environ[_BARRIER] = "1"  # the peer processes inherit it
     if args.peer:
         port, index, peers, nbytes = args.peer
         asyncio.run(peer(port, index, peers, nbytes))

@@ -193,27 +193,22 @@ class RoundClient:
         one request with its blocks (``rounds.protocol.inline``: one round trip, no dedup) unless
         ``inline`` is off; ``compression`` does not apply to it.
 
+        A larger update is announced first (``self.cut``): where the coordinator takes it, the
+        round's result streams back while it uploads, and ``fetch_result`` reads it locally.
+
         ``wait`` (seconds): the coordinator holds the answer until the round is terminal, that
         long at most (``SubmitRequest.timeout``): the submit and the wait are one round trip,
         and a later ``wait``, ``result`` or ``fetch_result`` of the round returns without
-        asking again when the status came back terminal. With ``push_results`` (the
-        default) the aggregate's blocks come behind a Complete answer into the store
-        (``rounds.protocol.push``), so ``fetch_result`` then reads it locally: submit, wait
-        and fetch in one round trip. A peer that fetches results elsewhere (``SwarmPeer``) turns
+        asking again. With ``push_results`` (the default) and no stream, the aggregate's
+        blocks come behind a Complete answer (``rounds.protocol.push``): submit, wait and
+        fetch in one round trip. A peer that fetches results elsewhere (``SwarmPeer``) turns
         ``push_results`` off. Not for inline submits.
         """
         small = is_small(update)  # then encoding and listing it cost less than thread hops
         self._begin_round_call()
-        if isinstance(update, Cid):
-            cid = update
-        else:
-            if not isinstance(update, ModelUpdate):
-                update = ModelUpdate(dict(update), num_samples)
-            if small:
-                cid = put_update(self.store, update)
-            else:
-                size = self.cut.chunk_bytes
-                cid = await asyncio.to_thread(put_update, self.store, update, chunk_bytes=size)
+        if not isinstance(update, Cid | ModelUpdate):
+            update = ModelUpdate(dict(update), num_samples)
+        cid = update if isinstance(update, Cid) else await self._put(update, small)
         known = cid in self._inlined  # its blocks went inline before: submit, no offer
         if small and not isinstance(update, Cid) and self.inline and not known:
             closure = children_first(self.store, cid)
@@ -254,6 +249,13 @@ class RoundClient:
             while len(self._settled) > _SUBMITS_REMEMBERED:
                 self._settled.popitem(last=False)
         return SubmitResult(cid, status, push)
+
+    async def _put(self, update: ModelUpdate, small: bool) -> Cid:
+        """``update`` into this client's store, cut as ``self.cut`` says; its CID."""
+        if small:
+            return put_update(self.store, update)
+        size = self.cut.chunk_bytes
+        return await asyncio.to_thread(put_update, self.store, update, chunk_bytes=size)
 
     async def _push_and_call(
         self,
@@ -419,10 +421,8 @@ class RoundClient:
 
     async def fetch(self, cid: Cid, *, have: Sequence[Cid] | None = None) -> ModelUpdate:
         """Pull the update ``cid`` into this client's store (only blocks it lacks) and load it.
-
         ``have``: blocks of it the store may hold; then everything else is asked for in one
-        round trip (``BlockClient.pull``), else level by level.
-        """
+        round trip (``BlockClient.pull``), else level by level."""
         async with self._lock:
             await self.blocks.pull(cid, self.store, have=have)
         return await asyncio.to_thread(get_update, self.store, cid)

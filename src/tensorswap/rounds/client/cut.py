@@ -21,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from tensorswap.cid import Cid
 from tensorswap.errors import StoreError, TensorSwapError
+from tensorswap.rounds.client.retention import RoundBlocks
 from tensorswap.rounds.core.state import Complete, RoundId, RoundStatus
 from tensorswap.rounds.protocol.batch import submit_proof
 from tensorswap.rounds.protocol.cut import (
@@ -39,11 +41,25 @@ from tensorswap.rounds.protocol.cut import (
     encode,
 )
 from tensorswap.rounds.protocol.messages import CompleteWire
-from tensorswap.store import DEFAULT_CHUNK_BYTES, ModelUpdate, put_update, read_manifest
+from tensorswap.store import (
+    DEFAULT_CHUNK_BYTES,
+    BlockStore,
+    ModelUpdate,
+    put_update,
+    read_manifest,
+)
 from tensorswap.wire import BlockClient, RemoteError
 
-if TYPE_CHECKING:
-    from tensorswap.rounds.client.client import RoundClient
+
+class RoundClient(Protocol):
+    """What of a ``RoundClient`` its cut-through uses."""
+
+    peer: str
+    store: BlockStore
+    retention: RoundBlocks | None
+    peer_key: bytes | None
+    dial: Callable[[], Awaitable[BlockClient]] | None
+
 
 __all__ = ["CutThroughClient"]
 

@@ -54,8 +54,9 @@ __all__ = ["AnnounceVerdict", "CutThrough"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_HELD_BYTES = 512 * 1024 * 1024
-"""Received chunk values kept for their fold, over all rounds; beyond, read back re-hashed."""
+DEFAULT_MAX_HELD_BYTES = 64 * 1024 * 1024
+"""Received chunk values kept for their fold, over all rounds; beyond, read back re-hashed
+(holding more saves a hash per byte, and costs resident memory while peers are out of step)."""
 
 _ROUNDS_KEPT = 32  # rounds whose cut-through state is remembered (ended ones go first)
 
@@ -80,6 +81,7 @@ class _Round:
     announced: dict[str, Announced] = field(default_factory=dict)
     present: dict[Piece, set[str]] = field(default_factory=dict)
     held: dict[tuple[Piece, str], np.ndarray] = field(default_factory=dict)
+    nonfinite: dict[str, dict[Piece, int]] = field(default_factory=dict)
     results: dict[Piece, ChunkRef] = field(default_factory=dict)
     progress: list[Cid] = field(default_factory=list)
     abandoned: str | None = None
@@ -144,8 +146,7 @@ class CutThrough:
             got = parse_announce(info, peer, cid, blocks, size)
         except HashMismatch:
             raise
-        except TensorSwapError as exc:
-            self._abandon_if_open(round_id, f"{peer!r}'s announcement refused: {exc}")
+        except TensorSwapError as exc:  # it may be cut again; if not, the round's end tells
             return AnnounceVerdict(False, str(exc), size)
         with self._lock:
             rc = self._rounds.get(round_id)
@@ -227,15 +228,16 @@ class CutThrough:
             if got is None or rc.abandoned is not None or piece in rc.results:
                 return
             rc.present.setdefault(piece, set()).add(peer)
-        tensor = got.tensors[piece[0]]
+        values = CHUNKS.decode(data, got.tensors[piece[0]], piece[1])  # a view of the slab
+        bad = count_nonfinite(values)  # the submit's screening need not read it back
         nbytes = data.nbytes
         with self._lock:
             keep = self._held_bytes + nbytes <= self.max_held_bytes
             if keep:
                 self._held_bytes += nbytes
-        if keep:
-            values = CHUNKS.decode(data, tensor, piece[1])  # a view of the stored slab
-            with rc.lock:
+        with rc.lock:
+            rc.nonfinite.setdefault(peer, {})[piece] = bad
+            if keep:
                 rc.held[(piece, peer)] = values
 
     # ── folding ──────────────────────────────────────────────────────────────
@@ -320,6 +322,23 @@ class CutThrough:
             got = rc.announced.get(peer)
             return rc.abandoned is None and got is not None and got.cid == cid
 
+    def nonfinite(self, round_id: RoundId, peer: str, cid: Cid) -> list[tuple[str, int]] | None:
+        """Per tensor of ``peer``'s covered update, its NaN and infinite values as counted
+        when its chunks arrived (checked then); None unless every chunk was counted so."""
+        rc = self._rounds.get(round_id)
+        if rc is None:
+            return None
+        with rc.lock:
+            got, counts = rc.announced.get(peer), dict(rc.nonfinite.get(peer, {}))
+        if got is None or got.cid != cid or rc.abandoned is not None:
+            return None
+        totals = {tensor.name: 0 for tensor in got.tensors}
+        for piece, _ in got.chunks():
+            if piece not in counts:
+                return None
+            totals[got.tensors[piece[0]].name] += counts[piece]
+        return list(totals.items())
+
     def finish(
         self, info: RoundInfo, live: list[Contribution], metadata: dict[str, str]
     ) -> Cid | None:
@@ -376,11 +395,6 @@ class CutThrough:
             self._abandon(round_id, rc, reason)
 
     # ── internals ────────────────────────────────────────────────────────────
-    def _abandon_if_open(self, rid: RoundId, reason: str) -> None:
-        rc = self._rounds.get(rid)
-        if rc is not None:
-            self._abandon(rid, rc, reason)
-
     def _abandon(self, rid: RoundId, rc: _Round, reason: str) -> None:
         with rc.lock:
             self._abandon_locked(rid, rc, reason)

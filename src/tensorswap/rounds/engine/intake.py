@@ -157,10 +157,12 @@ def _reserve(
         info = tracker.check_submit(round_id, peer)
         # else folded at the close, in canonical order, or at arrival (cut-through)
         cut = ctx.cut()
-        now = not info.spec.deterministic and not (cut and cut.covers(round_id, peer, cid))
+        covered = cut is not None and cut.covers(round_id, peer, cid)
+        now = not info.spec.deterministic and not covered
         if now and spec.kind in STREAMING_KINDS:
             _catch_up(ctx, work, spec, info)
-        folded = screen(store, work, spec, facts, key, peer, scale, fold=now)
+        counted = cut.nonfinite(round_id, peer, cid) if cut is not None and covered else None
+        folded = screen(store, work, spec, facts, key, peer, scale, fold=now, counted=counted)
         contribution = Contribution(
             round_id, peer, str(facts.cid), facts.num_samples, facts.nbytes, ctx.now(), scale
         )

@@ -30,6 +30,7 @@ def screen(
     peer: str,
     scale: float = 1.0,
     fold: bool = True,
+    counted: list[tuple[str, int]] | None = None,
 ) -> bool:
     """Fold the update into the round's sums (streaming kinds, times ``scale``; unless
     ``fold`` is False: a deterministic round folds at its close, in canonical order) or
@@ -37,7 +38,9 @@ def screen(
 
     Every chunk is re-hashed as it is read. A chunk that fails its hash check (quarantined by a
     directory store) or vanished refuses the submit with UnknownUpdate: nothing is recorded,
-    and the peer's next push sends that block again.
+    and the peer's next push sends that block again. ``counted``: each tensor's non-finite
+    values as counted when its chunks arrived (a cut-through round, ``rounds.engine.cut``),
+    so an update not folded here is checked without reading it back.
     """
     try:
         if fold and spec.kind in STREAMING_KINDS:
@@ -52,7 +55,8 @@ def screen(
                 raise InvalidUpdate(key, peer, str(exc)) from exc
             return True
         if spec.non_finite.value == "raise":
-            check_finite(count_nonfinite_chunks(store, facts), key, peer)  # chunk by chunk
+            counts = count_nonfinite_chunks(store, facts) if counted is None else counted
+            check_finite(counts, key, peer)  # chunk by chunk
         return False
     except (CorruptBlock, BlockNotFound) as exc:
         detail = f"{exc} (push it again: the coordinator lacks it now)"

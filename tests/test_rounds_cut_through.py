@@ -1,0 +1,251 @@
+"""Cut-through rounds: pieces folded as they arrive, the result streamed while peers upload."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from helpers.net import running
+from tensorswap.cid import Cid
+from tensorswap.rounds import Coordinator, FakeClock, RoundClient, RoundServer
+from tensorswap.rounds.core import Complete, RoundId, RoundSpec
+from tensorswap.rounds.engine.hooks import CoordinatorHooks
+from tensorswap.rounds.protocol.cut import APP_ANNOUNCE, AnnounceRequest, encode
+from tensorswap.store import MemoryStore, ModelUpdate, manifest_closure, put_update
+from tensorswap.wire import RemoteError
+
+RID = RoundId(1, "lead")
+CHUNK = 64 * 1024  # the coordinator's result chunks: 16 Ki floats, several per tensor
+SIZE = 100_000
+
+
+def inputs(peers: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    frozen = rng.standard_normal(20_000, np.float32)
+    return [
+        {
+            "w": rng.standard_normal(SIZE, np.float32),
+            "frozen": frozen,
+            "b": rng.random(7, np.float32),
+        }
+        for _ in range(peers)
+    ]
+
+
+def fedavg(
+    values: Sequence[dict[str, np.ndarray]], weights: Sequence[int]
+) -> dict[str, np.ndarray]:
+    total = sum(weights)
+    return {
+        k: sum(w * v[k].astype(np.float64) for v, w in zip(values, weights, strict=True)) / total
+        for k in values[0]
+    }
+
+
+async def run_round(
+    coordinator: Coordinator,
+    values: Sequence[dict[str, np.ndarray]],
+    *,
+    spec: RoundSpec,
+    cut: bool = True,
+    submitting: int | None = None,
+) -> tuple[str, list[dict[str, np.ndarray]], list[RoundClient]]:
+    """Every peer submits (the first ``submitting`` of them) and fetches; the result's CID,
+    what each fetched, and the clients (closed)."""
+    server = RoundServer(coordinator)
+    async with running(server):
+        clients = [
+            await RoundClient.connect("127.0.0.1", server.port, peer=f"p{i}")
+            for i in range(len(values))
+        ]
+        for client in clients:
+            client.cut.enabled = cut
+        try:
+            await clients[0].start_round(RID, spec)
+            count = len(values) if submitting is None else submitting
+            await asyncio.gather(
+                *(
+                    c.submit(RID, v, 10 + i)
+                    for i, (c, v) in enumerate(zip(clients, values, strict=True))
+                    if i < count
+                )
+            )
+            results = await asyncio.gather(
+                *(c.fetch_result(RID, timeout=30) for c in clients[:count])
+            )
+        finally:
+            for client in clients:
+                await client.aclose()
+    status = coordinator.status(RID)
+    assert isinstance(status, Complete)
+    return status.cid, list(results), clients
+
+
+def coordinator(**kwargs: object) -> Coordinator:
+    c = Coordinator(MemoryStore(), **kwargs)  # type: ignore[arg-type]
+    c.result_chunk_bytes = CHUNK
+    return c
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+async def test_a_cut_through_round_gives_the_deterministic_barrier_bits(
+    deterministic: bool,
+) -> None:
+    values = inputs(4)
+    with coordinator() as cut_coord, coordinator() as barrier_coord:
+        spec = RoundSpec(4, deterministic=deterministic)
+        cid, results, clients = await run_round(cut_coord, values, spec=spec)
+        barrier_cid, _, _ = await run_round(
+            barrier_coord, values, spec=RoundSpec(4, deterministic=True), cut=False
+        )
+        pieces = sum(-(-n * 4 // CHUNK) for n in (SIZE, 20_000, 7))  # w's, frozen's, b's
+        assert cut_coord.cut.folded == pieces
+        assert barrier_coord.cut.folded == 0
+    # folded piece by piece in peer-name order: a deterministic barrier round's bits
+    assert cid == barrier_cid
+    want = fedavg(values, [10, 11, 12, 13])
+    for result in results:
+        np.testing.assert_allclose(result["w"], want["w"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(result["frozen"], values[0]["frozen"])  # its own bits
+        np.testing.assert_array_equal(result["w"], results[0]["w"])
+    assert all(client.cut.streamed > 0 for client in clients)  # came by the stream
+
+
+async def test_a_peer_that_announces_and_never_submits_sends_the_round_to_the_barrier() -> None:
+    values = inputs(4, seed=1)
+    clock = FakeClock()
+    with coordinator(clock=clock, run_timer=False) as cut_coord:
+        spec = RoundSpec(4, quorum=3, timeout_s=60, deterministic=True)
+        server = RoundServer(cut_coord)
+        async with running(server):
+            clients = [
+                await RoundClient.connect("127.0.0.1", server.port, peer=f"p{i}") for i in range(4)
+            ]
+            try:
+                await clients[0].start_round(RID, spec)
+                # p3 announces its update, then goes away before it pushes a chunk
+                gone = clients[3]
+                cid = put_update(gone.store, ModelUpdate(values[3], 13), chunk_bytes=CHUNK)
+                assert await gone.cut.begin(RID, cid, None) == cid
+                assert gone.cut.streaming(RID)
+                await asyncio.gather(
+                    *(
+                        c.submit(RID, v, 10 + i)
+                        for i, (c, v) in enumerate(zip(clients[:3], values[:3], strict=True))
+                    )
+                )
+                # p3's chunks never came, but for the frozen ones every peer shares
+                assert cut_coord.cut.folded == 2
+                clock.advance(61)
+                assert cut_coord.check_deadlines() == [RID]
+                results = await asyncio.gather(
+                    *(c.fetch_result(RID, timeout=30) for c in clients[:3])
+                )
+            finally:
+                for client in clients:
+                    await client.aclose()
+        status = cut_coord.status(RID)
+        assert isinstance(status, Complete)
+    with coordinator() as barrier_coord:
+        barrier_cid, _, _ = await run_round(
+            barrier_coord, values[:3], spec=RoundSpec(3, deterministic=True), cut=False
+        )
+    assert status.cid == barrier_cid  # the survivors' mean, the same bits as a barrier's
+    want = fedavg(values[:3], [10, 11, 12])
+    for result in results:
+        np.testing.assert_allclose(result["w"], want["w"], rtol=1e-5, atol=1e-6)
+
+
+async def test_an_update_cut_otherwise_is_cut_again_to_take_part() -> None:
+    values = inputs(2, seed=2)
+    with coordinator() as coord:
+        _, results, clients = await run_round(coord, values, spec=RoundSpec(2))
+        assert coord.cut.folded > 0
+        assert all(client.cut.chunk_bytes == CHUNK for client in clients)  # learned
+        want = fedavg(values, [10, 11])["w"]
+        np.testing.assert_allclose(results[0]["w"], want, rtol=1e-5, atol=1e-6)
+
+
+class Noising(CoordinatorHooks):
+    """A hook that releases something else (as DP does): its rounds must not stream."""
+
+    def release(self, round_id: RoundId, aggregate: Cid) -> Cid:
+        return aggregate
+
+
+async def test_a_round_whose_release_a_hook_transforms_is_not_streamed() -> None:
+    values = inputs(2, seed=3)
+    with coordinator(hooks=[Noising()]) as coord:
+        _, results, clients = await run_round(coord, values, spec=RoundSpec(2))
+        assert coord.cut.folded == 0
+        assert all(client.cut.streamed == 0 for client in clients)
+        want = fedavg(values, [10, 11])["w"]
+        np.testing.assert_allclose(results[1]["w"], want, rtol=1e-5, atol=1e-6)
+
+
+async def test_a_non_finite_update_is_refused_without_being_read_back() -> None:
+    values = inputs(2, seed=4)
+    values[1]["w"][5] = np.nan
+    with coordinator() as coord:
+        server = RoundServer(coord)
+        async with running(server):
+            a = await RoundClient.connect("127.0.0.1", server.port, peer="a")
+            b = await RoundClient.connect("127.0.0.1", server.port, peer="b")
+            async with a, b:
+                await a.start_round(RID, RoundSpec(2))
+                await a.submit(RID, values[0], 1)
+                with pytest.raises(Exception, match="non-finite"):
+                    await b.submit(RID, values[1], 1)
+        assert coord.status(RID).name == "Collecting"  # nothing of b's recorded
+        state = coord.cut.state(RID)
+        assert state is not None and state[1] is not None  # abandoned: a barrier now
+
+
+async def test_an_announcement_whose_manifest_does_not_hash_ends_the_connection() -> None:
+    with coordinator() as coord:
+        server = RoundServer(coord)
+        async with (
+            running(server),
+            await RoundClient.connect("127.0.0.1", server.port, peer="a") as a,
+        ):
+            await a.start_round(RID, RoundSpec(2))
+            cid = put_update(a.store, ModelUpdate({"w": np.ones(10, np.float32)}, 1))
+            root = bytes(a.store.get(cid))
+            forged = root[:-1] + bytes([root[-1] ^ 1])
+            call = AnnounceRequest(
+                    round=RID.round, initiator=RID.initiator, peer="a", update=cid.to_bytes(),
+                    blocks=[(cid.to_bytes(), forged)],
+                )  # fmt: skip
+            with pytest.raises(RemoteError):
+                await a.blocks.request(APP_ANNOUNCE, encode(call))
+        assert coord.cut.state(RID) is None  # nothing taken
+
+
+async def test_a_coordinator_without_cut_through_turns_it_off_on_the_client() -> None:
+    values = inputs(2, seed=5)
+    with coordinator() as coord:
+        server = RoundServer(coord)
+        for app in ("rounds/announce", "rounds/stream"):
+            del server.blocks.handlers[app]  # as one from before cut-through
+        async with running(server):
+            a = await RoundClient.connect("127.0.0.1", server.port, peer="a")
+            b = await RoundClient.connect("127.0.0.1", server.port, peer="b")
+            async with a, b:
+                await a.start_round(RID, RoundSpec(2))
+                await asyncio.gather(a.submit(RID, values[0], 1), b.submit(RID, values[1], 1))
+                result = await a.fetch_result(RID, timeout=30)
+                assert not a.cut.enabled and not b.cut.enabled
+        np.testing.assert_allclose(result["w"], fedavg(values, [1, 1])["w"], rtol=1e-5, atol=1e-6)
+
+
+async def test_the_result_streamed_is_the_one_fetched_and_held_by_retention() -> None:
+    values = inputs(3, seed=6)
+    with coordinator() as coord:
+        cid, _, clients = await run_round(coord, values, spec=RoundSpec(3))
+    for client in clients:
+        closure = manifest_closure(client.store, Cid.parse(cid))
+        assert not client.store.missing(closure)
+        assert client.retention is not None and RID in client.retention.held_rounds
