@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -249,3 +250,50 @@ async def test_the_result_streamed_is_the_one_fetched_and_held_by_retention() ->
         closure = manifest_closure(client.store, Cid.parse(cid))
         assert not client.store.missing(closure)
         assert client.retention is not None and RID in client.retention.held_rounds
+
+
+async def test_a_restart_between_any_two_submits_keeps_the_cut_through_bits(tmp_path: Path) -> None:
+    """The round becomes deterministic (journaled) once every peer has announced, so the
+    barrier that finishes it after a restart folds by peer name too: the same bits."""
+    values = inputs(4, seed=7)
+    with coordinator() as plain:
+        want, _, _ = await run_round(plain, values, spec=RoundSpec(4))
+    for cut_after in range(5):  # the coordinator dies after 0..4 submits
+        path = tmp_path / f"c{cut_after}"
+        first = Coordinator.open(path)
+        first.result_chunk_bytes = CHUNK
+        clients: list[RoundClient] = []
+        try:
+            async with running(RoundServer(first)) as server:
+                clients = [
+                    await RoundClient.connect("127.0.0.1", server.port, peer=f"p{i}")
+                    for i in range(4)
+                ]
+                await clients[0].start_round(RID, RoundSpec(4))
+                for client, v in zip(clients, values, strict=True):  # every peer announces
+                    client.cut.chunk_bytes = CHUNK
+                    cid = put_update(
+                        client.store, ModelUpdate(v, 10 + clients.index(client)), chunk_bytes=CHUNK
+                    )
+                    await client.cut.begin(RID, cid, None)
+                for i in reversed(range(4 - cut_after, 4)):  # submitted last name first
+                    await clients[i].submit(RID, values[i], 10 + i)
+        finally:
+            for client in clients:
+                await client.aclose()
+            first.close()
+        second = Coordinator.open(path)
+        second.result_chunk_bytes = CHUNK
+        try:
+            assert second.info(RID).spec.deterministic  # journaled with the round
+            async with running(RoundServer(second)) as server:
+                for i in reversed(range(4 - cut_after)):
+                    async with await RoundClient.connect(
+                        "127.0.0.1", server.port, peer=f"p{i}"
+                    ) as c:
+                        await c.submit(RID, values[i], 10 + i)
+                status = second.wait(RID, timeout=30)
+        finally:
+            second.close()
+        assert isinstance(status, Complete)
+        assert status.cid == want, f"after {cut_after} submits"

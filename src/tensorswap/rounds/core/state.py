@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -88,6 +89,8 @@ class RoundJournal(Protocol):
 
     def drop_contribution(self, round_id: RoundId, peer: str, reason: str) -> None: ...
 
+    def set_spec(self, round_id: RoundId, spec: RoundSpec) -> None: ...
+
 
 Listener = Callable[[RoundId, RoundStatus], None]
 
@@ -155,6 +158,22 @@ class RoundTracker:
             self._rounds[round_id] = RoundEntry(info)
         self._notify(round_id, info.status)
         return True
+
+    def make_deterministic(self, round_id: RoundId) -> bool:
+        """Make the round fold in canonical order (``RoundSpec.deterministic``, journaled)
+        while it holds no contribution; whether it is deterministic now. A cut-through round
+        folds by peer name, so a restart, or a fallback to the barrier, must fold so too."""
+        with self._lock:
+            entry = self._get(round_id)
+            if entry.spec.deterministic:
+                return True
+            if entry.contributions or entry.pending or entry.status.is_terminal:
+                return False
+            spec = dataclasses.replace(entry.spec, deterministic=True)
+            if self._journal is not None:
+                self._journal.set_spec(round_id, spec)
+            entry.spec = spec
+            return True
 
     def check_submit(self, round_id: RoundId, peer: str) -> RoundInfo:
         """Raise what ``submit`` would raise for this peer now; the round's snapshot otherwise.

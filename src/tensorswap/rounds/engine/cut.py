@@ -86,6 +86,7 @@ class _Round:
     progress: list[Cid] = field(default_factory=list)
     abandoned: str | None = None
     ended: bool = False
+    order: tuple[str, ...] = ()  # the announced peers by name, once all have announced
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -192,6 +193,14 @@ class CutThrough:
                 return AnnounceVerdict(False, reason, size)
             rc.layout = rc.layout or got.layout
             rc.announced[got.peer] = got
+            if len(rc.announced) == rc.expected:
+                # pieces fold by peer name: the round becomes deterministic (journaled), so a
+                # barrier (after a restart, or a fallback) folds the same way, the same bits
+                if not self.tracker.make_deterministic(rid):
+                    reason = "a contribution was accepted before every peer announced"
+                    self._abandon_locked(rid, rc, reason)
+                    return AnnounceVerdict(False, reason, size)
+                rc.order = tuple(sorted(rc.announced))
         with self._lock:
             for piece, chunk in got.chunks():
                 self._index.setdefault(chunk, []).append((rid, got.peer, piece))
@@ -252,7 +261,7 @@ class CutThrough:
     def _fold_ready(self, rid: RoundId, rc: _Round) -> None:
         while True:
             with rc.lock:
-                if rc.abandoned is not None or len(rc.announced) < rc.expected:
+                if rc.abandoned is not None or not rc.order:
                     return
                 ready = [
                     p
@@ -263,8 +272,7 @@ class CutThrough:
                     return
                 piece = ready[0]
                 rc.results[piece] = _CLAIMED  # no other thread folds it meanwhile
-                peers = sorted(rc.announced)
-                inputs = [(rc.announced[p], rc.held.pop((piece, p), None)) for p in peers]
+                inputs = [(rc.announced[p], rc.held.pop((piece, p), None)) for p in rc.order]
             try:
                 ref = self._fold(rc, piece, inputs)
             finally:
@@ -313,14 +321,19 @@ class CutThrough:
                 self._held_bytes -= freed
 
     # ── the round's end ──────────────────────────────────────────────────────
-    def covers(self, round_id: RoundId, peer: str, cid: Cid) -> bool:
-        """Whether ``peer``'s update ``cid`` is folded here (the intake need not fold it)."""
+    def claim(self, round_id: RoundId, peer: str, cid: Cid) -> bool:
+        """Whether ``peer``'s update ``cid`` is folded here (the intake then need not fold
+        it); a contribution the cut-through cannot hold (not announced, or before every peer
+        announced) abandons it: the round is a barrier from then on."""
         rc = self._rounds.get(round_id)
         if rc is None:
             return False
         with rc.lock:
             got = rc.announced.get(peer)
-            return rc.abandoned is None and got is not None and got.cid == cid
+            if rc.abandoned is None and got is not None and got.cid == cid and rc.order:
+                return True
+        self._abandon(round_id, rc, f"{peer!r} submitted what the cut-through cannot fold")
+        return False
 
     def nonfinite(self, round_id: RoundId, peer: str, cid: Cid) -> list[tuple[str, int]] | None:
         """Per tensor of ``peer``'s covered update, its NaN and infinite values as counted

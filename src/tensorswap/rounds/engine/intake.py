@@ -157,7 +157,7 @@ def _reserve(
         info = tracker.check_submit(round_id, peer)
         # else folded at the close, in canonical order, or at arrival (cut-through)
         cut = ctx.cut()
-        covered = cut is not None and cut.covers(round_id, peer, cid)
+        covered = cut is not None and cut.claim(round_id, peer, cid)
         now = not info.spec.deterministic and not covered
         if now and spec.kind in STREAMING_KINDS:
             _catch_up(ctx, work, spec, info)

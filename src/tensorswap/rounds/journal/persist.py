@@ -241,6 +241,16 @@ class RoundDatabase:
     def set_status(self, round_id: RoundId, status: RoundStatus) -> None:
         self._write(lambda db: self._update_status(db, round_id, status))
 
+    def set_spec(self, round_id: RoundId, spec: RoundSpec) -> None:
+        """A round's params changed (a cut-through round made deterministic)."""
+        row = (json.dumps(spec.stored_params(), sort_keys=True), round_number(round_id))
+        self._write(
+            lambda db: db.execute(
+                "UPDATE rounds SET params = ? WHERE round = ? AND initiator = ?",
+                (*row, round_id.initiator),
+            )
+        )
+
     def delete_rounds(self, round_ids: Iterable[RoundId]) -> None:
         rows = [(round_number(rid), rid.initiator) for rid in round_ids]
         self._write(

@@ -100,7 +100,7 @@ class CutService:
                         return answer
                     await event.wait()
         except TimeoutError:
-            return encode(StreamAnswer())  # nothing new yet: the client asks again
+            return _plain(StreamAnswer())  # nothing new yet: the client asks again
         finally:
             waiting = self._waiters.get(rid)
             if waiting is not None:
@@ -113,15 +113,15 @@ class CutService:
         rid = call.round_id
         status = self.coordinator.status(rid)
         if status is None:
-            return encode(StreamAnswer(abandoned="no such round"))
+            return _plain(StreamAnswer(abandoned="no such round"))
         if status.is_terminal:
             return self._terminal(call, status)
         state = self.cut.state(rid)
         if state is None:
-            return encode(StreamAnswer(abandoned="the coordinator holds no cut-through for it"))
+            return _plain(StreamAnswer(abandoned="the coordinator holds no cut-through for it"))
         progress, abandoned = state
         if abandoned is not None:
-            return encode(StreamAnswer(abandoned=abandoned))
+            return _plain(StreamAnswer(abandoned=abandoned))
         if len(progress) <= call.after:
             return None
         new = progress[call.after : call.after + MAX_STREAM_CHUNKS]
@@ -131,7 +131,7 @@ class CutService:
     def _terminal(self, call: StreamRequest, status: RoundStatus) -> bytes:
         body = encode(StreamAnswer(status=status_to_wire(status)))
         if not isinstance(status, Complete):
-            return body
+            return BlocksReply(body, [], [])
         rid = call.round_id
         state = self.cut.state(rid)
         streamed = [] if state is None else state[0][: call.after]
@@ -151,3 +151,9 @@ class CutService:
     def _wake(self, rid: RoundId) -> None:
         for event in self._waiters.get(rid, ()):
             event.set()
+
+
+def _plain(answer: StreamAnswer) -> BlocksReply:
+    """An answer no block follows (the client still reads the closing Got, as after any
+    ``"rounds/stream"`` reply)."""
+    return BlocksReply(encode(answer), [], [])
