@@ -41,7 +41,8 @@ _ids = itertools.count()
 
 @dataclass
 class LinkCounters:
-    """What a link moved: pushes and fetches made, blocks and bytes sent, attempts retried."""
+    """What a link moved: pushes and fetches made, blocks and bytes sent, attempts retried,
+    aggregates the service computed for it (``aggregate``; their fetches count as fetches)."""
 
     pushes: int = 0
     fetches: int = 0
