@@ -119,6 +119,12 @@ def _reply(node: int, samples: int | None = 5, weight: object = 5, **arrays: np.
     return Message(content, reply_to=sent)
 
 
+def _inline(node: int) -> Message:
+    sent = Message(RecordDict(), dst_node_id=node, message_type="train")
+    arrays = ArrayRecord({"w": Array(np.ones(2, np.float32))})
+    return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord({"n": 5})}), reply_to=sent)
+
+
 def _error(node: int) -> Message:
     sent = Message(RecordDict(), dst_node_id=node, message_type="train")
     return Message(Error(code=1, reason="it broke"), reply_to=sent)
@@ -141,6 +147,7 @@ def test_a_round_streams_past_failed_nodes() -> None:
 @pytest.mark.parametrize(
     ("replies", "why"),
     [
+        (lambda: [_reply(1), _inline(2)], "inline"),
         (lambda: [_reply(1), _reply(2, samples=None)], "not stored with"),
         (lambda: [_reply(1), _reply(2, samples=5, weight=6)], "not stored with"),
         (lambda: [_reply(1), _reply(1)], "one node"),
