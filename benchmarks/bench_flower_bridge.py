@@ -1,16 +1,20 @@
 """Flower 1.42 with and without tensorswap's bridge in the network lab: round time and bytes on
 the SuperLink host's link, plain and with half the tensors frozen (issue 28).
 
-The SuperLink's host (``flower-superlink`` and ``tensorswap serve`` as the block service,
-one namespace) sits behind a link shaped to 200 Mbit/s each way; ``--nodes`` SuperNodes
-(default 8), one host each, unshaped links. One federation runs four ``flwr run``s of the
-same app (``flower_bridge_app``: FedAvg over every node, no evaluation, a float32 model of
-``--mib`` MiB in 8 tensors, "training" adds a constant of the node's own): Flower alone,
-the bridge (``BlockStrategy(swarm=True)`` + ``blocks_mod``), and both again with every other
-tensor frozen (returned unchanged). Each run is 1 warm-up round and ``--rounds`` measured
-ones (default 2); the ServerApp marks each round's start (before its messages are made) and
-end (after aggregation) with the time and the byte counters of its host's ``eth0``
-(``/proc/net/dev`` in that namespace: both directions, headers included).
+The SuperLink's host (``flower-superlink``; the ServerApp runs there) sits behind a link
+shaped to 200 Mbit/s each way; the block service (``tensorswap serve``: blocks, the swarm's
+tracker and the rounds coordinator that aggregates the replies) runs on a host of its own,
+unshaped (``--blocks-on-link``: in the SuperLink's host, as before issue 28's streamed
+aggregation); ``--nodes`` SuperNodes (default 8), one host each, unshaped links. One
+federation runs four ``flwr run``s of the same app (``flower_bridge_app``: FedAvg over every
+node, no evaluation, a float32 model of ``--mib`` MiB in 8 tensors, "training" adds a
+constant of the node's own): Flower alone, the bridge (``BlockStrategy(swarm=True,
+stream=True)`` + ``blocks_mod``: the service aggregates the replies, the ServerApp fetches
+the one aggregate), and both again with every other tensor frozen (returned unchanged).
+Each run is 1 warm-up round and ``--rounds`` measured ones (default 2); the ServerApp marks
+each round's start (before its messages are made) and end (after aggregation) with the time
+and the byte counters of its host's ``eth0`` (``/proc/net/dev`` in that namespace: both
+directions, headers included).
 
 Goals (the issue's): bridge round time <= 0.4x Flower's; bridge bytes per round <= 2.5
 models; frozen half, bridge bytes / Flower's <= 0.55. Needs root (network namespaces) and
@@ -83,6 +87,8 @@ class Rounds:
     """Median seconds from a round's start to each phase (the ClientApps' over every node)."""
     load: float = 0.0
     """The machine's 1-minute load average when the run ended (other work included)."""
+    streamed: int = 0
+    """Rounds (warm-up included) whose replies the block service aggregated."""
 
     def total(self) -> list[int]:
         return [r + s for r, s in zip(self.received, self.sent, strict=True)]
@@ -187,20 +193,20 @@ def start_federation(lab: Lab, procs: Processes, nodes: int) -> Host:
     return link
 
 
-def start_blocks(procs: Processes, link: Host, data: Path, port: int) -> str:
-    """``tensorswap serve`` (this interpreter, the worktree's tensorswap) in the SuperLink's
-    host; its HOST:PORT."""
+def start_blocks(procs: Processes, host: Host, data: Path, port: int) -> str:
+    """``tensorswap serve`` (this interpreter, the worktree's tensorswap) in ``host``; its
+    HOST:PORT."""
     env = {**procs.env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     with (procs.logs / "blocks.log").open("wb") as out:
-        proc = link.popen(
+        proc = host.popen(
             [sys.executable, "-m", "tensorswap.cli.serve_cmd", "--listen",
-             f"{link.address}:{port}", "--data", str(data), "--log-level", "warning"],
+             f"{host.address}:{port}", "--data", str(data), "--log-level", "warning"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             start_new_session=True, cwd=str(REPO),
         )  # fmt: skip
     procs.started["blocks"] = proc
-    procs.wait_for("blocks", rf"listening on {re.escape(link.address)}:{port}")
-    return f"{link.address}:{port}"
+    procs.wait_for("blocks", rf"listening on {re.escape(host.address)}:{port}")
+    return f"{host.address}:{port}"
 
 
 def run_app(procs: Processes, link: Host, config: dict[str, Any], timeout: float) -> None:
@@ -284,15 +290,22 @@ class Settings:
 
 
 def run_variant(
-    procs: Processes, link: Host, variant: Variant, settings: Settings, tmp: Path, seed: int
+    procs: Processes,
+    hosts: tuple[Host, Host],
+    variant: Variant,
+    settings: Settings,
+    tmp: Path,
+    seed: int,
 ) -> Rounds:
-    """One ``flwr run`` of ``variant`` (the bridge's block service fresh for it, ended after);
-    its measured rounds. ``seed``: the initial model's (no run shares a block with another)."""
+    """One ``flwr run`` of ``variant`` (the bridge's block service fresh for it, in the second
+    of ``hosts`` = (SuperLink's, service's), ended after); its measured rounds. ``seed``: the
+    initial model's (no run shares a block with another)."""
+    link, service = hosts
     out = tmp / variant.name
     out.mkdir()
     blocks = ""
     if variant.bridge:
-        blocks = start_blocks(procs, link, tmp / f"blocks-{seed}", BLOCKS_PORT + seed)
+        blocks = start_blocks(procs, service, tmp / f"blocks-{seed}", BLOCKS_PORT + seed)
     config = {
         "blocks": blocks, "swarm": True, "out": str(out), "device": DEVICE,
         "rounds": settings.warmup + settings.rounds, "nodes": settings.nodes,
@@ -304,16 +317,22 @@ def run_variant(
         if variant.bridge:
             procs.stop("blocks")
             shutil.rmtree(tmp / f"blocks-{seed}", ignore_errors=True)
-    return dataclasses.replace(measured(out, settings.warmup), load=os.getloadavg()[0])
+    counted = out / "bytes.json"
+    streamed = json.loads(counted.read_text())["streamed_rounds"] if counted.exists() else 0
+    rounds = measured(out, settings.warmup)
+    return dataclasses.replace(rounds, load=os.getloadavg()[0], streamed=streamed)
 
 
-def report(results: dict[str, Rounds], settings: Settings, judge: bool) -> list[str]:
+def report(
+    results: dict[str, Rounds], settings: Settings, judge: bool, *, blocks_on_link: bool = False
+) -> list[str]:
     """Print each variant's rounds and the ratios; the names of the goals missed."""
     model = settings.mib * MiB
     print(
         f"flower_bridge: {settings.nodes} SuperNodes, {settings.mib} MiB model ({TENSORS} "
         f"tensors), the SuperLink host's link {LINK_MBIT} Mbit/s, {settings.warmup} warm-up "
-        f"+ {settings.rounds} measured round(s) per run"
+        f"+ {settings.rounds} measured round(s) per run; block service "
+        f"{'in the SuperLink host' if blocks_on_link else 'on a host of its own'}"
     )
     for name, rounds in results.items():
         down = statistics.median(rounds.sent) / model
@@ -321,7 +340,8 @@ def report(results: dict[str, Rounds], settings: Settings, judge: bool) -> list[
         print(
             f"  {name:<14} round {_spread(rounds.seconds)} s; link "
             f"{statistics.median(rounds.total()) / model:.2f} models/round "
-            f"(down {down:.2f}, up {up:.2f}); load {rounds.load:.1f}"
+            f"(down {down:.2f}, up {up:.2f}); load {rounds.load:.1f}; "
+            f"streamed rounds {rounds.streamed}"
         )
         print("    " + ", ".join(f"{k} {v:.1f}" for k, v in rounds.phases.items()))
     seconds = {n: statistics.median(r.seconds) for n, r in results.items()}
@@ -361,15 +381,19 @@ def _terminated(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_all(lab: Lab, flower: str, settings: Settings, keep_logs: str | None) -> dict[str, Rounds]:
+def run_all(
+    lab: Lab, flower: str, settings: Settings, keep_logs: str | None, *, blocks_on_link: bool
+) -> dict[str, Rounds]:
     """Every variant's rounds, on one federation in ``lab`` (closed afterwards, as is every
-    process, also when a run fails)."""
+    process, also when a run fails); the block service on a host of its own unless
+    ``blocks_on_link``."""
     with lab, tempfile.TemporaryDirectory(prefix="tensorswap-fbench-") as tmp:
         procs = Processes(Path(tmp) / "logs", flower_env(flower, Path(tmp) / "home"), flower)
         try:
             link = start_federation(lab, procs, settings.nodes)
+            hosts = (link, link if blocks_on_link else lab.add_host("blocks"))
             return {
-                v.name: run_variant(procs, link, v, settings, Path(tmp), seed)
+                v.name: run_variant(procs, hosts, v, settings, Path(tmp), seed)
                 for seed, v in enumerate(VARIANTS, start=1)
             }
         finally:
@@ -389,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="an interpreter with flwr==1.42.0 (default $TENSORSWAP_FLOWER_"
                         "PYTHON, else .venv-flower, else this one if it has flwr)")  # fmt: skip
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the processes' logs here")
+    parser.add_argument("--blocks-on-link", action="store_true",
+                        help="the service behind the SuperLink host's link")  # fmt: skip
     args = parser.parse_args(argv)
     settings = Settings(args.nodes, args.mib, args.rounds, warmup=1)
     if args.quick:
@@ -407,11 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
-        results = run_all(lab, args.flower_python, settings, args.keep_logs)
+        results = run_all(
+            lab, args.flower_python, settings, args.keep_logs, blocks_on_link=args.blocks_on_link
+        )
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-    missed = report(results, settings, judge=not args.quick)
+    missed = report(results, settings, judge=not args.quick, blocks_on_link=args.blocks_on_link)
     print(f"  ({time.perf_counter() - began:.0f} s in all)")
     if missed:
         print(f"missed the goal: {missed}")

@@ -1,6 +1,8 @@
 """Flower's own FedAvg and FedAdam through run_simulation (4 nodes, 3 rounds) with and without
 the bridge: equal arrays (to 1e-6) and equal metrics; with it the messages carry <= 1% of the
-arrays' bytes."""
+arrays' bytes, and the block service aggregates every round's replies (streamed: the strategy
+fetches one aggregate a round, not four replies; after FedAvg's first round it pushes no
+model again, the aggregate being the next global model)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tensorswap.flower import BlockService  # noqa: E402
 pytestmark = SIMULATION_MARKS
 
 NODES, ROUNDS = 4, 3
+MODEL_BYTES = 4 * (64 * 1024 + 64 + 32 * 1024)  # apps.initial_model: 98,368 float32 values
 
 # Flower sizes a round's sample from the nodes connected *before* it waits for
 # min_available_nodes (FedAvg.configure_train), so with the defaults an early round may train on
@@ -60,3 +63,11 @@ def test_the_bridge_changes_no_result(name: str) -> None:
             assert dict(ours[r]) == pytest.approx(dict(theirs[r]), rel=TOLERANCE[name]), (what, r)
     assert strategy.bytes.referenced > 0
     assert strategy.bytes.carried <= 0.01 * strategy.bytes.referenced, strategy.bytes
+    counters = strategy.link.counters
+    assert strategy.streamed_rounds == counters.aggregates == ROUNDS
+    # one aggregate a round came to the strategy (plain bridge: the 4 replies), manifests
+    # aside; FedAdam's step makes the model float64 from round 1 on (numpy's float64 scalars)
+    result_bytes = sum(array.numpy().nbytes for array in bridged.arrays.values())
+    assert ROUNDS * MODEL_BYTES <= counters.fetched_bytes <= 1.05 * ROUNDS * result_bytes
+    if name == "fedavg":  # the initial model only: each later one was the service's aggregate
+        assert MODEL_BYTES <= counters.sent_bytes <= 1.05 * MODEL_BYTES, counters

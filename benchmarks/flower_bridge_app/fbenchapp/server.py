@@ -1,6 +1,8 @@
 """The benchmark's ServerApp: FedAvg over every node, no evaluation, wrapped in BlockStrategy
-when the run config names a block service. Each round's start and end (time and the byte
-counters of this host's link, ``/proc/net/dev``) are appended to ``out/marks.jsonl``."""
+when the run config names a block service (``stream``: the service aggregates the replies;
+MarkedFedAvg overrides ``aggregate_train`` around FedAvg's, so the bridge is told so). Each
+round's start and end (time and the byte counters of this host's link, ``/proc/net/dev``) are
+appended to ``out/marks.jsonl``."""
 
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ def link_bytes(device: str) -> tuple[int, int]:
 class MarkedFedAvg(FedAvg):  # type: ignore[misc]
     """FedAvg that marks when each round's training starts (before the messages are made),
     when its aggregation begins (every reply in) and ends: inside BlockStrategy, the global
-    model's push and the replies' fetches fall between the first two marks."""
+    model's push and the replies' fetches (streamed: the service's aggregation and the
+    aggregate's fetch) fall between the first two marks."""
 
     def __init__(self, marks: Path, device: str, **options: object) -> None:
         super().__init__(**options)
@@ -82,10 +85,18 @@ def main(grid: Grid, context: Context) -> None:
     )
     address = str(config["blocks"])
     if address:
-        strategy = BlockStrategy(strategy, address, swarm=bool(config["swarm"]))
+        strategy = BlockStrategy(
+            strategy, address, swarm=bool(config["swarm"]), stream=bool(config["stream"])
+        )
     model = initial_model(int(config["mib"]), int(config["tensors"]), int(config["seed"]))
     strategy.start(grid, model, num_rounds=int(config["rounds"]))
     if isinstance(strategy, BlockStrategy):
-        counted = {"carried": strategy.bytes.carried, "referenced": strategy.bytes.referenced}
+        counted = {
+            "carried": strategy.bytes.carried,
+            "referenced": strategy.bytes.referenced,
+            "streamed_rounds": strategy.streamed_rounds,
+            "fetched": strategy.link.counters.fetched_bytes,
+            "sent": strategy.link.counters.sent_bytes,
+        }
         (out / "bytes.json").write_text(json.dumps(counted))
         strategy.close()

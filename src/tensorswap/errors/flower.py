@@ -8,15 +8,24 @@ when a Flower message's array reference cannot be trusted or its arrays cannot b
     │                       breaks a bound (too many arrays, a bad CID, shape or dtype)
     ├── ReferenceMismatch   the arrays behind a reference disagree with what it claims
     │                       (names, shapes or dtypes)
-    └── ArraysUnavailable   the block service (and the swarm) could not deliver a reference's
-                            blocks, or take a reply's, within the attempts allowed
+    ├── ArraysUnavailable   the block service (and the swarm) could not deliver a reference's
+    │                       blocks, or take a reply's, within the attempts allowed
+    └── AggregateUnavailable  the block service did not aggregate a round's replies (no
+                            coordinator there, a contribution refused, the round failed):
+                            the strategy aggregates them in its own process instead
 """
 
 from __future__ import annotations
 
 from tensorswap.errors import TensorSwapError
 
-__all__ = ["ArraysUnavailable", "BadReference", "FlowerBridgeError", "ReferenceMismatch"]
+__all__ = [
+    "AggregateUnavailable",
+    "ArraysUnavailable",
+    "BadReference",
+    "FlowerBridgeError",
+    "ReferenceMismatch",
+]
 
 
 class FlowerBridgeError(TensorSwapError):
@@ -52,4 +61,18 @@ class ArraysUnavailable(FlowerBridgeError):
         super().__init__(
             f"could not {what} through the block service at {address} "
             f"after {attempts} attempts: {cause}"
+        )
+
+
+class AggregateUnavailable(FlowerBridgeError):
+    """The block service's coordinator did not give the aggregate of a round's replies
+    (``round``: its key); ``BlockStrategy`` then aggregates the replies itself, as without
+    the streamed path."""
+
+    def __init__(self, round_key: str, address: str, cause: str) -> None:
+        self.round = round_key
+        self.address = address
+        self.cause = cause
+        super().__init__(
+            f"the block service at {address} did not aggregate round {round_key}: {cause}"
         )

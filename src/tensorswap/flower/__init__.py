@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tensorswap.flower.errors import (
+    AggregateUnavailable,
     ArraysUnavailable,
     BadReference,
     FlowerBridgeError,
@@ -19,14 +20,15 @@ from tensorswap.flower.errors import (
 from tensorswap.flower.link import BlockLink, LinkCounters
 from tensorswap.flower.node_store import NodeStore
 from tensorswap.flower.reference import ArrayRef, is_reference
-from tensorswap.flower.service import BlockService
 
 if TYPE_CHECKING:
     from tensorswap.flower.mod import blocks_mod
     from tensorswap.flower.records import StoredArray
+    from tensorswap.flower.service import BlockService
     from tensorswap.flower.strategy import BlockStrategy
 
 __all__ = [
+    "AggregateUnavailable",
     "ArrayRef",
     "ArraysUnavailable",
     "BadReference",
@@ -42,18 +44,21 @@ __all__ = [
     "is_reference",
 ]
 
-_NEEDS_FLOWER = {
+_LAZY = {
     "blocks_mod": "tensorswap.flower.mod",
+    "BlockService": "tensorswap.flower.service",
     "BlockStrategy": "tensorswap.flower.strategy",
     "StoredArray": "tensorswap.flower.records",
 }
+"""Names imported on first use: those that need flwr (the room imports without Flower), and
+the service (the rounds coordinator: a ClientApp process, one per message, never needs it)."""
 
 
 def __getattr__(name: str) -> Any:
-    """The names that need flwr, imported on first use (the room imports without Flower)."""
+    """The names of ``_LAZY``, imported on first use."""
     import importlib
 
-    where = _NEEDS_FLOWER.get(name)
+    where = _LAZY.get(name)
     if where is None:
         raise AttributeError(f"module 'tensorswap.flower' has no attribute {name!r}")
     return getattr(importlib.import_module(where), name)

@@ -10,10 +10,10 @@ import os
 import socket
 import threading
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from tensorswap.swarm import SwarmPeer
 from tensorswap.wire import BlockClient, RemoteError, Timeouts, TransportError
 from tensorswap.wire.errors import ConnectionBroken, PeerTimeout
 
+if TYPE_CHECKING:
+    from tensorswap.rounds.core.model import RoundId
+
 __all__ = ["BlockLink", "LinkCounters"]
 
 _T = TypeVar("_T")
@@ -38,7 +41,8 @@ _ids = itertools.count()
 
 @dataclass
 class LinkCounters:
-    """What a link moved: pushes and fetches made, blocks and bytes sent, attempts retried."""
+    """What a link moved: pushes and fetches made, blocks and bytes sent, attempts retried,
+    aggregates the service computed for it (``aggregate``; their fetches count as fetches)."""
 
     pushes: int = 0
     fetches: int = 0
@@ -47,6 +51,7 @@ class LinkCounters:
     fetched_bytes: int = 0
     from_peers: int = 0
     retries: int = 0
+    aggregates: int = 0
 
 
 class BlockLink:
@@ -97,10 +102,13 @@ class BlockLink:
         self._closed = False
 
     # ── synchronous API ──────────────────────────────────────────────────────
-    def push(self, arrays: Mapping[str, np.ndarray], *, hold: bool = False) -> Cid:
-        """Make the service hold ``arrays`` as one update; its root CID. ``hold``: also keep
-        them in the local store (so that later fetches of equal chunks are not made)."""
-        root = self._run(lambda: self._push(arrays, hold), "push arrays")
+    def push(
+        self, arrays: Mapping[str, np.ndarray], *, hold: bool = False, samples: int = 0
+    ) -> Cid:
+        """Make the service hold ``arrays`` as one update (its ``num_samples``: ``samples``);
+        its root CID. ``hold``: also keep them in the local store (so that later fetches of
+        equal chunks are not made)."""
+        root = self._run(lambda: self._push(arrays, hold, samples), "push arrays")
         if hold and self.node is not None:
             self.node.remember(root)
         return root
@@ -116,6 +124,26 @@ class BlockLink:
         if self.node is not None:
             self.node.remember(root)
         return dict(update.tensors)
+
+    def aggregate(
+        self, round_id: RoundId, entries: Sequence[tuple[str, Cid]], *, timeout: float = 300.0
+    ) -> tuple[Cid, dict[str, np.ndarray]]:
+        """The FedAvg aggregate of updates the service already holds (``entries``: peer name,
+        root; weights their ``num_samples``), computed by the service's coordinator in round
+        ``round_id`` (``coordinated.aggregate_held``: nothing but the request crosses the
+        link) and then fetched: its CID and arrays. AggregateUnavailable when the service
+        does not aggregate them; ArraysUnavailable when the link fails on every attempt."""
+        from tensorswap.flower.coordinated import aggregate_held  # the rounds client, lazily
+
+        async def call() -> Cid:
+            client = await self._connected()
+            return await aggregate_held(
+                client, round_id, entries, timeout=timeout, address=self.address
+            )
+
+        cid = self._run(call, f"aggregate round {round_id.as_key()}")
+        self.counters.aggregates += 1
+        return cid, self.fetch(cid)
 
     def close(self) -> None:
         """Close the connection and the seeder, stop the loop thread (idempotent)."""
@@ -175,14 +203,15 @@ class BlockLink:
             with contextlib.suppress(TensorSwapError, OSError):
                 await client.aclose()
 
-    async def _push(self, arrays: Mapping[str, np.ndarray], hold: bool) -> Cid:
+    async def _push(self, arrays: Mapping[str, np.ndarray], hold: bool, samples: int) -> Cid:
         client = await self._connected()
+        update = ModelUpdate(arrays, samples)
         if hold:
-            root = await asyncio.to_thread(put_update, self.store, ModelUpdate(arrays))
+            root = await asyncio.to_thread(put_update, self.store, update)
             result = await client.push(self.store, root)
             self._remember(root)
         else:
-            result = await client.push_update(ModelUpdate(arrays))
+            result = await client.push_update(update)
             root = result.roots[0]
         self.counters.pushes += 1
         self.counters.sent_blocks += result.sent_blocks

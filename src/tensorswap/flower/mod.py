@@ -12,7 +12,14 @@ from flwr.app import Context, Message
 
 from tensorswap.flower.link import BlockLink
 from tensorswap.flower.node_store import NodeStore
-from tensorswap.flower.records import has_reference, swap_in, swap_out
+from tensorswap.flower.records import (
+    REPLY_PLAN,
+    has_reference,
+    reply_samples,
+    swap_in,
+    swap_out,
+    take_reply_plan,
+)
 
 __all__ = ["blocks_mod", "shared_link"]
 
@@ -64,18 +71,30 @@ def blocks_mod(
     where the node keeps its blocks across messages (``NodeStore``): in deployment each
     message runs in a fresh ``flwr-clientapp`` process, and without it every round fetches
     every tensor again, changed or not.
+
+    A train message whose strategy has the block service aggregate (``records.REPLY_PLAN``,
+    removed before the ClientApp sees the message) names the metric its weight is read
+    from: the reply's arrays are then stored with that weight (``reply_samples``: their
+    update's ``num_samples``), and its reference says it.
     """
 
     def mod(message: Message, context: Context, call_next: ClientAppCall) -> Message:
-        if not message.has_content() or not has_reference(message.content):
+        if not message.has_content():
+            return call_next(message, context)
+        planned = REPLY_PLAN in message.content
+        content, weight_key = take_reply_plan(message.content)
+        if not planned and not has_reference(content):
             return call_next(message, context)
         link = shared_link(address, key, store)
-        message.content = swap_in(
-            message.content, lambda ref: link.fetch(ref.root, swarm=ref.swarm)
-        )
+        message.content = swap_in(content, lambda ref: link.fetch(ref.root, swarm=ref.swarm))
         reply = call_next(message, context)
         if reply.has_content():
-            reply.content = swap_out(reply.content, link.push)
+            samples = None if weight_key is None else reply_samples(reply.content, weight_key)
+            reply.content = swap_out(
+                reply.content,
+                lambda arrays: link.push(arrays, samples=samples or 0),
+                samples=samples,
+            )
         return reply
 
     return mod

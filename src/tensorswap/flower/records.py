@@ -17,14 +17,24 @@ from tensorswap.errors import CodecError
 from tensorswap.flower.reference import ArrayRef, is_reference
 
 __all__ = [
+    "REPLY_PLAN",
     "StoredArray",
     "arrays_of",
     "has_reference",
     "record_of",
     "reference_of",
+    "reply_samples",
     "swap_in",
     "swap_out",
+    "take_reply_plan",
+    "with_reply_plan",
 ]
+
+REPLY_PLAN = "tensorswap.reply"
+"""The record of a train message (and its one field) that asks the ClientApp's mod to store
+the reply's arrays with their weight: the value is the metric the weight is read from
+(the strategy's ``weighted_by_key``). The mod removes it before the ClientApp runs."""
+_MAX_SAMPLES = 2**63 - 1
 
 Push = Callable[[dict[str, np.ndarray]], Cid]
 Fetch = Callable[[ArrayRef], dict[str, np.ndarray]]
@@ -106,11 +116,13 @@ def swap_out(
     *,
     swarm: bool = False,
     memo: dict[int, ArrayRef | None] | None = None,
+    samples: int | None = None,
 ) -> RecordDict:
     """A copy of ``content`` with every ArrayRecord that can be referenced replaced, under
     the same key, by a reference to its arrays, stored with ``push``. ``memo`` (by record
     identity; the caller keeps the records alive) makes messages that share one record share
-    one push and one reference."""
+    one push and one reference. ``samples``: the weight ``push`` stored the arrays with (their
+    update's ``num_samples``), said in each reference."""
     out = RecordDict()
     for key, record in content.items():
         if not isinstance(record, ArrayRecord):
@@ -120,7 +132,9 @@ def swap_out(
             ref = memo[id(record)]
         else:
             arrays = arrays_of(record)
-            ref = None if arrays is None else ArrayRef.of(push(arrays), arrays, swarm=swarm)
+            ref = None
+            if arrays is not None:
+                ref = ArrayRef.of(push(arrays), arrays, swarm=swarm, samples=samples)
             if memo is not None:
                 memo[id(record)] = ref
         out[key] = record if ref is None else reference_of(ref)
@@ -140,6 +154,39 @@ def swap_in(content: RecordDict, fetch: Fetch, *, writable: bool = True) -> Reco
         else:
             out[key] = record
     return out
+
+
+def with_reply_plan(content: RecordDict, weight_key: str) -> RecordDict:
+    """A copy of a train message's ``content`` that asks the mod to store the reply's arrays
+    weighted by its metric ``weight_key`` (``REPLY_PLAN``)."""
+    out = RecordDict(dict(content.items()))
+    out[REPLY_PLAN] = ConfigRecord({REPLY_PLAN: weight_key})
+    return out
+
+
+def take_reply_plan(content: RecordDict) -> tuple[RecordDict, str | None]:
+    """``content`` without its ``REPLY_PLAN`` record, and the weight's metric it names (None:
+    no plan, or one that does not say a name)."""
+    plan = content.get(REPLY_PLAN)
+    if plan is None:
+        return content, None
+    out = RecordDict({k: r for k, r in content.items() if k != REPLY_PLAN})
+    key = plan.get(REPLY_PLAN) if isinstance(plan, ConfigRecord) else None
+    return out, key if isinstance(key, str) and 0 < len(key) <= 1024 else None
+
+
+def reply_samples(content: RecordDict, weight_key: str) -> int | None:
+    """The weight of a train reply, as a coordinator's FedAvg takes it (an int >= 0): its one
+    MetricRecord's ``weight_key``, when the reply holds exactly one ArrayRecord and one
+    MetricRecord and the value is a whole number; else None (its arrays go unweighted)."""
+    if len(content.array_records) != 1 or len(content.metric_records) != 1:
+        return None
+    value = next(iter(content.metric_records.values())).get(weight_key)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_SAMPLES:
+        return None
+    return value
 
 
 def has_reference(content: RecordDict) -> bool:

@@ -19,6 +19,7 @@ __all__ = [
     "MAX_ARRAYS",
     "MAX_DIMS",
     "MAX_NAME",
+    "MAX_SAMPLES",
     "VERSION",
     "ArrayRef",
     "is_reference",
@@ -35,6 +36,10 @@ MAX_DIMS = 32
 """numpy's own limit on dimensions; a shape with more is refused before anything is fetched."""
 
 _FIELDS = {MARKER, "root", "names", "shapes", "dtypes", "swarm"}
+_OPTIONAL = {"samples"}
+"""Fields a reference may carry besides ``_FIELDS`` (a reader of version 1 that predates one
+refuses it; only a ``BlockStrategy`` that asked for it receives it)."""
+MAX_SAMPLES = 2**63 - 1
 
 
 def is_reference(fields: Mapping[str, Any]) -> bool:
@@ -48,6 +53,8 @@ class ArrayRef:
     ``names`` (the record's keys, in order); ``shapes`` and ``dtypes`` say what each is, so a
     receiver checks what it fetched (``check``) and a reader learns them without fetching.
     ``swarm``: receivers may fetch the chunks from peers that hold them, not only the service.
+    ``samples``: the update stored under ``root`` says it covers this many samples (its
+    ``num_samples``, the weight a coordinator's FedAvg gives it); None: not set (0 stored).
     """
 
     root: Cid
@@ -55,9 +62,17 @@ class ArrayRef:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     swarm: bool = False
+    samples: int | None = None
 
     @classmethod
-    def of(cls, root: Cid, arrays: Mapping[str, np.ndarray], *, swarm: bool = False) -> ArrayRef:
+    def of(
+        cls,
+        root: Cid,
+        arrays: Mapping[str, np.ndarray],
+        *,
+        swarm: bool = False,
+        samples: int | None = None,
+    ) -> ArrayRef:
         """The reference to ``arrays`` stored under ``root``."""
         return cls(
             root,
@@ -65,6 +80,7 @@ class ArrayRef:
             tuple(tuple(int(d) for d in a.shape) for a in arrays.values()),
             tuple(DType.of(a.dtype).value for a in arrays.values()),
             swarm,
+            samples,
         )
 
     @property
@@ -76,8 +92,9 @@ class ArrayRef:
         )
 
     def fields(self) -> dict[str, Any]:
-        """The ConfigRecord fields: str, bool and lists of str only (Flower's value types)."""
-        return {
+        """The ConfigRecord fields: int, str, bool and lists of str only (Flower's value
+        types); ``samples`` only when set."""
+        fields: dict[str, Any] = {
             MARKER: VERSION,
             "root": str(self.root),
             "names": list(self.names),
@@ -85,6 +102,9 @@ class ArrayRef:
             "dtypes": list(self.dtypes),
             "swarm": self.swarm,
         }
+        if self.samples is not None:
+            fields["samples"] = self.samples
+        return fields
 
     @classmethod
     def parse(cls, key: str, fields: Mapping[str, Any]) -> ArrayRef:
@@ -92,7 +112,7 @@ class ArrayRef:
         missing, of the wrong type, or out of bounds (checked before anything is fetched)."""
         if fields.get(MARKER) != VERSION:
             raise BadReference(key, f"version {fields.get(MARKER)!r}, this bridge reads {VERSION}")
-        if set(fields) != _FIELDS:
+        if not _FIELDS <= set(fields) <= _FIELDS | _OPTIONAL:
             raise BadReference(key, f"fields {sorted(fields)}, expected {sorted(_FIELDS)}")
         root = _root(key, fields["root"])
         names = _strings(key, "names", fields["names"], MAX_NAME)
@@ -106,11 +126,18 @@ class ArrayRef:
             raise BadReference(key, "an array name appears twice")
         if not isinstance(fields["swarm"], bool):
             raise BadReference(key, "swarm is not a bool")
-        return cls(root, names, shapes, dtypes, fields["swarm"])
+        samples = fields.get("samples")
+        if samples is not None and (
+            isinstance(samples, bool)
+            or not isinstance(samples, int)
+            or not 0 <= samples <= MAX_SAMPLES
+        ):
+            raise BadReference(key, f"samples is not an int in [0, {MAX_SAMPLES}]")
+        return cls(root, names, shapes, dtypes, fields["swarm"], samples)
 
     def check(self, arrays: Mapping[str, np.ndarray]) -> None:
         """ReferenceMismatch unless ``arrays`` are the names, shapes and dtypes claimed."""
-        got = ArrayRef.of(self.root, arrays, swarm=self.swarm)
+        got = ArrayRef.of(self.root, arrays, swarm=self.swarm, samples=self.samples)
         for what in ("names", "shapes", "dtypes"):
             if getattr(got, what) != getattr(self, what):
                 raise ReferenceMismatch(str(self.root), f"{what} {getattr(got, what)[:4]}...")

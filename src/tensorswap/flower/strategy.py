@@ -4,6 +4,9 @@ aggregates."""
 
 from __future__ import annotations
 
+import itertools
+import logging
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,11 +16,20 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from tensorswap.errors.flower import AggregateUnavailable
 from tensorswap.flower.link import BlockLink
-from tensorswap.flower.records import has_reference, swap_in, swap_out
+from tensorswap.flower.records import has_reference, swap_in, swap_out, with_reply_plan
 from tensorswap.flower.reference import ArrayRef, is_reference
+from tensorswap.flower.streamed import Plan, plan_round, refusal, settled
+from tensorswap.rounds.core.model import RoundId
 
-__all__ = ["BlockStrategy", "MessageBytes"]
+__all__ = ["AGGREGATE_TIMEOUT", "BlockStrategy", "MessageBytes"]
+
+log = logging.getLogger(__name__)
+
+AGGREGATE_TIMEOUT = 600.0
+"""Seconds the service's coordinator has for one round's aggregate (its round's deadline)."""
+TrainCall = Callable[[int, Iterable[Message]], tuple[ArrayRecord | None, MetricRecord | None]]
 
 _BRIDGED = ("configure_train", "aggregate_train", "configure_evaluate", "aggregate_evaluate")
 """The four calls the bridge stands in: while an overridden ``start`` runs, they are set on the
@@ -56,6 +68,20 @@ class BlockStrategy(Strategy):
     the strategy's results are those it computes on the same arrays. ``bytes`` counts what
     the messages carried against the arrays referenced. Attributes not defined here are the
     wrapped strategy's. Close with ``close()`` (the link; also at interpreter exit).
+
+    **Streamed aggregation** (``stream``): for a FedAvg-family strategy (``streamed.refusal``:
+    Flower's FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad; ``stream=True`` vouches
+    for a subclass that overrides ``aggregate_train`` around FedAvg's, ``False`` turns it off)
+    the train messages ask the ClientApps' mods to store each reply with its weight (the
+    metric ``weighted_by_key``), and the service's coordinator computes the weighted mean of
+    the replies it holds: only that one aggregate comes to this process, not every reply.
+    The strategy is then handed the replies with the aggregate as every reply's arrays (its
+    metrics, checks and server step run as they would; its mean of equal arrays is the
+    aggregate up to float rounding), and where its arrays are that mean the service's own
+    aggregate is returned (so the next round's model is not pushed again). A round the
+    service cannot aggregate (a reply inline, without weight, of another layout or dtype;
+    a refusal there; a service without a coordinator) is aggregated here as before, with a
+    warning saying why.
     """
 
     def __init__(
@@ -66,12 +92,21 @@ class BlockStrategy(Strategy):
         key: bytes | None = None,
         swarm: bool = True,
         link: BlockLink | None = None,
+        stream: bool | None = None,
     ) -> None:
         self.strategy = strategy
         self.address = address
         self.swarm = swarm
         self.link = link if link is not None else BlockLink(address, key=key)
         self.bytes = MessageBytes()
+        self.streamed_rounds = 0
+        """Training rounds whose replies the block service aggregated."""
+        self._refused = _stream_refusal(strategy, stream)
+        if self._refused is not None and stream is None:
+            log.info("%s: replies aggregated in this process (%s)", type(strategy).__name__,
+                     self._refused)  # fmt: skip
+        self._initiator = f"flower-{uuid.uuid4().hex[:16]}"
+        self._rounds = itertools.count(1)
 
     def __getattr__(self, name: str) -> Any:
         if name == "strategy":  # not yet set (during unpickling): no recursion
@@ -91,12 +126,13 @@ class BlockStrategy(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        return self._sending(self.strategy.configure_train(server_round, arrays, config, grid))
+        messages = self.strategy.configure_train(server_round, arrays, config, grid)
+        return self._sending(messages, train=True)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        return self.strategy.aggregate_train(server_round, self._received(replies))
+        return self._aggregating(self.strategy.aggregate_train, server_round, replies)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -127,9 +163,13 @@ class BlockStrategy(Strategy):
         own = vars(inner)
         saved = {name: own.get(name, _ABSENT) for name in _BRIDGED}
         originals = {name: getattr(inner, name) for name in _BRIDGED}
-        sending = {"configure_train", "configure_evaluate"}
-        for name, call in originals.items():
-            bridge = self._sending_call(call) if name in sending else self._received_call(call)
+        bridges = {
+            "configure_train": self._sending_call(originals["configure_train"], train=True),
+            "aggregate_train": self._training_call(originals["aggregate_train"]),
+            "configure_evaluate": self._sending_call(originals["configure_evaluate"]),
+            "aggregate_evaluate": self._received_call(originals["aggregate_evaluate"]),
+        }
+        for name, bridge in bridges.items():
             setattr(inner, name, bridge)
         try:
             yield
@@ -140,9 +180,19 @@ class BlockStrategy(Strategy):
                 else:
                     own[name] = value
 
-    def _sending_call(self, call: Callable[..., Iterable[Message]]) -> Callable[..., list[Message]]:
+    def _sending_call(
+        self, call: Callable[..., Iterable[Message]], *, train: bool = False
+    ) -> Callable[..., list[Message]]:
         def bridge(*args: Any, **kwargs: Any) -> list[Message]:
-            return self._sending(call(*args, **kwargs))
+            return self._sending(call(*args, **kwargs), train=train)
+
+        return bridge
+
+    def _training_call(self, call: TrainCall) -> TrainCall:
+        def bridge(
+            server_round: int, replies: Iterable[Message]
+        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+            return self._aggregating(call, server_round, replies)
 
         return bridge
 
@@ -153,14 +203,47 @@ class BlockStrategy(Strategy):
         return bridge
 
     # ── the swaps ────────────────────────────────────────────────────────────
-    def _sending(self, messages: Iterable[Message]) -> list[Message]:
+    def _sending(self, messages: Iterable[Message], *, train: bool = False) -> list[Message]:
         out = list(messages)
         memo: dict[int, ArrayRef | None] = {}
         for message in out:
             if message.has_content():
-                message.content = swap_out(message.content, self._push, swarm=self.swarm, memo=memo)
+                content = swap_out(message.content, self._push, swarm=self.swarm, memo=memo)
+                if train and self._refused is None and has_reference(content):
+                    content = with_reply_plan(content, self.strategy.weighted_by_key)
+                message.content = content
                 self._count(message.content)
         return out
+
+    def _aggregating(
+        self, call: TrainCall, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """``call`` (the strategy's ``aggregate_train``) on the replies: with the service's
+        aggregate where the round allows it (``streamed``), else on the replies' own arrays."""
+        out = list(replies)
+        plan = None if self._refused is not None else plan_round(out, self.strategy.weighted_by_key)
+        if isinstance(plan, str):
+            log.warning("round %d: replies aggregated in this process: %s", server_round, plan)
+        elif plan is not None:
+            aggregate = self._aggregate(server_round, plan)
+            if aggregate is not None:
+                for message in out:
+                    if not message.has_error():
+                        self._count(message.content)
+                arrays, metrics = call(server_round, plan.handed(out, aggregate))
+                self.streamed_rounds += 1
+                return settled(arrays, aggregate, len(plan.entries)), metrics
+        return call(server_round, self._received(out))
+
+    def _aggregate(self, server_round: int, plan: Plan) -> dict[str, Any] | None:
+        """The service's aggregate of the plan's replies; None (logged) when it gives none."""
+        round_id = RoundId(next(self._rounds), self._initiator)
+        try:
+            _, arrays = self.link.aggregate(round_id, plan.entries, timeout=AGGREGATE_TIMEOUT)
+        except AggregateUnavailable as exc:
+            log.warning("round %d: replies aggregated in this process: %s", server_round, exc)
+            return None
+        return arrays
 
     def _push(self, arrays: dict[str, Any]) -> Any:
         return self.link.push(arrays, hold=True)
@@ -180,3 +263,14 @@ class BlockStrategy(Strategy):
         for key, record in content.items():
             if isinstance(record, ConfigRecord) and is_reference(record):
                 self.bytes.referenced += ArrayRef.parse(key, dict(record.items())).nbytes
+
+
+def _stream_refusal(strategy: Strategy, stream: bool | None) -> str | None:
+    """Why the service does not aggregate the strategy's replies (None: it does)."""
+    if stream is False:
+        return "stream=False"
+    if stream is None:
+        return refusal(strategy)
+    if not isinstance(getattr(strategy, "weighted_by_key", None), str):
+        raise TypeError(f"stream=True needs a FedAvg-like strategy, not {type(strategy).__name__}")
+    return None

@@ -1,0 +1,80 @@
+"""The block service's coordinator aggregating replies it already holds: a round started for
+them, their updates submitted in batches (no block moves), the aggregate's CID awaited."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tensorswap.cid import Cid
+from tensorswap.errors import RoundsError
+from tensorswap.errors.flower import AggregateUnavailable
+from tensorswap.rounds.client import RoundClient
+from tensorswap.rounds.client.virtual import request_submit_batch
+from tensorswap.rounds.core.errors import DuplicateContribution, RoundAlreadyTerminal, RoundClosed
+from tensorswap.rounds.core.state import Complete, RoundId, RoundSpec
+from tensorswap.rounds.protocol.batch import MAX_BATCH, BatchItem, BatchSubmitRequest
+from tensorswap.wire import BlockClient, ProtocolViolation
+
+__all__ = ["STRATEGY_PEER", "aggregate_held"]
+
+STRATEGY_PEER = "flower-strategy"
+"""The name the strategy's connection has as a rounds client (it submits for named peers)."""
+
+
+async def aggregate_held(
+    client: BlockClient,
+    round_id: RoundId,
+    entries: Sequence[tuple[str, Cid]],
+    *,
+    timeout: float,
+    address: str,
+) -> Cid:
+    """The CID of the FedAvg aggregate of ``entries`` (peer name, root of an update the
+    service holds, its weight the update's ``num_samples``), computed by the service's
+    coordinator in round ``round_id``: every peer expected, folded in peer-name order
+    (deterministic: its bits depend on the updates only), failed by its deadline
+    ``timeout`` if it cannot complete. Called again after a broken connection it joins the
+    same round, and a contribution it made before counts as made (the round refuses it as
+    a duplicate of the same update). AggregateUnavailable when the service has no
+    coordinator, refuses a contribution (a layout that differs, a value not finite, a
+    block it lost) or the round fails or times out; wire failures are raised as they are."""
+    key = round_id.as_key()
+    rounds = RoundClient(client, peer=STRATEGY_PEER)
+    spec = RoundSpec(expected_peers=len(entries), timeout_s=timeout, deterministic=True)
+    try:
+        await rounds.start_round(round_id, spec)
+        for at in range(0, len(entries), MAX_BATCH):
+            await _submit(rounds, round_id, entries[at : at + MAX_BATCH], address)
+        status = await rounds.wait(round_id, timeout)
+    except ProtocolViolation as exc:  # a plain block service: no coordinator
+        raise AggregateUnavailable(key, address, str(exc)) from exc
+    except RoundsError as exc:
+        raise AggregateUnavailable(key, address, f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(status, Complete):
+        reason = getattr(status, "reason", None) or status.name
+        raise AggregateUnavailable(key, address, f"the round ended {status.name}: {reason}")
+    return Cid.parse(status.cid)
+
+
+async def _submit(
+    rounds: RoundClient, round_id: RoundId, entries: Sequence[tuple[str, Cid]], address: str
+) -> None:
+    request = BatchSubmitRequest(
+        round=round_id.round,
+        initiator=round_id.initiator,
+        items=[BatchItem(peer, cid.to_bytes()) for peer, cid in entries],
+    )
+    results = await request_submit_batch(rounds, request)
+    for (peer, cid), result in zip(entries, results, strict=True):
+        if isinstance(result, Exception) and not _made_before(result, cid):
+            raise AggregateUnavailable(
+                round_id.as_key(), address, f"peer {peer!r}: {type(result).__name__}: {result}"
+            )
+
+
+def _made_before(refusal: Exception, cid: Cid) -> bool:
+    """Whether a refused contribution was this very one made on an earlier attempt (the round
+    holds it, or has stopped collecting because every contribution arrived)."""
+    if isinstance(refusal, DuplicateContribution):
+        return getattr(refusal, "cid", None) == str(cid)
+    return isinstance(refusal, RoundClosed | RoundAlreadyTerminal)
