@@ -152,8 +152,11 @@ class UpstreamLink:
     def traffic(self) -> LinkTraffic:
         """Bytes over every connection so far, live ones included (the transports' counts)."""
         live = self._clients()
-        sent = self._sent + sum(c.blocks.transport.bytes_sent for c in live)
-        received = self._received + sum(c.blocks.transport.bytes_received for c in live)
+        # each client's own connection and its cut-through ones (``RoundClient.cut``)
+        sent = self._sent + sum(c.blocks.transport.bytes_sent + c.cut.bytes_sent for c in live)
+        received = self._received + sum(
+            c.blocks.transport.bytes_received + c.cut.bytes_received for c in live
+        )
         return LinkTraffic(sent, received, self._connections)
 
     # ── operations ───────────────────────────────────────────────────────────
@@ -348,8 +351,8 @@ class UpstreamLink:
                 self.upstream_path = path
         except BaseException as exc:
             client.blocks.transport.abort()
-            self._sent += client.blocks.transport.bytes_sent
-            self._received += client.blocks.transport.bytes_received
+            self._sent += client.blocks.transport.bytes_sent + client.cut.bytes_sent
+            self._received += client.blocks.transport.bytes_received + client.cut.bytes_received
             if isinstance(exc, RegionLoop):
                 self.stop(exc)
             raise
@@ -373,8 +376,8 @@ class UpstreamLink:
                 del self._idle[chain]
         self._busy.discard(client)
         transport = client.blocks.transport
-        self._sent += transport.bytes_sent
-        self._received += transport.bytes_received
+        self._sent += transport.bytes_sent + client.cut.bytes_sent
+        self._received += transport.bytes_received + client.cut.bytes_received
         try:
             await client.aclose()
         except Exception as exc:  # closing a broken connection: nothing left to do

@@ -83,7 +83,19 @@ class CutThroughClient:
         self.streamed = 0
         self._idle: list[BlockClient] = []
         self._closing: set[asyncio.Task[None]] = set()
+        self._live: set[BlockClient] = set()  # its connections not yet closed
+        self._gone = (0, 0)  # bytes sent and received over the closed ones
         self._tasks: OrderedDict[RoundId, asyncio.Task[RoundStatus | None]] = OrderedDict()
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes sent over this client's cut-through connections (live ones included)."""
+        return self._gone[0] + sum(c.transport.bytes_sent for c in self._live)
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes received over this client's cut-through connections (live ones included)."""
+        return self._gone[1] + sum(c.transport.bytes_received for c in self._live)
 
     def streaming(self, round_id: RoundId) -> bool:
         """Whether the round's result is coming by the stream (a waited submit then asks for
@@ -98,6 +110,7 @@ class CutThroughClient:
             return cid
         try:
             conn = self._idle.pop() if self._idle else await client.dial()
+            self._live.add(conn)
         except (OSError, TensorSwapError) as exc:
             log.info("cut-through off: no second connection (%s)", exc)
             self.enabled = False
@@ -183,7 +196,7 @@ class CutThroughClient:
             if ok:
                 self._give_back(conn)
             else:  # cancelled or failed mid-answer: not for another stream
-                await asyncio.shield(conn.aclose())
+                await asyncio.shield(self._close(conn))
 
     async def take(self, round_id: RoundId, timeout: float | None) -> Cid | None:
         """The round's result CID when its stream brought it whole into the store; None
@@ -204,7 +217,7 @@ class CutThroughClient:
 
     def _give_back(self, conn: BlockClient) -> None:
         if len(self._idle) >= 2:
-            self._closing.add(asyncio.get_running_loop().create_task(conn.aclose()))
+            self._closing.add(asyncio.get_running_loop().create_task(self._close(conn)))
             for task in [t for t in self._closing if t.done()]:
                 self._closing.discard(task)
         else:
@@ -218,8 +231,16 @@ class CutThroughClient:
         await asyncio.gather(*tasks, return_exceptions=True)
         idle, self._idle = self._idle, []
         for conn in idle:
-            await conn.aclose()
+            await self._close(conn)
         await asyncio.gather(*self._closing, return_exceptions=True)
+
+    async def _close(self, conn: BlockClient) -> None:
+        if conn in self._live:
+            self._live.discard(conn)
+            sent, received = self._gone
+            transport = conn.transport
+            self._gone = (sent + transport.bytes_sent, received + transport.bytes_received)
+        await conn.aclose()
 
 
 def _manifest_blocks(client: RoundClient, cid: Cid) -> list[tuple[bytes, bytes]]:
