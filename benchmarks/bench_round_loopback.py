@@ -221,10 +221,14 @@ async def pool_working_set(port: int) -> int:
     return int(stats.get("pool_working_set_bytes", 0))
 
 
-def run_tensorswap(tmp: Path, peers: int, nbytes: int, reps: int) -> Rounds:
-    """A coordinator and ``peers`` peer processes; one warm-up round and ``reps`` more."""
+def run_tensorswap(
+    tmp: Path, peers: int, nbytes: int, reps: int, chunk: int | None = None
+) -> Rounds:
+    """A coordinator and ``peers`` peer processes; one warm-up round and ``reps`` more.
+    ``chunk``: the coordinator's result chunk size in bytes (``serve --result-chunk``)."""
     out = Rounds()
-    coord = Coordinator(tmp / "coordinator", "--key", KEY.decode())
+    extra = () if chunk is None else ("--result-chunk", str(chunk))
+    coord = Coordinator(tmp / "coordinator", "--key", KEY.decode(), *extra)
     procs: list[Peer] = []
     try:
         procs = [Peer(coord.port, i, peers, nbytes) for i in range(peers)]
@@ -366,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--barrier", action="store_true", help="cut-through off: every round a barrier"
     )
+    parser.add_argument(
+        "--result-chunk-kib", type=int, default=None,
+        help="the coordinator's result chunk size (serve --result-chunk); peers cut so too",
+    )  # fmt: skip
     parser.add_argument("--peer", nargs=4, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.barrier:
@@ -378,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     nbytes, judge = mib * MiB, not args.quick and (args.peers, mib) == (4, 64)
     python = None if args.no_flower else args.flower_python
     with tempfile.TemporaryDirectory(prefix="bench-round-loopback-") as tmp:
-        ts = run_tensorswap(Path(tmp), args.peers, nbytes, reps)
+        chunk = None if args.result_chunk_kib is None else args.result_chunk_kib * 1024
+        ts = run_tensorswap(Path(tmp), args.peers, nbytes, reps, chunk)
     flower = None if python is None else run_flower(python, args.peers, nbytes, reps)
     ok = report(ts, flower, args.peers, nbytes, judge)
     print(f"cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}")
