@@ -314,11 +314,10 @@ class CallRun:
         try:
             start = owner.clock()
             client = await owner.client_of(member)
-            for cid in cids:  # one exchange a chunk: the reducer's pushes to us interleave
-                sent = await client.put_blocks(owner.store, [cid])
-                # Added after the await: ``stats.bytes_sent += await ...`` would read the
-                # count before it, and the pushes to the other reducers meanwhile be lost.
-                self.stats.bytes_sent += sent
+            sent = await client.put_blocks(owner.store, cids)
+            # Added after the await: ``stats.bytes_sent += await ...`` would read the count
+            # before it, and the pushes to the other reducers, running meanwhile, be lost.
+            self.stats.bytes_sent += sent
             values = sum(self.bounds[k][1] - self.bounds[k][0] for k in chunks)
             self.progress.pushed(values, owner.clock() - start)
             note = SliceSent(owner.group, self.number, owner.peer, j, [c.to_bytes() for c in cids])

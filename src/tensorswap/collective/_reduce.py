@@ -240,8 +240,8 @@ async def push_reduced(run: CallRun, work: SliceWork, member: Member) -> None:
             if not ready:
                 await work.more.wait()
                 continue
-            await client.put_blocks(owner.store, ready[:1])  # one a chunk, as the inputs go
-            sent += 1
+            await client.put_blocks(owner.store, ready)
+            sent += len(ready)
         if work.stale:
             return
         cids = [work.folded[k].to_bytes() for k in work.chunks]
