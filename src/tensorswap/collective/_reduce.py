@@ -72,6 +72,7 @@ class CallRun(Protocol):
     folded: list[Cid]
     accused: set[str]
     tasks: dict[tuple[Any, ...], asyncio.Task[None]]
+    next_check: float | None
 
     def start_task(
         self, key: tuple[Any, ...], work: Callable[..., Coroutine[Any, Any, None]], *args: Any
@@ -98,6 +99,8 @@ class SliceWork:
     folding: bool = False
     stale: bool = False
     """Superseded (a drop changed the live set, or the call ended): its pushes stop."""
+    finished: float = 0.0
+    """When (on the call's clock) the last chunk was folded."""
     more: asyncio.Event = field(default_factory=asyncio.Event)
     pushes: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -151,8 +154,23 @@ def reduce_slice(run: CallRun, view: CallView, j: int, chunks: range) -> None:
     if not work.folding and (ready := work.ready(owner.store, view.commits)):
         work.folding = True
         run.start_task(("fold", j, work.live, ready[0]), _fold, run, view, work, ready)
-    if work.done:
+    if work.done and _pushed_or_due(run, work):
         run.start_task(("publish", j, work.live), _publish, run, work)
+
+
+def _pushed_or_due(run: CallRun, work: SliceWork) -> bool:
+    """Whether ``work``'s slice may be published: every push of it ended, or they have
+    had the no-progress rule's patience for the slice since the last fold (on the call's
+    clock; until then the call wakes when it runs out). A member that takes the pushes
+    slowly then fetches what it lacks after the seal, and does not hold the seal up."""
+    if all(t.done() for t in work.pushes):
+        return True
+    values = sum(run.bounds[k][1] - run.bounds[k][0] for k in work.chunks)
+    due = work.finished + run.push_patience(values)
+    if run.owner.clock() >= due:
+        return True
+    run.next_check = due if run.next_check is None else min(run.next_check, due)
+    return False
 
 
 def _notices_match(run: CallRun, view: CallView, j: int, chunks: range, live: list[str]) -> bool:
@@ -187,6 +205,8 @@ async def _fold(run: CallRun, view: CallView, work: SliceWork, ks: list[int]) ->
     run.folded.extend(cids)
     if not work.stale:
         work.folded.update(zip(ks, cids, strict=True))
+        if work.done:
+            work.finished = owner.clock()
         work.advance()
 
 
@@ -253,16 +273,8 @@ async def push_reduced(run: CallRun, work: SliceWork, member: Member) -> None:
 
 
 async def _publish(run: CallRun, work: SliceWork) -> None:
-    """Publish ``work``'s slice once every push of it ended (or ran past the no-progress
-    rule's patience for the slice: a member that takes a push slowly fetches the rest
-    itself after the seal, and does not hold the seal up)."""
+    """Publish ``work``'s slice (through the relay first when this peer is relayed)."""
     owner = run.owner
-    pending = [t for t in work.pushes if not t.done()]
-    if pending:
-        values = sum(run.bounds[k][1] - run.bounds[k][0] for k in work.chunks)
-        await asyncio.wait(pending, timeout=run.push_patience(values))
-    if work.stale:
-        return
     cids = [work.folded[k] for k in work.chunks]
     if owner.relayed and not await put_to_relay(run, work.j, cids, reduced=True):
         await run.forget_later(("publish", work.j, work.live))
