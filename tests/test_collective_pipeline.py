@@ -73,13 +73,15 @@ def test_a_reduced_chunk_reaches_the_others_before_its_slice_is_complete() -> No
 def test_a_peer_cut_in_the_middle_of_the_pipeline() -> None:
     """p0 has folded chunk 0 over all three and pushed it on when p2 (its push of slice 0
     held after one chunk) is cut: the survivors fold again over themselves and end with
-    their own weighted mean, bit-identical, p2 dropped."""
+    their own weighted mean, bit-identical, p2 dropped; the chunk folded over three is
+    deleted with the call's other blocks (at the end of the next call)."""
     inputs, weights = _inputs(3, seed=12), [1.0, 3.0, 2.0]
+    stale = _reduced_cid(inputs, weights, 0)
 
     async def main() -> tuple[list[Any], dict[str, str], list[str]]:
         peers, server, rendezvous = await group(3)
         hold_push(peers[2], "p0")
-        first = stored(peers[1], _reduced_cid(inputs, weights, 0))
+        first = stored(peers[1], stale)
         victim = asyncio.ensure_future(peers[2].all_reduce({"w": inputs[2]}, weights[2]))
         honest = asyncio.gather(
             *(p.all_reduce({"w": inputs[i]}, weights[i]) for i, p in enumerate(peers[:2]))
@@ -89,7 +91,11 @@ def test_a_peer_cut_in_the_middle_of_the_pipeline() -> None:
             victim.cancel()
             await peers[2].aclose()
             out = await honest
-            return [r["w"] for r in out], dict(peers[0].stats.dropped), list(peers[1].members)
+            dropped = dict(peers[0].stats.dropped)
+            assert all(p.store.has(stale) for p in peers[:2])
+            await asyncio.gather(*(p.all_reduce({"w": inputs[i]}) for i, p in enumerate(peers[:2])))
+            assert not any(p.store.has(stale) for p in peers[:2])
+            return [r["w"] for r in out], dropped, list(peers[1].members)
         finally:
             victim.cancel()
             await close(peers[:2], server, rendezvous)

@@ -27,9 +27,10 @@ __all__ = [
 
 MAX_CHUNK_ELEMS = 1 << 20
 """Float32 elements in a chunk at most (4 MiB): a block on the wire, one CID."""
-PIPELINE_CHUNKS = 8
+PIPELINE_CHUNKS = 4
 """Chunks a slice is cut into when its chunks may be that small (MIN_PIPELINE_ELEMS): the
-all-gather of a slice's last chunk is what the pipeline cannot overlap."""
+all-gather of a slice's last chunk is what the pipeline cannot overlap. 4 beat 8 and 16
+on netlab (4 x 32 MiB) and on loopback CPU (2026-12-07, docs/collective.md)."""
 MIN_PIPELINE_ELEMS = 1 << 16
 """Float32 elements in a chunk at least (256 KiB) when a slice is cut for the pipeline."""
 

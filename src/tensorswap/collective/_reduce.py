@@ -244,7 +244,8 @@ def fold_chunks(
 
 async def push_reduced(run: CallRun, work: SliceWork, member: Member) -> None:
     """Push ``work``'s folded chunks to ``member`` as they come, in order, then say which
-    they are (a notice answered once they are stored there). Stops when ``work`` is stale.
+    they are (a notice answered once they are stored there). Stops when ``work`` is stale
+    (the notice then names the chunks pushed so far, for the member to forget them).
     A failed push accuses ``member`` of being dead (its probe decides) and ends: it fetches
     what it lacks once the call is sealed, as a member pushed nothing does."""
     owner = run.owner
@@ -262,9 +263,10 @@ async def push_reduced(run: CallRun, work: SliceWork, member: Member) -> None:
                 continue
             await client.put_blocks(owner.store, ready)
             sent += len(ready)
-        if work.stale:
+        if not sent:
             return
-        cids = [work.folded[k].to_bytes() for k in work.chunks]
+        # all of them, or (stale) those pushed so far: the member deletes them with the call
+        cids = [work.folded[k].to_bytes() for k in work.chunks[:sent]]
         note = SliceSent(owner.group, run.number, owner.peer, work.j, cids, reduced=True)
         await client.request(PEER_APP, encode(note))
     except (TensorSwapError, OSError) as exc:
