@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
+
 from tensorswap.collective import Collective, Rendezvous
 from tensorswap.collective._compress import Compression
+from tensorswap.collective.messages import PEER_APP, decode_slice
 from tensorswap.store import MemoryStore
-from tensorswap.wire import BlockServer
+from tensorswap.wire import AppRequest, BlockServer
 
 KEY = b"collective-test-key"
 
@@ -63,3 +66,81 @@ async def cut_after_commit(victim: Collective, values: dict[str, Any]) -> None:
     await committed.wait()
     dying.cancel()
     await victim.aclose()
+
+
+class _HeldClient:
+    """A BlockClient whose first push of more than ``after`` blocks sends ``after`` of them,
+    then waits for ``gate`` before the rest (every other use passes straight through)."""
+
+    def __init__(self, inner: Any, gate: asyncio.Event, after: int, spent: list[bool]) -> None:
+        self._inner, self._gate, self._after, self._spent = inner, gate, after, spent
+
+    async def put_blocks(self, store: Any, cids: list[Any], **kw: Any) -> int:
+        if self._spent[0] or len(cids) <= self._after:
+            return int(await self._inner.put_blocks(store, cids, **kw))
+        self._spent[0] = True
+        sent = int(await self._inner.put_blocks(store, cids[: self._after], **kw))
+        await self._gate.wait()
+        return sent + int(await self._inner.put_blocks(store, cids[self._after :], **kw))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def hold_push(pusher: Collective, reducer: str, after: int = 1) -> asyncio.Event:
+    """``pusher``'s push of its slice to ``reducer`` stops after ``after`` chunks until the
+    returned event is set (a slow flow in the middle of the reduce-scatter)."""
+    gate, spent = asyncio.Event(), [False]
+    inner = pusher.client_of
+
+    async def client_of(member):  # type: ignore[no-untyped-def]
+        client = await inner(member)
+        return _HeldClient(client, gate, after, spent) if member.peer == reducer else client
+
+    pusher.client_of = client_of  # type: ignore[method-assign]
+    return gate
+
+
+def stored(peer: Collective, cid: Any) -> asyncio.Event:
+    """An event set once ``peer``'s store holds ``cid`` (checked on each block it stores)."""
+    event, loop = asyncio.Event(), asyncio.get_running_loop()
+    inner = peer.store.on_put
+
+    def on_put() -> None:
+        if inner is not None:
+            inner()
+        if peer.store.has(cid):
+            loop.call_soon_threadsafe(event.set)
+
+    peer.store.on_put = on_put
+    if peer.store.has(cid):
+        event.set()
+    return event
+
+
+def noted(peer: Collective, sender: str, *, reduced: bool) -> asyncio.Event:
+    """An event set once ``peer`` has taken a notice from ``sender`` of a pushed slice (of
+    reduced chunks with ``reduced``)."""
+    event = asyncio.Event()
+    inner = peer.server.handlers[PEER_APP]
+
+    async def handler(request: AppRequest) -> bytes:
+        reply = await inner(request)
+        sent = decode_slice(request.body)
+        if sent.peer == sender and sent.reduced == reduced:
+            event.set()
+        return reply
+
+    peer.server.handlers[PEER_APP] = handler
+    return event
+
+
+def mean_in_order(inputs: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    """sum(w_i x_i) / sum(w_i) in float32 with a reducer's operations in its order: the
+    bits of the call's result (a fold chunk by chunk does the same per element)."""
+    ws = [np.float32(w) for w in weights]
+    total = np.float32(sum(float(w) for w in ws))
+    acc = np.multiply(inputs[0], ws[0])
+    for x, w in zip(inputs[1:], ws[1:], strict=True):
+        acc = np.add(acc, np.multiply(x, w))
+    return np.divide(acc, total)

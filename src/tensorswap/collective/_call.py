@@ -16,7 +16,8 @@ from tensorswap.cid import Cid
 from tensorswap.collective._call_relay import put_to_relay, start_pulls
 from tensorswap.collective._compress import Compression, codec_for
 from tensorswap.collective._layout import chunk_bounds, flatten, slice_range, unflatten
-from tensorswap.collective._progress import Progress
+from tensorswap.collective._progress import STALL_FACTOR, STALL_FLOOR, Progress
+from tensorswap.collective._reduce import SliceWork, WatchedStore, reduce_slice
 from tensorswap.collective.errors import (
     CollectiveError,
     GroupMismatch,
@@ -32,14 +33,12 @@ from tensorswap.collective.messages import (
     Done,
     Fault,
     Member,
-    Reduced,
     ReducedInfo,
     ResultRoot,
     SliceSent,
     encode,
 )
 from tensorswap.errors import TensorSwapError
-from tensorswap.store import MemoryStore
 from tensorswap.wire import BlockClient
 
 __all__ = ["CallOwner", "CallRun", "CallStats", "Compression"]
@@ -72,9 +71,10 @@ class CallOwner(Protocol):
     relayed: bool
     quorum: int
     compression: Compression
-    store: MemoryStore
+    store: WatchedStore
     errors: dict[str, Any]
     received: dict[tuple[int, str, int], list[bytes]]
+    pushed_in: dict[int, list[Cid]]
     arrivals: dict[tuple[int, str, int], float]
     rates: dict[str, float]
     forged: dict[str, str]
@@ -92,12 +92,14 @@ class CallOwner(Protocol):
 
 
 class CallRun:
-    """A peer's part in call ``number``: driven by the rendezvous's views of the call.
+    """A peer's part in call ``number``: driven by the rendezvous's views of the call (and
+    woken by each block its store takes).
 
     Each view starts what it makes possible, once: pushes of this peer's chunks of slice j
-    to slice j's reducer, the fold of a slice this peer reduces once every live
-    participant's chunks are here (checked against their commitments first), the fetch of
-    every reduced slice once the call is sealed. As a reducer it accuses a peer whose
+    to slice j's reducer; as a reducer, the fold of each chunk of its slice once every live
+    participant's committed chunk of it is here, the push of each folded chunk to the
+    others and the slice's publication (``_reduce``); once the call is sealed, the fetch of
+    every reduced chunk its reducer did not push here. As a reducer it accuses a peer whose
     blocks failed their CIDs (a mismatch) and one whose push is overdue (``Progress``)."""
 
     def __init__(
@@ -112,6 +114,8 @@ class CallRun:
         self.tasks: dict[tuple[Any, ...], asyncio.Task[None]] = {}
         self.mine: list[Cid] = []
         self.folded: list[Cid] = []
+        self.works: dict[int, SliceWork] = {}
+        """Per slice this peer reduces, its pipelined fold over the current live set."""
         self.gathered: set[int] = set()
         self.final: list[str] = []
         self.accused: set[str] = set()
@@ -123,7 +127,7 @@ class CallRun:
     def blocks(self) -> list[Cid]:
         """Every block this call put in the peer's store (for the next call to forget)."""
         view = self.owner.view(self.number)
-        held = [*self.mine, *self.folded]
+        held = [*self.mine, *self.folded, *self.owner.pushed_in.get(self.number, [])]
         if view is not None:
             for info in view.commits.values():
                 held.extend(Cid.parse(raw) for raw in info.chunks)
@@ -160,7 +164,12 @@ class CallRun:
             view = await self._drive()
             out = await asyncio.to_thread(self._assemble, view)
         finally:
+            for work in self.works.values():
+                work.stop()
             await self._cancel_tasks()
+        self.stats.bytes_received += sum(
+            owner.store.size_of(c) for c in owner.pushed_in.get(self.number, [])
+        )
         await self._check_root(view)
         self.stats.seconds = time.perf_counter() - start
         self.stats.dropped = dict(view.dropped)
@@ -197,9 +206,9 @@ class CallRun:
             view = owner.view(self.number)
             if view is not None and view.version > 0:
                 self._check_view(view)
+                self._act(view)
                 if view.final is not None and self._gathered_all(view):
                     return view
-                self._act(view)
             for task in [t for t in self.tasks.values() if t.done() and not t.cancelled()]:
                 if (exc := task.exception()) is not None:
                     raise exc
@@ -240,13 +249,16 @@ class CallRun:
             if reducer == me:
                 if self.owner.relayed:
                     start_pulls(self, view, j, chunks)
-                self._reduce(view, j, chunks)
+                reduce_slice(self, view, j, chunks)
         if view.final is not None:
+            store = self.owner.store
             for j, info in view.reduced.items():
-                if j not in self.gathered and info.reducer != me:
+                if j in self.gathered:
+                    continue
+                if info.reducer == me or all(store.has(Cid.parse(c)) for c in info.chunks):
+                    self.gathered.add(j)  # its reducer pushed it here as it was folded
+                else:
                     self.start_task(("gather", j), self._gather, j, info, view.final, members)
-                elif info.reducer == me:
-                    self.gathered.add(j)
 
     def _accuse_forgers(self, view: CallView) -> None:
         """Accuse (of a mismatch) each live participant whose push this peer's server
@@ -257,7 +269,7 @@ class CallRun:
             if suspect in live and suspect != self.owner.peer and suspect not in self.accused:
                 self.accused.add(suspect)
                 reason = f"pushed a block that does not hash to its CID ({why})"
-                self.start_task(("accuse", suspect), self._accuse, suspect, reason, Fault.MISMATCH)
+                self.start_task(("accuse", suspect), self.accuse, suspect, reason, Fault.MISMATCH)
 
     @property
     def pushed(self) -> set[tuple[int, str]]:
@@ -312,10 +324,10 @@ class CallRun:
             await client.request(PEER_APP, encode(note))
         except (TensorSwapError, OSError) as exc:
             await owner.forget_client(member.peer)
-            await self._accuse(member.peer, f"push of slice {j} failed: {exc}")
+            await self.accuse(member.peer, f"push of slice {j} failed: {exc}")
             await self.forget_later(("push", j, member.peer))
 
-    async def _accuse(self, suspect: str, reason: str, kind: Fault = Fault.DEAD) -> None:
+    async def accuse(self, suspect: str, reason: str, kind: Fault = Fault.DEAD) -> None:
         owner = self.owner
         accusation = Accuse(owner.group, self.number, owner.peer, suspect, reason, kind)
         with contextlib.suppress(TensorSwapError, OSError):
@@ -323,34 +335,7 @@ class CallRun:
             if answer.view is not None:
                 owner.note_view(answer.view)
 
-    def _reduce(self, view: CallView, j: int, chunks: range) -> None:
-        """Fold slice j once every live participant's chunks of it are here and match."""
-        me = self.owner.peer
-        live = [m.peer for m in view.participants if m.peer not in view.dropped]
-        held = view.reduced.get(j)
-        if held is not None and held.contributors == live and held.reducer == me:
-            return
-        self._watch_pushes(view, j, chunks, live)
-        if any(p not in view.commits for p in live):
-            return
-        for peer in live:
-            if peer == me or not len(chunks):
-                continue
-            committed = [view.commits[peer].chunks[k] for k in chunks]
-            sent = self.owner.received.get((self.number, peer, j))
-            if sent is None:
-                return
-            missing = [raw for raw in committed if not self.owner.store.has(Cid.parse(raw))]
-            if sent != committed or missing:
-                if peer not in self.accused:
-                    self.accused.add(peer)
-                    why = "sent other chunks than it committed to" if sent != committed else ""
-                    detail = why or f"named {len(missing)} committed chunks it never sent"
-                    self.start_task(("accuse", peer), self._accuse, peer, detail, Fault.MISMATCH)
-                return
-        self.start_task(("fold", j, tuple(live)), self._fold, view, j, chunks, live)
-
-    def _watch_pushes(self, view: CallView, j: int, chunks: range, live: list[str]) -> None:
+    def watch_pushes(self, view: CallView, j: int, chunks: range, live: list[str]) -> None:
         """Measure the pushes of slice j that are here; accuse (of a stall) a committed
         participant whose push is overdue, or note when the next one falls due."""
         owner = self.owner
@@ -372,44 +357,14 @@ class CallRun:
                 continue
             self.accused.add(peer)
             reason = self.progress.explain(j, peer, values)
-            self.start_task(("accuse", peer), self._accuse, peer, reason, Fault.STALLED)
+            self.start_task(("accuse", peer), self.accuse, peer, reason, Fault.STALLED)
 
-    async def _fold(self, view: CallView, j: int, chunks: range, live: list[str]) -> None:
-        owner = self.owner
-        cids = await asyncio.to_thread(self._fold_chunks, view, chunks, live)
-        self.folded.extend(cids)
-        if owner.relayed and not await put_to_relay(self, j, cids, reduced=True):
-            await self.forget_later(("fold", j, tuple(live)))
-            return
-        message = Reduced(
-            owner.group, self.number, owner.peer, j, live, [c.to_bytes() for c in cids]
-        )
-        answer = await owner.ask(message)
-        if answer.view is not None:
-            owner.note_view(answer.view)
-
-    def _fold_chunks(self, view: CallView, chunks: range, live: list[str]) -> list[Cid]:
-        """sum(w_i x_i) / sum(w_i) over ``live`` in their order, float32, chunk by chunk.
-
-        Each sum is pooled memory (the store adopts it); one scratch chunk serves them all."""
-        store = self.owner.store
-        weights = [np.float32(view.commits[p].weight) for p in live]
-        total = np.float32(sum(float(w) for w in weights))
-        out = []
-        scratch = empty(max((b - a for a, b in self.bounds), default=0), np.float32)
-        for k in chunks:
-            start, stop = self.bounds[k]
-            acc = empty(stop - start, np.float32)
-            tmp = scratch[: stop - start]
-            for i, (peer, w) in enumerate(zip(live, weights, strict=True)):
-                data = store.get(Cid.parse(view.commits[peer].chunks[k]))
-                x = self.codec.decode(data, stop - start)
-                np.multiply(x, w, out=acc if i == 0 else tmp)
-                if i:
-                    np.add(acc, tmp, out=acc)
-            np.divide(acc, total, out=acc)
-            out.append(store.put(self.codec.encode(acc).data, adopt=True))
-        return out
+    def push_patience(self, values: int) -> float:
+        """Seconds a reducer waits for its pushes of a folded slice of ``values`` values
+        before it publishes anyway: the no-progress rule's allowance at the slowest rate
+        measured in this call (its floor while none is)."""
+        rate = self.progress.slowest("")
+        return STALL_FLOOR + (STALL_FACTOR * values / rate if rate else 0.0)
 
     # ── all-gather ──────────────────────────────────────────────────────────
     async def _gather(

@@ -14,11 +14,25 @@ import numpy as np
 from tensorswap._alloc import empty
 from tensorswap.collective.errors import GroupMismatch
 
-__all__ = ["MAX_CHUNK_ELEMS", "Layout", "chunk_bounds", "flatten", "slice_range", "unflatten"]
+__all__ = [
+    "MAX_CHUNK_ELEMS",
+    "MIN_PIPELINE_ELEMS",
+    "PIPELINE_CHUNKS",
+    "Layout",
+    "chunk_bounds",
+    "flatten",
+    "slice_range",
+    "unflatten",
+]
 
 MAX_CHUNK_ELEMS = 1 << 20
-"""Float32 elements in a chunk at most (4 MiB, the best of 2, 4 and 8 MiB in
-benchmarks/bench_collective.py at 4 x 64 MiB): a block on the wire, one CID."""
+"""Float32 elements in a chunk at most (4 MiB): a block on the wire, one CID."""
+PIPELINE_CHUNKS = 4
+"""Chunks a slice is cut into when its chunks may be that small (MIN_PIPELINE_ELEMS): the
+all-gather of a slice's last chunk is what the pipeline cannot overlap. 4 beat 8 and 16
+on netlab (4 x 32 MiB) and on loopback CPU (2026-12-07, docs/collective.md)."""
+MIN_PIPELINE_ELEMS = 1 << 16
+"""Float32 elements in a chunk at least (256 KiB) when a slice is cut for the pipeline."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +103,12 @@ def unflatten(layout: Layout, flat: np.ndarray) -> dict[str, Any]:
 
 def chunk_bounds(total: int, size: int) -> list[tuple[int, int]]:
     """Element ranges of the chunks of a ``total``-element vector in a group of ``size``:
-    about one per peer for small inputs, MAX_CHUNK_ELEMS each at most."""
-    step = max(1, min(MAX_CHUNK_ELEMS, -(-total // max(1, size))))
+    about one per peer for small inputs; for large ones about PIPELINE_CHUNKS a slice (a
+    reducer folds and passes on each as soon as its inputs are in), at least
+    MIN_PIPELINE_ELEMS and at most MAX_CHUNK_ELEMS each."""
+    per_slice = -(-total // max(1, size))
+    pipelined = max(-(-per_slice // PIPELINE_CHUNKS), min(MIN_PIPELINE_ELEMS, per_slice))
+    step = max(1, min(MAX_CHUNK_ELEMS, pipelined))
     return [(start, min(total, start + step)) for start in range(0, total, step)]
 
 

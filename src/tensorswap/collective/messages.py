@@ -225,13 +225,16 @@ class Answer(_Base, frozen=True):
 
 class SliceSent(_Base, frozen=True):
     """Peer -> reducer (the reducer's own port): the blocks just pushed on this connection
-    are ``peer``'s chunks of slice ``slice`` in ``call``."""
+    are ``peer``'s chunks of slice ``slice`` in ``call``; or (``reduced``) reducer -> member:
+    they are ``peer``'s reduced chunks of its slice ``slice``, pushed as they were folded
+    (what the member still lacks once the call is sealed, it fetches)."""
 
     group: str
     call: int
     peer: str
     slice: int
     chunks: list[bytes]
+    reduced: bool = False
 
 
 class ResultRoot(_Base, frozen=True):

@@ -12,9 +12,11 @@ from typing import Any, Self
 from tensorswap._netaddr import split_host_port
 from tensorswap.cid import Cid
 from tensorswap.collective._call import CallRun, CallStats, Compression
+from tensorswap.collective._reduce import WatchedStore, waker
 from tensorswap.collective.errors import BadCollectiveMessage, GroupMismatch, JoinTimedOut
 from tensorswap.collective.messages import (
     APP,
+    MAX_CHUNKS,
     MAX_MEMBERS,
     MAX_WAIT,
     PEER_APP,
@@ -30,7 +32,6 @@ from tensorswap.collective.messages import (
     decode_view,
     encode,
 )
-from tensorswap.store import MemoryStore
 from tensorswap.wire import (
     AppRequest,
     BlockClient,
@@ -71,7 +72,7 @@ class Collective:
         self.group, self.peer, self.size, self.key = group, peer, size, key
         self.quorum = quorum
         self.compression: Compression = compression
-        self.store = MemoryStore()
+        self.store = WatchedStore()
         self.server = BlockServer(
             self.store,
             key=key,
@@ -86,6 +87,8 @@ class Collective:
         self.call = 0
         self.received: dict[tuple[int, str, int], list[bytes]] = {}
         """(call, peer, slice) -> the chunk CIDs that peer says it pushed here."""
+        self.pushed_in: dict[int, list[Cid]] = {}
+        """call -> the reduced chunks its reducers pushed here (named in their notices)."""
         self.arrivals: dict[tuple[int, str, int], float] = {}
         """(call, peer, slice) -> when (on ``clock``) that notice came."""
         self.rates: dict[str, float] = {}
@@ -148,6 +151,7 @@ class Collective:
             compression=compression,
             relayed=listen is None,
         )
+        self.store.on_put = waker(asyncio.get_running_loop(), self.wake)
         try:
             if listen is not None:
                 await self.server.start(*split_host_port(listen))
@@ -279,6 +283,13 @@ class Collective:
             return b"stale"
         if len(self.received) > 4 * 256 * 256:
             raise BadCollectiveMessage("too many slice notices held", request.peer)
+        if sent.reduced:  # blocks stored before a request is handled: only those held
+            held = self.pushed_in.setdefault(sent.call, [])
+            if len(held) + len(sent.chunks) > 4 * MAX_CHUNKS:
+                raise BadCollectiveMessage("too many reduced chunks pushed", request.peer)
+            cids = (Cid.parse(raw) for raw in sent.chunks)
+            held.extend(c for c in cids if self.store.has(c))
+            return b"ok"
         self.received[(sent.call, sent.peer, sent.slice)] = list(sent.chunks)
         self.arrivals[(sent.call, sent.peer, sent.slice)] = self.clock()
         self.wake.set()
@@ -323,6 +334,8 @@ class Collective:
             del self.received[key]
         for key in [k for k in self.arrivals if k[0] <= run.number]:
             del self.arrivals[key]
+        for call in [c for c in self.pushed_in if c <= run.number]:
+            del self.pushed_in[call]
 
     # ── lifecycle ───────────────────────────────────────────────────────────
     async def aclose(self) -> None:
