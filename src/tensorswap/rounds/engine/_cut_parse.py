@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+from tensorswap.aggregate import AggregatorSpec, NonFinitePolicy
 from tensorswap.aggregate.validate import FLOAT_DTYPE_NAMES
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.codec import DType
@@ -19,7 +20,7 @@ from tensorswap.store import (
     decode_manifest,
 )
 
-__all__ = ["MAX_ANNOUNCED_BLOCKS", "Announced", "parse_announce"]
+__all__ = ["MAX_ANNOUNCED_BLOCKS", "Announced", "parse_announce", "raising"]
 
 MAX_ANNOUNCED_BLOCKS = 4096
 """Manifest blocks one announcement may carry (one per tensor, and the update's)."""
@@ -101,3 +102,13 @@ def _decode(
         return decode_manifest(memoryview(data), cid)
     except MalformedManifest as exc:
         raise UpdateMismatch(key, peer, f"not a valid manifest: {exc.reason}") from exc
+
+
+def raising(spec: AggregatorSpec) -> AggregatorSpec:
+    """``spec`` whose non-finite policy drops nothing: a non-finite value either propagates
+    (as the round's policy says) or raises, so no peer is left out of one piece only."""
+    if spec.non_finite is NonFinitePolicy.PROPAGATE:
+        return spec
+    return AggregatorSpec(
+        spec.kind, dtype=spec.dtype, max_norm=None, non_finite=NonFinitePolicy.RAISE
+    )

@@ -14,13 +14,11 @@ barrier path encodes it, stored, and listed in ``progress`` for peers waiting on
 (``rounds.server.cut``). Only hashes checked on receipt (or re-hashed on the read) reach a
 fold.
 
-The result is used only if, when the round aggregates, the accepted contributions are
-exactly the announced ones (same peers, same update CIDs, none scaled or dropped): then
-``finish`` writes the manifests over the pieces already stored. Anything else (a peer that
-never announced or never submits, a layout or chunking that differs, a non-finite piece, a
-restart: this state is memory only) *abandons* the cut-through and the round aggregates
-through the barrier path over what it accepted; chunks already streamed are then only a
-speculative prefetch, which a peer keeps only if the final manifest names them.
+The result is used only if the accepted contributions are exactly the announced ones
+(``finish`` then writes the manifests over the pieces stored). Anything else (a peer that
+never announced or submits, another layout or chunking, a non-finite piece, a restart)
+*abandons* the cut-through: the round aggregates through the barrier path over what it
+accepted, and chunks streamed were a prefetch, kept only where its manifest names them.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ from tensorswap.cid import Cid, Multicodec
 from tensorswap.codec import DType
 from tensorswap.errors import HashMismatch, TensorSwapError
 from tensorswap.rounds.core.state import Contribution, Layout, RoundId, RoundInfo, RoundTracker
-from tensorswap.rounds.engine._cut_parse import Announced, parse_announce
+from tensorswap.rounds.engine._cut_parse import Announced, parse_announce, raising
 from tensorswap.rounds.engine.fold import CHUNKS, load_chunk, piece_key
 from tensorswap.rounds.engine.hooks import HookList
 from tensorswap.rounds.engine.result import put_chunk_block, put_manifests
@@ -88,6 +86,10 @@ class _Round:
     ended: bool = False
     order: tuple[str, ...] = ()  # the announced peers by name, once all have announced
     lock: threading.Lock = field(default_factory=threading.Lock)
+    settled: threading.Condition = field(init=False)  # a claimed piece stored or let go
+
+    def __post_init__(self) -> None:
+        self.settled = threading.Condition(self.lock)
 
     @property
     def pieces(self) -> int:
@@ -151,11 +153,14 @@ class CutThrough:
             return AnnounceVerdict(False, str(exc), size)
         with self._lock:
             rc = self._rounds.get(round_id)
+            forgotten = []
             if rc is None:
                 spec = aggregator_spec(info.spec)
                 rc = _Round(spec, info.spec.expected_peers, info.layout)
                 self._rounds[round_id] = rc
-                self._evict()
+                forgotten = self._evict()
+        for rid in forgotten:
+            self._notify(rid)
         verdict = self._admit(round_id, rc, got, size)
         if verdict.ok:  # chunks it already held (a frozen layer) may complete pieces
             self._try_fold(round_id, rc)
@@ -201,9 +206,12 @@ class CutThrough:
                     self._abandon_locked(rid, rc, reason)
                     return AnnounceVerdict(False, reason, size)
                 rc.order = tuple(sorted(rc.announced))
-        with self._lock:
-            for piece, chunk in got.chunks():
-                self._index.setdefault(chunk, []).append((rid, got.peer, piece))
+        with self._lock:  # not after an abandonment's unindexing (which holds this lock)
+            with rc.lock:
+                live = rc.abandoned is None and not rc.ended
+            if live:
+                for piece, chunk in got.chunks():
+                    self._index.setdefault(chunk, []).append((rid, got.peer, piece))
         held = [p for p, chunk in got.chunks() if self.store.has(chunk)]  # after the index
         with rc.lock:
             for piece in held:
@@ -236,18 +244,25 @@ class CutThrough:
             got = rc.announced.get(peer)
             if got is None or rc.abandoned is not None or piece in rc.results:
                 return
-            rc.present.setdefault(piece, set()).add(peer)
         values = CHUNKS.decode(data, got.tensors[piece[0]], piece[1])  # a view of the slab
         bad = count_nonfinite(values)  # the submit's screening need not read it back
-        nbytes = data.nbytes
+        nbytes = values.nbytes  # what holding them keeps (a compressed block decodes anew)
         with self._lock:
             keep = self._held_bytes + nbytes <= self.max_held_bytes
             if keep:
                 self._held_bytes += nbytes
+        # present, counted and held at once: a fold another thread starts on seeing this
+        # peer present finds its values, and none is kept for a piece folded or let go
         with rc.lock:
-            rc.nonfinite.setdefault(peer, {})[piece] = bad
-            if keep:
-                rc.held[(piece, peer)] = values
+            live = rc.abandoned is None and not rc.ended and piece not in rc.results
+            if live:
+                rc.present.setdefault(piece, set()).add(peer)
+                rc.nonfinite.setdefault(peer, {})[piece] = bad
+                if keep:
+                    rc.held[(piece, peer)] = values
+        if keep and not live:
+            with self._lock:
+                self._held_bytes -= nbytes
 
     # ── folding ──────────────────────────────────────────────────────────────
     def _try_fold(self, rid: RoundId, rc: _Round) -> None:
@@ -275,6 +290,11 @@ class CutThrough:
                 inputs = [(rc.announced[p], rc.held.pop((piece, p), None)) for p in rc.order]
             try:
                 ref = self._fold(rc, piece, inputs)
+            except BaseException:
+                with rc.lock:  # not claimed any more (the caller abandons the round)
+                    rc.results.pop(piece, None)
+                    rc.settled.notify_all()
+                raise
             finally:
                 self._release(inputs)
             with rc.lock:
@@ -282,6 +302,7 @@ class CutThrough:
                 rc.progress.append(ref.cid)
                 rc.present.pop(piece, None)
                 self.folded += 1
+                rc.settled.notify_all()
             self._notify(rid)
 
     def _fold(
@@ -299,7 +320,7 @@ class CutThrough:
         if all(tensor.chunks[c].cid_bytes == first for _, tensor in tensors):
             result = values[0]  # every peer's chunk is the same block: its bits, as barrier
         else:
-            acc = new_accumulator(_raising(rc.spec))
+            acc = new_accumulator(raising(rc.spec))
             key = piece_key(tensors[0][1].name, 0)
             for (got, _), piece_values in zip(tensors, values, strict=True):
                 acc.add({key: piece_values}, got.num_samples)
@@ -363,6 +384,9 @@ class CutThrough:
         if rc is None:
             return None
         with rc.lock:
+            # a piece a sink thread is folding now is waited for (a fold ends or fails)
+            while rc.abandoned is None and _CLAIMED in rc.results.values():
+                rc.settled.wait()
             announced = {p: a.cid for p, a in rc.announced.items()}
             got = {c.peer: Cid.parse(c.update_cid) for c in live if c.scale == 1.0}
             whole = len(rc.results) == rc.pieces and _CLAIMED not in rc.results.values()
@@ -412,11 +436,13 @@ class CutThrough:
         with rc.lock:
             self._abandon_locked(rid, rc, reason)
         self._drop_held(rc)
+        self._unindex(rid, rc)  # its chunks that never came are not waited for
         self._notify(rid)
 
     def _abandon_locked(self, rid: RoundId, rc: _Round, reason: str) -> None:
         if rc.abandoned is None:
             rc.abandoned = reason
+            rc.settled.notify_all()
             log.info("round %s: cut-through abandoned: %s", rid, reason)
 
     def _drop_held(self, rc: _Round) -> None:
@@ -427,31 +453,43 @@ class CutThrough:
             self._held_bytes -= freed
 
     def _end(self, rid: RoundId, rc: _Round) -> None:
-        self._drop_held(rc)
         with rc.lock:
             rc.ended = True
-            chunks = [chunk for got in rc.announced.values() for _, chunk in got.chunks()]
-        with self._lock:
-            for chunk in chunks:
-                entries = self._index.get(chunk)
-                if entries is not None:
-                    entries[:] = [e for e in entries if e[0] != rid]
-                    if not entries:
-                        del self._index[chunk]
+        self._drop_held(rc)
+        self._unindex(rid, rc)
         self._notify(rid)
 
-    def _evict(self) -> None:
-        """Forget the oldest rounds beyond ``_ROUNDS_KEPT`` (ended ones first); the caller
-        holds ``self._lock``."""
+    def _unindex(self, rid: RoundId, rc: _Round) -> None:
+        with self._lock:
+            self._unindex_locked(rid, rc)
+
+    def _unindex_locked(self, rid: RoundId, rc: _Round) -> None:
+        """The round's announced chunks out of the index; the caller holds ``self._lock``."""
+        with rc.lock:
+            chunks = [chunk for got in rc.announced.values() for _, chunk in got.chunks()]
+        for chunk in chunks:
+            entries = self._index.get(chunk)
+            if entries is not None:
+                entries[:] = [e for e in entries if e[0] != rid]
+                if not entries:
+                    del self._index[chunk]
+
+    def _evict(self) -> list[RoundId]:
+        """Forget the oldest rounds beyond ``_ROUNDS_KEPT`` (ended ones first), their held
+        values and index entries; the caller holds ``self._lock`` (and tells their streams)."""
+        gone = []
         while len(self._rounds) > _ROUNDS_KEPT:
             victim = next((r for r, rc in self._rounds.items() if rc.ended), None)
             if victim is None:
                 victim = next(iter(self._rounds))
             rc = self._rounds.pop(victim)
-            rc.abandoned = rc.abandoned or "forgotten (too many rounds at once)"
-            freed = sum(v.nbytes for v in rc.held.values())
-            rc.held = {}
-            self._held_bytes -= freed
+            with rc.lock:
+                self._abandon_locked(victim, rc, "forgotten (too many rounds at once)")
+                held, rc.held = rc.held, {}
+            self._held_bytes -= sum(v.nbytes for v in held.values())
+            self._unindex_locked(victim, rc)
+            gone.append(victim)
+        return gone
 
     def _notify(self, rid: RoundId) -> None:
         for listener in list(self.listeners):
@@ -460,13 +498,3 @@ class CutThrough:
 
 _CLAIMED = ChunkRef(Cid.of(b"").to_bytes(), 0, 0)
 """A piece being folded by some thread (not yet stored)."""
-
-
-def _raising(spec: AggregatorSpec) -> AggregatorSpec:
-    """``spec`` whose non-finite policy drops nothing: a non-finite value either propagates
-    (as the round's policy says) or raises, so no peer is left out of one piece only."""
-    if spec.non_finite is NonFinitePolicy.PROPAGATE:
-        return spec
-    return AggregatorSpec(
-        spec.kind, dtype=spec.dtype, max_norm=None, non_finite=NonFinitePolicy.RAISE
-    )

@@ -1,0 +1,194 @@
+"""Cut-through rounds under review: leaks, races and wasted bytes, driven without a network
+(announce, ``on_stored`` and ``finish`` called as the block service and the intake call them)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Literal
+
+import numpy as np
+
+from tensorswap.cid import Cid, Multicodec
+from tensorswap.rounds import Coordinator, FakeClock
+from tensorswap.rounds.client._updates import children_first
+from tensorswap.rounds.core import RoundId, RoundSpec
+from tensorswap.rounds.core.state import Contribution
+from tensorswap.rounds.engine import cut as cut_module
+from tensorswap.store import MemoryStore, ModelUpdate, put_update
+
+RID = RoundId(1, "lead")
+CHUNK = 64 * 1024
+
+
+def coordinator(**kwargs: object) -> Coordinator:
+    c = Coordinator(MemoryStore(), run_timer=False, **kwargs)  # type: ignore[arg-type]
+    c.result_chunk_bytes = CHUNK
+    return c
+
+
+def prepared(
+    peer: int, values: np.ndarray, compression: Literal["zstd"] | None = None
+) -> tuple[MemoryStore, Cid, dict[Cid, bytes]]:
+    """A peer's update in a store of its own: the store, its CID, its manifest blocks."""
+    store = MemoryStore()
+    update = ModelUpdate({"w": values}, 10 + peer)
+    cid = put_update(store, update, chunk_bytes=CHUNK, compression=compression)
+    manifests = {
+        c: bytes(store.get(c))
+        for c in children_first(store, cid)
+        if c.codec is Multicodec.TENSORSWAP_MANIFEST
+    }
+    return store, cid, manifests
+
+
+def chunks(store: MemoryStore, cid: Cid) -> list[Cid]:
+    return [c for c in children_first(store, cid) if c.codec is not Multicodec.TENSORSWAP_MANIFEST]
+
+
+def deliver(coord: Coordinator, source: MemoryStore, cid: Cid) -> None:
+    """``cid`` stored at the coordinator and handed to its cut-through, as a sink does."""
+    data = bytes(source.get(cid))
+    coord.store.put_verified(cid, data)
+    coord.cut.on_stored(cid, memoryview(data))
+
+
+def push_all(coord: Coordinator, source: MemoryStore, root: Cid) -> None:
+    for c in children_first(source, root):
+        if c.codec is Multicodec.TENSORSWAP_MANIFEST:
+            coord.store.put_verified(c, bytes(source.get(c)))
+        else:
+            deliver(coord, source, c)
+
+
+def test_a_failed_round_leaves_no_index_entry_nor_held_bytes() -> None:
+    rng = np.random.default_rng(0)
+    with coordinator(clock=FakeClock()) as coord:
+        coord.start_round(RID, RoundSpec(2, timeout_s=60))
+        store, cid, manifests = prepared(0, rng.standard_normal(50_000, np.float32))
+        assert coord.cut.announce(RID, "p0", cid, manifests).ok
+        deliver(coord, store, chunks(store, cid)[0])  # one chunk in, the rest never
+        assert coord.cut._held_bytes > 0
+        coord.fail_round(RID, "cancelled")
+        assert coord.cut._held_bytes == 0
+        assert coord.cut._index == {}  # the chunks that never came are not waited for
+
+
+def test_held_bytes_count_what_is_held_whole_or_compressed() -> None:
+    """Held values are counted in and out alike: an encoded block's header, or a compressed
+    chunk's few bytes standing for many values, must not make the count drift."""
+    rng = np.random.default_rng(4)
+    for compression in (None, "zstd"):
+        with coordinator() as coord:
+            coord.start_round(RID, RoundSpec(2))
+            peers = [
+                prepared(i, np.full(50_000, i, np.float32) if compression
+                         else rng.random(50_000, np.float32), compression)
+                for i in range(2)
+            ]  # fmt: skip
+            for i, (_, cid, manifests) in enumerate(peers):
+                assert coord.cut.announce(RID, f"p{i}", cid, manifests).ok
+            store, cid, _ = peers[0]
+            for c in chunks(store, cid):
+                deliver(coord, store, c)
+            held = coord.cut._rounds[RID].held
+            assert coord.cut._held_bytes == sum(v.nbytes for v in held.values()) > 0
+            coord.fail_round(RID, "cancelled")
+            assert coord.cut._held_bytes == 0, compression
+
+
+def test_rounds_forgotten_for_newer_ones_leave_no_index_entry() -> None:
+    rng = np.random.default_rng(1)
+    with coordinator() as coord:
+        values = rng.standard_normal(50_000, np.float32)
+        for r in range(cut_module._ROUNDS_KEPT + 8):
+            rid = RoundId(r + 1, "lead")
+            coord.start_round(rid, RoundSpec(2))
+            _, cid, manifests = prepared(r, values + r)
+            assert coord.cut.announce(rid, "p0", cid, manifests).ok
+        kept = set(coord.cut._rounds)
+        assert len(kept) == cut_module._ROUNDS_KEPT
+        assert {rid for entries in coord.cut._index.values() for rid, _, _ in entries} <= kept
+
+
+def test_values_arriving_as_another_thread_folds_their_piece_are_not_held() -> None:
+    """Peer a's chunk is marked present; before its values are kept, b's chunk arrives in
+    another sink thread and folds the piece: a's values must not stay held."""
+    rng = np.random.default_rng(2)
+    with coordinator() as coord:
+        coord.start_round(RID, RoundSpec(2))
+        (sa, ca, ma), (sb, cb, mb) = (
+            prepared(i, rng.standard_normal(10_000, np.float32)) for i in range(2)
+        )
+        assert coord.cut.announce(RID, "a", ca, ma).ok
+        assert coord.cut.announce(RID, "b", cb, mb).ok
+        (chunk_a,), (chunk_b,) = chunks(sa, ca), chunks(sb, cb)
+        real = cut_module.count_nonfinite
+        fired = []
+
+        def count(values: np.ndarray) -> int:
+            if not fired:  # the other sink thread, between a's two steps
+                fired.append(True)
+                other = threading.Thread(target=deliver, args=(coord, sb, chunk_b))
+                other.start()
+                other.join()
+            return real(values)
+
+        cut_module.count_nonfinite = count  # type: ignore[assignment]
+        try:
+            deliver(coord, sa, chunk_a)
+        finally:
+            cut_module.count_nonfinite = real
+        assert coord.cut.folded == 1
+        assert coord.cut._held_bytes == 0
+        assert not coord.cut._rounds[RID].held
+
+
+def test_finish_waits_for_a_piece_another_thread_is_folding() -> None:
+    """A piece claimed by a sink thread that is still folding it when the round aggregates:
+    the round must not fall back to the barrier (and its streams be told so) for it."""
+    rng = np.random.default_rng(3)
+    with coordinator() as coord:
+        coord.start_round(RID, RoundSpec(2))
+        peers = [prepared(i, rng.standard_normal(40_000, np.float32)) for i in range(2)]
+        for i, (_, cid, manifests) in enumerate(peers):
+            assert coord.cut.announce(RID, f"p{i}", cid, manifests).ok
+        (sa, ca, _), (sb, cb, _) = peers
+        push_all(coord, sa, ca)
+        first, *rest = chunks(sb, cb)
+        for c in rest:
+            deliver(coord, sb, c)
+        real = cut_module.put_chunk_block
+        folding, go = threading.Event(), threading.Event()
+
+        def slow_put(store: object, piece: np.ndarray) -> object:
+            folding.set()
+            assert go.wait(30)
+            return real(store, piece)  # type: ignore[arg-type]
+
+        rc = coord.cut._rounds[RID]
+        if hasattr(rc, "settled"):  # finish waiting lets the fold go on
+            waits = rc.settled.wait
+
+            def wait(timeout: float | None = None) -> bool:
+                go.set()
+                return waits(timeout)
+
+            rc.settled.wait = wait  # type: ignore[method-assign]
+        cut_module.put_chunk_block = slow_put  # type: ignore[assignment]
+        sink = threading.Thread(target=deliver, args=(coord, sb, first))
+        try:
+            sink.start()
+            assert folding.wait(30)
+            cut_module.put_chunk_block = real
+            live = [
+                Contribution(RID, f"p{i}", str(cid), 10 + i, 0, 0.0)
+                for i, (_, cid, _) in enumerate(peers)
+            ]
+            done = coord.cut.finish(coord.tracker.info(RID), live, {})
+        finally:
+            go.set()
+            cut_module.put_chunk_block = real
+            sink.join()
+        assert done is not None
+        assert coord.cut.state(RID) == (rc.progress, None)  # not abandoned
+        assert coord.cut._held_bytes == 0 and coord.cut._index == {}
