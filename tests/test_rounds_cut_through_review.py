@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Literal
 
 import numpy as np
 
+from helpers.net import running
 from tensorswap.cid import Cid, Multicodec
-from tensorswap.rounds import Coordinator, FakeClock
+from tensorswap.rounds import Coordinator, FakeClock, RoundClient, RoundServer
 from tensorswap.rounds.client._updates import children_first
 from tensorswap.rounds.core import RoundId, RoundSpec
 from tensorswap.rounds.core.state import Contribution
 from tensorswap.rounds.engine import cut as cut_module
-from tensorswap.store import MemoryStore, ModelUpdate, put_update
+from tensorswap.store import MemoryStore, ModelUpdate, manifest_closure, put_update
 
 RID = RoundId(1, "lead")
 CHUNK = 64 * 1024
@@ -192,3 +194,36 @@ def test_finish_waits_for_a_piece_another_thread_is_folding() -> None:
         assert done is not None
         assert coord.cut.state(RID) == (rc.progress, None)  # not abandoned
         assert coord.cut._held_bytes == 0 and coord.cut._index == {}
+
+
+async def test_the_stream_does_not_send_a_peer_the_chunks_of_its_own_update() -> None:
+    """A frozen layer's pieces are the very blocks every peer pushed: streaming them back
+    to each peer doubles its download of them for nothing."""
+    rng = np.random.default_rng(5)
+    frozen = rng.standard_normal(200_000, np.float32)  # 13 pieces every peer shares
+    values = [{"frozen": frozen, "w": rng.standard_normal(20_000, np.float32)} for _ in range(2)]
+    with coordinator() as coord:
+        server = RoundServer(coord)
+        async with running(server):
+            clients = [
+                await RoundClient.connect("127.0.0.1", server.port, peer=f"p{i}") for i in range(2)
+            ]
+            try:
+                await clients[0].start_round(RID, RoundSpec(2))
+                for client in clients:
+                    client.cut.chunk_bytes = CHUNK
+                submitted = await asyncio.gather(
+                    *(c.submit(RID, v, 1) for c, v in zip(clients, values, strict=True))
+                )
+                results = [await c.fetch_result(RID, timeout=30) for c in clients]
+            finally:
+                for client in clients:
+                    await client.aclose()
+        assert coord.cut.folded == 13 + 2
+        result = Cid.parse(coord.status(RID).cid)  # type: ignore[union-attr]
+    for client, sent, got in zip(clients, submitted, results, strict=True):
+        np.testing.assert_array_equal(got["frozen"], frozen)
+        own = set(manifest_closure(client.store, sent.cid))
+        lacked = set(manifest_closure(client.store, result)) - own
+        assert len(lacked) == 4  # w's 2 pieces, its manifest and the update's
+        assert client.cut.streamed == len(lacked)  # each once, and nothing it pushed

@@ -257,4 +257,4 @@ def _roots_of(body: bytes) -> list[Cid]:
     answer = decode_stream_answer(body)
     if isinstance(answer.status, CompleteWire):
         return [Cid.parse(answer.status.cid)]
-    return answer.chunk_cids()
+    return answer.sent_cids()

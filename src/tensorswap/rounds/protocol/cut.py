@@ -15,7 +15,9 @@ Two applications beside ``"rounds"`` (a coordinator that predates them answers "
   Get with ``closure`` would bring them: ``wire.BlocksReply``); once the round is terminal
   it carries the status instead, and a Complete one is followed by whatever of the result the
   client lacks (all but the chunks it was streamed and its own update's blocks).
-  ``abandoned`` says the round went back to the barrier (then the client fetches as usual).
+  ``own`` lists the chunks that are blocks of the client's own update (a frozen layer's
+  pieces), which do not follow. ``abandoned`` says the round went back to the barrier
+  (then the client fetches as usual).
 """
 
 from __future__ import annotations
@@ -124,9 +126,17 @@ class StreamAnswer(msgspec.Struct, frozen=True, omit_defaults=True):
     chunks: list[bytes] = []
     status: StatusWire | None = None
     abandoned: str = ""
+    own: list[int] = []
+    """Indexes in ``chunks`` of blocks of the client's own announced update (a frozen
+    layer's pieces): listed, not sent behind the reply."""
 
     def chunk_cids(self) -> list[Cid]:
         return [Cid.parse(c) for c in self.chunks]
+
+    def sent_cids(self) -> list[Cid]:
+        """The chunks whose blocks follow the reply (all but ``own``)."""
+        own = set(self.own)
+        return [Cid.parse(c) for i, c in enumerate(self.chunks) if i not in own]
 
 
 T = TypeVar("T")

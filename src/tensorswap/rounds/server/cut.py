@@ -125,8 +125,12 @@ class CutService:
         if len(progress) <= call.after:
             return None
         new = progress[call.after : call.after + MAX_STREAM_CHUNKS]
-        body = encode(StreamAnswer(chunks=[c.to_bytes() for c in new]))
-        return BlocksReply(body, new, [])
+        # a piece every peer holds as the same block (a frozen layer) is that block: the
+        # peer pushed it, so it is listed (``own``) but not sent back
+        mine = set(self.cut.peer_blocks(rid, call.peer))
+        own = [i for i, c in enumerate(new) if c in mine]
+        body = encode(StreamAnswer(chunks=[c.to_bytes() for c in new], own=own))
+        return BlocksReply(body, [c for c in new if c not in mine], [])
 
     def _terminal(self, call: StreamRequest, status: RoundStatus) -> bytes:
         body = encode(StreamAnswer(status=status_to_wire(status)))
