@@ -17,6 +17,7 @@ from tensorswap.rounds.core import RoundId, RoundSpec
 from tensorswap.rounds.core.state import Contribution
 from tensorswap.rounds.engine import cut as cut_module
 from tensorswap.store import MemoryStore, ModelUpdate, manifest_closure, put_update
+from tensorswap.swarm import SwarmPeer
 
 RID = RoundId(1, "lead")
 CHUNK = 64 * 1024
@@ -227,3 +228,35 @@ async def test_the_stream_does_not_send_a_peer_the_chunks_of_its_own_update() ->
         lacked = set(manifest_closure(client.store, result)) - own
         assert len(lacked) == 4  # w's 2 pieces, its manifest and the update's
         assert client.cut.streamed == len(lacked)  # each once, and nothing it pushed
+
+
+async def test_a_swarm_peer_turns_the_stream_off_on_its_client() -> None:
+    """A SwarmPeer fetches the result from peers: its client must not also stream it whole
+    from the coordinator (nor have it pushed behind a waited submit) in its next rounds."""
+    rng = np.random.default_rng(6)
+    with coordinator() as coord:
+        server = RoundServer(coord)
+        async with running(server):
+            clients = [
+                await RoundClient.connect("127.0.0.1", server.port, peer=f"p{i}") for i in range(2)
+            ]
+            try:
+                for r in (1, 2):
+                    rid = RoundId(r, "lead")
+                    await clients[0].start_round(rid, RoundSpec(2))
+                    values = [rng.standard_normal(40_000, np.float32) for _ in clients]
+                    await asyncio.gather(
+                        *(c.submit(rid, {"w": v}, 1) for c, v in zip(clients, values, strict=True))
+                    )
+                    if r == 2:
+                        assert not any(c.cut.streaming(rid) for c in clients)
+                        before = [c.cut.streamed for c in clients]
+                    for client in clients:
+                        async with SwarmPeer(client.store, peer=client.peer, serve=False) as peer:
+                            got = await peer.fetch_result(client, rid, timeout=30)
+                        np.testing.assert_allclose(got["w"], (values[0] + values[1]) / 2, 1e-5)
+                assert [c.cut.streamed for c in clients] == before
+                assert all(not c.push_results for c in clients)
+            finally:
+                for client in clients:
+                    await client.aclose()

@@ -86,6 +86,7 @@ async def run_star(args: argparse.Namespace) -> int:
             from tensorswap.swarm import SwarmPeer
 
             node = SwarmPeer(client.store, peer=name, listen=(args.swarm_listen, 0))
+            client.cut.enabled = client.push_results = False  # the swarm fetches results
             state.swarm = await stack.enter_async_context(node)
         seeding = {} if state.swarm is None else {"swarm": _seeding(state.swarm)}
         emit_ready(state, **seeding)

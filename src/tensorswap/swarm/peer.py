@@ -137,7 +137,14 @@ class SwarmPeer:
         """``client.fetch_result`` through the swarm: wait for the round, fetch its aggregate
         from the coordinator and the peers that hold it, return the named arrays. Into the
         client's own store (``SwarmPeer(client.store)``), the result counts among the round's
-        blocks there, kept for the client's latest rounds only (``rounds.client.retention``)."""
+        blocks there, kept for the client's latest rounds only (``rounds.client.retention``).
+
+        The client's later submits then neither announce (``client.cut``) nor ask for the
+        result behind their answer (``push_results``): both would bring the whole result
+        from the coordinator, which the swarm fetches from peers too; this round's stream
+        stops (what it brought counts as held)."""
+        client.cut.enabled = client.push_results = False
+        await client.cut.cancel(round_id)
         cid = await client.result(round_id, timeout)
         retention = client.retention if self.store is client.store else None
         if retention is not None:

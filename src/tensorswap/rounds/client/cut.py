@@ -215,6 +215,13 @@ class CutThroughClient:
             return None
         return Cid.parse(status.cid) if isinstance(status, Complete) else None
 
+    async def cancel(self, round_id: RoundId) -> None:
+        """Stop streaming the round's result (it is fetched otherwise: a ``SwarmPeer``)."""
+        task = self._tasks.pop(round_id, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
     def _give_back(self, conn: BlockClient) -> None:
         if len(self._idle) >= 2:
             self._closing.add(asyncio.get_running_loop().create_task(self._close(conn)))
