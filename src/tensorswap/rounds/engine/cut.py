@@ -299,7 +299,7 @@ class CutThrough:
         if all(tensor.chunks[c].cid_bytes == first for _, tensor in tensors):
             result = values[0]  # every peer's chunk is the same block: its bits, as barrier
         else:
-            acc = new_accumulator(_raising(rc.spec))
+            acc = new_accumulator(_unscreened(rc.spec))
             key = piece_key(tensors[0][1].name, 0)
             for (got, _), piece_values in zip(tensors, values, strict=True):
                 acc.add({key: piece_values}, got.num_samples)
@@ -462,11 +462,11 @@ _CLAIMED = ChunkRef(Cid.of(b"").to_bytes(), 0, 0)
 """A piece being folded by some thread (not yet stored)."""
 
 
-def _raising(spec: AggregatorSpec) -> AggregatorSpec:
-    """``spec`` whose non-finite policy drops nothing: a non-finite value either propagates
-    (as the round's policy says) or raises, so no peer is left out of one piece only."""
-    if spec.non_finite is NonFinitePolicy.PROPAGATE:
-        return spec
+def _unscreened(spec: AggregatorSpec) -> AggregatorSpec:
+    """``spec`` with its non-finite values propagated: every chunk was counted on arrival
+    (the submit refuses a non-finite update), and a NaN or Inf in a folded piece abandons
+    the round (``_fold``), so the barrier decides; no peer is left out of one piece only,
+    and the values are scanned once, not twice."""
     return AggregatorSpec(
-        spec.kind, dtype=spec.dtype, max_norm=None, non_finite=NonFinitePolicy.RAISE
+        spec.kind, dtype=spec.dtype, max_norm=None, non_finite=NonFinitePolicy.PROPAGATE
     )
