@@ -65,6 +65,7 @@ class RunClient:
 
     def __init__(self, rounds: RoundClient) -> None:
         self.rounds = rounds
+        rounds.cut.enabled = False  # a run's rounds never stream (RunManager.may_stream)
         self.secure_ahead = True
         """Whether a secure task's key phases begin as ``next_task`` hands it out (on a
         second connection; where ``rounds`` cannot dial one, ``submit`` runs them all), so
