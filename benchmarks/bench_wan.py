@@ -80,12 +80,7 @@ def raw_server(address: str, port: int, peers: int, nbytes: int, overlap: bool =
         conns = [listener.accept()[0] for _ in range(peers)]
 
         def drain(conn: socket.socket) -> None:
-            buf, got = memoryview(bytearray(4 * MiB)), 0
-            while got < nbytes:
-                n = conn.recv_into(buf[: min(len(buf), nbytes - got)])
-                if not n:
-                    raise ConnectionError("peer closed early")
-                got += n
+            _receive(conn, nbytes, "peer")
 
         if overlap:
             _all(lambda conn: _both(lambda: drain(conn), lambda: conn.sendall(payload)), conns)
@@ -102,6 +97,16 @@ def _all(fn: Callable[[socket.socket], None], conns: list[socket.socket]) -> Non
         thread.start()
     for thread in threads:
         thread.join()
+
+
+def _receive(conn: socket.socket, nbytes: int, other: str) -> None:
+    """Read ``nbytes`` from ``conn`` (ConnectionError if the ``other`` side closes first)."""
+    buf, got = memoryview(bytearray(4 * MiB)), 0
+    while got < nbytes:
+        n = conn.recv_into(buf[: min(len(buf), nbytes - got)])
+        if not n:
+            raise ConnectionError(f"{other} closed early")
+        got += n
 
 
 def _both(first: Callable[[], None], second: Callable[[], None]) -> None:
@@ -121,12 +126,7 @@ def raw_peer(
         start.wait()
 
         def receive() -> None:
-            buf, got = memoryview(bytearray(4 * MiB)), 0
-            while got < nbytes:
-                n = conn.recv_into(buf[: min(len(buf), nbytes - got)])
-                if not n:
-                    raise ConnectionError("server closed early")
-                got += n
+            _receive(conn, nbytes, "server")
 
         if overlap:
             _both(receive, lambda: conn.sendall(payload))
