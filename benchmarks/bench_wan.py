@@ -47,7 +47,7 @@ except ImportError:  # run as a file
 from benchmarks._flower import flower_python
 
 MiB = 1024 * 1024
-TS_PORT, RAW_PORT, FLOWER_PORT = 7000, 7001, 7010
+TS_PORT, RAW_PORT, FLOWER_PORT, OVERLAP_PORT = 7000, 7001, 7010, 7002
 FLOWER_SCRIPT = Path(__file__).resolve().with_name("_flower_wan.py")
 KEY = b"bench-wan-key"
 
@@ -68,9 +68,11 @@ SCENARIOS = (
 
 
 # ── raw TCP ──────────────────────────────────────────────────────────────────
-def raw_server(address: str, port: int, peers: int, nbytes: int) -> None:
+def raw_server(address: str, port: int, peers: int, nbytes: int, overlap: bool = False) -> None:
     """Forever: accept ``peers`` connections, read ``nbytes`` from each, then send each
-    ``nbytes`` back (the "aggregate"), close. Runs inside the coordinator's host."""
+    ``nbytes`` back (the "aggregate"), close. Runs inside the coordinator's host. With
+    ``overlap`` each connection is read and written at once (the bound a round that overlaps
+    its upload and its download can reach: about max(up, down))."""
     listener = socket.create_server((address, port), backlog=peers)
     print(f"listening on {address}:{port}", file=sys.stderr, flush=True)
     payload = memoryview(bytearray(os.urandom(1024)) * (nbytes // 1024 + 1))[:nbytes]
@@ -78,15 +80,13 @@ def raw_server(address: str, port: int, peers: int, nbytes: int) -> None:
         conns = [listener.accept()[0] for _ in range(peers)]
 
         def drain(conn: socket.socket) -> None:
-            buf, got = memoryview(bytearray(4 * MiB)), 0
-            while got < nbytes:
-                n = conn.recv_into(buf[: min(len(buf), nbytes - got)])
-                if not n:
-                    raise ConnectionError("peer closed early")
-                got += n
+            _receive(conn, nbytes, "peer")
 
-        _all(drain, conns)
-        _all(lambda conn: conn.sendall(payload), conns)
+        if overlap:
+            _all(lambda conn: _both(lambda: drain(conn), lambda: conn.sendall(payload)), conns)
+        else:
+            _all(drain, conns)
+            _all(lambda conn: conn.sendall(payload), conns)
         for conn in conns:
             conn.close()
 
@@ -99,18 +99,40 @@ def _all(fn: Callable[[socket.socket], None], conns: list[socket.socket]) -> Non
         thread.join()
 
 
-def raw_peer(target: tuple[str, int], nbytes: int, start: threading.Barrier) -> float:
-    """Connect, wait for the start, send ``nbytes``, receive ``nbytes``; the end time."""
+def _receive(conn: socket.socket, nbytes: int, other: str) -> None:
+    """Read ``nbytes`` from ``conn`` (ConnectionError if the ``other`` side closes first)."""
+    buf, got = memoryview(bytearray(4 * MiB)), 0
+    while got < nbytes:
+        n = conn.recv_into(buf[: min(len(buf), nbytes - got)])
+        if not n:
+            raise ConnectionError(f"{other} closed early")
+        got += n
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> None:
+    thread = threading.Thread(target=second)
+    thread.start()
+    first()
+    thread.join()
+
+
+def raw_peer(
+    target: tuple[str, int], nbytes: int, start: threading.Barrier, overlap: bool = False
+) -> float:
+    """Connect, wait for the start, send ``nbytes``, receive ``nbytes`` (at once, with
+    ``overlap``); the end time."""
     payload = np.random.default_rng().integers(0, 255, nbytes, np.uint8).data
     with socket.create_connection(target, timeout=120) as conn:
         start.wait()
-        conn.sendall(payload)
-        buf, got = memoryview(bytearray(4 * MiB)), 0
-        while got < nbytes:
-            n = conn.recv_into(buf[: min(len(buf), nbytes - got)])
-            if not n:
-                raise ConnectionError("server closed early")
-            got += n
+
+        def receive() -> None:
+            _receive(conn, nbytes, "server")
+
+        if overlap:
+            _both(receive, lambda: conn.sendall(payload))
+        else:
+            conn.sendall(payload)
+            receive()
     return time.perf_counter()
 
 
@@ -219,17 +241,22 @@ def run_scenario(
     for host in peers:
         host.shape(scenario.peer_mbit)
     ts, raw = (coord.address, TS_PORT), (coord.address, RAW_PORT)
+    both = (coord.address, OVERLAP_PORT)
     if scenario.rtt:
         mbit = scenario.peer_mbit or 1000.0
         ts_relay = lab.relay(ts, rtt=scenario.rtt, mbit=mbit)
         raw_relay = lab.relay(raw, rtt=scenario.rtt, mbit=mbit)
         ts, raw = (ts_relay.address, ts_relay.port), (raw_relay.address, raw_relay.port)
     floats = nbytes // 4
-    raws, rounds, ratios, barriers = [], [], [], []
+    raws, rounds, ratios, barriers, overlaps = [], [], [], [], []
     phases: list[tuple[float, float]] = []
     aggregations: list[float] = []
     for rep in range(reps):
         raws.append(timed(peers, lambda i, host, start: raw_peer(raw, nbytes, start))[1])
+        if not scenario.rtt:  # the relays forward the barrier port only
+            overlaps.append(
+                timed(peers, lambda i, host, start: raw_peer(both, nbytes, start, True))[1]
+            )
         rid = RoundId(first_round + rep, "bench")
         direct = (coord.address, TS_PORT)
         coord.call(lambda rid=rid, direct=direct: asyncio.run(start_round(direct, rid, len(peers))))
@@ -268,6 +295,8 @@ def run_scenario(
     relay_cpu = sum(_cpu_seconds(relay.proc.pid) for relay in lab.relays)
     print(f"{scenario.name}: {len(peers)} peers x {nbytes // MiB} MiB up and down, {reps} rounds")
     print(f"  raw TCP     {_spread(raws)} s")
+    if overlaps:
+        print(f"  raw TCP, up and down at once {_spread(overlaps)} s")
     print(f"  tensorswap  {_spread(rounds)} s")
     # the submit's answer waits for the round to complete and brings the aggregate's blocks
     # behind it (rounds/fetch); the fetch then reads them from the peer's own store
@@ -278,6 +307,9 @@ def run_scenario(
     print(f"  barrier     {_spread(barriers)} s (cut-through off, same turns)")
     cut_gain = statistics.median(barriers) / statistics.median(rounds)
     print(f"  barrier / cut-through (medians) {cut_gain:.3f}x")
+    if overlaps:
+        over = statistics.median(rounds) / statistics.median(overlaps)
+        print(f"  tensorswap / raw up and down at once (medians) {over:.3f}x (issue 26: <= 1.0x)")
     print(f"  ratio       {_spread(ratios)} -> {ratio:.3f}x (goal <= {scenario.goal}x at 8 MiB)")
     if flower is not None:
         port = FLOWER_PORT + first_round  # a fresh port per scenario
@@ -328,10 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--raw-server", nargs=4, metavar=("ADDR", "PORT", "PEERS", "BYTES"),
                         help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.raw_server:
         address, port, peers, nbytes = args.raw_server
-        raw_server(address, int(port), int(peers), int(nbytes))
+        raw_server(address, int(port), int(peers), int(nbytes), args.overlap)
         return 0
     reps, nbytes = (1, 2 * MiB) if args.quick else (args.reps, args.mib * MiB)
     try:
@@ -358,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
             str(args.peers), str(nbytes), stderr=subprocess.PIPE, text=True, env=env, cwd=here,
         )  # fmt: skip
         wait_listening(raw, 60, "raw TCP server")
+        both = coord.python(
+            "-m", "benchmarks.bench_wan", "--raw-server", coord.address, str(OVERLAP_PORT),
+            str(args.peers), str(nbytes), "--overlap", stderr=subprocess.PIPE, text=True,
+            env=env, cwd=here,
+        )  # fmt: skip
+        wait_listening(both, 60, "raw TCP server, up and down at once")
         for k, scenario in enumerate(SCENARIOS):
             if args.only and scenario.name != args.only:
                 continue

@@ -178,3 +178,34 @@ async def test_an_async_delta_joins_the_buffer_open_when_it_arrives(
     finally:
         for client in clients.values():
             await client.aclose()
+
+
+@pytest.mark.parametrize("mode", [RunMode.SYNC, RunMode.ASYNC])
+async def test_a_peers_own_store_keeps_its_latest_rounds_of_a_run(
+    served: tuple[RoundServer, RunManager], mode: RunMode
+) -> None:
+    """What a runs client's calls bring into its own store (the global models it fetches,
+    the updates or deltas it pushes) is kept for its latest two rounds only."""
+    server, _ = served
+    peer = await _client(server, "p0")
+    try:
+        await peer.register({"num_samples": 10})
+        spec = (
+            RunSpec(per_round=1, rounds=5, seed=3)
+            if mode is RunMode.SYNC
+            else RunSpec(mode=RunMode.ASYNC, buffer=1, max_staleness=0, rounds=5, seed=3)
+        )
+        await peer.create_run("kept", spec, ModelUpdate(_model(0.0)))
+        models: list[Cid] = []
+        while (task := await peer.next_task("kept", timeout=20)) is not None:
+            model = await peer.fetch_model(task)
+            models.append(task.global_cid)
+            fresh = {k: v + np.float32(len(models)) for k, v in model.items()}  # new blocks
+            await peer.submit(task, fresh, num_samples=10)
+        assert len(models) == 5
+        store, retention = peer.rounds.store, peer.rounds.retention
+        assert retention is not None and retention.deleted > 0
+        assert not store.has(models[1]) and store.has(models[-1])  # the oldest rounds went
+        assert len(retention.held_rounds) == 2
+    finally:
+        await peer.aclose()

@@ -8,8 +8,10 @@ in CI's order). Those, and only those, are ignored in every test here."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -27,3 +29,13 @@ _RAY_DEVNULL = pytest.mark.filterwarnings(
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(_RAY_DEVNULL)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Collect Ray's leftover ``/dev/null`` handles before pytest's last sweep for unraisable
+    exceptions does (it runs after every test, where the marker above no longer applies);
+    their ResourceWarnings, and only those, are ignored."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"unclosed file <_io\.TextIOWrapper name='/dev/null'")
+        gc.collect()

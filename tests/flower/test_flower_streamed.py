@@ -79,7 +79,7 @@ def test_other_aggregations_do_not(make: object) -> None:
 
 def test_stream_true_vouches_for_a_subclass_but_needs_a_weight() -> None:
     with BlockStrategy(Overriding(), "127.0.0.1:9", stream=True) as bridged:
-        assert bridged._refused is None
+        assert bridged.stream_refusal is None
     with pytest.raises(TypeError, match="FedAvg-like"):
         BlockStrategy(DifferentialPrivacyServerSideFixedClipping(FedAvg(), 1.0, 1.0, 2),
                       "127.0.0.1:9", stream=True)  # fmt: skip
@@ -104,12 +104,12 @@ def test_the_mod_reads_the_plan_and_the_weight() -> None:
 
 
 @pytest.fixture
-def task() -> Iterator[None]:
-    """Flower's process identity, which building a Message needs (set by its runtimes)."""
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+def task(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Flower's process identity, which building a Message needs (set by its runtimes);
+    monkeypatch puts Flower's own values back afterwards."""
+    for name, value in (("task_id", 1), ("run_id", 1), ("node_id", 0)):
+        monkeypatch.setattr(TaskIdentity, f"_{name}", value)
     yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
 def _reply(node: int, samples: int | None = 5, weight: object = 5, **arrays: np.ndarray) -> Message:

@@ -8,11 +8,16 @@ from collections.abc import Sequence
 from tensorswap.cid import Cid
 from tensorswap.errors import RoundsError
 from tensorswap.errors.flower import AggregateUnavailable
-from tensorswap.rounds.client import RoundClient
-from tensorswap.rounds.client.virtual import request_submit_batch
-from tensorswap.rounds.core.errors import DuplicateContribution, RoundAlreadyTerminal, RoundClosed
-from tensorswap.rounds.core.state import Complete, RoundId, RoundSpec
-from tensorswap.rounds.protocol.batch import MAX_BATCH, BatchItem, BatchSubmitRequest
+from tensorswap.rounds.client import RoundClient, request_submit_batch
+from tensorswap.rounds.core import (
+    Complete,
+    DuplicateContribution,
+    RoundAlreadyTerminal,
+    RoundClosed,
+    RoundId,
+    RoundSpec,
+)
+from tensorswap.rounds.protocol import MAX_BATCH, BatchItem, BatchSubmitRequest
 from tensorswap.wire import BlockClient, ProtocolViolation
 
 __all__ = ["STRATEGY_PEER", "aggregate_held"]

@@ -29,7 +29,7 @@ from tensorswap.wire import BlockClient, RemoteError, Timeouts, TransportError
 from tensorswap.wire.errors import ConnectionBroken, PeerTimeout
 
 if TYPE_CHECKING:
-    from tensorswap.rounds.core.model import RoundId
+    from tensorswap.rounds.core import RoundId
 
 __all__ = ["BlockLink", "LinkCounters"]
 

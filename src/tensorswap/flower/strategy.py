@@ -21,7 +21,7 @@ from tensorswap.flower.link import BlockLink
 from tensorswap.flower.records import has_reference, swap_in, swap_out, with_reply_plan
 from tensorswap.flower.reference import ArrayRef, is_reference
 from tensorswap.flower.streamed import Plan, plan_round, refusal, settled
-from tensorswap.rounds.core.model import RoundId
+from tensorswap.rounds.core import RoundId
 
 __all__ = ["AGGREGATE_TIMEOUT", "BlockStrategy", "MessageBytes"]
 
@@ -112,6 +112,12 @@ class BlockStrategy(Strategy):
         if name == "strategy":  # not yet set (during unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.strategy, name)
+
+    @property
+    def stream_refusal(self) -> str | None:
+        """Why this strategy's training replies are never aggregated in the block service
+        (None: they are, round by round, where ``streamed`` allows)."""
+        return self._refused
 
     def close(self) -> None:
         self.link.close()

@@ -65,6 +65,7 @@ class RunClient:
 
     def __init__(self, rounds: RoundClient) -> None:
         self.rounds = rounds
+        rounds.cut.enabled = False  # a run's rounds never stream (RunManager.may_stream)
         self.secure_ahead = True
         """Whether a secure task's key phases begin as ``next_task`` hands it out (on a
         second connection; where ``rounds`` cannot dial one, ``submit`` runs them all), so
@@ -176,8 +177,16 @@ class RunClient:
                 return None
 
     async def fetch_model(self, task: Task) -> dict[str, np.ndarray]:
-        """The global model the task trains from (only blocks this peer lacks are pulled)."""
+        """The global model the task trains from (only blocks this peer lacks are pulled).
+
+        In the client's own store it counts as the task's round's (``RoundClient.retention``:
+        the latest two rounds' blocks are kept, older ones deleted)."""
+        retention = self.rounds.retention
+        if retention is not None:
+            retention.begin()
         update = await self.rounds.fetch(task.global_cid)
+        if retention is not None:
+            retention.hold_root(task.round_id, task.global_cid)
         return dict(update.tensors)
 
     async def task_model(self, task: Task) -> dict[str, np.ndarray]:
@@ -210,7 +219,7 @@ class RunClient:
         elif task.mode is RunMode.SYNC:
             result: SubmitResult = await self.rounds.submit(task.round_id, update, num_samples)
             return result.status
-        cid = await self._push(update, num_samples)
+        cid = await self._push(update, num_samples, task.round_id)
         if self.rounds.peer_key is not None:
             return await self._contribute_proven(task, cid, clipped)
         call = ContributeRequest(
@@ -273,8 +282,19 @@ class RunClient:
         clipped_delta, bit = await asyncio.to_thread(clip_update, delta, task.clip)
         return ModelUpdate(clipped_delta, num_samples or model.num_samples), bit
 
-    async def _push(self, update: ModelUpdate | Mapping[str, Any] | Cid, samples: int = 0) -> Cid:
+    async def _push(
+        self,
+        update: ModelUpdate | Mapping[str, Any] | Cid,
+        samples: int = 0,
+        round_id: RoundId | None = None,
+    ) -> Cid:
+        """Store ``update`` (an async delta, a DP one, an initial model) and push it; in the
+        client's own store it counts as ``round_id``'s, as a round's submit does
+        (``RoundClient.retention``; without one, as the caller's: kept)."""
         rc = self.rounds
+        retention = rc.retention if round_id is not None else None
+        if retention is not None:
+            retention.begin()
         if isinstance(update, Cid):
             cid = update
         else:
@@ -282,6 +302,8 @@ class RunClient:
                 update = ModelUpdate(dict(update), samples)
             cid = await asyncio.to_thread(put_update, rc.store, update)
         await rc.blocks.push(rc.store, cid)
+        if retention is not None and round_id is not None:
+            retention.hold_root(round_id, cid)
         return cid
 
     async def _call(

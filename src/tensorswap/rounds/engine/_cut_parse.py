@@ -20,7 +20,7 @@ from tensorswap.store import (
     decode_manifest,
 )
 
-__all__ = ["MAX_ANNOUNCED_BLOCKS", "Announced", "parse_announce", "raising"]
+__all__ = ["MAX_ANNOUNCED_BLOCKS", "Announced", "parse_announce", "unscreened"]
 
 MAX_ANNOUNCED_BLOCKS = 4096
 """Manifest blocks one announcement may carry (one per tensor, and the update's)."""
@@ -104,11 +104,11 @@ def _decode(
         raise UpdateMismatch(key, peer, f"not a valid manifest: {exc.reason}") from exc
 
 
-def raising(spec: AggregatorSpec) -> AggregatorSpec:
-    """``spec`` whose non-finite policy drops nothing: a non-finite value either propagates
-    (as the round's policy says) or raises, so no peer is left out of one piece only."""
-    if spec.non_finite is NonFinitePolicy.PROPAGATE:
-        return spec
+def unscreened(spec: AggregatorSpec) -> AggregatorSpec:
+    """``spec`` with its non-finite values propagated: every chunk was counted on arrival
+    (the submit refuses a non-finite update), and a NaN or Inf in a folded piece abandons
+    the round (``CutThrough._fold``), so the barrier decides; no peer is left out of one
+    piece only, and the values are scanned once, not twice."""
     return AggregatorSpec(
-        spec.kind, dtype=spec.dtype, max_norm=None, non_finite=NonFinitePolicy.RAISE
+        spec.kind, dtype=spec.dtype, max_norm=None, non_finite=NonFinitePolicy.PROPAGATE
     )

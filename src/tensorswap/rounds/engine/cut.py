@@ -36,7 +36,7 @@ from tensorswap.cid import Cid, Multicodec
 from tensorswap.codec import DType
 from tensorswap.errors import HashMismatch, TensorSwapError
 from tensorswap.rounds.core.state import Contribution, Layout, RoundId, RoundInfo, RoundTracker
-from tensorswap.rounds.engine._cut_parse import Announced, parse_announce, raising
+from tensorswap.rounds.engine._cut_parse import Announced, parse_announce, unscreened
 from tensorswap.rounds.engine.fold import CHUNKS, load_chunk, piece_key
 from tensorswap.rounds.engine.hooks import HookList
 from tensorswap.rounds.engine.result import put_chunk_block, put_manifests
@@ -320,7 +320,7 @@ class CutThrough:
         if all(tensor.chunks[c].cid_bytes == first for _, tensor in tensors):
             result = values[0]  # every peer's chunk is the same block: its bits, as barrier
         else:
-            acc = new_accumulator(raising(rc.spec))
+            acc = new_accumulator(unscreened(rc.spec))
             key = piece_key(tensors[0][1].name, 0)
             for (got, _), piece_values in zip(tensors, values, strict=True):
                 acc.add({key: piece_values}, got.num_samples)

@@ -2,6 +2,7 @@
 submits, paged status and the result push."""
 
 from tensorswap.rounds.protocol.batch import (
+    MAX_BATCH,
     PROOF_BYTES,
     BatchItem,
     BatchSubmitRequest,
@@ -44,6 +45,7 @@ __all__ = [
     "APP",
     "APP_INLINE",
     "INLINE_SEND_BYTES",
+    "MAX_BATCH",
     "MAX_NAME_BYTES",
     "MAX_PAGE",
     "PROOF_BYTES",
