@@ -297,3 +297,45 @@ async def test_a_restart_between_any_two_submits_keeps_the_cut_through_bits(tmp_
             second.close()
         assert isinstance(status, Complete)
         assert status.cid == want, f"after {cut_after} submits"
+
+
+@pytest.mark.parametrize("restart", [False, True])
+async def test_a_peer_that_submits_before_the_last_announces_keeps_the_bits(
+    tmp_path: Path, restart: bool
+) -> None:
+    """p0 uploads and submits before p1 announces: the round becomes deterministic at that
+    submit (journaled before it is recorded), so the cut-through still folds it, and a
+    coordinator restarted right after gives the same CID."""
+    values = inputs(2, seed=8)
+    with coordinator() as det:  # the canonical bits: a deterministic barrier round's
+        want_det, _, _ = await run_round(
+            det, values, spec=RoundSpec(2, deterministic=True), cut=False
+        )
+    path = tmp_path / "c"
+    coord = Coordinator.open(path)
+    coord.result_chunk_bytes = CHUNK
+    try:
+        async with running(RoundServer(coord)) as server:
+            p0 = await RoundClient.connect("127.0.0.1", server.port, peer="p0")
+            async with p0:
+                p0.cut.chunk_bytes = CHUNK
+                await p0.start_round(RID, RoundSpec(2))
+                await p0.submit(RID, values[0], 10)  # p1 has not announced yet
+                assert coord.info(RID).spec.deterministic
+        if restart:
+            coord.close()
+            coord = Coordinator.open(path)
+            coord.result_chunk_bytes = CHUNK
+        async with running(RoundServer(coord)) as server:
+            p1 = await RoundClient.connect("127.0.0.1", server.port, peer="p1")
+            async with p1:
+                await p1.submit(RID, values[1], 11)
+                result = await p1.fetch_result(RID, timeout=30)
+        status = coord.status(RID)
+        assert isinstance(status, Complete)
+        assert status.cid == want_det
+        if not restart:
+            assert coord.cut.folded > 0  # p0's pieces folded once p1's arrived
+    finally:
+        coord.close()
+    np.testing.assert_allclose(result["w"], fedavg(values, [10, 11])["w"], rtol=1e-5, atol=1e-6)

@@ -20,10 +20,20 @@ from tensorswap.store import (
     decode_manifest,
 )
 
-__all__ = ["MAX_ANNOUNCED_BLOCKS", "Announced", "parse_announce", "unscreened"]
+__all__ = ["MAX_ANNOUNCED_BLOCKS", "AnnounceVerdict", "Announced", "parse_announce", "unscreened"]
 
 MAX_ANNOUNCED_BLOCKS = 4096
 """Manifest blocks one announcement may carry (one per tensor, and the update's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AnnounceVerdict:
+    """Whether an announcement takes part in its round's cut-through, and why not; the
+    coordinator's result chunk size (an update cut otherwise cannot take part)."""
+
+    ok: bool
+    reason: str = ""
+    chunk_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

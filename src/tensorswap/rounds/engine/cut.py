@@ -36,7 +36,12 @@ from tensorswap.cid import Cid, Multicodec
 from tensorswap.codec import DType
 from tensorswap.errors import HashMismatch, TensorSwapError
 from tensorswap.rounds.core.state import Contribution, Layout, RoundId, RoundInfo, RoundTracker
-from tensorswap.rounds.engine._cut_parse import Announced, parse_announce, unscreened
+from tensorswap.rounds.engine._cut_parse import (
+    Announced,
+    AnnounceVerdict,
+    parse_announce,
+    unscreened,
+)
 from tensorswap.rounds.engine.fold import CHUNKS, load_chunk, piece_key
 from tensorswap.rounds.engine.hooks import HookList
 from tensorswap.rounds.engine.result import put_chunk_block, put_manifests
@@ -59,16 +64,6 @@ DEFAULT_MAX_HELD_BYTES = 64 * 1024 * 1024
 _ROUNDS_KEPT = 32  # rounds whose cut-through state is remembered (ended ones go first)
 
 Piece = tuple[int, int]  # (tensor index in layout order, chunk index)
-
-
-@dataclass(frozen=True, slots=True)
-class AnnounceVerdict:
-    """Whether an announcement takes part in its round's cut-through, and why not; the
-    coordinator's result chunk size (an update cut otherwise cannot take part)."""
-
-    ok: bool
-    reason: str = ""
-    chunk_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -344,14 +339,17 @@ class CutThrough:
     # ── the round's end ──────────────────────────────────────────────────────
     def claim(self, round_id: RoundId, peer: str, cid: Cid) -> bool:
         """Whether ``peer``'s update ``cid`` is folded here (the intake then need not fold
-        it); a contribution the cut-through cannot hold (not announced, or before every peer
-        announced) abandons it: the round is a barrier from then on."""
+        it). One submitted before every peer announced makes the round deterministic first
+        (journaled, before it is recorded: a restart then folds by name too); a contribution
+        the cut-through cannot hold (not announced, another update, a round that took one
+        it did not) abandons it: the round is a barrier from then on."""
         rc = self._rounds.get(round_id)
         if rc is None:
             return False
         with rc.lock:
             got = rc.announced.get(peer)
-            if rc.abandoned is None and got is not None and got.cid == cid and rc.order:
+            held = rc.abandoned is None and got is not None and got.cid == cid
+            if held and (rc.order or self.tracker.make_deterministic(round_id)):
                 return True
         self._abandon(round_id, rc, f"{peer!r} submitted what the cut-through cannot fold")
         return False
