@@ -15,6 +15,7 @@ from tensorswap.rounds import Coordinator, FakeClock, RoundClient, RoundServer
 from tensorswap.rounds.client._updates import children_first
 from tensorswap.rounds.core import RoundId, RoundSpec
 from tensorswap.rounds.core.state import Contribution
+from tensorswap.rounds.engine import _cut_fold as cut_fold
 from tensorswap.rounds.engine import cut as cut_module
 from tensorswap.store import MemoryStore, ModelUpdate, manifest_closure, put_update
 from tensorswap.swarm import SwarmPeer
@@ -70,10 +71,12 @@ def test_a_failed_round_leaves_no_index_entry_nor_held_bytes() -> None:
         store, cid, manifests = prepared(0, rng.standard_normal(50_000, np.float32))
         assert coord.cut.announce(RID, "p0", cid, manifests).ok
         deliver(coord, store, chunks(store, cid)[0])  # one chunk in, the rest never
-        assert coord.cut._held_bytes > 0
+        assert coord.cut.stats()["cut_held_bytes"] > 0
         coord.fail_round(RID, "cancelled")
-        assert coord.cut._held_bytes == 0
-        assert coord.cut._index == {}  # the chunks that never came are not waited for
+        assert coord.cut.stats()["cut_held_bytes"] == 0
+        assert (
+            coord.cut.stats()["cut_awaited_chunks"] == 0
+        )  # the chunks that never came are not waited for
 
 
 def test_held_bytes_count_what_is_held_whole_or_compressed() -> None:
@@ -93,24 +96,23 @@ def test_held_bytes_count_what_is_held_whole_or_compressed() -> None:
             store, cid, _ = peers[0]
             for c in chunks(store, cid):
                 deliver(coord, store, c)
-            held = coord.cut._rounds[RID].held
-            assert coord.cut._held_bytes == sum(v.nbytes for v in held.values()) > 0
+            assert 0 < coord.cut.stats()["cut_held_bytes"] <= 50_000 * 4  # p0's values
             coord.fail_round(RID, "cancelled")
-            assert coord.cut._held_bytes == 0, compression
+            assert coord.cut.stats()["cut_held_bytes"] == 0, compression
 
 
 def test_rounds_forgotten_for_newer_ones_leave_no_index_entry() -> None:
     rng = np.random.default_rng(1)
     with coordinator() as coord:
         values = rng.standard_normal(50_000, np.float32)
-        for r in range(cut_module._ROUNDS_KEPT + 8):
+        for r in range(cut_module.ROUNDS_KEPT + 8):
             rid = RoundId(r + 1, "lead")
             coord.start_round(rid, RoundSpec(2))
             _, cid, manifests = prepared(r, values + r)
             assert coord.cut.announce(rid, "p0", cid, manifests).ok
-        kept = set(coord.cut._rounds)
-        assert len(kept) == cut_module._ROUNDS_KEPT
-        assert {rid for entries in coord.cut._index.values() for rid, _, _ in entries} <= kept
+        remembered, awaited = coord.cut.remembered()
+        assert len(remembered) == cut_module.ROUNDS_KEPT
+        assert awaited <= set(remembered)
 
 
 def test_values_arriving_as_another_thread_folds_their_piece_are_not_held() -> None:
@@ -142,8 +144,7 @@ def test_values_arriving_as_another_thread_folds_their_piece_are_not_held() -> N
         finally:
             cut_module.count_nonfinite = real
         assert coord.cut.folded == 1
-        assert coord.cut._held_bytes == 0
-        assert not coord.cut._rounds[RID].held
+        assert coord.cut.stats()["cut_held_bytes"] == 0
 
 
 def test_finish_waits_for_a_piece_another_thread_is_folding() -> None:
@@ -160,7 +161,7 @@ def test_finish_waits_for_a_piece_another_thread_is_folding() -> None:
         first, *rest = chunks(sb, cb)
         for c in rest:
             deliver(coord, sb, c)
-        real = cut_module.put_chunk_block
+        real = cut_fold.put_chunk_block
         folding, go = threading.Event(), threading.Event()
 
         def slow_put(store: object, piece: np.ndarray) -> object:
@@ -177,12 +178,12 @@ def test_finish_waits_for_a_piece_another_thread_is_folding() -> None:
                 return waits(timeout)
 
             rc.settled.wait = wait  # type: ignore[method-assign]
-        cut_module.put_chunk_block = slow_put  # type: ignore[assignment]
+        cut_fold.put_chunk_block = slow_put  # type: ignore[assignment]
         sink = threading.Thread(target=deliver, args=(coord, sb, first))
         try:
             sink.start()
             assert folding.wait(30)
-            cut_module.put_chunk_block = real
+            cut_fold.put_chunk_block = real
             live = [
                 Contribution(RID, f"p{i}", str(cid), 10 + i, 0, 0.0)
                 for i, (_, cid, _) in enumerate(peers)
@@ -190,11 +191,14 @@ def test_finish_waits_for_a_piece_another_thread_is_folding() -> None:
             done = coord.cut.finish(coord.tracker.info(RID), live, {})
         finally:
             go.set()
-            cut_module.put_chunk_block = real
+            cut_fold.put_chunk_block = real
             sink.join()
         assert done is not None
         assert coord.cut.state(RID) == (rc.progress, None)  # not abandoned
-        assert coord.cut._held_bytes == 0 and coord.cut._index == {}
+        assert (
+            coord.cut.stats()["cut_held_bytes"] == 0
+            and coord.cut.stats()["cut_awaited_chunks"] == 0
+        )
 
 
 async def test_the_stream_does_not_send_a_peer_the_chunks_of_its_own_update() -> None:

@@ -299,14 +299,14 @@ async def test_idle_connections_cost_no_receive_buffer_and_no_duplicate_socket()
         assert after - before < 20 * 64 * 1024  # not 20 read-ahead buffers of 256 KiB
         server = servers[0]
         assert isinstance(server, TcpTransport)
-        assert server._direct is None  # no duplicate socket until a large send
+        assert not server.direct_open  # no duplicate socket until a large send
         await clients[0].send(b"hello")
         assert await receive_all(server, 5) == b"hello"
         big = bytes(DIRECT_SEND_BYTES)
         sent = asyncio.ensure_future(server.send(big))
         assert await receive_all(clients[0], len(big)) == big
         await sent
-        assert server._direct is not None  # made by the first direct send
+        assert server.direct_open  # made by the first direct send
         release.set()
         for client in clients:
             await client.aclose()

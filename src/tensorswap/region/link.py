@@ -343,6 +343,9 @@ class UpstreamLink:
             limits=self._limits,
             timeouts=self._timeouts,
         )
+        # a partial is not a peer's update: announcing it would make the upper round
+        # deterministic (cut-through), which a tier's upper round must not be
+        client.cut.enabled = False
         try:
             reply = await say_hello(client.blocks, self.region, chain)
             if reply is not None:

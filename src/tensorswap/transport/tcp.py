@@ -66,6 +66,12 @@ class TcpTransport(Transport):
         return self._direct
 
     @property
+    def direct_open(self) -> bool:
+        """Whether this connection holds its duplicate socket for large sends (one file
+        descriptor more; made by the first send of at least DIRECT_SEND_BYTES)."""
+        return self._direct is not None
+
+    @property
     def ssl_object(self) -> ssl_module.SSLObject | None:
         """The TLS session, when the connection uses TLS."""
         obj = self._transport.get_extra_info("ssl_object")

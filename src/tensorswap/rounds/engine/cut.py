@@ -31,29 +31,27 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tensorswap.aggregate import AggregatorSpec, NonFinitePolicy
+from tensorswap.aggregate import AggregatorSpec
 from tensorswap.cid import Cid, Multicodec
-from tensorswap.codec import DType
 from tensorswap.errors import HashMismatch, TensorSwapError
 from tensorswap.rounds.core.state import Contribution, Layout, RoundId, RoundInfo, RoundTracker
+from tensorswap.rounds.engine._cut_fold import fold_piece
 from tensorswap.rounds.engine._cut_parse import (
     Announced,
     AnnounceVerdict,
     parse_announce,
-    unscreened,
 )
-from tensorswap.rounds.engine.fold import CHUNKS, load_chunk, piece_key
+from tensorswap.rounds.engine.fold import CHUNKS
 from tensorswap.rounds.engine.hooks import HookList
-from tensorswap.rounds.engine.result import put_chunk_block, put_manifests
+from tensorswap.rounds.engine.result import put_manifests
 from tensorswap.rounds.engine.updates import (
     STREAMING_KINDS,
     aggregator_spec,
     count_nonfinite,
-    new_accumulator,
 )
 from tensorswap.store import BlockStore, ChunkRef
 
-__all__ = ["AnnounceVerdict", "CutThrough"]
+__all__ = ["ROUNDS_KEPT", "AnnounceVerdict", "CutThrough"]
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +59,7 @@ DEFAULT_MAX_HELD_BYTES = 64 * 1024 * 1024
 """Received chunk values kept for their fold, over all rounds; beyond, read back re-hashed
 (holding more saves a hash per byte, and costs resident memory while peers are out of step)."""
 
-_ROUNDS_KEPT = 32  # rounds whose cut-through state is remembered (ended ones go first)
+ROUNDS_KEPT = 32  # rounds whose cut-through state is remembered (ended ones go first)
 
 Piece = tuple[int, int]  # (tensor index in layout order, chunk index)
 
@@ -284,7 +282,7 @@ class CutThrough:
                 rc.results[piece] = _CLAIMED  # no other thread folds it meanwhile
                 inputs = [(rc.announced[p], rc.held.pop((piece, p), None)) for p in rc.order]
             try:
-                ref = self._fold(rc, piece, inputs)
+                ref = fold_piece(self.store, rc.spec, rc.layout, piece, inputs)
             except BaseException:
                 with rc.lock:  # not claimed any more (the caller abandons the round)
                     rc.results.pop(piece, None)
@@ -300,36 +298,6 @@ class CutThrough:
                 rc.settled.notify_all()
             self._notify(rid)
 
-    def _fold(
-        self, rc: _Round, piece: Piece, inputs: list[tuple[Announced, np.ndarray | None]]
-    ) -> ChunkRef:
-        """The result's chunk for ``piece`` stored, as the barrier path computes and encodes
-        it; ValueError when a value is not finite (the barrier path then decides)."""
-        t, c = piece
-        tensors = [(got, got.tensors[t]) for got, _ in inputs]
-        values = [
-            held if held is not None else load_chunk(self.store, (tensor, c))
-            for (_, tensor), (_, held) in zip(tensors, inputs, strict=True)
-        ]
-        first = tensors[0][1].chunks[c].cid_bytes
-        if all(tensor.chunks[c].cid_bytes == first for _, tensor in tensors):
-            result = values[0]  # every peer's chunk is the same block: its bits, as barrier
-        else:
-            acc = new_accumulator(unscreened(rc.spec))
-            key = piece_key(tensors[0][1].name, 0)
-            for (got, _), piece_values in zip(tensors, values, strict=True):
-                acc.add({key: piece_values}, got.num_samples)
-            result = acc.result(consume=True).values[key]
-        if rc.spec.non_finite is not NonFinitePolicy.PROPAGATE and count_nonfinite(result):
-            raise ValueError(f"piece {c} of tensor {t} of the result is not finite")
-        assert rc.layout is not None
-        want = DType.parse(rc.layout[t].dtype).numpy
-        if result.dtype != want:
-            cast = np.empty(result.size, dtype=want)
-            np.copyto(cast, result, casting="unsafe")  # as the barrier's assemble narrows
-            result = cast
-        return put_chunk_block(self.store, result)
-
     def _release(self, inputs: list[tuple[Announced, np.ndarray | None]]) -> None:
         freed = sum(values.nbytes for _, values in inputs if values is not None)
         if freed:
@@ -339,17 +307,17 @@ class CutThrough:
     # ── the round's end ──────────────────────────────────────────────────────
     def claim(self, round_id: RoundId, peer: str, cid: Cid) -> bool:
         """Whether ``peer``'s update ``cid`` is folded here (the intake then need not fold
-        it). One submitted before every peer announced makes the round deterministic first
-        (journaled, before it is recorded: a restart then folds by name too); a contribution
-        the cut-through cannot hold (not announced, another update, a round that took one
-        it did not) abandons it: the round is a barrier from then on."""
+        it); a contribution the cut-through cannot hold (not announced, another update, or
+        before every peer announced) abandons it: the round is a barrier from then on. (A
+        submit before the last announcement does not make the round deterministic: a round
+        that also takes regions' partials, whose links never announce, must stay as it was
+        started, ``UpstreamIncompatible``.)"""
         rc = self._rounds.get(round_id)
         if rc is None:
             return False
         with rc.lock:
             got = rc.announced.get(peer)
-            held = rc.abandoned is None and got is not None and got.cid == cid
-            if held and (rc.order or self.tracker.make_deterministic(round_id)):
+            if rc.abandoned is None and got is not None and got.cid == cid and rc.order:
                 return True
         self._abandon(round_id, rc, f"{peer!r} submitted what the cut-through cannot fold")
         return False
@@ -403,6 +371,19 @@ class CutThrough:
         cid = put_manifests(self.store, layout, results, samples, metadata, rid.as_key())
         self._end(rid, rc)
         return cid
+
+    def stats(self) -> dict[str, int]:
+        """Counters (``tensorswap status``): arrived values held, chunks awaited, rounds
+        remembered, pieces folded at arrival so far."""
+        with self._lock:
+            return {"cut_held_bytes": self._held_bytes, "cut_awaited_chunks": len(self._index),
+                    "cut_rounds": len(self._rounds), "cut_folded": self.folded}  # fmt: skip
+
+    def remembered(self) -> tuple[list[RoundId], set[RoundId]]:
+        """The rounds whose state is remembered, and those with chunks still awaited."""
+        with self._lock:
+            awaited = {entry[0] for entries in self._index.values() for entry in entries}
+            return list(self._rounds), awaited
 
     def state(self, round_id: RoundId) -> tuple[list[Cid], str | None] | None:
         """``(progress, abandoned)`` for the stream: the result chunks stored so far, in
@@ -473,10 +454,10 @@ class CutThrough:
                     del self._index[chunk]
 
     def _evict(self) -> list[RoundId]:
-        """Forget the oldest rounds beyond ``_ROUNDS_KEPT`` (ended ones first), their held
+        """Forget the oldest rounds beyond ``ROUNDS_KEPT`` (ended ones first), their held
         values and index entries; the caller holds ``self._lock`` (and tells their streams)."""
         gone = []
-        while len(self._rounds) > _ROUNDS_KEPT:
+        while len(self._rounds) > ROUNDS_KEPT:
             victim = next((r for r, rc in self._rounds.items() if rc.ended), None)
             if victim is None:
                 victim = next(iter(self._rounds))
