@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers.cut import announce_all
 from helpers.net import running
 from tensorswap.cid import Cid
 from tensorswap.rounds import Coordinator, FakeClock, RoundClient, RoundServer
@@ -67,12 +68,9 @@ async def run_round(
         try:
             await clients[0].start_round(RID, spec)
             count = len(values) if submitting is None else submitting
-            if cut:  # every peer announces before any submits (a tiny update uploads
-                # faster than another peer announces, and the round would be a barrier)
-                for i, (client, v) in enumerate(zip(clients[:count], values, strict=False)):
-                    client.cut.chunk_bytes = CHUNK
-                    cid = put_update(client.store, ModelUpdate(v, 10 + i), chunk_bytes=CHUNK)
-                    await client.cut.begin(RID, cid, None)
+            if cut:
+                samples = [10 + i for i in range(count)]
+                await announce_all(clients[:count], RID, values[:count], samples, CHUNK)
             await asyncio.gather(
                 *(
                     c.submit(RID, v, 10 + i)
@@ -138,10 +136,7 @@ async def test_a_peer_that_announces_and_never_submits_sends_the_round_to_the_ba
                 cid = put_update(gone.store, ModelUpdate(values[3], 13), chunk_bytes=CHUNK)
                 assert await gone.cut.begin(RID, cid, None) == cid
                 assert gone.cut.streaming(RID)
-                for i, (c, v) in enumerate(zip(clients[:3], values[:3], strict=True)):
-                    c.cut.chunk_bytes = CHUNK  # the others announce too, before any submit
-                    own = put_update(c.store, ModelUpdate(v, 10 + i), chunk_bytes=CHUNK)
-                    await c.cut.begin(RID, own, None)
+                await announce_all(clients[:3], RID, values[:3], [10, 11, 12], CHUNK)
                 await asyncio.gather(
                     *(
                         c.submit(RID, v, 10 + i)
@@ -221,6 +216,8 @@ async def test_a_non_finite_update_is_refused_without_being_read_back() -> None:
                 await a.submit(RID, values[0], 1)
                 with pytest.raises(Exception, match="non-finite"):
                     await b.submit(RID, values[1], 1)
+                stats = (await a.server_status()).stats  # the cut-through's own counters
+                assert stats["cut_rounds"] == 1 and stats["cut_held_bytes"] == 0
         assert coord.status(RID).name == "Collecting"  # nothing of b's recorded
         state = coord.cut.state(RID)
         assert state is not None and state[1] is not None  # abandoned: a barrier now
@@ -291,12 +288,7 @@ async def test_a_restart_between_any_two_submits_keeps_the_cut_through_bits(tmp_
                     for i in range(4)
                 ]
                 await clients[0].start_round(RID, RoundSpec(4))
-                for client, v in zip(clients, values, strict=True):  # every peer announces
-                    client.cut.chunk_bytes = CHUNK
-                    cid = put_update(
-                        client.store, ModelUpdate(v, 10 + clients.index(client)), chunk_bytes=CHUNK
-                    )
-                    await client.cut.begin(RID, cid, None)
+                await announce_all(clients, RID, values, [10, 11, 12, 13], CHUNK)
                 for i in reversed(range(4 - cut_after, 4)):  # submitted last name first
                     await clients[i].submit(RID, values[i], 10 + i)
         finally:

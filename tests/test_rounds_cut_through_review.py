@@ -9,6 +9,7 @@ from typing import Literal
 
 import numpy as np
 
+from helpers.cut import announce_all
 from helpers.net import running
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.rounds import Coordinator, FakeClock, RoundClient, RoundServer
@@ -215,8 +216,7 @@ async def test_the_stream_does_not_send_a_peer_the_chunks_of_its_own_update() ->
             ]
             try:
                 await clients[0].start_round(RID, RoundSpec(2))
-                for client in clients:
-                    client.cut.chunk_bytes = CHUNK
+                await announce_all(clients, RID, values, [1, 1], CHUNK)
                 submitted = await asyncio.gather(
                     *(c.submit(RID, v, 1) for c, v in zip(clients, values, strict=True))
                 )

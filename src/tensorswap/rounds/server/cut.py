@@ -30,6 +30,7 @@ from tensorswap.rounds.protocol.cut import (
     encode,
 )
 from tensorswap.rounds.protocol.messages import status_to_wire
+from tensorswap.rounds.server._waiters import Waiters
 from tensorswap.wire import AppRequest, BlocksReply, RequestHandler
 from tensorswap.wire.errors import BlockHashMismatch
 
@@ -55,7 +56,7 @@ class CutService:
         self._peer_keys = peer_keys
         self._max_wait = max_wait
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: dict[RoundId, set[asyncio.Event]] = {}
+        self._waiters = Waiters()
         self.cut.listeners.append(self._changed)
         coordinator.subscribe(self._status_changed)
 
@@ -89,24 +90,17 @@ class CutService:
         self._loop = asyncio.get_running_loop()
         call = decode_stream(request.body)
         rid = call.round_id
-        event = asyncio.Event()
-        self._waiters.setdefault(rid, set()).add(event)
         try:
-            async with asyncio.timeout(min(call.timeout, self._max_wait())):
-                while True:
-                    event.clear()
-                    answer = self._answer(call)
-                    if answer is not None:
-                        return answer
-                    await event.wait()
+            with self._waiters.waiting(rid) as event:
+                async with asyncio.timeout(min(call.timeout, self._max_wait())):
+                    while True:
+                        event.clear()
+                        answer = self._answer(call)
+                        if answer is not None:
+                            return answer
+                        await event.wait()
         except TimeoutError:
             return _plain(StreamAnswer())  # nothing new yet: the client asks again
-        finally:
-            waiting = self._waiters.get(rid)
-            if waiting is not None:
-                waiting.discard(event)
-                if not waiting:
-                    del self._waiters[rid]
 
     def _answer(self, call: StreamRequest) -> bytes | None:
         """The answer to ``call`` now, or None while there is nothing new to say."""
@@ -153,8 +147,7 @@ class CutService:
             loop.call_soon_threadsafe(self._wake, rid)
 
     def _wake(self, rid: RoundId) -> None:
-        for event in self._waiters.get(rid, ()):
-            event.set()
+        self._waiters.wake(rid)
 
 
 def _plain(answer: StreamAnswer) -> BlocksReply:

@@ -57,6 +57,7 @@ from tensorswap.rounds.protocol.paging import (
 )
 from tensorswap.rounds.protocol.push import APP_FETCH, result_push
 from tensorswap.rounds.server._queue import IntakeQueue
+from tensorswap.rounds.server._waiters import Waiters
 from tensorswap.rounds.server.cut import CutService
 from tensorswap.rounds.server.visibility import Visibility
 from tensorswap.store import BlockStore
@@ -145,7 +146,7 @@ class RoundServer:
         self.max_wait = float(max_wait)
         """The longest one ``wait`` request waits (seconds)."""
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: dict[RoundId, set[asyncio.Event]] = {}
+        self._waiters = Waiters()
         self._intake = IntakeQueue(coordinator)
         self.peer_keys = None if peer_keys is None else PeerKeys(peer_keys)
         """Per-peer keys: when set, every contribution must prove its peer's key
@@ -160,6 +161,7 @@ class RoundServer:
         """Cut-through rounds: announcements, and results streamed as they are folded."""
         self.blocks.handlers.update(self.cut.handlers)
         self.blocks.on_stored = self.cut.on_stored
+        self.stat_sources.append(coordinator.cut.stats)  # cut_held_bytes, cut_folded, ...
 
     # ── lifecycle: the block server's ───────────────────────────────────────
     async def start(
@@ -394,28 +396,21 @@ class RoundServer:
         """The round's status once terminal; RoundTimeout after ``timeout`` (checked finite
         and >= 0 when the request was decoded) or ``max_wait``, whichever is shorter."""
         limit = self.max_wait if timeout is None else min(timeout, self.max_wait)
-        event = asyncio.Event()
-        self._waiters.setdefault(rid, set()).add(event)
         try:
-            async with asyncio.timeout(limit):
-                while True:
-                    event.clear()
-                    status = self.coordinator.status(rid)
-                    if status is None:
-                        raise RoundNotFound(rid.as_key())
-                    if status.is_terminal:
-                        return status
-                    await event.wait()
+            with self._waiters.waiting(rid) as event:
+                async with asyncio.timeout(limit):
+                    while True:
+                        event.clear()
+                        status = self.coordinator.status(rid)
+                        if status is None:
+                            raise RoundNotFound(rid.as_key())
+                        if status.is_terminal:
+                            return status
+                        await event.wait()
         except TimeoutError:
             status = self.coordinator.status(rid)
             name = status.name if status is not None else "gone"
             raise RoundTimeout(rid.as_key(), limit, name) from None
-        finally:
-            waiting = self._waiters.get(rid)
-            if waiting is not None:
-                waiting.discard(event)
-                if not waiting:
-                    del self._waiters[rid]
 
     async def _settle(self, rid: RoundId, timeout: float, status: RoundStatus) -> RoundStatus:
         """A submit's wait (``SubmitRequest.timeout``): terminal status, else the latest."""
@@ -434,8 +429,7 @@ class RoundServer:
             loop.call_soon_threadsafe(self._wake, rid)
 
     def _wake(self, rid: RoundId) -> None:
-        for event in self._waiters.get(rid, ()):
-            event.set()
+        self._waiters.wake(rid)
 
     def _stats(self) -> dict[str, float | int | str]:
         stats: dict[str, float | int | str] = dict(self.coordinator.stats().to_dict())
