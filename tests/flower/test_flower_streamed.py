@@ -39,6 +39,7 @@ from tensorswap.cid import Cid  # noqa: E402
 from tensorswap.flower import ArrayRef, BlockStrategy  # noqa: E402
 from tensorswap.flower.records import (  # noqa: E402
     REPLY_PLAN,
+    ReplyPlan,
     reference_of,
     reply_samples,
     take_reply_plan,
@@ -88,9 +89,12 @@ def test_stream_true_vouches_for_a_subclass_but_needs_a_weight() -> None:
 def test_the_mod_reads_the_plan_and_the_weight() -> None:
     content = RecordDict({"config": ConfigRecord({"lr": 0.1})})
     planned = with_reply_plan(content, "num-examples")
-    stripped, key = take_reply_plan(planned)
-    assert key == "num-examples" and REPLY_PLAN not in stripped and list(stripped) == ["config"]
+    stripped, plan = take_reply_plan(planned)
+    assert plan == ReplyPlan("num-examples") and REPLY_PLAN not in stripped
+    assert list(stripped) == ["config"]
     assert take_reply_plan(content) == (content, None)
+    _, plan = take_reply_plan(with_reply_plan(content, "num-examples", (3, "flower-abc")))
+    assert plan == ReplyPlan("num-examples", (3, "flower-abc"))
 
     def reply(**metrics: object) -> RecordDict:
         arrays = ArrayRecord({"w": Array(np.ones(2, np.float32))})

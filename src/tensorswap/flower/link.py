@@ -145,6 +145,45 @@ class BlockLink:
         self.counters.aggregates += 1
         return cid, self.fetch(cid)
 
+    def open_round(self, round_id: RoundId, expected: int, *, timeout: float) -> None:
+        """Start round ``round_id`` on the service's coordinator for ``expected`` peers
+        (``coordinated.open_round``: deterministic, failed ``timeout`` s from now unless
+        every peer has submitted). AggregateUnavailable when the service refuses it."""
+        from tensorswap.flower.coordinated import open_round
+
+        async def call() -> None:
+            client = await self._connected()
+            await open_round(client, round_id, expected, timeout=timeout, address=self.address)
+
+        self._run(call, f"open round {round_id.as_key()}")
+
+    def submit_held(self, round_id: RoundId, peer: str, root: Cid) -> str | None:
+        """Submit the update ``root`` (pushed before) to round ``round_id`` as ``peer``'s
+        contribution: None once the round holds exactly that, else why it does not
+        (``coordinated.submit_held``)."""
+        from tensorswap.flower.coordinated import submit_held
+
+        async def call() -> str | None:
+            client = await self._connected()
+            return await submit_held(client, round_id, peer, root, address=self.address)
+
+        return self._run(call, f"submit to round {round_id.as_key()}")
+
+    def round_aggregate(
+        self, round_id: RoundId, *, timeout: float = 300.0
+    ) -> tuple[Cid, dict[str, np.ndarray]]:
+        """The aggregate of round ``round_id`` once it is Complete, fetched: its CID and
+        arrays. AggregateUnavailable when it fails or times out."""
+        from tensorswap.flower.coordinated import await_round
+
+        async def call() -> Cid:
+            client = await self._connected()
+            return await await_round(client, round_id, timeout=timeout, address=self.address)
+
+        cid = self._run(call, f"await round {round_id.as_key()}")
+        self.counters.aggregates += 1
+        return cid, self.fetch(cid)
+
     def close(self) -> None:
         """Close the connection and the seeder, stop the loop thread (idempotent)."""
         if self._closed:

@@ -4,24 +4,32 @@ sends the reply's arrays as blocks through the block service, references in thei
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Callable
 
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 
+from tensorswap.errors.flower import FlowerBridgeError
 from tensorswap.flower.link import BlockLink
 from tensorswap.flower.node_store import NodeStore
 from tensorswap.flower.records import (
     REPLY_PLAN,
     has_reference,
+    peer_of,
+    reference_of,
     reply_samples,
     swap_in,
     swap_out,
     take_reply_plan,
 )
+from tensorswap.flower.reference import ArrayRef, is_reference
 
-__all__ = ["blocks_mod", "shared_link"]
+__all__ = ["blocks_mod", "shared_link", "submitted"]
+
+log = logging.getLogger(__name__)
 
 _links: dict[tuple[str, bytes | None, str | None], BlockLink] = {}
 _links_lock = threading.Lock()
@@ -75,26 +83,59 @@ def blocks_mod(
     A train message whose strategy has the block service aggregate (``records.REPLY_PLAN``,
     removed before the ClientApp sees the message) names the metric its weight is read
     from: the reply's arrays are then stored with that weight (``reply_samples``: their
-    update's ``num_samples``), and its reference says it.
+    update's ``num_samples``), and its reference says it. Where the message also names the
+    coordinator's round the strategy opened for the nodes it sampled, the mod then submits
+    them to it as this node's contribution (``submitted``): the service folds the round
+    once every sampled node has replied, while Flower is still relaying the replies.
     """
 
     def mod(message: Message, context: Context, call_next: ClientAppCall) -> Message:
         if not message.has_content():
             return call_next(message, context)
         planned = REPLY_PLAN in message.content
-        content, weight_key = take_reply_plan(message.content)
+        content, plan = take_reply_plan(message.content)
         if not planned and not has_reference(content):
             return call_next(message, context)
         link = shared_link(address, key, store)
         message.content = swap_in(content, lambda ref: link.fetch(ref.root, swarm=ref.swarm))
         reply = call_next(message, context)
         if reply.has_content():
-            samples = None if weight_key is None else reply_samples(reply.content, weight_key)
+            samples = None if plan is None else reply_samples(reply.content, plan.weight_key)
             reply.content = swap_out(
                 reply.content,
                 lambda arrays: link.push(arrays, samples=samples or 0),
                 samples=samples,
             )
+            if plan is not None and plan.round is not None and samples is not None:
+                peer = peer_of(message.metadata.dst_node_id)
+                reply.content = submitted(reply.content, link, plan.round, peer)
         return reply
 
     return mod
+
+
+def submitted(
+    content: RecordDict, link: BlockLink, round: tuple[int, str], peer: str
+) -> RecordDict:
+    """``content`` (a reply holding one reference) with its arrays submitted to the
+    coordinator's ``round`` (number, initiator) as ``peer``'s contribution, and its reference
+    saying so (``ArrayRef.submitted``) once the round holds exactly them. Where the submit
+    is refused or fails (logged), the reference stays as it was: the strategy then has the
+    service aggregate the replies Flower hands it in a round of its own, as without it."""
+    from tensorswap.rounds.core import RoundId  # the rounds model, only where it is used
+
+    found = [(k, r) for k, r in content.items() if isinstance(r, ConfigRecord) and is_reference(r)]
+    if len(found) != 1:
+        return content
+    key, record = found[0]
+    ref = ArrayRef.parse(key, dict(record.items()))
+    round_id = RoundId(*round)
+    try:
+        refused = link.submit_held(round_id, peer, ref.root)
+    except FlowerBridgeError as exc:
+        refused = str(exc)
+    if refused is not None:
+        log.warning("%s: reply not submitted to round %s: %s", peer, round_id, refused)
+        return content
+    marked = dataclasses.replace(ref, submitted=round_id.as_key())
+    return RecordDict({k: reference_of(marked) if k == key else r for k, r in content.items()})

@@ -4,6 +4,7 @@ references its stored arrays, and swapped back in as an ArrayRecord over the sto
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from io import BytesIO
 from typing import Any
 
@@ -14,13 +15,15 @@ from flwr.common.constant import SType
 from tensorswap.cid import Cid
 from tensorswap.codec import DType
 from tensorswap.errors import CodecError
-from tensorswap.flower.reference import ArrayRef, is_reference
+from tensorswap.flower.reference import MAX_NAME, ArrayRef, is_reference
 
 __all__ = [
     "REPLY_PLAN",
+    "ReplyPlan",
     "StoredArray",
     "arrays_of",
     "has_reference",
+    "peer_of",
     "record_of",
     "reference_of",
     "reply_samples",
@@ -31,9 +34,11 @@ __all__ = [
 ]
 
 REPLY_PLAN = "tensorswap.reply"
-"""The record of a train message (and its one field) that asks the ClientApp's mod to store
-the reply's arrays with their weight: the value is the metric the weight is read from
-(the strategy's ``weighted_by_key``). The mod removes it before the ClientApp runs."""
+"""The record of a train message (and its field) that asks the ClientApp's mod to store the
+reply's arrays with their weight: the value is the metric the weight is read from (the
+strategy's ``weighted_by_key``); fields ``round`` and ``initiator``, where present, name the
+coordinator's round the mod submits them to (``ReplyPlan``). The mod removes it before the
+ClientApp runs."""
 _MAX_SAMPLES = 2**63 - 1
 
 Push = Callable[[dict[str, np.ndarray]], Cid]
@@ -156,23 +161,58 @@ def swap_in(content: RecordDict, fetch: Fetch, *, writable: bool = True) -> Reco
     return out
 
 
-def with_reply_plan(content: RecordDict, weight_key: str) -> RecordDict:
+@dataclass(frozen=True, slots=True)
+class ReplyPlan:
+    """What a train message's ``REPLY_PLAN`` asks of the mod: store the reply's arrays
+    weighted by its metric ``weight_key``; with ``round`` (the round's number and
+    initiator, opened by the strategy for the nodes it sampled) also submit them to that
+    round of the service's coordinator as this node's contribution, so that the service
+    has every reply before Flower hands them to the strategy."""
+
+    weight_key: str
+    round: tuple[int, str] | None = None
+
+
+def with_reply_plan(
+    content: RecordDict, weight_key: str, round: tuple[int, str] | None = None
+) -> RecordDict:
     """A copy of a train message's ``content`` that asks the mod to store the reply's arrays
-    weighted by its metric ``weight_key`` (``REPLY_PLAN``)."""
+    weighted by its metric ``weight_key`` (``REPLY_PLAN``) and, with ``round``, to submit
+    them to that round (number, initiator)."""
+    fields: dict[str, Any] = {REPLY_PLAN: weight_key}
+    if round is not None:
+        fields["round"], fields["initiator"] = round
     out = RecordDict(dict(content.items()))
-    out[REPLY_PLAN] = ConfigRecord({REPLY_PLAN: weight_key})
+    out[REPLY_PLAN] = ConfigRecord(fields)
     return out
 
 
-def take_reply_plan(content: RecordDict) -> tuple[RecordDict, str | None]:
-    """``content`` without its ``REPLY_PLAN`` record, and the weight's metric it names (None:
-    no plan, or one that does not say a name)."""
+def take_reply_plan(content: RecordDict) -> tuple[RecordDict, ReplyPlan | None]:
+    """``content`` without its ``REPLY_PLAN`` record, and the plan it holds (None: no plan,
+    or one that does not say a weight's name; its round left out when malformed)."""
     plan = content.get(REPLY_PLAN)
     if plan is None:
         return content, None
     out = RecordDict({k: r for k, r in content.items() if k != REPLY_PLAN})
-    key = plan.get(REPLY_PLAN) if isinstance(plan, ConfigRecord) else None
-    return out, key if isinstance(key, str) and 0 < len(key) <= 1024 else None
+    fields = dict(plan.items()) if isinstance(plan, ConfigRecord) else {}
+    key = fields.get(REPLY_PLAN)
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_NAME:
+        return out, None
+    number, initiator = fields.get("round"), fields.get("initiator")
+    if (
+        isinstance(number, int)
+        and not isinstance(number, bool)
+        and 0 <= number <= _MAX_SAMPLES
+        and isinstance(initiator, str)
+        and 0 < len(initiator) <= MAX_NAME
+    ):
+        return out, ReplyPlan(key, (number, initiator))
+    return out, ReplyPlan(key)
+
+
+def peer_of(node_id: int) -> str:
+    """The peer name a node's reply has in the service's rounds (``node-<id>``)."""
+    return f"node-{node_id}"
 
 
 def reply_samples(content: RecordDict, weight_key: str) -> int | None:

@@ -36,7 +36,7 @@ MAX_DIMS = 32
 """numpy's own limit on dimensions; a shape with more is refused before anything is fetched."""
 
 _FIELDS = {MARKER, "root", "names", "shapes", "dtypes", "swarm"}
-_OPTIONAL = {"samples"}
+_OPTIONAL = {"samples", "submitted"}
 """Fields a reference may carry besides ``_FIELDS`` (a reader of version 1 that predates one
 refuses it; only a ``BlockStrategy`` that asked for it receives it)."""
 MAX_SAMPLES = 2**63 - 1
@@ -55,6 +55,8 @@ class ArrayRef:
     ``swarm``: receivers may fetch the chunks from peers that hold them, not only the service.
     ``samples``: the update stored under ``root`` says it covers this many samples (its
     ``num_samples``, the weight a coordinator's FedAvg gives it); None: not set (0 stored).
+    ``submitted``: the key of the coordinator's round that holds ``root`` as the replying
+    node's contribution, accepted from this reply's mod (None: not submitted, or refused).
     """
 
     root: Cid
@@ -63,6 +65,7 @@ class ArrayRef:
     dtypes: tuple[str, ...]
     swarm: bool = False
     samples: int | None = None
+    submitted: str | None = None
 
     @classmethod
     def of(
@@ -104,6 +107,8 @@ class ArrayRef:
         }
         if self.samples is not None:
             fields["samples"] = self.samples
+        if self.submitted is not None:
+            fields["submitted"] = self.submitted
         return fields
 
     @classmethod
@@ -133,11 +138,16 @@ class ArrayRef:
             or not 0 <= samples <= MAX_SAMPLES
         ):
             raise BadReference(key, f"samples is not an int in [0, {MAX_SAMPLES}]")
-        return cls(root, names, shapes, dtypes, fields["swarm"], samples)
+        submitted = fields.get("submitted")
+        if submitted is not None and (
+            not isinstance(submitted, str) or not 0 < len(submitted) <= 2 * MAX_NAME
+        ):
+            raise BadReference(key, f"submitted is not a round key of at most {2 * MAX_NAME}")
+        return cls(root, names, shapes, dtypes, fields["swarm"], samples, submitted)
 
     def check(self, arrays: Mapping[str, np.ndarray]) -> None:
         """ReferenceMismatch unless ``arrays`` are the names, shapes and dtypes claimed."""
-        got = ArrayRef.of(self.root, arrays, swarm=self.swarm, samples=self.samples)
+        got = ArrayRef.of(self.root, arrays, swarm=self.swarm)
         for what in ("names", "shapes", "dtypes"):
             if getattr(got, what) != getattr(self, what):
                 raise ReferenceMismatch(str(self.root), f"{what} {getattr(got, what)[:4]}...")

@@ -16,19 +16,23 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from tensorswap.errors.flower import AggregateUnavailable
+from tensorswap.errors.flower import AggregateUnavailable, FlowerBridgeError
 from tensorswap.flower.link import BlockLink
-from tensorswap.flower.records import has_reference, swap_in, swap_out, with_reply_plan
+from tensorswap.flower.records import has_reference, peer_of, swap_in, swap_out, with_reply_plan
 from tensorswap.flower.reference import ArrayRef, is_reference
-from tensorswap.flower.streamed import Plan, plan_round, refusal, settled
+from tensorswap.flower.streamed import Opened, Plan, plan_round, refusal, settled
 from tensorswap.rounds.core import RoundId
 
-__all__ = ["AGGREGATE_TIMEOUT", "BlockStrategy", "MessageBytes"]
+__all__ = ["AGGREGATE_TIMEOUT", "ARRIVAL_TIMEOUT", "BlockStrategy", "MessageBytes"]
 
 log = logging.getLogger(__name__)
 
 AGGREGATE_TIMEOUT = 600.0
 """Seconds the service's coordinator has for one round's aggregate (its round's deadline)."""
+ARRIVAL_TIMEOUT = 3600.0
+"""The deadline (seconds after ``configure_train``) of the round the sampled nodes' mods
+submit their replies to as they reply; a round still short of a reply then fails, and the
+replies Flower hands the strategy are aggregated in a round of their own."""
 TrainCall = Callable[[int, Iterable[Message]], tuple[ArrayRecord | None, MetricRecord | None]]
 
 _BRIDGED = ("configure_train", "aggregate_train", "configure_evaluate", "aggregate_evaluate")
@@ -78,7 +82,12 @@ class BlockStrategy(Strategy):
     The strategy is then handed the replies with the aggregate as every reply's arrays (its
     metrics, checks and server step run as they would; its mean of equal arrays is the
     aggregate up to float rounding), and where its arrays are that mean the service's own
-    aggregate is returned (so the next round's model is not pushed again). A round the
+    aggregate is returned (so the next round's model is not pushed again). The service
+    folds the replies as they come: ``configure_train`` opens a round on its coordinator
+    for the sampled nodes, each node's mod submits its reply to it after pushing it, and
+    ``aggregate_train`` takes that round's aggregate where Flower handed it a reply of
+    every sampled node, each submitted there (``Plan.unlike``); otherwise the replies it
+    was handed are aggregated in a round of their own (the same deterministic fold). A round the
     service cannot aggregate (a reply inline, without weight, of another layout or dtype;
     a refusal there; a service without a coordinator) is aggregated here as before, with a
     warning saying why.
@@ -101,6 +110,10 @@ class BlockStrategy(Strategy):
         self.bytes = MessageBytes()
         self.streamed_rounds = 0
         """Training rounds whose replies the block service aggregated."""
+        self.arrival_rounds = 0
+        """Of those, the rounds aggregated in the round the nodes submitted to as they
+        replied (the rest: in a round the strategy started once it had every reply)."""
+        self._opened: dict[int, Opened] = {}
         self._refused = _stream_refusal(strategy, stream)
         if self._refused is not None and stream is None:
             log.info("%s: replies aggregated in this process (%s)", type(strategy).__name__,
@@ -133,7 +146,7 @@ class BlockStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         messages = self.strategy.configure_train(server_round, arrays, config, grid)
-        return self._sending(messages, train=True)
+        return self._sending(messages, train_round=server_round)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -170,7 +183,7 @@ class BlockStrategy(Strategy):
         saved = {name: own.get(name, _ABSENT) for name in _BRIDGED}
         originals = {name: getattr(inner, name) for name in _BRIDGED}
         bridges = {
-            "configure_train": self._sending_call(originals["configure_train"], train=True),
+            "configure_train": self._training_sending_call(originals["configure_train"]),
             "aggregate_train": self._training_call(originals["aggregate_train"]),
             "configure_evaluate": self._sending_call(originals["configure_evaluate"]),
             "aggregate_evaluate": self._received_call(originals["aggregate_evaluate"]),
@@ -186,11 +199,20 @@ class BlockStrategy(Strategy):
                 else:
                     own[name] = value
 
-    def _sending_call(
-        self, call: Callable[..., Iterable[Message]], *, train: bool = False
-    ) -> Callable[..., list[Message]]:
+    def _sending_call(self, call: Callable[..., Iterable[Message]]) -> Callable[..., list[Message]]:
         def bridge(*args: Any, **kwargs: Any) -> list[Message]:
-            return self._sending(call(*args, **kwargs), train=train)
+            return self._sending(call(*args, **kwargs))
+
+        return bridge
+
+    def _training_sending_call(
+        self, call: Callable[..., Iterable[Message]]
+    ) -> Callable[..., list[Message]]:
+        def bridge(
+            server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+        ) -> list[Message]:
+            messages = call(server_round, arrays, config, grid)
+            return self._sending(messages, train_round=server_round)
 
         return bridge
 
@@ -209,17 +231,47 @@ class BlockStrategy(Strategy):
         return bridge
 
     # ── the swaps ────────────────────────────────────────────────────────────
-    def _sending(self, messages: Iterable[Message], *, train: bool = False) -> list[Message]:
+    def _sending(
+        self, messages: Iterable[Message], *, train_round: int | None = None
+    ) -> list[Message]:
+        """The messages with their arrays pushed and referenced; for training round
+        ``train_round`` (streamed), each also asks its node's mod to store the reply with its
+        weight and to submit it to the round opened here for the sampled nodes."""
         out = list(messages)
         memo: dict[int, ArrayRef | None] = {}
+        planned: list[Message] = []
+        streamed = train_round is not None and self._refused is None
         for message in out:
             if message.has_content():
-                content = swap_out(message.content, self._push, swarm=self.swarm, memo=memo)
-                if train and self._refused is None and has_reference(content):
-                    content = with_reply_plan(content, self.strategy.weighted_by_key)
-                message.content = content
+                message.content = swap_out(message.content, self._push, swarm=self.swarm, memo=memo)
+                if streamed and has_reference(message.content):
+                    planned.append(message)
+        opened = None if not planned else self._open(train_round or 0, planned)
+        for message in planned:
+            round_ = None if opened is None else (opened.round_id.round, opened.round_id.initiator)
+            message.content = with_reply_plan(
+                message.content, self.strategy.weighted_by_key, round_
+            )
+        for message in out:
+            if message.has_content():
                 self._count(message.content)
         return out
+
+    def _open(self, server_round: int, messages: list[Message]) -> Opened | None:
+        """A round on the service's coordinator for the nodes ``messages`` go to (one each),
+        which their mods submit their replies to; None (logged) when the service refuses."""
+        self._opened.clear()  # a round configured but never aggregated: left to its deadline
+        peers = frozenset(peer_of(m.metadata.dst_node_id) for m in messages)
+        if len(peers) != len(messages):
+            return None
+        round_id = RoundId(next(self._rounds), self._initiator)
+        try:
+            self.link.open_round(round_id, len(peers), timeout=ARRIVAL_TIMEOUT)
+        except FlowerBridgeError as exc:
+            log.info("round %d: replies not folded as they arrive: %s", server_round, exc)
+            return None
+        opened = self._opened[server_round] = Opened(round_id, peers)
+        return opened
 
     def _aggregating(
         self, call: TrainCall, server_round: int, replies: Iterable[Message]
@@ -231,7 +283,9 @@ class BlockStrategy(Strategy):
         if isinstance(plan, str):
             log.warning("round %d: replies aggregated in this process: %s", server_round, plan)
         elif plan is not None:
-            aggregate = self._aggregate(server_round, plan)
+            aggregate = self._arrived(server_round, plan)
+            if aggregate is None:
+                aggregate = self._aggregate(server_round, plan)
             if aggregate is not None:
                 for message in out:
                     if not message.has_error():
@@ -240,6 +294,23 @@ class BlockStrategy(Strategy):
                 self.streamed_rounds += 1
                 return settled(arrays, aggregate, len(plan.entries)), metrics
         return call(server_round, self._received(out))
+
+    def _arrived(self, server_round: int, plan: Plan) -> dict[str, Any] | None:
+        """The aggregate of the round the nodes submitted to as they replied, where it is
+        the plan's (``Plan.unlike``); None (logged) where it is not or the service gives none."""
+        opened = self._opened.pop(server_round, None)
+        if opened is None:
+            return None
+        unlike = plan.unlike(opened)
+        try:
+            if unlike is None:
+                _, arrays = self.link.round_aggregate(opened.round_id, timeout=AGGREGATE_TIMEOUT)
+                self.arrival_rounds += 1
+                return arrays
+        except AggregateUnavailable as exc:
+            unlike = str(exc)
+        log.info("round %d: the replies handed are aggregated afresh: %s", server_round, unlike)
+        return None
 
     def _aggregate(self, server_round: int, plan: Plan) -> dict[str, Any] | None:
         """The service's aggregate of the plan's replies; None (logged) when it gives none."""

@@ -19,10 +19,11 @@ from flwr.serverapp.strategy import (
 )
 
 from tensorswap.cid import Cid
-from tensorswap.flower.records import record_of
+from tensorswap.flower.records import peer_of, record_of
 from tensorswap.flower.reference import ArrayRef, is_reference
+from tensorswap.rounds.core import RoundId
 
-__all__ = ["MEAN_STEPS", "Plan", "plan_round", "refusal", "settled"]
+__all__ = ["MEAN_STEPS", "Opened", "Plan", "plan_round", "refusal", "settled"]
 
 MEAN_STEPS: frozenset[Callable[..., object]] = frozenset(
     cls.aggregate_train for cls in (FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad)
@@ -58,6 +59,15 @@ def refusal(strategy: Strategy) -> str | None:
 
 
 @dataclass(frozen=True)
+class Opened:
+    """A round the strategy opened on the service's coordinator at ``configure_train`` for
+    the sampled nodes (``peers``, their names in the rounds), which their mods submit to."""
+
+    round_id: RoundId
+    peers: frozenset[str]
+
+
+@dataclass(frozen=True)
 class Plan:
     """A round whose replies the service aggregates: each reply with arrays (by position in
     the replies) under its reference's key, and the (peer, root) entries submitted."""
@@ -67,6 +77,24 @@ class Plan:
     """The first reply's reference (every reply's names, shapes and dtypes are the same)."""
     entries: list[tuple[str, Cid]]
     samples: int
+    submitted: tuple[str | None, ...] = ()
+    """Each entry's ``ArrayRef.submitted``: the round its node's mod submitted it to."""
+
+    def unlike(self, opened: Opened) -> str | None:
+        """Why the service's aggregate of the round ``opened`` (the nodes' mods submitted to
+        it as they replied) is not the aggregate of this plan's entries, or None when it is:
+        every sampled node's reply is here, and each says its mod's submit of its very root
+        to that round was accepted under its node's name. The round expects as many peers
+        as were sampled, so it then holds exactly these entries (a name another took would
+        have refused the node's own submit), and its deterministic fold is this plan's."""
+        peers = {peer for peer, _ in self.entries}
+        if peers != opened.peers:
+            return f"{len(peers & opened.peers)} of the {len(opened.peers)} sampled nodes replied"
+        key = opened.round_id.as_key()
+        unsent = sum(1 for s in self.submitted if s != key)
+        if unsent:
+            return f"{unsent} replies were not submitted to round {key} as they arrived"
+        return None
 
     def handed(self, replies: list[Message], arrays: dict[str, np.ndarray]) -> list[Message]:
         """``replies`` with each reference replaced by one ArrayRecord of the aggregate's
@@ -100,7 +128,7 @@ def plan_round(replies: list[Message], weight_key: str) -> Plan | str | None:
             return found
         keys[at], ref = found
         refs.append(ref)
-        peers.append(f"node-{message.metadata.src_node_id}")
+        peers.append(peer_of(message.metadata.src_node_id))
     if not refs:
         return None
     first = refs[0]
@@ -116,7 +144,7 @@ def plan_round(replies: list[Message], weight_key: str) -> Plan | str | None:
     if samples <= 0:
         return f"the replies' {weight_key!r} add up to {samples}"
     entries = [(peer, r.root) for peer, r in zip(peers, refs, strict=True)]
-    return Plan(keys, first, entries, samples)
+    return Plan(keys, first, entries, samples, tuple(r.submitted for r in refs))
 
 
 def _reference(content: RecordDict, weight_key: str) -> tuple[str, ArrayRef] | str:
