@@ -65,6 +65,7 @@ def test_the_bridge_changes_no_result(name: str) -> None:
     assert strategy.bytes.carried <= 0.01 * strategy.bytes.referenced, strategy.bytes
     counters = strategy.link.counters
     assert strategy.streamed_rounds == counters.aggregates == ROUNDS
+    assert strategy.arrival_rounds == ROUNDS  # every reply submitted by its mod as it replied
     # one aggregate a round came to the strategy (plain bridge: the 4 replies), manifests
     # aside; FedAdam's step makes the model float64 from round 1 on (numpy's float64 scalars)
     result_bytes = sum(array.numpy().nbytes for array in bridged.arrays.values())

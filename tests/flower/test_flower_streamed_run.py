@@ -86,6 +86,7 @@ def test_failed_nodes_and_int_arrays_keep_flowers_results(caplog: pytest.LogCapt
     strategy.close()
     bridged = bridged_run["result"]
     assert strategy.streamed_rounds == 2  # rounds 1 and 2 (3 replies of 4); not round 3
+    assert strategy.arrival_rounds == 1  # round 2's failed node never submitted: afresh
     assert any(
         "round 3: replies aggregated in this process: dtypes ['int64']" in r.getMessage()
         for r in caplog.records
