@@ -89,6 +89,8 @@ class Rounds:
     """The machine's 1-minute load average when the run ended (other work included)."""
     streamed: int = 0
     """Rounds (warm-up included) whose replies the block service aggregated."""
+    arrival: int = 0
+    """Of those, the rounds folded as the replies arrived (each node's mod submitted)."""
 
     def total(self) -> list[int]:
         return [r + s for r, s in zip(self.received, self.sent, strict=True)]
@@ -318,9 +320,14 @@ def run_variant(
             procs.stop("blocks")
             shutil.rmtree(tmp / f"blocks-{seed}", ignore_errors=True)
     counted = out / "bytes.json"
-    streamed = json.loads(counted.read_text())["streamed_rounds"] if counted.exists() else 0
+    bridged = json.loads(counted.read_text()) if counted.exists() else {}
     rounds = measured(out, settings.warmup)
-    return dataclasses.replace(rounds, load=os.getloadavg()[0], streamed=streamed)
+    return dataclasses.replace(
+        rounds,
+        load=os.getloadavg()[0],
+        streamed=bridged.get("streamed_rounds", 0),
+        arrival=bridged.get("arrival_rounds", 0),
+    )
 
 
 def report(
@@ -341,7 +348,7 @@ def report(
             f"  {name:<14} round {_spread(rounds.seconds)} s; link "
             f"{statistics.median(rounds.total()) / model:.2f} models/round "
             f"(down {down:.2f}, up {up:.2f}); load {rounds.load:.1f}; "
-            f"streamed rounds {rounds.streamed}"
+            f"streamed rounds {rounds.streamed} ({rounds.arrival} folded as replies arrived)"
         )
         print("    " + ", ".join(f"{k} {v:.1f}" for k, v in rounds.phases.items()))
     seconds = {n: statistics.median(r.seconds) for n, r in results.items()}

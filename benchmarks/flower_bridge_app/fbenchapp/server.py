@@ -95,6 +95,7 @@ def main(grid: Grid, context: Context) -> None:
             "carried": strategy.bytes.carried,
             "referenced": strategy.bytes.referenced,
             "streamed_rounds": strategy.streamed_rounds,
+            "arrival_rounds": strategy.arrival_rounds,
             "fetched": strategy.link.counters.fetched_bytes,
             "sent": strategy.link.counters.sent_bytes,
         }
