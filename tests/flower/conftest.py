@@ -12,6 +12,7 @@ import gc
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"unclosed file <_io\.TextIOWrapper name='/dev/null'")
         gc.collect()
+
+
+@pytest.fixture
+def task(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Flower's process identity, which building a Message needs (its runtimes set it), for
+    tests that make messages without a Flower run; monkeypatch puts Flower's own values back
+    afterwards. Flower is imported here, not above: without it the modules skip."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("task_id", 1), ("run_id", 1), ("node_id", 0)):
+        monkeypatch.setattr(TaskIdentity, f"_{name}", value)
+    yield

@@ -24,7 +24,6 @@ from flwr.app import (  # noqa: E402
     RecordDict,
 )
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from tensorswap.errors.flower import BadReference  # noqa: E402
 from tensorswap.flower import ArrayRef, BlockLink, BlockService, BlockStrategy  # noqa: E402
@@ -42,14 +41,6 @@ class Nodes:
 
     def get_node_ids(self) -> list[int]:
         return list(NODES)
-
-
-@pytest.fixture
-def task(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Flower's process identity, which building a Message needs (set by its runtimes)."""
-    for name, value in (("task_id", 1), ("run_id", 1), ("node_id", 0)):
-        monkeypatch.setattr(TaskIdentity, f"_{name}", value)
-    yield
 
 
 @pytest.fixture

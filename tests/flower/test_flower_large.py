@@ -27,7 +27,6 @@ from flwr.app import (  # noqa: E402
     RecordDict,
 )
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from tensorswap.flower import ArrayRef, BlockLink, BlockService, BlockStrategy  # noqa: E402
 from tensorswap.flower.mod import blocks_mod, shared_link  # noqa: E402
@@ -77,14 +76,6 @@ class Kept(FedAvg):  # type: ignore[misc]
 class OneNode:
     def get_node_ids(self) -> list[int]:
         return [NODE]
-
-
-@pytest.fixture
-def task(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Flower's process identity, which building a Message needs (set by its runtimes)."""
-    for name, value in (("task_id", 1), ("run_id", 1), ("node_id", 0)):
-        monkeypatch.setattr(TaskIdentity, f"_{name}", value)
-    yield
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ reads as a reply's weight, and when the service's aggregate is returned as the s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import numpy as np
 import pytest
@@ -33,7 +33,6 @@ from flwr.serverapp.strategy import (  # noqa: E402
     QFedAvg,
     Strategy,
 )
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from tensorswap.cid import Cid  # noqa: E402
 from tensorswap.flower import ArrayRef, BlockStrategy  # noqa: E402
@@ -105,15 +104,6 @@ def test_the_mod_reads_the_plan_and_the_weight() -> None:
     assert reply_samples(reply(**{"num-examples": 12.5}), "num-examples") is None
     assert reply_samples(reply(**{"num-examples": -1}), "num-examples") is None
     assert reply_samples(reply(loss=1.0), "num-examples") is None
-
-
-@pytest.fixture
-def task(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Flower's process identity, which building a Message needs (set by its runtimes);
-    monkeypatch puts Flower's own values back afterwards."""
-    for name, value in (("task_id", 1), ("run_id", 1), ("node_id", 0)):
-        monkeypatch.setattr(TaskIdentity, f"_{name}", value)
-    yield
 
 
 def _reply(node: int, samples: int | None = 5, weight: object = 5, **arrays: np.ndarray) -> Message:
