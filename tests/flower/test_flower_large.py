@@ -82,8 +82,29 @@ class OneNode:
 def stores(tmp_path: Path) -> Iterator[Path]:
     """A folder for the three stores (about 6.2 GiB), deleted after the test: pytest keeps
     its last runs' ``tmp_path``s, which would keep the blocks too."""
+    free_disk = shutil.disk_usage(tmp_path).free
+    if free_disk < NEEDS_DISK:
+        pytest.skip(f"needs {NEEDS_DISK >> 30} GiB free under {tmp_path}, has {free_disk >> 30}")
+    available = _available_memory()
+    if available is not None and available < NEEDS_MEMORY:
+        pytest.skip(f"needs {NEEDS_MEMORY >> 30} GiB of memory available, has {available >> 30}")
     yield tmp_path
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+NEEDS_DISK = 8 << 30  # the three stores (~6.2 GiB) and some room
+NEEDS_MEMORY = 7 << 30  # the model and a copy or two (peak RSS 4.7 GiB here)
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (bytes), None where there is none (not Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def reference_in(content: RecordDict) -> ArrayRef:
