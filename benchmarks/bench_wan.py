@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PYTHON",
         help="an interpreter with flwr==1.42.0 (its own venv): Flower beside tensorswap "
         "(default $TENSORSWAP_FLOWER_PYTHON, else .venv-flower from `make flower-venv`; "
-        "none: Flower is not run)",
+        "none found, or `none`: Flower is not run)",
     )
     parser.add_argument("--raw-server", nargs=4, metavar=("ADDR", "PORT", "PEERS", "BYTES"),
                         help=argparse.SUPPRESS)  # fmt: skip
@@ -397,12 +397,13 @@ def main(argv: list[str] | None = None) -> int:
             env=env, cwd=here,
         )  # fmt: skip
         wait_listening(both, 60, "raw TCP server, up and down at once")
+        flower = args.flower_python if args.flower_python not in ("", "none") else None
         for k, scenario in enumerate(SCENARIOS):
             if args.only and scenario.name != args.only:
                 continue
             ratio = run_scenario(
                 lab, scenario, reps, nbytes, first_round=1 + 100 * k,
-                flower=args.flower_python, judge=not args.quick,
+                flower=flower, judge=not args.quick,
             )  # fmt: skip
             if ratio > scenario.goal and not args.quick:  # goals are for 8 MiB updates
                 missed.append(scenario.name)

@@ -89,8 +89,9 @@ async def test_traffic_is_the_wire_count_of_open_and_closed_connections() -> Non
                 # the coordinator's counters, then the wire's, then those of the services
                 # attached (the cut-through's own: ``stat_sources``)
                 wire = [k for k in report.stats if not k.startswith("cut_")]
-                assert list(report.stats)[-4:] == [
-                    "cut_held_bytes", "cut_awaited_chunks", "cut_rounds", "cut_folded"
+                assert list(report.stats)[-6:] == [
+                    "cut_held_bytes", "cut_awaited_chunks", "cut_rounds", "cut_folded",
+                    "cut_paced_waits", "cut_pacing_off",
                 ]  # fmt: skip
                 assert wire[-14:] == [
                     "bytes_in",

@@ -13,6 +13,7 @@ from tensorswap.rounds.core.errors import UnknownUpdate, UpdateMismatch
 from tensorswap.rounds.core.state import LayerSpec, Layout, RoundInfo
 from tensorswap.rounds.engine.screen import check_layout
 from tensorswap.store import (
+    ChunkRef,
     MalformedManifest,
     TensorManifest,
     UpdateManifest,
@@ -48,6 +49,12 @@ class Announced:
     bounds: tuple[tuple[int, ...], ...]
     closure: list[Cid]
     """Every block of the update (manifests and chunks)."""
+
+    def refs(self) -> Iterator[tuple[tuple[int, int], ChunkRef]]:
+        """``((tensor index, chunk index), chunk)`` for every chunk, in manifest order."""
+        for t, tensor in enumerate(self.tensors):
+            for c, chunk in enumerate(tensor.chunks):
+                yield (t, c), chunk
 
     def chunks(self) -> Iterator[tuple[tuple[int, int], Cid]]:
         """``((tensor index, chunk index), chunk CID)`` for every chunk, in manifest order."""

@@ -36,6 +36,7 @@ from tensorswap.cid import Cid, Multicodec
 from tensorswap.errors import HashMismatch, TensorSwapError
 from tensorswap.rounds.core.state import Contribution, Layout, RoundId, RoundInfo, RoundTracker
 from tensorswap.rounds.engine._cut_fold import fold_piece
+from tensorswap.rounds.engine._cut_pace import Pacer, Pacing
 from tensorswap.rounds.engine._cut_parse import (
     Announced,
     AnnounceVerdict,
@@ -78,6 +79,7 @@ class _Round:
     abandoned: str | None = None
     ended: bool = False
     order: tuple[str, ...] = ()  # the announced peers by name, once all have announced
+    pacing: Pacing = field(default_factory=Pacing)
     lock: threading.Lock = field(default_factory=threading.Lock)
     settled: threading.Condition = field(init=False)  # a claimed piece stored or let go
 
@@ -106,12 +108,15 @@ class CutThrough:
         chunk_bytes: Callable[[], int],
         *,
         max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
+        pacer: Pacer | None = None,
     ) -> None:
         self.store = store
         self.tracker = tracker
         self.hooks = hooks
         self.enabled = True
         self.max_held_bytes = max_held_bytes
+        self.pacer = pacer or Pacer()
+        """Keeps the uploads in step (``_cut_pace``: a peer far ahead waits for the others)."""
         self.listeners: list[Callable[[RoundId], None]] = []
         self._chunk_bytes = chunk_bytes
         self._rounds: OrderedDict[RoundId, _Round] = OrderedDict()
@@ -226,11 +231,21 @@ class CutThrough:
             rc = self._rounds.get(rid)
             if rc is None:
                 continue
+            self._pace(rc, peer, piece)
             try:
                 self._arrived(rc, peer, piece, data)
             except Exception as exc:  # the round falls back; the block stays stored
                 self._abandon(rid, rc, f"reading a chunk at arrival failed: {exc}")
             self._try_fold(rid, rc)
+
+    def _pace(self, rc: _Round, peer: str, piece: Piece) -> None:
+        """Hold this sink thread while ``peer`` is too far ahead of the round's folds."""
+        with rc.lock:
+            got = rc.announced.get(peer)
+            if got is None or not rc.order:  # nothing folds before every peer announced
+                return
+            live = lambda: rc.abandoned is None and not rc.ended  # noqa: E731
+            self.pacer.hold(rc.pacing, rc.settled, got, piece, live)
 
     def _arrived(self, rc: _Round, peer: str, piece: Piece, data: memoryview) -> None:
         with rc.lock:
@@ -295,6 +310,7 @@ class CutThrough:
                 rc.progress.append(ref.cid)
                 rc.present.pop(piece, None)
                 self.folded += 1
+                self.pacer.folded(rc.pacing)
                 rc.settled.notify_all()
             self._notify(rid)
 
@@ -377,7 +393,9 @@ class CutThrough:
         remembered, pieces folded at arrival so far."""
         with self._lock:
             return {"cut_held_bytes": self._held_bytes, "cut_awaited_chunks": len(self._index),
-                    "cut_rounds": len(self._rounds), "cut_folded": self.folded}  # fmt: skip
+                    "cut_rounds": len(self._rounds), "cut_folded": self.folded,
+                    "cut_paced_waits": self.pacer.waits,
+                    "cut_pacing_off": self.pacer.given_up}  # fmt: skip
 
     def remembered(self) -> tuple[list[RoundId], set[RoundId]]:
         """The rounds whose state is remembered, and those with chunks still awaited."""
@@ -434,6 +452,7 @@ class CutThrough:
     def _end(self, rid: RoundId, rc: _Round) -> None:
         with rc.lock:
             rc.ended = True
+            rc.settled.notify_all()  # a paced sink thread goes on
         self._drop_held(rc)
         self._unindex(rid, rc)
         self._notify(rid)

@@ -116,7 +116,7 @@ class RoundServer:
         limits: WireLimits | None = None,
         timeouts: Timeouts | None = None,
         name: str = "tensorswap-coordinator",
-        store_depth: int = 2,
+        store_depth: int = 1,
         max_wait: float = 300.0,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,

@@ -1,0 +1,150 @@
+"""Cut-through pacing (rounds.engine._cut_pace): a peer far ahead of the folds waits on its
+sink thread, driven without a network (``on_stored`` called as the block service calls it)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from tensorswap.cid import Cid, Multicodec
+from tensorswap.rounds import Coordinator
+from tensorswap.rounds.client._updates import children_first
+from tensorswap.rounds.core import RoundId, RoundSpec
+from tensorswap.rounds.engine._cut_pace import Pacer
+from tensorswap.store import MemoryStore, ModelUpdate, put_update
+
+RID = RoundId(1, "lead")
+CHUNK = 64 * 1024
+
+
+class Clock:
+    """A clock the test moves; ``asked`` is set whenever the pacer reads it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.asked = threading.Event()
+
+    def __call__(self) -> float:
+        self.asked.set()
+        return self.now
+
+
+def round_of_two(clock: Clock, patience: float = 30.0) -> tuple[Coordinator, list[Peer]]:
+    coord = Coordinator(MemoryStore(), run_timer=False)
+    coord.result_chunk_bytes = CHUNK
+    coord.cut.pacer = Pacer(window_bytes=1, min_patience=patience, clock=clock)
+    coord.start_round(RID, RoundSpec(2))
+    rng = np.random.default_rng(7)
+    peers = [Peer(f"p{i}", rng.standard_normal(3 * CHUNK // 4, np.float32)) for i in range(2)]
+    for peer in peers:
+        assert coord.cut.announce(RID, peer.name, peer.cid, peer.manifests).ok
+    return coord, peers
+
+
+class Peer:
+    def __init__(self, name: str, values: np.ndarray) -> None:
+        self.name = name
+        self.store = MemoryStore()
+        self.cid = put_update(self.store, ModelUpdate({"w": values}, 10), chunk_bytes=CHUNK)
+        closure = children_first(self.store, self.cid)
+        self.manifests = {
+            c: bytes(self.store.get(c)) for c in closure if c.codec is Multicodec.TENSORSWAP_MANIFEST
+        }
+        self.chunks = [c for c in closure if c.codec is not Multicodec.TENSORSWAP_MANIFEST]
+        assert len(self.chunks) == 3
+
+    def deliver(self, coord: Coordinator, k: int) -> None:
+        """Chunk ``k`` stored at the coordinator and handed to its cut-through, as a sink."""
+        cid: Cid = self.chunks[k]
+        data = bytes(self.store.get(cid))
+        coord.store.put_verified(cid, data)
+        coord.cut.on_stored(cid, memoryview(data))
+
+
+def in_thread(fn: object) -> threading.Thread:
+    thread = threading.Thread(target=fn, daemon=True)  # type: ignore[arg-type]
+    thread.start()
+    return thread
+
+
+def test_a_peer_ahead_waits_until_the_piece_before_it_folds() -> None:
+    clock = Clock()
+    coord, (a, b) = round_of_two(clock)
+    with coord:
+        a.deliver(coord, 0)  # the next piece to fold: it goes on
+        assert coord.cut.pacer.waits == 0
+        clock.asked.clear()
+        ahead = in_thread(lambda: a.deliver(coord, 1))
+        assert clock.asked.wait(30)  # a's second chunk is waiting on its sink thread
+        assert coord.cut.pacer.waits == 1 and ahead.is_alive()
+        assert coord.cut.stats()["cut_held_bytes"] == CHUNK  # a's first chunk only
+        b.deliver(coord, 0)  # piece 0 folds: a's second chunk goes on
+        ahead.join(30)
+        assert not ahead.is_alive()
+        assert coord.cut.folded == 1
+        b.deliver(coord, 1)
+        assert coord.cut.folded == 2
+        assert coord.cut.stats()["cut_paced_waits"] == 1
+        assert coord.cut.stats()["cut_pacing_off"] == 0
+
+
+def test_pacing_is_given_up_when_no_piece_folds_for_its_patience() -> None:
+    clock = Clock()
+    coord, (a, b) = round_of_two(clock, patience=1.0)
+    with coord:
+        a.deliver(coord, 0)
+        clock.asked.clear()
+        ahead = in_thread(lambda: a.deliver(coord, 1))
+        assert clock.asked.wait(30)
+        clock.now = 5.0  # b is silent past the patience: the wait ends on its next look
+        with coord.cut._rounds[RID].settled:  # what a fold would do: wake the waiter
+            coord.cut._rounds[RID].settled.notify_all()
+        ahead.join(30)
+        assert not ahead.is_alive()
+        assert coord.cut.stats()["cut_pacing_off"] == 1
+        a.deliver(coord, 2)  # no pacing in this round any more: no wait
+        assert coord.cut.pacer.waits == 1
+        for k in range(3):
+            b.deliver(coord, k)
+        assert coord.cut.folded == 3  # every piece folded all the same
+
+
+def test_an_abandoned_round_lets_a_waiting_sink_go() -> None:
+    clock = Clock()
+    coord, (a, _) = round_of_two(clock)
+    with coord:
+        a.deliver(coord, 0)
+        clock.asked.clear()
+        ahead = in_thread(lambda: a.deliver(coord, 1))
+        assert clock.asked.wait(30)
+        coord.cut.abandon(RID, "a test gives the round up")
+        ahead.join(30)
+        assert not ahead.is_alive()
+        assert coord.cut.stats()["cut_held_bytes"] == 0
+
+
+async def test_a_block_stored_on_the_event_loop_never_waits() -> None:
+    coord, (a, _) = round_of_two(Clock())
+    with coord:
+        a.deliver(coord, 0)
+        a.deliver(coord, 1)  # ahead, but on the loop: blocking here would stall the server
+        a.deliver(coord, 2)
+        await asyncio.sleep(0)
+        assert coord.cut.pacer.waits == 0
+
+
+def test_small_chunks_run_ahead_within_the_window() -> None:
+    coord, (a, _) = round_of_two(Clock())
+    with coord:
+        coord.cut.pacer.window_bytes = 3 * CHUNK  # every chunk of the update fits
+        for k in range(3):
+            a.deliver(coord, k)
+        assert coord.cut.pacer.waits == 0
+
+
+def test_a_window_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="window_bytes"):
+        Pacer(window_bytes=0)
