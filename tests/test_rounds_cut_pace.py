@@ -50,9 +50,8 @@ class Peer:
         self.store = MemoryStore()
         self.cid = put_update(self.store, ModelUpdate({"w": values}, 10), chunk_bytes=CHUNK)
         closure = children_first(self.store, self.cid)
-        self.manifests = {
-            c: bytes(self.store.get(c)) for c in closure if c.codec is Multicodec.TENSORSWAP_MANIFEST
-        }
+        manifest = Multicodec.TENSORSWAP_MANIFEST
+        self.manifests = {c: bytes(self.store.get(c)) for c in closure if c.codec is manifest}
         self.chunks = [c for c in closure if c.codec is not Multicodec.TENSORSWAP_MANIFEST]
         assert len(self.chunks) == 3
 
