@@ -9,8 +9,9 @@ import time
 from collections.abc import Callable
 
 from tensorswap.collective._layout import slice_range
+from tensorswap.collective._progress import STALL_FACTOR, STALL_FLOOR
 from tensorswap.collective._relay import Relay, RelayRefused
-from tensorswap.collective._state import CallState, GroupState, PeerState
+from tensorswap.collective._state import CallState, GroupState, PeerState, commit_due
 from tensorswap.collective.errors import BadCollectiveMessage
 from tensorswap.collective.messages import (
     APP,
@@ -109,14 +110,18 @@ class Rendezvous:
         self._seen(group, call.peer, request.peer)
         if isinstance(call, Poll):
             return encode(await self._poll(group, call))
-        state = group.open_call(call.call) if isinstance(call, Commit) else None
+        now = self.clock()
+        state = group.open_call(call.call, now) if isinstance(call, Commit) else None
         state = state or group.calls.get(call.call)
         self.relay.release_gone(group.name, set(group.calls))
         if state is None:
             return encode(Answer(error=f"call {call.call} is not open"))
         if isinstance(call, RelayPut):
             return encode(Answer(error=await self._relay_put(group, state, call)))
+        fresh = isinstance(call, Commit) and call.peer not in state.commits
         error = self._apply(group, state, call)
+        if fresh and error is None:  # the lag between commits, for the commit rule
+            state.lag = max(state.lag or 0.0, now - state.opened)
         self.relay.release_if_done(state, group.name)
         self._bump(group)
         return encode(Answer(error=error, view=state.view()))
@@ -259,6 +264,24 @@ class Rendezvous:
                 self._drop(group, name, f"silent for {gap:.1f} s")
             elif gap > PROBE_AFTER + peer.max_gap:
                 self._probe(group, peer.member, f"silent for {gap:.1f} s")
+        self._check_commits(group, now)
+
+    def _check_commits(self, group: GroupState, now: float) -> None:
+        """Drop a live participant that polls but has not committed to a call the others
+        committed to, once overdue against the lags measured here (``commit_due``)."""
+        for call in group.unsealed():
+            due = commit_due(call, group.pace)
+            if due is None or now < due:
+                continue
+            for name in [p for p in call.live if p not in call.commits]:
+                self._drop(
+                    group,
+                    name,
+                    f"made no progress: no commit to call {call.number} "
+                    f"{now - call.opened:.1f} s after the first (allowed: {STALL_FLOOR:g} s "
+                    f"+ {STALL_FACTOR:g}x the longest lag between commits measured in the "
+                    f"calls before, {group.pace or 0.0:.3f} s)",
+                )
 
     def _probe(self, group: GroupState, member: Member, why: str) -> None:
         if member.relayed:  # no port to probe: are its connections to us still open?
