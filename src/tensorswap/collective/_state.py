@@ -12,7 +12,7 @@ from tensorswap.collective.messages import (
     ReducedInfo,
 )
 
-__all__ = ["CallState", "GroupState", "PeerState", "commit_due", "reducer_after"]
+__all__ = ["CallState", "GroupState", "PeerState", "commit_due", "publish_due", "reducer_after"]
 
 KEEP_CALLS = 4
 """Calls a group remembers (the open one and a few sealed ones, for late pollers)."""
@@ -39,6 +39,12 @@ class CallState:
     """When its first commit came (on the rendezvous's clock)."""
     lag: float | None = None
     """The longest a participant's commit came after the first (None before any)."""
+    changed: float = 0.0
+    """When its live participants last changed (a drop; its opening before any)."""
+    delivered: dict[tuple[int, str], dict[str, float]] = field(default_factory=dict)
+    """(slice, reducer) -> per sender, when it said that reducer had taken its push."""
+    committed: dict[str, float] = field(default_factory=dict)
+    """Per participant, when its commit came."""
     version: int = 1
     commits: dict[str, CommitInfo] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)
@@ -52,6 +58,7 @@ class CallState:
 
     def __post_init__(self) -> None:
         self.assign = [m.peer for m in self.participants]
+        self.changed = self.opened
 
     @property
     def names(self) -> list[str]:
@@ -121,6 +128,33 @@ def commit_due(call: CallState, pace: float | None) -> float | None:
     if pace is None or not call.commits:
         return None
     return call.opened + STALL_FLOOR + STALL_FACTOR * pace
+
+
+def publish_due(call: CallState, j: int) -> float | None:
+    """When (on the rendezvous's clock) slice ``j``'s reducer is overdue with its reduced
+    slice: every other live participant said the reducer took its push (``Delivered``) and
+    it published nothing over them since. ``STALL_FLOOR + STALL_FACTOR x D`` after the last
+    of those (or after the last drop, if later), ``D`` being how long the pushes took from
+    the call's opening: folding the slice and pushing it on moves as many bytes as they
+    did; or after the reducer's own commit, if later. None while a push is not said to be
+    in or the reducer has not committed, and for a relayed reducer (its inputs come
+    through the relay)."""
+    live = call.live
+    reducer = call.assign[j]
+    if reducer not in call.committed:
+        return None
+    held = call.reduced.get(j)
+    if held is not None and held.contributors == live and held.reducer == reducer:
+        return None
+    if any(m.peer == reducer and m.relayed for m in call.participants):
+        return None
+    senders = [p for p in live if p != reducer]
+    got = call.delivered.get((j, reducer), {})
+    if not senders or any(p not in got for p in senders):
+        return None
+    last = max(got[p] for p in senders)
+    since = max(last, call.changed, call.committed[reducer])
+    return since + STALL_FLOOR + STALL_FACTOR * max(0.0, last - call.opened)
 
 
 def reducer_after(names: list[str], index: int, dropped: dict[str, str]) -> str:

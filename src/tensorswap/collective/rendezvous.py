@@ -11,7 +11,13 @@ from collections.abc import Callable
 from tensorswap.collective._layout import slice_range
 from tensorswap.collective._progress import STALL_FACTOR, STALL_FLOOR
 from tensorswap.collective._relay import Relay, RelayRefused
-from tensorswap.collective._state import CallState, GroupState, PeerState, commit_due
+from tensorswap.collective._state import (
+    CallState,
+    GroupState,
+    PeerState,
+    commit_due,
+    publish_due,
+)
 from tensorswap.collective.errors import BadCollectiveMessage
 from tensorswap.collective.messages import (
     APP,
@@ -21,6 +27,7 @@ from tensorswap.collective.messages import (
     CallView,
     Commit,
     CommitInfo,
+    Delivered,
     Done,
     Fault,
     Join,
@@ -122,6 +129,7 @@ class Rendezvous:
         error = self._apply(group, state, call)
         if fresh and error is None:  # the lag between commits, for the commit rule
             state.lag = max(state.lag or 0.0, now - state.opened)
+            state.committed[call.peer] = now
         self.relay.release_if_done(state, group.name)
         self._bump(group)
         return encode(Answer(error=error, view=state.view()))
@@ -216,6 +224,8 @@ class Rendezvous:
             return self._accuse(group, state, call)
         if isinstance(call, Done):
             return _done(state, call)
+        if isinstance(call, Delivered):
+            return _delivered(state, call, self.clock())
         raise BadCollectiveMessage(f"unexpected {type(call).__name__}")
 
     def _accuse(self, group: GroupState, state: CallState, call: Accuse) -> str | None:
@@ -265,6 +275,7 @@ class Rendezvous:
             elif gap > PROBE_AFTER + peer.max_gap:
                 self._probe(group, peer.member, f"silent for {gap:.1f} s")
         self._check_commits(group, now)
+        self._check_reducers(group, now)
 
     def _check_commits(self, group: GroupState, now: float) -> None:
         """Drop a live participant that polls but has not committed to a call the others
@@ -281,6 +292,24 @@ class Rendezvous:
                     f"{now - call.opened:.1f} s after the first (allowed: {STALL_FLOOR:g} s "
                     f"+ {STALL_FACTOR:g}x the longest lag between commits measured in the "
                     f"calls before, {group.pace or 0.0:.3f} s)",
+                )
+
+    def _check_reducers(self, group: GroupState, now: float) -> None:
+        """Drop a reducer that took every live participant's push of its slice and has
+        published nothing over them, once overdue (``publish_due``)."""
+        for call in group.unsealed():
+            for j in range(len(call.assign)):
+                due = publish_due(call, j)
+                if due is None or now < due:
+                    continue
+                got = call.delivered[(j, call.assign[j])].values()
+                took = max(got) - call.opened
+                self._drop(
+                    group,
+                    call.assign[j],
+                    f"made no progress: took every push of slice {j} and published nothing "
+                    f"{now - max(got):.1f} s after the last (allowed: {STALL_FLOOR:g} s + "
+                    f"{STALL_FACTOR:g}x the {took:.3f} s the pushes took)",
                 )
 
     def _probe(self, group: GroupState, member: Member, why: str) -> None:
@@ -309,7 +338,9 @@ class Rendezvous:
     def _drop(self, group: GroupState, name: str, reason: str) -> None:
         changed = False
         for state in group.unsealed():
-            changed |= state.drop(name, reason)
+            if state.drop(name, reason):
+                state.changed = self.clock()
+                changed = True
         if group.roster.pop(name, None) is not None or changed:
             self.drops += 1
             logger.info("group %s: dropped %s (%s)", group.name, name, reason)
@@ -356,6 +387,16 @@ def _reduced(state: CallState, call: Reduced) -> str | None:
     state.reduced[call.slice] = ReducedInfo(call.peer, list(call.contributors), call.chunks)
     state.version += 1
     state.seal()
+    return None
+
+
+def _delivered(state: CallState, call: Delivered, now: float) -> str | None:
+    live = state.live
+    if call.peer not in live or call.reducer not in live or call.peer == call.reducer:
+        return f"{call.peer!r} or {call.reducer!r} is not a live participant"
+    if not call.slice < len(state.assign) or state.assign[call.slice] != call.reducer:
+        return f"stale: slice {call.slice} is not {call.reducer!r}'s to reduce"
+    state.delivered.setdefault((call.slice, call.reducer), {}).setdefault(call.peer, now)
     return None
 
 
