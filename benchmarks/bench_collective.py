@@ -59,8 +59,10 @@ def _ts_peer(
     async def main() -> list[tuple[float, float, int]]:
         x = {"w": np.random.default_rng(rank).standard_normal(elems, np.float32)}
         listen = None if relay and rank == n - 1 else "127.0.0.1:0"
+        chosen = os.environ.get("BENCH_CONGESTION", "")
+        tuned = {} if not chosen else {"congestion": None if chosen == "system" else chosen}
         g = await Collective.join(
-            address, group="bench", peer=f"p{rank}", size=n, key=b"k", listen=listen
+            address, group="bench", peer=f"p{rank}", size=n, key=b"k", listen=listen, **tuned
         )
         times = []
         async with g:
@@ -288,7 +290,12 @@ def main() -> None:
     parser.add_argument("--kill", action="store_true", help="also: a peer SIGKILLed mid-call")
     parser.add_argument("--perf", metavar="PREFIX", help="perf record the timed calls")
     parser.add_argument("--relay", action="store_true", help="also: the last peer relayed")
+    parser.add_argument(
+        "--congestion", default="", help="tensorswap's TCP congestion control (system: the default)"
+    )
     args = parser.parse_args()
+    if args.congestion:  # the peers (spawned) read it from their environment
+        os.environ["BENCH_CONGESTION"] = args.congestion
     elems = args.mib * (1 << 20) // 4
     print(f"{args.peers} peers x {args.mib} MiB float32, {os.cpu_count()} CPUs, loopback")
     perf = {k: f"{args.perf}-{k}.data" if args.perf else None for k in ("gloo", "tensorswap")}

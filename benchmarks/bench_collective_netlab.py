@@ -71,7 +71,7 @@ async def _ts_peer(
     address = os.environ["BENCH_ADDRESS"]
     g = await Collective.join(
         target, group=f"bench-{compression}", peer=f"p{rank}", size=n, key=KEY.encode(),
-        listen=f"{address}:0", compression=compression, timeout=300,
+        listen=f"{address}:0", compression=compression, timeout=300, **_congestion(),
     )  # fmt: skip
     x = {"w": np.random.default_rng(rank).standard_normal(elems, np.float32)}
     barrier = {"barrier": np.zeros(1, np.float32)}
@@ -93,6 +93,12 @@ async def _ts_peer(
             out["tx"].append(_link("tx_bytes") - tx)
             out["rx"].append(_link("rx_bytes") - rx)
     return out
+
+
+def _congestion() -> dict[str, Any]:
+    """``join``'s ``congestion`` as ``--congestion`` chose it (the library's default if not)."""
+    chosen = os.environ.get("BENCH_CONGESTION", "")
+    return {} if not chosen else {"congestion": None if chosen == "system" else chosen}
 
 
 def _gloo_peer(rank: int, n: int, master: str, elems: int, calls: int) -> dict[str, list[float]]:
@@ -277,8 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=float, default=32.0, help="MiB of float32 per peer")
     parser.add_argument("--calls", type=int, default=3, help="timed calls per system")
     parser.add_argument("--mbit", type=float, default=200.0, help="every peer's link rate")
+    parser.add_argument(
+        "--congestion", default="", help="tensorswap's TCP congestion control (system: the default)"
+    )
     parser.add_argument("--peer", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.congestion:
+        os.environ["BENCH_CONGESTION"] = args.congestion
     if args.peer:
         return peer_main(args.peer)
     if args.quick:

@@ -30,6 +30,7 @@ from tensorswap.collective.messages import (
     Accuse,
     CallView,
     Commit,
+    Delivered,
     Done,
     Fault,
     Member,
@@ -322,10 +323,20 @@ class CallRun:
             self.progress.pushed(values, owner.clock() - start)
             note = SliceSent(owner.group, self.number, owner.peer, j, [c.to_bytes() for c in cids])
             await client.request(PEER_APP, encode(note))
+            await self._delivered(j, member.peer)
         except (TensorSwapError, OSError) as exc:
             await owner.forget_client(member.peer)
             await self.accuse(member.peer, f"push of slice {j} failed: {exc}")
             await self.forget_later(("push", j, member.peer))
+
+    async def _delivered(self, j: int, reducer: str) -> None:
+        """Tell the rendezvous that ``reducer`` took this peer's push of slice j (the rule
+        for a reducer that never publishes counts these)."""
+        owner = self.owner
+        with contextlib.suppress(TensorSwapError, OSError):
+            answer = await owner.ask(Delivered(owner.group, self.number, owner.peer, j, reducer))
+            if answer.view is not None:
+                owner.note_view(answer.view)
 
     async def accuse(self, suspect: str, reason: str, kind: Fault = Fault.DEAD) -> None:
         owner = self.owner

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tensorswap.collective._progress import STALL_FACTOR, STALL_FLOOR
 from tensorswap.collective.messages import (
     CallView,
     CommitInfo,
@@ -11,7 +12,7 @@ from tensorswap.collective.messages import (
     ReducedInfo,
 )
 
-__all__ = ["CallState", "GroupState", "PeerState", "reducer_after"]
+__all__ = ["CallState", "GroupState", "PeerState", "commit_due", "publish_due", "reducer_after"]
 
 KEEP_CALLS = 4
 """Calls a group remembers (the open one and a few sealed ones, for late pollers)."""
@@ -34,6 +35,16 @@ class CallState:
     number: int
     participants: list[Member]
     size: int
+    opened: float = 0.0
+    """When its first commit came (on the rendezvous's clock)."""
+    lag: float | None = None
+    """The longest a participant's commit came after the first (None before any)."""
+    changed: float = 0.0
+    """When its live participants last changed (a drop; its opening before any)."""
+    delivered: dict[tuple[int, str], dict[str, float]] = field(default_factory=dict)
+    """(slice, reducer) -> per sender, when it said that reducer had taken its push."""
+    committed: dict[str, float] = field(default_factory=dict)
+    """Per participant, when its commit came."""
     version: int = 1
     commits: dict[str, CommitInfo] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)
@@ -47,6 +58,7 @@ class CallState:
 
     def __post_init__(self) -> None:
         self.assign = [m.peer for m in self.participants]
+        self.changed = self.opened
 
     @property
     def names(self) -> list[str]:
@@ -107,6 +119,44 @@ class CallState:
             self.version += 1
 
 
+def commit_due(call: CallState, pace: float | None) -> float | None:
+    """When (on the rendezvous's clock) a live participant that has not committed to
+    ``call`` is overdue: ``STALL_FLOOR + STALL_FACTOR x pace`` after the call opened (its
+    first commit), ``pace`` being the longest lag measured in the group's earlier calls
+    (``GroupState.pace``). None while nothing is measured (the group's first call): the
+    rule never fires on a guess."""
+    if pace is None or not call.commits:
+        return None
+    return call.opened + STALL_FLOOR + STALL_FACTOR * pace
+
+
+def publish_due(call: CallState, j: int) -> float | None:
+    """When (on the rendezvous's clock) slice ``j``'s reducer is overdue with its reduced
+    slice: every other live participant said the reducer took its push (``Delivered``) and
+    it published nothing over them since. ``STALL_FLOOR + STALL_FACTOR x D`` after the last
+    of those (or after the last drop, if later), ``D`` being how long the pushes took from
+    the call's opening: folding the slice and pushing it on moves as many bytes as they
+    did; or after the reducer's own commit, if later. None while a push is not said to be
+    in or the reducer has not committed, and for a relayed reducer (its inputs come
+    through the relay)."""
+    live = call.live
+    reducer = call.assign[j]
+    if reducer not in call.committed:
+        return None
+    held = call.reduced.get(j)
+    if held is not None and held.contributors == live and held.reducer == reducer:
+        return None
+    if any(m.peer == reducer and m.relayed for m in call.participants):
+        return None
+    senders = [p for p in live if p != reducer]
+    got = call.delivered.get((j, reducer), {})
+    if not senders or any(p not in got for p in senders):
+        return None
+    last = max(got[p] for p in senders)
+    since = max(last, call.changed, call.committed[reducer])
+    return since + STALL_FLOOR + STALL_FACTOR * max(0.0, last - call.opened)
+
+
 def reducer_after(names: list[str], index: int, dropped: dict[str, str]) -> str:
     """The first participant at or after ``index`` (in ring order) not dropped."""
     n = len(names)
@@ -129,13 +179,20 @@ class GroupState:
     calls: dict[int, CallState] = field(default_factory=dict)
     active: float = 0.0
 
-    def open_call(self, number: int) -> CallState | None:
-        """Call ``number``, opened now with the roster when it is the next one."""
+    pace: float | None = None
+    """The longest lag (``CallState.lag``) of the calls before the open one: how far apart
+    the members' commits come when nobody stalls (None before any call)."""
+
+    def open_call(self, number: int, now: float = 0.0) -> CallState | None:
+        """Call ``number``, opened ``now`` with the roster when it is the next one."""
         call = self.calls.get(number)
         if call is not None or number != self.next_call or not self.formed:
             return call
+        lags = [c.lag for c in self.calls.values() if c.lag is not None]
+        if lags:
+            self.pace = max(self.pace or 0.0, *lags)
         members = [p.member for p in self.roster.values()]
-        call = self.calls[number] = CallState(number, members, self.size)
+        call = self.calls[number] = CallState(number, members, self.size, now)
         self.next_call += 1
         for old in sorted(self.calls)[:-KEEP_CALLS]:
             del self.calls[old]

@@ -23,6 +23,7 @@ __all__ = [
     "CallView",
     "Commit",
     "CommitInfo",
+    "Delivered",
     "Done",
     "Fault",
     "Join",
@@ -145,6 +146,17 @@ class Accuse(_Base, frozen=True, tag="accuse", tag_field="op"):
     kind: Fault = Fault.DEAD
 
 
+class Delivered(_Base, frozen=True, tag="delivered", tag_field="op"):
+    """Peer -> rendezvous: ``reducer`` answered my notice of slice ``slice`` (it stores
+    every chunk of it I pushed): what the rule for a reducer that never publishes counts."""
+
+    group: str
+    call: int
+    peer: str
+    slice: int
+    reducer: str
+
+
 class Done(_Base, frozen=True, tag="done", tag_field="op"):
     """Peer -> rendezvous: my result root for ``call``; answered with a mismatch if any."""
 
@@ -168,7 +180,7 @@ class RelayPut(_Base, frozen=True, tag="relay", tag_field="op"):
     reduced: bool = False
 
 
-RendezvousCall = Join | Commit | Poll | Reduced | Accuse | Done | RelayPut
+RendezvousCall = Join | Commit | Poll | Reduced | Accuse | Done | RelayPut | Delivered
 
 
 class JoinAnswer(_Base, frozen=True):
@@ -317,6 +329,10 @@ def decode_call(body: bytes, peer: str = "") -> RendezvousCall:
     elif isinstance(call, RelayPut):
         if not 0 < len(call.cid) <= _CID_BYTES or len(call.data) > MAX_RELAY_BLOCK:
             raise BadCollectiveMessage(f"a relayed block of {len(call.data)} bytes", peer)
+        if not 0 <= call.slice < MAX_MEMBERS:
+            raise BadCollectiveMessage(f"slice {call.slice}", peer)
+    elif isinstance(call, Delivered):
+        _name(call.reducer, "reducer", peer)
         if not 0 <= call.slice < MAX_MEMBERS:
             raise BadCollectiveMessage(f"slice {call.slice}", peer)
     elif isinstance(call, Done) and not 0 < len(call.root) <= _CID_BYTES:

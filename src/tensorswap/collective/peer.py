@@ -32,22 +32,30 @@ from tensorswap.collective.messages import (
     decode_view,
     encode,
 )
+from tensorswap.transport import TcpTransport, Transport
 from tensorswap.wire import (
     AppRequest,
     BlockClient,
     BlockHashMismatch,
     BlockServer,
     FailedConnection,
+    FrameConnection,
     Timeouts,
     TransportError,
 )
+from tensorswap.wire.messages import Welcome
 
-__all__ = ["POLL_WAIT", "CallStats", "Collective"]
+__all__ = ["CONGESTION", "POLL_WAIT", "CallStats", "Collective"]
 
 logger = logging.getLogger("tensorswap.collective")
 
 POLL_WAIT = 0.2
 """How long one poll waits at the rendezvous for news: the pace of a peer's sign of life."""
+CONGESTION = "cubic"
+"""The TCP congestion control of the connections that carry a call's blocks (``join``'s
+``congestion``): the butterfly runs n-1 flows through every link at once, which BBR (this
+VM's default) shares less evenly than cubic: 0.82 against 0.87 of the bandwidth bound on
+the netlab (docs/collective.md, "Measured across shaped links")."""
 
 
 class Collective:
@@ -65,6 +73,7 @@ class Collective:
         quorum: int = 1,
         compression: Compression = "none",
         relayed: bool = False,
+        congestion: str | None = CONGESTION,
     ) -> None:
         self.rendezvous = rendezvous
         self.relayed = relayed
@@ -72,6 +81,10 @@ class Collective:
         self.group, self.peer, self.size, self.key = group, peer, size, key
         self.quorum = quorum
         self.compression: Compression = compression
+        self.congestion = congestion
+        """The TCP congestion control asked for on the block connections (None: the system's)."""
+        self.congestion_refused = 0
+        """Block connections whose kernel refused ``congestion`` (they keep the system's)."""
         self.store = WatchedStore()
         self.server = BlockServer(
             self.store,
@@ -132,6 +145,7 @@ class Collective:
         timeout: float = 120.0,
         quorum: int = 1,
         compression: Compression = "none",
+        congestion: str | None = CONGESTION,
     ) -> Self:
         """Join ``group`` at the rendezvous ``address`` (``HOST:PORT`` of a ``tensorswap
         serve``), serving slices on ``listen``; returns once ``size`` peers are in the group.
@@ -140,7 +154,10 @@ class Collective:
 
         ``advertise``: the host others dial (default: the address the rendezvous sees).
         Raises JoinTimedOut after ``timeout`` seconds, GroupMismatch when the group has
-        another size. ``quorum``: the fewest members a call may end with (TooFewPeers)."""
+        another size. ``quorum``: the fewest members a call may end with (TooFewPeers).
+        ``congestion``: the TCP congestion control of the connections that carry blocks
+        (to and from other peers, and the relay), where the kernel allows it; None keeps
+        the system's default."""
         self = cls(
             split_host_port(address),
             group=group,
@@ -150,11 +167,12 @@ class Collective:
             quorum=quorum,
             compression=compression,
             relayed=listen is None,
+            congestion=congestion,
         )
         self.store.on_put = waker(asyncio.get_running_loop(), self.wake)
         try:
             if listen is not None:
-                await self.server.start(*split_host_port(listen))
+                await self.server.start(*split_host_port(listen), handler=self._serve)
             self._control = await self._dial(*self.rendezvous)
             self._poll_client = await self._dial(*self.rendezvous)
             await self._join(advertise, timeout)
@@ -170,6 +188,33 @@ class Collective:
         return await BlockClient.connect(
             host, port, key=self.key, timeouts=_TIMEOUTS, name=self.peer
         )
+
+    async def _dial_blocks(self, host: str, port: int) -> BlockClient:
+        """``_dial`` for a connection that carries blocks: its congestion control set, on
+        the sockets its redials open too."""
+        client = await self._dial(host, port)
+        self._tune(client.conn.transport)
+        redial = client.redial
+        if redial is not None:
+
+            async def tuned() -> tuple[FrameConnection, Welcome]:
+                conn, welcome = await redial()
+                self._tune(conn.transport)
+                return conn, welcome
+
+            client.redial = tuned
+        return client
+
+    def _tune(self, transport: Transport) -> None:
+        if not self.congestion or not isinstance(transport, TcpTransport):
+            return
+        if not transport.set_congestion_control(self.congestion):
+            self.congestion_refused += 1
+
+    async def _serve(self, transport: Transport) -> None:
+        """Serve one connection to this peer's slice server (what it sends: fetched slices)."""
+        self._tune(transport)
+        await self.server.handle(transport)
 
     async def _join(self, advertise: str, timeout: float) -> None:
         loop = asyncio.get_running_loop()
@@ -246,7 +291,7 @@ class Collective:
                     client.redial = None
                     with contextlib.suppress(Exception):
                         await client.aclose()
-                client = await self._dial(member.host, member.port)
+                client = await self._dial_blocks(member.host, member.port)
                 self._peers[member.peer] = client
                 self._addresses[member.peer] = member
             return client
@@ -265,7 +310,7 @@ class Collective:
         """The connection to the rendezvous that carries relayed blocks (dialled once)."""
         async with self._relay_lock:
             if self._relay is None:
-                self._relay = await self._dial(*self.rendezvous)
+                self._relay = await self._dial_blocks(*self.rendezvous)
             return self._relay
 
     async def forget_relay(self) -> None:

@@ -9,8 +9,15 @@ import time
 from collections.abc import Callable
 
 from tensorswap.collective._layout import slice_range
+from tensorswap.collective._progress import STALL_FACTOR, STALL_FLOOR
 from tensorswap.collective._relay import Relay, RelayRefused
-from tensorswap.collective._state import CallState, GroupState, PeerState
+from tensorswap.collective._state import (
+    CallState,
+    GroupState,
+    PeerState,
+    commit_due,
+    publish_due,
+)
 from tensorswap.collective.errors import BadCollectiveMessage
 from tensorswap.collective.messages import (
     APP,
@@ -20,6 +27,7 @@ from tensorswap.collective.messages import (
     CallView,
     Commit,
     CommitInfo,
+    Delivered,
     Done,
     Fault,
     Join,
@@ -109,14 +117,19 @@ class Rendezvous:
         self._seen(group, call.peer, request.peer)
         if isinstance(call, Poll):
             return encode(await self._poll(group, call))
-        state = group.open_call(call.call) if isinstance(call, Commit) else None
+        now = self.clock()
+        state = group.open_call(call.call, now) if isinstance(call, Commit) else None
         state = state or group.calls.get(call.call)
         self.relay.release_gone(group.name, set(group.calls))
         if state is None:
             return encode(Answer(error=f"call {call.call} is not open"))
         if isinstance(call, RelayPut):
             return encode(Answer(error=await self._relay_put(group, state, call)))
+        fresh = isinstance(call, Commit) and call.peer not in state.commits
         error = self._apply(group, state, call)
+        if fresh and error is None:  # the lag between commits, for the commit rule
+            state.lag = max(state.lag or 0.0, now - state.opened)
+            state.committed[call.peer] = now
         self.relay.release_if_done(state, group.name)
         self._bump(group)
         return encode(Answer(error=error, view=state.view()))
@@ -211,6 +224,8 @@ class Rendezvous:
             return self._accuse(group, state, call)
         if isinstance(call, Done):
             return _done(state, call)
+        if isinstance(call, Delivered):
+            return _delivered(state, call, self.clock())
         raise BadCollectiveMessage(f"unexpected {type(call).__name__}")
 
     def _accuse(self, group: GroupState, state: CallState, call: Accuse) -> str | None:
@@ -259,6 +274,43 @@ class Rendezvous:
                 self._drop(group, name, f"silent for {gap:.1f} s")
             elif gap > PROBE_AFTER + peer.max_gap:
                 self._probe(group, peer.member, f"silent for {gap:.1f} s")
+        self._check_commits(group, now)
+        self._check_reducers(group, now)
+
+    def _check_commits(self, group: GroupState, now: float) -> None:
+        """Drop a live participant that polls but has not committed to a call the others
+        committed to, once overdue against the lags measured here (``commit_due``)."""
+        for call in group.unsealed():
+            due = commit_due(call, group.pace)
+            if due is None or now < due:
+                continue
+            for name in [p for p in call.live if p not in call.commits]:
+                self._drop(
+                    group,
+                    name,
+                    f"made no progress: no commit to call {call.number} "
+                    f"{now - call.opened:.1f} s after the first (allowed: {STALL_FLOOR:g} s "
+                    f"+ {STALL_FACTOR:g}x the longest lag between commits measured in the "
+                    f"calls before, {group.pace or 0.0:.3f} s)",
+                )
+
+    def _check_reducers(self, group: GroupState, now: float) -> None:
+        """Drop a reducer that took every live participant's push of its slice and has
+        published nothing over them, once overdue (``publish_due``)."""
+        for call in group.unsealed():
+            for j in range(len(call.assign)):
+                due = publish_due(call, j)
+                if due is None or now < due:
+                    continue
+                got = call.delivered[(j, call.assign[j])].values()
+                took = max(got) - call.opened
+                self._drop(
+                    group,
+                    call.assign[j],
+                    f"made no progress: took every push of slice {j} and published nothing "
+                    f"{now - max(got):.1f} s after the last (allowed: {STALL_FLOOR:g} s + "
+                    f"{STALL_FACTOR:g}x the {took:.3f} s the pushes took)",
+                )
 
     def _probe(self, group: GroupState, member: Member, why: str) -> None:
         if member.relayed:  # no port to probe: are its connections to us still open?
@@ -286,7 +338,9 @@ class Rendezvous:
     def _drop(self, group: GroupState, name: str, reason: str) -> None:
         changed = False
         for state in group.unsealed():
-            changed |= state.drop(name, reason)
+            if state.drop(name, reason):
+                state.changed = self.clock()
+                changed = True
         if group.roster.pop(name, None) is not None or changed:
             self.drops += 1
             logger.info("group %s: dropped %s (%s)", group.name, name, reason)
@@ -333,6 +387,16 @@ def _reduced(state: CallState, call: Reduced) -> str | None:
     state.reduced[call.slice] = ReducedInfo(call.peer, list(call.contributors), call.chunks)
     state.version += 1
     state.seal()
+    return None
+
+
+def _delivered(state: CallState, call: Delivered, now: float) -> str | None:
+    live = state.live
+    if call.peer not in live or call.reducer not in live or call.peer == call.reducer:
+        return f"{call.peer!r} or {call.reducer!r} is not a live participant"
+    if not call.slice < len(state.assign) or state.assign[call.slice] != call.reducer:
+        return f"stale: slice {call.slice} is not {call.reducer!r}'s to reduce"
+    state.delivered.setdefault((call.slice, call.reducer), {}).setdefault(call.peer, now)
     return None
 
 

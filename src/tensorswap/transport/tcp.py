@@ -78,6 +78,32 @@ class TcpTransport(Transport):
         return obj if isinstance(obj, ssl_module.SSLObject) else None
 
     @property
+    def congestion_control(self) -> str:
+        """The TCP congestion control algorithm of this connection ("" if unknown)."""
+        sock = self._transport.get_extra_info("socket")
+        if sock is None or not hasattr(socket, "TCP_CONGESTION"):
+            return ""
+        try:
+            raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+        except OSError:
+            return ""
+        return bytes(raw).split(b"\0", 1)[0].decode("ascii", "replace")
+
+    def set_congestion_control(self, algorithm: str) -> bool:
+        """Use ``algorithm`` (``cubic``, ``bbr``, ...) for what this connection sends from now
+        on (Linux ``TCP_CONGESTION``); whether the kernel took it. It refuses one it lacks,
+        and one outside ``net.ipv4.tcp_allowed_congestion_control`` unless the process has
+        CAP_NET_ADMIN; the connection then keeps the system's default."""
+        sock = self._transport.get_extra_info("socket")
+        if sock is None or not hasattr(socket, "TCP_CONGESTION"):
+            return False
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, algorithm.encode())
+        except OSError:
+            return False
+        return True
+
+    @property
     def idle_since(self) -> float | None:
         """When this connection went idle, by its listener's clock; None while not idle.
 
