@@ -67,6 +67,9 @@ SCENARIOS = (
 )
 
 
+UPLOAD_LEAD: int | None | str = "default"  # --upload-lead-kib
+
+
 # ── raw TCP ──────────────────────────────────────────────────────────────────
 def raw_server(address: str, port: int, peers: int, nbytes: int, overlap: bool = False) -> None:
     """Forever: accept ``peers`` connections, read ``nbytes`` from each, then send each
@@ -152,6 +155,8 @@ async def ts_peer(
     False turns cut-through off (the barrier round of earlier versions)."""
     async with await RoundClient.connect(*target, peer=name, key=KEY) as client:
         client.cut.enabled = cut
+        if UPLOAD_LEAD != "default":
+            client.cut.lead_bytes = UPLOAD_LEAD
         start.wait()
         # the submit holds its answer until the round is complete and the aggregate's blocks
         # follow it (rounds/fetch): submit, wait and fetch in one round trip
@@ -351,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         "round pipelines chunk by chunk, so smaller chunks overlap more",
     )  # fmt: skip
     parser.add_argument(
+        "--upload-lead-kib", type=int, default=None,
+        help="how far a peer's upload may run ahead of the result pieces streamed back "
+        "(RoundClient.cut.lead_bytes; default: the library's; 0: uploads not paced)",
+    )  # fmt: skip
+    parser.add_argument(
         "--flower-python",
         default=flower_python(),
         metavar="PYTHON",
@@ -362,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global UPLOAD_LEAD
+    if args.upload_lead_kib is not None:
+        UPLOAD_LEAD = args.upload_lead_kib * 1024 or None
     if args.raw_server:
         address, port, peers, nbytes = args.raw_server
         raw_server(address, int(port), int(peers), int(nbytes), args.overlap)

@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tensorswap.cid import Cid, HashFunction
 from tensorswap.codec import TensorBlock
@@ -23,6 +24,8 @@ from tensorswap.wire.frames import Compression, CompressionChoice, FrameKind, ch
 from tensorswap.wire.messages import Commit, Committed, Offer, Want, parse_cids, wire_cids
 
 __all__ = ["Progress", "PushPath", "PushResult"]
+
+T = TypeVar("T")
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(bytes_done, bytes_total)`` after each block is handed to the socket."""
@@ -241,10 +244,14 @@ class PushPath(ClientBase):
         *,
         compression: CompressionChoice = Compression.NONE,
         progress: Progress | None = None,
+        before: Callable[[Cid], Awaitable[None]] | None = None,
     ) -> int:
-        """Send these blocks from ``store`` as they are (no offer, no commit); their bytes."""
+        """Send these blocks from ``store`` as they are (no offer, no commit); their bytes.
+
+        ``before(cid)``, when given, is awaited before each block goes out (pacing: the
+        blocks after it wait meanwhile, at most two of them read ahead)."""
         async with self._exchange():
-            return await self._send_blocks(store, cids, compression, progress, 2)
+            return await self._send_blocks(store, cids, compression, progress, 2, before)
 
     async def commit(self, roots: Sequence[Cid], blocks: int = 0, nbytes: int = 0) -> Committed:
         """Ask the server to confirm everything sent is stored and ``roots`` are complete."""
@@ -266,6 +273,7 @@ class PushPath(ClientBase):
         compression: CompressionChoice,
         progress: Progress | None,
         prefetch: int,
+        before: Callable[[Cid], Awaitable[None]] | None = None,
     ) -> int:
         limit = self.welcome.max_block_bytes
         crc = not self.conn.send_lean
@@ -279,7 +287,9 @@ class PushPath(ClientBase):
         total = sum(await asyncio.to_thread(_sizes, store, cids)) if progress else 0
         done = 0
         async with contextlib.aclosing(prefetched(cids, load, prefetch)) as blocks:
-            async for block in blocks:
+            async for i, block in _numbered(blocks):
+                if before is not None:
+                    await before(cids[i])  # blocks come in the order of ``cids``
                 await self.conn.send_prepared(block)
                 done += block.raw_len
                 if progress is not None:
@@ -362,3 +372,10 @@ def _closure(store: BlockStore, roots: Iterable[Cid]) -> list[Cid]:
 
 def _sizes(store: BlockStore, cids: Sequence[Cid]) -> list[int]:
     return [store.get(cid, verify=False).nbytes for cid in cids]
+
+
+async def _numbered(items: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+    i = 0
+    async for item in items:
+        yield i, item
+        i += 1

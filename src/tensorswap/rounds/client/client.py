@@ -107,13 +107,11 @@ class RoundClient:
         ``connect``): for work that must not wait behind this connection's requests."""
         self.cut = CutThroughClient(self)  # the result streamed while it uploads (client.cut)
         self._lock = asyncio.Lock()  # one request (push + rounds call) at a time
-        # the blocks of what this client submitted to recent rounds: a result shares only
-        # those with the store (a chunk equal in every contribution), so a fetch of the
-        # result asks for everything else at once
+        # the blocks this client submitted to recent rounds: all a result may share with the
+        # store (a chunk equal in every contribution); a fetch asks for the rest at once
         self._submitted: OrderedDict[RoundId, list[Cid]] = OrderedDict()
-        # Updates whose blocks this client sent inline (bounded): submitted again (another
-        # round), they go as a plain submit with no offer; one the coordinator has lost
-        # since is pushed then (its UnknownUpdate answer), as always.
+        # Updates whose blocks went inline (bounded): submitted again, they go as a plain
+        # submit, no offer (one the coordinator lost since is pushed then: UnknownUpdate)
         self._inlined: OrderedDict[Cid, None] = OrderedDict()
         # terminal statuses that submits with ``wait`` came back with (a few rounds)
         self._settled: OrderedDict[RoundId, RoundStatus] = OrderedDict()
@@ -265,11 +263,14 @@ class RoundClient:
         compression: CompressionChoice,
         limit: float | None,
     ) -> tuple[RoundAnswer, int, int]:
-        """Push the blocks of ``closure`` the coordinator lacks (none when ``known``), then
-        submit (the lock held): the answer, bytes and blocks sent. Pushes once more if the
-        coordinator turns out to lack a block after all."""
+        """Push the blocks of ``closure`` the coordinator lacks (none when ``known``; paced by
+        ``cut``), then submit (the lock held): the answer, bytes and blocks sent. Pushes again
+        if the coordinator turns out to lack a block after all."""
         lacking = [] if known else await self.blocks.missing(closure)
-        sent = await self.blocks.put_blocks(self.store, lacking, compression=compression)
+        before = self.cut.before_send(RoundId(call.round, call.initiator))
+        sent = await self.blocks.put_blocks(
+            self.store, lacking, compression=compression, before=before
+        )
         sent_blocks = len(lacking)
         # The server stores every block sent before it runs the submit: no separate
         # commit, one round trip.
@@ -490,8 +491,7 @@ def _cut_short(exc: RoundTimeout, asked: float | None) -> bool:
 
 
 def _fact(exc: RoundTimeout) -> str:
-    status = getattr(exc, "status", None)
-    return status if isinstance(status, str) else "unknown"
+    return status if isinstance(status := getattr(exc, "status", None), str) else "unknown"
 
 
 def _status(answer: RoundAnswer) -> RoundStatus:

@@ -26,6 +26,7 @@ from typing import Protocol
 
 from tensorswap.cid import Cid
 from tensorswap.errors import StoreError, TensorSwapError
+from tensorswap.rounds.client._cut_gate import DEFAULT_LEAD_BYTES, UploadGate
 from tensorswap.rounds.client.retention import RoundBlocks
 from tensorswap.rounds.core.state import Complete, RoundId, RoundStatus
 from tensorswap.rounds.protocol.batch import submit_proof
@@ -81,6 +82,12 @@ class CutThroughClient:
         self.enabled = True
         self.chunk_bytes = DEFAULT_CHUNK_BYTES
         self.streamed = 0
+        self.lead_bytes: int | None = DEFAULT_LEAD_BYTES
+        """How far this peer's upload may run ahead of the pieces streamed back
+        (``client._cut_gate``); None: not paced."""
+        self.paced_waits = 0
+        """Chunks of this client's uploads that waited for the round (over all rounds)."""
+        self._gates: dict[RoundId, UploadGate] = {}
         self._idle: list[BlockClient] = []
         self._closing: set[asyncio.Task[None]] = set()
         self._live: set[BlockClient] = set()  # its connections not yet closed
@@ -127,11 +134,38 @@ class CutThroughClient:
                 log.debug("round %s: no cut-through: %s", round_id, answer.reason)
             self._give_back(conn)
             return cid
-        self._tasks[round_id] = asyncio.create_task(self._stream(conn, round_id))
+        gate = self._gate_of(cid)
+        if gate is not None:
+            self._gates[round_id] = gate
+        self._tasks[round_id] = asyncio.create_task(self._stream(conn, round_id, gate))
         while len(self._tasks) > _ROUNDS_KEPT:
-            _, old = self._tasks.popitem(last=False)
+            rid, old = self._tasks.popitem(last=False)
             old.cancel()
+            self._drop_gate(rid)
         return cid
+
+    def gate(self, round_id: RoundId) -> UploadGate | None:
+        """The pacing of this peer's upload in the round (None: not paced)."""
+        return self._gates.get(round_id)
+
+    def before_send(self, round_id: RoundId) -> Callable[[Cid], Awaitable[None]] | None:
+        """What a push of this peer's chunks to the round awaits before each (None: none)."""
+        gate = self._gates.get(round_id)
+        return None if gate is None else gate.before
+
+    def _gate_of(self, cid: Cid) -> UploadGate | None:
+        if not self.lead_bytes:
+            return None
+        try:
+            return UploadGate.of(self.client.store, cid, lead_bytes=self.lead_bytes)
+        except StoreError:
+            return None
+
+    def _drop_gate(self, round_id: RoundId) -> None:
+        gate = self._gates.pop(round_id, None)
+        if gate is not None:
+            gate.close()
+            self.paced_waits += gate.waits
 
     async def _announce(
         self, conn: BlockClient, round_id: RoundId, cid: Cid
@@ -160,10 +194,12 @@ class CutThroughClient:
                 self.enabled = False  # a coordinator from before cut-through
             return None
 
-    async def _stream(self, conn: BlockClient, round_id: RoundId) -> RoundStatus | None:
+    async def _stream(
+        self, conn: BlockClient, round_id: RoundId, gate: UploadGate | None = None
+    ) -> RoundStatus | None:
         """Ask for the result's pieces until the round ends; its status (Complete: the
         result whole in the store), or None when the round went back to the barrier."""
-        client, after, got = self.client, 0, []
+        client, after, got, ready = self.client, 0, [], False
         read = conn.conn.timeouts.read
         ok = False
         try:
@@ -174,6 +210,7 @@ class CutThroughClient:
                     peer=client.peer,
                     after=after,
                     timeout=_POLL,
+                    ready=ready,
                 )
                 body, pulled = await conn.request_blocks(
                     APP_STREAM,
@@ -190,7 +227,13 @@ class CutThroughClient:
                 new = answer.chunk_cids()
                 after += len(new)
                 got.extend(new)
+                ready = ready or answer.ready
+                if gate is not None and ready:
+                    gate.arm()
+                    gate.progressed(after)
         finally:
+            if gate is not None:
+                gate.close()
             if client.retention is not None and got:
                 client.retention.hold_new(round_id, got)
             if ok:
@@ -203,6 +246,7 @@ class CutThroughClient:
         when there was no stream, it went back to the barrier or failed (the caller fetches
         as usual). Waits up to ``timeout`` seconds (None: as long as the stream takes)."""
         task = self._tasks.pop(round_id, None)
+        self._drop_gate(round_id)
         if task is None:
             return None
         try:
@@ -218,6 +262,7 @@ class CutThroughClient:
     async def cancel(self, round_id: RoundId) -> None:
         """Stop streaming the round's result (it is fetched otherwise: a ``SwarmPeer``)."""
         task = self._tasks.pop(round_id, None)
+        self._drop_gate(round_id)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -233,6 +278,8 @@ class CutThroughClient:
     async def aclose(self) -> None:
         tasks = list(self._tasks.values())
         self._tasks.clear()
+        for round_id in list(self._gates):
+            self._drop_gate(round_id)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

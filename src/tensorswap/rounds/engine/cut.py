@@ -27,21 +27,20 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from tensorswap.aggregate import AggregatorSpec
 from tensorswap.cid import Cid, Multicodec
 from tensorswap.errors import HashMismatch, TensorSwapError
-from tensorswap.rounds.core.state import Contribution, Layout, RoundId, RoundInfo, RoundTracker
+from tensorswap.rounds.core.state import Contribution, RoundId, RoundInfo, RoundTracker
 from tensorswap.rounds.engine._cut_fold import fold_piece
-from tensorswap.rounds.engine._cut_pace import Pacer, Pacing
+from tensorswap.rounds.engine._cut_pace import Pacer
 from tensorswap.rounds.engine._cut_parse import (
     Announced,
     AnnounceVerdict,
     parse_announce,
 )
+from tensorswap.rounds.engine._cut_round import Piece, RoundCut
 from tensorswap.rounds.engine.fold import CHUNKS
 from tensorswap.rounds.engine.hooks import HookList
 from tensorswap.rounds.engine.result import put_manifests
@@ -61,35 +60,6 @@ DEFAULT_MAX_HELD_BYTES = 64 * 1024 * 1024
 (holding more saves a hash per byte, and costs resident memory while peers are out of step)."""
 
 ROUNDS_KEPT = 32  # rounds whose cut-through state is remembered (ended ones go first)
-
-Piece = tuple[int, int]  # (tensor index in layout order, chunk index)
-
-
-@dataclass(slots=True)
-class _Round:
-    spec: AggregatorSpec
-    expected: int
-    layout: Layout | None
-    announced: dict[str, Announced] = field(default_factory=dict)
-    present: dict[Piece, set[str]] = field(default_factory=dict)
-    held: dict[tuple[Piece, str], np.ndarray] = field(default_factory=dict)
-    nonfinite: dict[str, dict[Piece, int]] = field(default_factory=dict)
-    results: dict[Piece, ChunkRef] = field(default_factory=dict)
-    progress: list[Cid] = field(default_factory=list)
-    abandoned: str | None = None
-    ended: bool = False
-    order: tuple[str, ...] = ()  # the announced peers by name, once all have announced
-    pacing: Pacing = field(default_factory=Pacing)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    settled: threading.Condition = field(init=False)  # a claimed piece stored or let go
-
-    def __post_init__(self) -> None:
-        self.settled = threading.Condition(self.lock)
-
-    @property
-    def pieces(self) -> int:
-        first = next(iter(self.announced.values()), None)
-        return 0 if first is None else sum(len(t.chunks) for t in first.tensors)
 
 
 class CutThrough:
@@ -119,7 +89,7 @@ class CutThrough:
         """Keeps the uploads in step (``_cut_pace``: a peer far ahead waits for the others)."""
         self.listeners: list[Callable[[RoundId], None]] = []
         self._chunk_bytes = chunk_bytes
-        self._rounds: OrderedDict[RoundId, _Round] = OrderedDict()
+        self._rounds: OrderedDict[RoundId, RoundCut] = OrderedDict()
         self._index: dict[Cid, list[tuple[RoundId, str, Piece]]] = {}
         self._held_bytes = 0
         self._lock = threading.Lock()  # the rounds and the index; a round's own lock inside
@@ -154,7 +124,7 @@ class CutThrough:
             forgotten = []
             if rc is None:
                 spec = aggregator_spec(info.spec)
-                rc = _Round(spec, info.spec.expected_peers, info.layout)
+                rc = RoundCut(spec, info.spec.expected_peers, info.layout)
                 self._rounds[round_id] = rc
                 forgotten = self._evict()
         for rid in forgotten:
@@ -176,7 +146,7 @@ class CutThrough:
             return "a hook transforms this round's result"
         return None
 
-    def _admit(self, rid: RoundId, rc: _Round, got: Announced, size: int) -> AnnounceVerdict:
+    def _admit(self, rid: RoundId, rc: RoundCut, got: Announced, size: int) -> AnnounceVerdict:
         with rc.lock:
             if rc.abandoned is not None:
                 return AnnounceVerdict(False, rc.abandoned, size)
@@ -204,6 +174,8 @@ class CutThrough:
                     self._abandon_locked(rid, rc, reason)
                     return AnnounceVerdict(False, reason, size)
                 rc.order = tuple(sorted(rc.announced))
+        if rc.order:
+            self._notify(rid)  # a stream waiting to hear it may go on
         with self._lock:  # not after an abandonment's unindexing (which holds this lock)
             with rc.lock:
                 live = rc.abandoned is None and not rc.ended
@@ -238,7 +210,7 @@ class CutThrough:
                 self._abandon(rid, rc, f"reading a chunk at arrival failed: {exc}")
             self._try_fold(rid, rc)
 
-    def _pace(self, rc: _Round, peer: str, piece: Piece) -> None:
+    def _pace(self, rc: RoundCut, peer: str, piece: Piece) -> None:
         """Hold this sink thread while ``peer`` is too far ahead of the round's folds."""
         with rc.lock:
             got = rc.announced.get(peer)
@@ -247,7 +219,7 @@ class CutThrough:
             live = lambda: rc.abandoned is None and not rc.ended  # noqa: E731
             self.pacer.hold(rc.pacing, rc.settled, got, piece, live)
 
-    def _arrived(self, rc: _Round, peer: str, piece: Piece, data: memoryview) -> None:
+    def _arrived(self, rc: RoundCut, peer: str, piece: Piece, data: memoryview) -> None:
         with rc.lock:
             got = rc.announced.get(peer)
             if got is None or rc.abandoned is not None or piece in rc.results:
@@ -273,7 +245,7 @@ class CutThrough:
                 self._held_bytes -= nbytes
 
     # ── folding ──────────────────────────────────────────────────────────────
-    def _try_fold(self, rid: RoundId, rc: _Round) -> None:
+    def _try_fold(self, rid: RoundId, rc: RoundCut) -> None:
         """Fold every piece all expected peers hold (each once, in the caller's thread); a
         failure (a non-finite piece, an unreadable chunk) abandons the round, never raises."""
         try:
@@ -281,7 +253,7 @@ class CutThrough:
         except Exception as exc:  # the barrier path decides what it means
             self._abandon(rid, rc, f"folding at arrival failed: {exc}")
 
-    def _fold_ready(self, rid: RoundId, rc: _Round) -> None:
+    def _fold_ready(self, rid: RoundId, rc: RoundCut) -> None:
         while True:
             with rc.lock:
                 if rc.abandoned is not None or not rc.order:
@@ -413,6 +385,11 @@ class CutThrough:
         with rc.lock:
             return list(rc.progress), rc.abandoned
 
+    def ready(self, round_id: RoundId) -> bool:
+        """Whether every expected peer of the round has announced (its pieces can fold)."""
+        rc = self._rounds.get(round_id)
+        return rc is not None and bool(rc.order)
+
     def peer_blocks(self, round_id: RoundId, peer: str) -> list[Cid]:
         """The blocks of ``peer``'s announced update (which a stream need not send it)."""
         rc = self._rounds.get(round_id)
@@ -429,27 +406,27 @@ class CutThrough:
             self._abandon(round_id, rc, reason)
 
     # ── internals ────────────────────────────────────────────────────────────
-    def _abandon(self, rid: RoundId, rc: _Round, reason: str) -> None:
+    def _abandon(self, rid: RoundId, rc: RoundCut, reason: str) -> None:
         with rc.lock:
             self._abandon_locked(rid, rc, reason)
         self._drop_held(rc)
         self._unindex(rid, rc)  # its chunks that never came are not waited for
         self._notify(rid)
 
-    def _abandon_locked(self, rid: RoundId, rc: _Round, reason: str) -> None:
+    def _abandon_locked(self, rid: RoundId, rc: RoundCut, reason: str) -> None:
         if rc.abandoned is None:
             rc.abandoned = reason
             rc.settled.notify_all()
             log.info("round %s: cut-through abandoned: %s", rid, reason)
 
-    def _drop_held(self, rc: _Round) -> None:
+    def _drop_held(self, rc: RoundCut) -> None:
         with rc.lock:
             held, rc.held = rc.held, {}
         freed = sum(v.nbytes for v in held.values())
         with self._lock:
             self._held_bytes -= freed
 
-    def _end(self, rid: RoundId, rc: _Round) -> None:
+    def _end(self, rid: RoundId, rc: RoundCut) -> None:
         with rc.lock:
             rc.ended = True
             rc.settled.notify_all()  # a paced sink thread goes on
@@ -457,11 +434,11 @@ class CutThrough:
         self._unindex(rid, rc)
         self._notify(rid)
 
-    def _unindex(self, rid: RoundId, rc: _Round) -> None:
+    def _unindex(self, rid: RoundId, rc: RoundCut) -> None:
         with self._lock:
             self._unindex_locked(rid, rc)
 
-    def _unindex_locked(self, rid: RoundId, rc: _Round) -> None:
+    def _unindex_locked(self, rid: RoundId, rc: RoundCut) -> None:
         """The round's announced chunks out of the index; the caller holds ``self._lock``."""
         with rc.lock:
             chunks = [chunk for got in rc.announced.values() for _, chunk in got.chunks()]

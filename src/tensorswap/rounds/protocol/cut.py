@@ -108,6 +108,8 @@ class StreamRequest(_Request, frozen=True, tag="stream"):
     peer: str
     after: int = 0
     timeout: float = 30.0
+    ready: bool = False
+    """The client was told every expected peer has announced (no answer only to say so)."""
 
     def __post_init__(self) -> None:
         self._check_round_id()
@@ -129,6 +131,10 @@ class StreamAnswer(msgspec.Struct, frozen=True, omit_defaults=True):
     own: list[int] = []
     """Indexes in ``chunks`` of blocks of the client's own announced update (a frozen
     layer's pieces): listed, not sent behind the reply."""
+    ready: bool = False
+    """Every expected peer has announced: pieces fold from now on (the client paces its
+    upload by them, ``rounds.client._cut_gate``). Sent once, without chunks, to a client that
+    did not know; any answer with chunks implies it."""
 
     def chunk_cids(self) -> list[Cid]:
         return [Cid.parse(c) for c in self.chunks]

@@ -117,13 +117,15 @@ class CutService:
         if abandoned is not None:
             return _plain(StreamAnswer(abandoned=abandoned))
         if len(progress) <= call.after:
+            if not call.ready and self.cut.ready(rid):
+                return _plain(StreamAnswer(ready=True))  # the client's pacing may start
             return None
         new = progress[call.after : call.after + MAX_STREAM_CHUNKS]
         # a piece every peer holds as the same block (a frozen layer) is that block: the
         # peer pushed it, so it is listed (``own``) but not sent back
         mine = set(self.cut.peer_blocks(rid, call.peer))
         own = [i for i, c in enumerate(new) if c in mine]
-        body = encode(StreamAnswer(chunks=[c.to_bytes() for c in new], own=own))
+        body = encode(StreamAnswer(chunks=[c.to_bytes() for c in new], own=own, ready=True))
         return BlocksReply(body, [c for c in new if c not in mine], [])
 
     def _terminal(self, call: StreamRequest, status: RoundStatus) -> bytes:
