@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,7 @@ SCENARIOS = (
 )
 
 
-UPLOAD_LEAD: int | None | str = "default"  # --upload-lead-kib
+UPLOAD_LEAD: int | str | None = "default"  # --upload-lead-kib
 
 
 # ── raw TCP ──────────────────────────────────────────────────────────────────
@@ -157,16 +158,45 @@ async def ts_peer(
         client.cut.enabled = cut
         if UPLOAD_LEAD != "default":
             client.cut.lead_bytes = UPLOAD_LEAD
+        times = _watch(client)
         start.wait()
         # the submit holds its answer until the round is complete and the aggregate's blocks
         # follow it (rounds/fetch): submit, wait and fetch in one round trip
+        times["began"] = time.perf_counter()
         await client.submit(rid, {"w": values}, 1, wait=300)
         submitted = time.perf_counter()
         result = await client.fetch_result(rid, timeout=300)
         assert result["w"].nbytes == values.nbytes
         end = time.perf_counter()
     marks.append((submitted, end))
+    if cut:
+        began = times["began"]
+        TIMELINES.append({k: v - began for k, v in times.items()} | {"end": end - began})
     return end
+
+
+TIMELINES: list[dict[str, float]] = []  # per peer and round: seconds after its submit began
+
+
+def _watch(client: RoundClient) -> dict[str, float]:
+    """Marks when the client's announcement returned and its push began and ended."""
+    times: dict[str, float] = {}
+    begin, put = client.cut.begin, client.blocks.put_blocks
+
+    async def timed_begin(*args: Any, **kwargs: Any) -> Any:
+        cid = await begin(*args, **kwargs)
+        times["announced"] = time.perf_counter()
+        return cid
+
+    async def timed_put(*args: Any, **kwargs: Any) -> Any:
+        times.setdefault("push began", time.perf_counter())
+        sent = await put(*args, **kwargs)
+        times["push ended"] = time.perf_counter()
+        return sent
+
+    client.cut.begin = timed_begin  # type: ignore[method-assign]
+    client.blocks.put_blocks = timed_put  # type: ignore[method-assign]
+    return times
 
 
 async def start_round(target: tuple[str, int], rid: RoundId, peers: int) -> None:
@@ -309,6 +339,11 @@ def run_scenario(
     for k, name in enumerate(names):
         print(f"    {name:<22} {_spread([p[k] for p in phases])} s")
     print(f"    coordinator's aggregate  {_spread(aggregations)} s (in the submit phase)")
+    print("    each peer, s after its submit began (over peers and rounds, cut-through):")
+    for key in ("announced", "push began", "push ended", "end"):
+        if seen := [t[key] for t in TIMELINES if key in t]:
+            print(f"      {key:<12} {_spread(seen)}")
+    TIMELINES.clear()
     print(f"  barrier     {_spread(barriers)} s (cut-through off, same turns)")
     cut_gain = statistics.median(barriers) / statistics.median(rounds)
     print(f"  barrier / cut-through (medians) {cut_gain:.3f}x")

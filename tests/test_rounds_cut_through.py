@@ -16,7 +16,13 @@ from tensorswap.rounds import Coordinator, FakeClock, RoundClient, RoundServer
 from tensorswap.rounds.core import Complete, RoundId, RoundSpec
 from tensorswap.rounds.engine.hooks import CoordinatorHooks
 from tensorswap.rounds.protocol.cut import APP_ANNOUNCE, AnnounceRequest, encode
-from tensorswap.store import MemoryStore, ModelUpdate, manifest_closure, put_update
+from tensorswap.store import (
+    DEFAULT_CHUNK_BYTES,
+    MemoryStore,
+    ModelUpdate,
+    manifest_closure,
+    put_update,
+)
 from tensorswap.wire import RemoteError
 
 RID = RoundId(1, "lead")
@@ -184,6 +190,32 @@ async def test_an_update_cut_otherwise_is_cut_again_to_take_part() -> None:
         assert coord.cut.folded > 0
     want = fedavg(values, [1, 1])["w"]
     np.testing.assert_allclose(result["w"], want, rtol=1e-5, atol=1e-6)
+
+
+async def test_a_fresh_client_cuts_as_the_welcome_says_and_announces_once() -> None:
+    values = inputs(2, seed=4)
+    with coordinator() as coord:
+        async with running(RoundServer(coord)) as server:
+            a = await RoundClient.connect("127.0.0.1", server.port, peer="a")
+            b = await RoundClient.connect("127.0.0.1", server.port, peer="b")
+            async with a, b:
+                assert a.blocks.welcome.chunk_bytes == CHUNK
+                assert a.cut.chunk_bytes == b.cut.chunk_bytes == CHUNK  # before any round
+                await a.start_round(RID, RoundSpec(2))
+                submitted = await asyncio.gather(
+                    a.submit(RID, values[0], 1), b.submit(RID, values[1], 1)
+                )
+                result = await a.fetch_result(RID, timeout=30)
+            # the updates were cut once, in the coordinator's chunks: no second cut
+            for v, done in zip(values, submitted, strict=True):
+                once = put_update(MemoryStore(), ModelUpdate(v, 1), chunk_bytes=CHUNK)
+                assert done.cid == once
+            coord.result_chunk_bytes = 1  # a size out of bounds is not taken
+            async with await RoundClient.connect("127.0.0.1", server.port, peer="c") as c:
+                assert c.blocks.welcome.chunk_bytes == 1
+                assert c.cut.chunk_bytes == DEFAULT_CHUNK_BYTES
+        assert coord.cut.folded > 0
+    np.testing.assert_allclose(result["w"], fedavg(values, [1, 1])["w"], rtol=1e-5, atol=1e-6)
 
 
 class Noising(CoordinatorHooks):

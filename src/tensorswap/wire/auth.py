@@ -95,6 +95,7 @@ async def server_handshake(
     name: str = "tensorswap",
     operator_key: bytes | None = None,
     lean_blocks: bool = True,
+    chunk_bytes: int = 0,
 ) -> Hello:
     """Run the server side: Welcome, check the client's Hello, answer Ready.
 
@@ -105,6 +106,7 @@ async def server_handshake(
     applications above may show it what peers are not shown. Nothing else is read from the
     client before this returns. ``lean_blocks``: offer to take, and if the client offers the
     same, send, BLOCK frames without a payload CRC32C (``conn.accept_lean`` / ``send_lean``).
+    ``chunk_bytes``: said in the Welcome (``Welcome.chunk_bytes``).
     """
     if operator_key is not None and (key is None or not operator_key or operator_key == key):
         raise ValueError("an operator key needs a shared key, and must differ from it")
@@ -118,6 +120,7 @@ async def server_handshake(
             max_block_bytes=conn.limits.max_block_bytes,
             server=name,
             lean_blocks=lean_blocks,
+            chunk_bytes=chunk_bytes,
         )
     )
     conn.accept_lean = lean_blocks

@@ -50,6 +50,9 @@ class Welcome(_Base, frozen=True):
     server: str = ""
     lean_blocks: bool = False
     """The server accepts BLOCK frames without a payload CRC32C (it checks their CIDs)."""
+    chunk_bytes: int = 0
+    """The chunk size the server cuts the tensors it makes in (a rounds coordinator's
+    results): a client that cuts its own the same way shares blocks with them (0: not said)."""
 
 
 class Hello(_Base, frozen=True):

@@ -146,6 +146,8 @@ class BlockServer(ServerHandlers):
         """Called ``(cid, bytes)`` on the storing thread after each received block is checked
         and stored (a rounds coordinator's cut-through); it must not raise."""
         self.name = name
+        self.chunk_bytes: Callable[[], int] | None = None
+        """The chunk size said to each client in its Welcome (``Welcome.chunk_bytes``)."""
         self.store_depth = store_depth
         self.handlers: dict[str, RequestHandler] = dict(handlers or {})
         """Application request handlers by app name (see ``AppRequest``)."""
@@ -239,6 +241,7 @@ class BlockServer(ServerHandlers):
                 name=self.name,
                 operator_key=self.operator_key,
                 lean_blocks=not self.block_crc,
+                chunk_bytes=0 if self.chunk_bytes is None else self.chunk_bytes(),
             )
             client = hello.client
             await self._serve_watched(conn, sink)

@@ -11,9 +11,11 @@ by whatever of the result the client still lacks, so ``fetch_result`` loads it l
 back to the barrier, the client goes on as before: the chunks streamed were a prefetch,
 used only where the result's manifest names them.
 
-An update cut in other chunks than the coordinator's results cannot take part; the answer
-says the coordinator's chunk size, and the client re-cuts that update once and cuts every
-later one so (``chunk_bytes``).
+An update cut in other chunks than the coordinator's results cannot take part. The
+coordinator says its chunk size in the connection's Welcome (``Welcome.chunk_bytes``), so a
+fresh client cuts its first update that way; where it did not (an older coordinator, a size
+changed since), the refusal of the announcement says it, and the client re-cuts that update
+once and cuts every later one so (``chunk_bytes``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from tensorswap.cid import Cid
+from tensorswap.codec import DType
 from tensorswap.errors import StoreError, TensorSwapError
 from tensorswap.rounds.client._cut_gate import DEFAULT_LEAD_BYTES, UploadGate
 from tensorswap.rounds.client.retention import RoundBlocks
@@ -46,9 +49,11 @@ from tensorswap.store import (
     DEFAULT_CHUNK_BYTES,
     BlockStore,
     ModelUpdate,
+    chunk_bounds,
     put_update,
     read_manifest,
 )
+from tensorswap.store.manifest import TensorManifest
 from tensorswap.wire import BlockClient, RemoteError
 
 
@@ -56,6 +61,7 @@ class RoundClient(Protocol):
     """What of a ``RoundClient`` its cut-through uses."""
 
     peer: str
+    blocks: BlockClient
     store: BlockStore
     retention: RoundBlocks | None
     peer_key: bytes | None
@@ -80,7 +86,7 @@ class CutThroughClient:
     def __init__(self, client: RoundClient) -> None:
         self.client = client
         self.enabled = True
-        self.chunk_bytes = DEFAULT_CHUNK_BYTES
+        self.chunk_bytes = _said_chunk_bytes(client.blocks)
         self.streamed = 0
         self.lead_bytes: int | None = DEFAULT_LEAD_BYTES
         """How far this peer's upload may run ahead of the pieces streamed back
@@ -125,7 +131,7 @@ class CutThroughClient:
         answer = await self._announce(conn, round_id, cid)
         if answer is not None and not answer.ok and update is not None:
             size = answer.chunk_bytes
-            if size > 0 and size != self.chunk_bytes:  # cut again as the coordinator cuts
+            if size > 0 and not _cut_in(client.store, cid, size):  # as the coordinator cuts
                 self.chunk_bytes = size
                 cid = await asyncio.to_thread(put_update, client.store, update, chunk_bytes=size)
                 answer = await self._announce(conn, round_id, cid)
@@ -295,6 +301,35 @@ class CutThroughClient:
             transport = conn.transport
             self._gone = (sent + transport.bytes_sent, received + transport.bytes_received)
         await conn.aclose()
+
+
+MIN_SAID_CHUNK_BYTES = 4096
+
+
+def _said_chunk_bytes(blocks: BlockClient) -> int:
+    """The coordinator's result chunk size where its Welcome says one in bounds (a fresh
+    client then cuts its first update so, not twice); else the default."""
+    said = blocks.welcome.chunk_bytes
+    fits = MIN_SAID_CHUNK_BYTES <= said <= blocks.welcome.max_block_bytes
+    return said if isinstance(said, int) and fits else DEFAULT_CHUNK_BYTES
+
+
+def _cut_in(store: BlockStore, cid: Cid, size: int) -> bool:
+    """Whether every tensor of update ``cid`` is cut in chunks of ``size`` bytes."""
+    try:
+        for link in read_manifest(store, cid).links():
+            tensor = read_manifest(store, link)
+            if not isinstance(tensor, TensorManifest):
+                return False
+            got = [0]
+            for chunk in tensor.chunks:
+                got.append(got[-1] + chunk.values)
+            itemsize = DType.parse(tensor.dtype).numpy.itemsize
+            if tensor.chunks and tuple(got) != chunk_bounds(tensor.size, itemsize, size):
+                return False
+    except (StoreError, ValueError):
+        return False
+    return True
 
 
 def _manifest_blocks(client: RoundClient, cid: Cid) -> list[tuple[bytes, bytes]]:

@@ -161,6 +161,7 @@ class RoundServer:
         """Cut-through rounds: announcements, and results streamed as they are folded."""
         self.blocks.handlers.update(self.cut.handlers)
         self.blocks.on_stored = self.cut.on_stored
+        self.blocks.chunk_bytes = lambda: coordinator.result_chunk_bytes  # clients cut so
         self.stat_sources.append(coordinator.cut.stats)  # cut_held_bytes, cut_folded, ...
 
     # ── lifecycle: the block server's ───────────────────────────────────────
