@@ -18,6 +18,11 @@ _SPILL_BYTES = 256 * 1024  # bounded read-ahead for small reads (headers, contro
 # server with thousands of connections that each send a small request would otherwise zero
 # (and fault in) 256 KiB per connection on its first read.
 _SPILL_FIRST = 16 * 1024
+# The most one read puts into the read-ahead buffer. After a large read is filled, the next
+# frame's header comes through read-ahead; a read of the whole free buffer would also take up
+# to 256 KiB of that frame's payload, copied once more on its way out (half of every byte of
+# a stream of 512 KiB blocks). Small messages still accumulate over several reads.
+_SPILL_READ = 16 * 1024
 
 
 class StreamProtocol(asyncio.BufferedProtocol):
@@ -69,7 +74,7 @@ class StreamProtocol(asyncio.BufferedProtocol):
                 grown = memoryview(bytearray(min(_SPILL_BYTES, max(_SPILL_FIRST, 2 * size))))
                 grown[:size] = self._spill_view
                 self._spill_view = grown
-        return self._spill_view[self._end :]
+        return self._spill_view[self._end : self._end + _SPILL_READ]
 
     def buffer_updated(self, nbytes: int) -> None:
         self.idle_since = None
