@@ -153,3 +153,26 @@ def test_small_chunks_run_ahead_within_the_window() -> None:
 def test_a_window_must_be_positive() -> None:
     with pytest.raises(ValueError, match="window_bytes"):
         Pacer(window_bytes=0)
+
+
+def test_announced_manifests_are_capped_over_all_rounds() -> None:
+    rid2 = RoundId(2, "lead")
+    coord, (a, b) = round_of_two(Clock())
+    with coord:
+        held = coord.cut.announced_bytes
+        assert held == sum(len(d) for p in (a, b) for d in p.manifests.values())
+        coord.cut.max_announced_bytes = held + 1  # no room for another round's
+        coord.start_round(rid2, RoundSpec(2))
+        refused = coord.cut.announce(rid2, a.name, a.cid, a.manifests)
+        assert not refused.ok and "bytes of announcements" in refused.reason
+        assert coord.cut.announced_bytes == held  # the refused one's reservation went back
+        for peer in (a, b):  # round 1 ends: its announcements may now be forgotten
+            for k in range(3):
+                peer.deliver(coord, k)
+            coord.submit(RID, peer.name, peer.cid)
+        assert coord.wait(RID, timeout=30).is_terminal
+        taken = coord.cut.announce(rid2, a.name, a.cid, a.manifests)
+        assert taken.ok  # the ended round was forgotten to make room
+        assert coord.cut.announced_bytes == sum(len(d) for d in a.manifests.values())
+        again = coord.cut.announce(rid2, a.name, a.cid, a.manifests)  # the same, once more
+        assert again.ok and coord.cut.announced_bytes == sum(len(d) for d in a.manifests.values())

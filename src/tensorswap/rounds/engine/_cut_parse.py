@@ -49,6 +49,8 @@ class Announced:
     bounds: tuple[tuple[int, ...], ...]
     closure: list[Cid]
     """Every block of the update (manifests and chunks)."""
+    nbytes: int = 0
+    """The manifest bytes announced (what the coordinator's cap on them counts)."""
 
     def refs(self) -> Iterator[tuple[tuple[int, int], ChunkRef]]:
         """``((tensor index, chunk index), chunk)`` for every chunk, in manifest order."""
@@ -106,7 +108,10 @@ def parse_announce(
     layout = tuple(layers)
     check_layout(info, layout, peer)
     closure.append(cid)
-    return Announced(peer, cid, root.num_samples, layout, tuple(tensors), tuple(bounds), closure)
+    nbytes = sum(len(data) for data in blocks.values())
+    return Announced(
+        peer, cid, root.num_samples, layout, tuple(tensors), tuple(bounds), closure, nbytes
+    )
 
 
 def _decode(

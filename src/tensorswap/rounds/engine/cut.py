@@ -34,6 +34,7 @@ from tensorswap.cid import Cid, Multicodec
 from tensorswap.errors import HashMismatch, TensorSwapError
 from tensorswap.rounds.core.state import Contribution, RoundId, RoundInfo, RoundTracker
 from tensorswap.rounds.engine._cut_fold import fold_piece
+from tensorswap.rounds.engine._cut_memory import ROUNDS_KEPT, CutMemory
 from tensorswap.rounds.engine._cut_pace import Pacer
 from tensorswap.rounds.engine._cut_parse import (
     Announced,
@@ -59,10 +60,13 @@ DEFAULT_MAX_HELD_BYTES = 64 * 1024 * 1024
 """Received chunk values kept for their fold, over all rounds; beyond, read back re-hashed
 (holding more saves a hash per byte, and costs resident memory while peers are out of step)."""
 
-ROUNDS_KEPT = 32  # rounds whose cut-through state is remembered (ended ones go first)
+DEFAULT_MAX_ANNOUNCED_BYTES = 256 * 1024 * 1024
+"""Announced manifest bytes held over all rounds (each announcement may carry 8 MiB): past
+it, ended rounds are forgotten first, then announcements are refused (their rounds go to the
+barrier), so hostile announcers cannot grow the coordinator's memory without bound."""
 
 
-class CutThrough:
+class CutThrough(CutMemory):
     """A coordinator's cut-through state (memory only, thread-safe); see the module docstring.
 
     ``enabled`` turns it off (every announcement is then refused, and rounds run as
@@ -79,12 +83,16 @@ class CutThrough:
         *,
         max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
         pacer: Pacer | None = None,
+        max_announced_bytes: int = DEFAULT_MAX_ANNOUNCED_BYTES,
     ) -> None:
         self.store = store
         self.tracker = tracker
         self.hooks = hooks
         self.enabled = True
         self.max_held_bytes = max_held_bytes
+        self.max_announced_bytes = max_announced_bytes
+        self.announced_bytes = 0
+        """Manifest bytes of the announcements remembered, over all rounds."""
         self.pacer = pacer or Pacer()
         """Keeps the uploads in step (``_cut_pace``: a peer far ahead waits for the others)."""
         self.listeners: list[Callable[[RoundId], None]] = []
@@ -127,9 +135,22 @@ class CutThrough:
                 rc = RoundCut(spec, info.spec.expected_peers, info.layout)
                 self._rounds[round_id] = rc
                 forgotten = self._evict()
+            room = self._make_room(got.nbytes, round_id, forgotten)
+            if room:
+                self.announced_bytes += got.nbytes  # reserved: given back unless admitted
         for rid in forgotten:
             self._notify(rid)
-        verdict = self._admit(round_id, rc, got, size)
+        if not room:
+            reason = f"the coordinator holds {self.max_announced_bytes} bytes of announcements"
+            return AnnounceVerdict(False, reason, size)
+        try:
+            verdict = self._admit(round_id, rc, got, size)
+        finally:
+            with rc.lock:
+                admitted = rc.announced.get(got.peer) is got
+            if not admitted:
+                with self._lock:
+                    self.announced_bytes -= got.nbytes
         if verdict.ok:  # chunks it already held (a frozen layer) may complete pieces
             self._try_fold(round_id, rc)
         return verdict
@@ -448,23 +469,6 @@ class CutThrough:
                 entries[:] = [e for e in entries if e[0] != rid]
                 if not entries:
                     del self._index[chunk]
-
-    def _evict(self) -> list[RoundId]:
-        """Forget the oldest rounds beyond ``ROUNDS_KEPT`` (ended ones first), their held
-        values and index entries; the caller holds ``self._lock`` (and tells their streams)."""
-        gone = []
-        while len(self._rounds) > ROUNDS_KEPT:
-            victim = next((r for r, rc in self._rounds.items() if rc.ended), None)
-            if victim is None:
-                victim = next(iter(self._rounds))
-            rc = self._rounds.pop(victim)
-            with rc.lock:
-                self._abandon_locked(victim, rc, "forgotten (too many rounds at once)")
-                held, rc.held = rc.held, {}
-            self._held_bytes -= sum(v.nbytes for v in held.values())
-            self._unindex_locked(victim, rc)
-            gone.append(victim)
-        return gone
 
     def _notify(self, rid: RoundId) -> None:
         for listener in list(self.listeners):
