@@ -380,3 +380,33 @@ async def test_a_submit_before_the_last_announcement_leaves_the_round_as_started
     finally:
         coord.close()
     np.testing.assert_allclose(result["w"], fedavg(values, [10, 11])["w"], rtol=1e-5, atol=1e-6)
+
+
+async def test_fetch_result_waits_its_timeout_in_all_not_once_per_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with coordinator() as coord:
+        async with (
+            running(RoundServer(coord)) as server,
+            await RoundClient.connect("127.0.0.1", server.port, peer="a") as a,
+        ):
+            asked: list[float | None] = []
+
+            async def slow_take(round_id: RoundId, timeout: float | None) -> None:
+                await asyncio.sleep(0.05)  # the stream waited, and brought nothing
+                return None
+
+            async def result(round_id: RoundId, timeout: float | None = None) -> Cid:
+                asked.append(timeout)
+                return Cid.of(b"x")
+
+            async def fetch(cid: Cid, *, have: object = None) -> ModelUpdate:
+                return ModelUpdate({})
+
+            monkeypatch.setattr(a.cut, "take", slow_take)
+            monkeypatch.setattr(a, "result", result)
+            monkeypatch.setattr(a, "fetch", fetch)
+            await a.fetch_result(RID, timeout=10.0)
+            await a.fetch_result(RID, timeout=None)
+    assert asked[0] is not None and asked[0] <= 10.0 - 0.05  # what the stream left of it
+    assert asked[1] is None

@@ -345,14 +345,12 @@ class RoundClient:
 
     async def status(self, round_id: RoundId) -> RoundStatus:
         """The round's current status (RoundNotFound if the coordinator has no such round)."""
-        rid = round_id
-        answer = await self._call(StatusRequest(round=rid.round, initiator=rid.initiator))
+        answer = await self._call(StatusRequest(round=round_id.round, initiator=round_id.initiator))
         return _status(answer)
 
     async def round_row(self, round_id: RoundId) -> RoundRow:
         """The coordinator's row for one round: its strategy, quorum, peers, deadline."""
-        rid = round_id
-        answer = await self._call(StatusRequest(round=rid.round, initiator=rid.initiator))
+        answer = await self._call(StatusRequest(round=round_id.round, initiator=round_id.initiator))
         if not answer.rounds:
             raise ProtocolViolation("the coordinator's answer lacks the round's row")
         return answer.rounds[0]
@@ -431,12 +429,12 @@ class RoundClient:
     async def fetch_result(
         self, round_id: RoundId, timeout: float | None = None
     ) -> dict[str, np.ndarray]:
-        """Wait for the round, fetch its aggregate, return the named arrays.
+        """Wait for the round (``timeout`` in all), fetch its aggregate, return the arrays.
 
         After a submit to that round on this client, the aggregate is fetched in one round
         trip: all its blocks but those of the update submitted (a chunk equal in every
-        contribution, a frozen layer, is the one kind it shares with them).
-        """
+        contribution, a frozen layer, is the one kind it shares with them)."""
+        start = time.monotonic()
         streamed = await self.cut.take(round_id, timeout)
         if streamed is not None:  # the stream brought it whole: loaded here
             try:
@@ -446,6 +444,8 @@ class RoundClient:
             else:
                 self._hold_result(round_id, Complete(str(streamed)))
                 return dict(update.tensors)
+        if timeout is not None:  # what the stream's wait left of it
+            timeout = max(0.0, timeout - (time.monotonic() - start))
         cid = await self.result(round_id, timeout)
         self._begin_round_call()
         update = await self.fetch(cid, have=self._submitted.get(round_id))
