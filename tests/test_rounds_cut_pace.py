@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 from tensorswap.cid import Cid, Multicodec
+from tensorswap.errors import NotSelected
 from tensorswap.rounds import Coordinator
 from tensorswap.rounds.client._updates import children_first
 from tensorswap.rounds.core import RoundId, RoundSpec
 from tensorswap.rounds.engine._cut_pace import Pacer
+from tensorswap.rounds.engine.hooks import Admission, CoordinatorHooks
 from tensorswap.store import MemoryStore, ModelUpdate, put_update
 
 RID = RoundId(1, "lead")
@@ -166,9 +168,12 @@ def test_announced_manifests_are_capped_over_all_rounds() -> None:
         refused = coord.cut.announce(rid2, a.name, a.cid, a.manifests)
         assert not refused.ok and "bytes of announcements" in refused.reason
         assert coord.cut.announced_bytes == held  # the refused one's reservation went back
+        for k in range(3):  # in step: the round's pacing holds a chunk far ahead
+            a.deliver(coord, k)
+            b.deliver(coord, k)
         for peer in (a, b):  # round 1 ends: its announcements may now be forgotten
-            for k in range(3):
-                peer.deliver(coord, k)
+            for cid, data in peer.manifests.items():  # pushed after its chunks
+                coord.store.put_verified(cid, data)
             coord.submit(RID, peer.name, peer.cid)
         assert coord.wait(RID, timeout=30).is_terminal
         taken = coord.cut.announce(rid2, a.name, a.cid, a.manifests)
@@ -176,3 +181,27 @@ def test_announced_manifests_are_capped_over_all_rounds() -> None:
         assert coord.cut.announced_bytes == sum(len(d) for d in a.manifests.values())
         again = coord.cut.announce(rid2, a.name, a.cid, a.manifests)  # the same, once more
         assert again.ok and coord.cut.announced_bytes == sum(len(d) for d in a.manifests.values())
+
+
+class Refusing(CoordinatorHooks):
+    """Admits no submit of ``peer`` (as a run's sampler refuses a peer not selected)."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+
+    def admit(self, admission: Admission) -> None:
+        if admission.peer == self.peer:
+            raise NotSelected("run", admission.round_id.round, admission.peer, 1)
+
+
+def test_an_announcement_is_admitted_by_the_hooks_as_its_submit_would_be() -> None:
+    coord = Coordinator(MemoryStore(), run_timer=False, hooks=[Refusing("p1")])
+    with coord:
+        coord.result_chunk_bytes = CHUNK
+        coord.start_round(RID, RoundSpec(2))
+        rng = np.random.default_rng(9)
+        a, b = (Peer(f"p{i}", rng.standard_normal(3 * CHUNK // 4, np.float32)) for i in range(2))
+        assert coord.cut.announce(RID, a.name, a.cid, a.manifests).ok
+        refused = coord.cut.announce(RID, b.name, b.cid, b.manifests)
+        assert not refused.ok and "was not selected" in refused.reason
+        assert coord.cut.announced_bytes == sum(len(d) for d in a.manifests.values())

@@ -43,7 +43,7 @@ from tensorswap.rounds.engine._cut_parse import (
 )
 from tensorswap.rounds.engine._cut_round import Piece, RoundCut
 from tensorswap.rounds.engine.fold import CHUNKS
-from tensorswap.rounds.engine.hooks import HookList
+from tensorswap.rounds.engine.hooks import Admission, HookList
 from tensorswap.rounds.engine.result import put_manifests
 from tensorswap.rounds.engine.updates import (
     STREAMING_KINDS,
@@ -121,6 +121,7 @@ class CutThrough(CutMemory):
         if reason is not None or info is None:
             return AnnounceVerdict(False, reason or "no such round", size)
         try:
+            self.hooks.admit(Admission(round_id, peer, 1.0))  # as its submit will be
             self.tracker.check_submit(round_id, peer)
             got = parse_announce(info, peer, cid, blocks, size)
         except HashMismatch:
