@@ -105,7 +105,7 @@ class Pacer:
         live: Callable[[], bool],
     ) -> None:
         """``wait`` for chunk ``piece`` (tensor, chunk) of the announced update ``got``."""
-        at = sum(len(t.chunks) for t in got.tensors[: piece[0]]) + piece[1]
+        at = got.position(piece)
 
         def lead() -> int:
             return pacing.lead(lambda: [c.nbytes for _, c in got.refs()], at)

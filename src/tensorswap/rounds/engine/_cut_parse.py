@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -51,6 +52,12 @@ class Announced:
     """Every block of the update (manifests and chunks)."""
     nbytes: int = 0
     """The manifest bytes announced (what the coordinator's cap on them counts)."""
+    firsts: tuple[int, ...] = ()
+    """Each tensor's first chunk's place among all the update's chunks."""
+
+    def position(self, piece: tuple[int, int]) -> int:
+        """Piece ``(tensor index, chunk index)``'s place among all the update's chunks."""
+        return self.firsts[piece[0]] + piece[1]
 
     def refs(self) -> Iterator[tuple[tuple[int, int], ChunkRef]]:
         """``((tensor index, chunk index), chunk)`` for every chunk, in manifest order."""
@@ -109,8 +116,9 @@ def parse_announce(
     check_layout(info, layout, peer)
     closure.append(cid)
     nbytes = sum(len(data) for data in blocks.values())
+    firsts = tuple(itertools.accumulate((len(t.chunks) for t in tensors[:-1]), initial=0))
     return Announced(
-        peer, cid, root.num_samples, layout, tuple(tensors), tuple(bounds), closure, nbytes
+        peer, cid, root.num_samples, layout, tuple(tensors), tuple(bounds), closure, nbytes, firsts
     )
 
 
