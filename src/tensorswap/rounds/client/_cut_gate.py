@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 
 from tensorswap.cid import Cid
+from tensorswap.rounds.core.patience import Patience
 from tensorswap.store import BlockStore, read_manifest
 from tensorswap.store.manifest import TensorManifest
 
@@ -80,8 +81,7 @@ class UploadGate:
         self.waits = 0
         """Chunks that waited before they were sent."""
         self.given_up = False
-        self._last: float | None = None  # when the last piece came (or the first wait began)
-        self._longest = 0.0  # the longest gap between two of those
+        self._patience = Patience()  # pieces streamed back are the progress
         self._changed = asyncio.Event()
 
     @classmethod
@@ -103,10 +103,7 @@ class UploadGate:
         """The stream has brought ``streamed`` pieces in all."""
         if streamed <= self.streamed:
             return
-        now = self.clock()
-        if self._last is not None:
-            self._longest = max(self._longest, now - self._last)
-        self._last = now
+        self._patience.progressed(self.clock())
         self.streamed = streamed
         self._changed.set()
 
@@ -132,11 +129,7 @@ class UploadGate:
             return None
         if self.starts[position] - self.starts[self.streamed] < self.lead_bytes:
             return None
-        now = self.clock()
-        if self._last is None:
-            self._last = now
-        patience = max(self.min_patience, 4 * self._longest)
-        left = self._last + patience - now
+        left, patience = self._patience.left(self.clock(), self.min_patience)
         if left <= 0:
             self.on = False
             self.given_up = True

@@ -31,9 +31,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from threading import Condition
 
+from tensorswap.rounds.core.patience import Patience
 from tensorswap.rounds.engine._cut_parse import Announced
 
 __all__ = ["DEFAULT_WINDOW_BYTES", "Pacer", "Pacing"]
@@ -51,8 +52,7 @@ class Pacing:
     """One round's pacing state (guarded by the round's lock, ``settled`` its condition)."""
 
     on: bool = True
-    last: float | None = None  # when the last piece folded (or the first wait began)
-    longest: float = 0.0  # the longest gap between two of those
+    patience: Patience = field(default_factory=Patience)  # pieces folded are the progress
     folded: int = 0
     starts: tuple[int, ...] = ()  # each position's first byte in the update's chunks
 
@@ -90,10 +90,7 @@ class Pacer:
 
     def folded(self, pacing: Pacing) -> None:
         """A piece of the round folded (the caller holds the round's lock and notifies)."""
-        now = self.clock()
-        if pacing.last is not None:
-            pacing.longest = max(pacing.longest, now - pacing.last)
-        pacing.last = now
+        pacing.patience.progressed(self.clock())
         pacing.folded += 1
 
     def hold(
@@ -129,11 +126,9 @@ class Pacer:
             if not waited:
                 self.waits += 1
                 waited = True
-                if pacing.last is None:
-                    pacing.last = self.clock()
-            patience = max(self.min_patience, 4 * pacing.longest)
-            last = pacing.last if pacing.last is not None else self.clock()
-            left = last + patience - self.clock()
+                if pacing.patience.last is None:
+                    pacing.patience.last = self.clock()  # the count starts with the wait
+            left, patience = pacing.patience.left(self.clock(), self.min_patience)
             if left <= 0:
                 pacing.on = False
                 self.given_up += 1
