@@ -19,16 +19,18 @@ directions, headers included).
 Goals (the issue's): bridge round time <= 0.4x Flower's; bridge bytes per round <= 2.5
 models; frozen half, bridge bytes / Flower's <= 0.55. Needs root (network namespaces) and
 Flower's interpreter (``--flower-python``); prints why and exits 0 without either.
-``--quick``: 2 nodes, 2 MiB, 1 measured round, goals not judged. ``--floor-kib KIB``: two
-more runs in the same federation, Flower alone and the bridge with a model of KIB KiB (the
-round's floor: Flower's control plane and its per-message ``flwr-clientapp`` start-ups, which
-no data plane removes), each beside its 32 MiB run. Every process runs the tensorswap this
-bench imported (``PYTHONPATH=/other/src`` measures another checkout with this harness).
+``--quick``: 2 nodes, 2 MiB, 1 measured round, goals not judged. ``--floor-kib KIB``: Flower
+alone and the bridge with a KIB KiB model too, each beside its full-size run (the round's
+floor: Flower's control plane and per-message ``flwr-clientapp`` start-ups). Every process
+runs the tensorswap this bench imported (``PYTHONPATH=/other/src``: another checkout), byte-
+compiled first (with ``PYTHONDONTWRITEBYTECODE`` and no ``__pycache__``, each process would
+compile what it imports again).
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import dataclasses
 import importlib.util
@@ -400,8 +402,7 @@ def report(
 
 
 def floor(seconds: dict[str, float]) -> None:
-    """The tiny-model rounds against Flower's full-size one: how much of the time goal (0.4x
-    of Flower's round) Flower's own round with (almost) no bytes already takes."""
+    """The tiny-model rounds against the time goal's budget (0.4x Flower's full-size round)."""
     budget = GOAL_TIME * seconds["flower"]
     print(f"  floor: Flower's tiny-model round {seconds['flower-tiny']:.2f} s, the bridge's "
           f"{seconds['bridge-tiny']:.2f} s; the goal's budget (0.4x Flower's round) "
@@ -476,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {exc.reason}")
         return 0
     began = time.perf_counter()
+    compileall.compile_dir(SRC, quiet=1)  # each process would compile it again otherwise
     # SIGTERM (timeout, a CI's cancel) ends the run through the finally blocks below, which
     # end every process group and delete the namespaces; Python's default would skip them
     main_thread = threading.current_thread() is threading.main_thread()
