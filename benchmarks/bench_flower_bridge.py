@@ -111,8 +111,7 @@ class Rounds:
     arrival: int = 0
     """Of those, the rounds folded as the replies arrived (each node's mod submitted)."""
     prefetched: int = 0
-    """Of those, the rounds whose aggregate the ServerApp had fetched before its
-    ``aggregate_train`` (0 with a tensorswap that predates the prefetch)."""
+    """Of those, the rounds whose aggregate was prefetched (0: a tensorswap without it)."""
 
     def total(self) -> list[int]:
         return [r + s for r, s in zip(self.received, self.sent, strict=True)]
@@ -282,16 +281,18 @@ def measured(out: Path, warmup: int) -> Rounds:
     ends = [marks[("end", r)] for r in rounds]
     traces = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
     offsets: dict[str, list[float]] = {name: [] for name in PHASES}
-    last, aggregating = [], []
+    last, aggregating = [], []  # (replies handed to the bridge, Flower's aggregation began)
     for r, start in zip(rounds, starts, strict=True):
         mine = [t for t in traces if t["round"] == r]
         for name in PHASES:
             offsets[name] += [t[name] - start["t"] for t in mine]
         last.append(max(t["replied"] for t in mine) - start["t"])
-        aggregating.append(marks[("aggregating", r)]["t"] - start["t"])
+        handed = marks.get(("handed", r), marks[("aggregating", r)])
+        aggregating.append((handed["t"] - start["t"], marks[("aggregating", r)]["t"] - start["t"]))
     phases = {PHASES[name]: statistics.median(values) for name, values in offsets.items()}
     phases["last reply out"] = statistics.median(last)
-    phases["aggregation began"] = statistics.median(aggregating)
+    phases["replies handed"] = statistics.median(h for h, _ in aggregating)
+    phases["aggregation began"] = statistics.median(a for _, a in aggregating)
     return Rounds(
         [e["t"] - s["t"] for s, e in zip(starts, ends, strict=True)],
         [e["rx"] - s["rx"] for s, e in zip(starts, ends, strict=True)],
@@ -403,12 +404,11 @@ def report(
 
 def floor(seconds: dict[str, float]) -> None:
     """The tiny-model rounds against the time goal's budget (0.4x Flower's full-size round)."""
-    budget = GOAL_TIME * seconds["flower"]
-    print(f"  floor: Flower's tiny-model round {seconds['flower-tiny']:.2f} s, the bridge's "
-          f"{seconds['bridge-tiny']:.2f} s; the goal's budget (0.4x Flower's round) "
-          f"{budget:.2f} s")  # fmt: skip
-    print(ratio_line("flower_bridge_floor_flower_tiny", seconds["flower-tiny"] / seconds["flower"]))
-    print(ratio_line("flower_bridge_floor_bridge_tiny", seconds["bridge-tiny"] / seconds["flower"]))
+    tiny, bridge, budget = seconds["flower-tiny"], seconds["bridge-tiny"], 0.4 * seconds["flower"]
+    print(f"  floor: tiny-model rounds, Flower {tiny:.2f} s, the bridge {bridge:.2f} s; 0.4x "
+          f"Flower's round {budget:.2f} s")  # fmt: skip
+    print(ratio_line("flower_bridge_floor_flower_tiny", tiny / seconds["flower"]))
+    print(ratio_line("flower_bridge_floor_bridge_tiny", bridge / seconds["flower"]))
 
 
 def _spread(values: list[float]) -> str:

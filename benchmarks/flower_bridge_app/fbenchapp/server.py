@@ -63,6 +63,17 @@ class MarkedFedAvg(FedAvg):  # type: ignore[misc]
         return aggregated
 
 
+class MarkedBlockStrategy(BlockStrategy):
+    """BlockStrategy marking when Flower hands it the replies (``handed``), before it takes
+    the service's aggregate (fetched then, or before by its prefetch)."""
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        self.strategy.mark("handed", server_round)
+        return super().aggregate_train(server_round, replies)
+
+
 def initial_model(nbytes: int, tensors: int, seed: int) -> ArrayRecord:
     """``tensors`` float32 tensors of ``nbytes`` in all, random (no two chunks alike)."""
     rng = np.random.default_rng(seed)
@@ -85,7 +96,7 @@ def main(grid: Grid, context: Context) -> None:
     )
     address = str(config["blocks"])
     if address:
-        strategy = BlockStrategy(
+        strategy = MarkedBlockStrategy(
             strategy, address, swarm=bool(config["swarm"]), stream=bool(config["stream"])
         )
     kib = int(config["kib"])  # a model of a few KiB: the round's floor (0: ``mib`` MiB)
