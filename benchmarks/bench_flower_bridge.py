@@ -19,12 +19,18 @@ directions, headers included).
 Goals (the issue's): bridge round time <= 0.4x Flower's; bridge bytes per round <= 2.5
 models; frozen half, bridge bytes / Flower's <= 0.55. Needs root (network namespaces) and
 Flower's interpreter (``--flower-python``); prints why and exits 0 without either.
-``--quick``: 2 nodes, 2 MiB, 1 measured round, goals not judged.
+``--quick``: 2 nodes, 2 MiB, 1 measured round, goals not judged. ``--floor-kib KIB``: Flower
+alone and the bridge with a KIB KiB model too, each beside its full-size run (the round's
+floor: Flower's control plane and per-message ``flwr-clientapp`` start-ups). Every process
+runs the tensorswap this bench imported (``PYTHONPATH=/other/src``: another checkout), byte-
+compiled first (with ``PYTHONDONTWRITEBYTECODE`` and no ``__pycache__``, each process would
+compile what it imports again).
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import dataclasses
 import importlib.util
@@ -43,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import tensorswap
 from tensorswap.netlab import DEVICE, Host, Lab, NamespacesUnavailable
 
 try:
@@ -58,6 +65,8 @@ LINK_PORT, BLOCKS_PORT, RUNTIME_PORT = 9100, 7000, 9094
 TENSORS = 8
 APP = Path(__file__).resolve().with_name("flower_bridge_app")
 REPO = Path(__file__).resolve().parents[1]
+SRC = Path(tensorswap.__file__).resolve().parents[1]
+"""The tensorswap every process of the bench runs: the one this bench imported."""
 GOAL_TIME, GOAL_MODELS, GOAL_FROZEN = 0.4, 2.5, 0.55
 
 
@@ -66,6 +75,8 @@ class Variant:
     name: str
     bridge: bool
     frozen: bool
+    kib: int = 0
+    """A model of this many KiB instead of ``--mib`` MiB (0: ``--mib``)."""
 
 
 VARIANTS = (
@@ -74,6 +85,14 @@ VARIANTS = (
     Variant("flower-frozen", False, True),
     Variant("bridge-frozen", True, True),
 )
+
+
+def variants(floor_kib: int) -> tuple[Variant, ...]:
+    """``VARIANTS``; with ``floor_kib``, Flower's and the bridge's tiny-model runs beside them."""
+    if floor_kib <= 0:
+        return VARIANTS
+    tiny = [Variant(f"{v.name}-tiny", v.bridge, False, floor_kib) for v in VARIANTS[:2]]
+    return (VARIANTS[0], tiny[0], VARIANTS[1], tiny[1], *VARIANTS[2:])
 
 
 @dataclass(frozen=True)
@@ -91,6 +110,8 @@ class Rounds:
     """Rounds (warm-up included) whose replies the block service aggregated."""
     arrival: int = 0
     """Of those, the rounds folded as the replies arrived (each node's mod submitted)."""
+    prefetched: int = 0
+    """Of those, the rounds whose aggregate was prefetched (0: a tensorswap without it)."""
 
     def total(self) -> list[int]:
         return [r + s for r, s in zip(self.received, self.sent, strict=True)]
@@ -161,7 +182,7 @@ def flower_env(flower: str, home: Path) -> dict[str, str]:
     SuperNodes start flower-superexec, flwr-serverapp, flwr-clientapp by name), its state in
     ``home``; nothing else on PYTHONPATH (Flower's venv has its own numpy)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(REPO / "src")
+    env["PYTHONPATH"] = str(SRC)
     env["PATH"] = os.pathsep.join([str(Path(flower).parent), env.get("PATH", "")])
     env["FLWR_HOME"] = str(home)
     return env
@@ -260,16 +281,18 @@ def measured(out: Path, warmup: int) -> Rounds:
     ends = [marks[("end", r)] for r in rounds]
     traces = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines()]
     offsets: dict[str, list[float]] = {name: [] for name in PHASES}
-    last, aggregating = [], []
+    last, aggregating = [], []  # (replies handed to the bridge, Flower's aggregation began)
     for r, start in zip(rounds, starts, strict=True):
         mine = [t for t in traces if t["round"] == r]
         for name in PHASES:
             offsets[name] += [t[name] - start["t"] for t in mine]
         last.append(max(t["replied"] for t in mine) - start["t"])
-        aggregating.append(marks[("aggregating", r)]["t"] - start["t"])
+        handed = marks.get(("handed", r), marks[("aggregating", r)])
+        aggregating.append((handed["t"] - start["t"], marks[("aggregating", r)]["t"] - start["t"]))
     phases = {PHASES[name]: statistics.median(values) for name, values in offsets.items()}
     phases["last reply out"] = statistics.median(last)
-    phases["aggregation began"] = statistics.median(aggregating)
+    phases["replies handed"] = statistics.median(h for h, _ in aggregating)
+    phases["aggregation began"] = statistics.median(a for _, a in aggregating)
     return Rounds(
         [e["t"] - s["t"] for s, e in zip(starts, ends, strict=True)],
         [e["rx"] - s["rx"] for s, e in zip(starts, ends, strict=True)],
@@ -284,6 +307,7 @@ class Settings:
     mib: int
     rounds: int
     warmup: int
+    floor_kib: int = 0
 
     def timeout(self) -> float:
         """A generous bound on one run: 4x Flower's bytes at the link's rate, per round."""
@@ -311,7 +335,8 @@ def run_variant(
     config = {
         "blocks": blocks, "swarm": True, "out": str(out), "device": DEVICE,
         "rounds": settings.warmup + settings.rounds, "nodes": settings.nodes,
-        "mib": settings.mib, "tensors": TENSORS, "frozen": variant.frozen, "seed": seed,
+        "mib": settings.mib, "kib": variant.kib, "tensors": TENSORS, "frozen": variant.frozen,
+        "seed": seed,
     }  # fmt: skip
     try:
         run_app(procs, link, config, settings.timeout())
@@ -327,6 +352,7 @@ def run_variant(
         load=os.getloadavg()[0],
         streamed=bridged.get("streamed_rounds", 0),
         arrival=bridged.get("arrival_rounds", 0),
+        prefetched=bridged.get("prefetched_rounds", 0),
     )
 
 
@@ -341,6 +367,7 @@ def report(
         f"+ {settings.rounds} measured round(s) per run; block service "
         f"{'in the SuperLink host' if blocks_on_link else 'on a host of its own'}"
     )
+    print(f"  tensorswap from {SRC}")
     for name, rounds in results.items():
         down = statistics.median(rounds.sent) / model
         up = statistics.median(rounds.received) / model
@@ -348,7 +375,8 @@ def report(
             f"  {name:<14} round {_spread(rounds.seconds)} s; link "
             f"{statistics.median(rounds.total()) / model:.2f} models/round "
             f"(down {down:.2f}, up {up:.2f}); load {rounds.load:.1f}; "
-            f"streamed rounds {rounds.streamed} ({rounds.arrival} folded as replies arrived)"
+            f"streamed rounds {rounds.streamed} ({rounds.arrival} folded as replies arrived, "
+            f"{rounds.prefetched} prefetched)"
         )
         print("    " + ", ".join(f"{k} {v:.1f}" for k, v in rounds.phases.items()))
     seconds = {n: statistics.median(r.seconds) for n, r in results.items()}
@@ -364,12 +392,23 @@ def report(
     print(ratio_line("flower_bridge_flower_models_per_round", models["flower"]))
     print(ratio_line("flower_bridge_frozen_round_time",
                      seconds["bridge-frozen"] / seconds["flower-frozen"]))  # fmt: skip
+    if "flower-tiny" in seconds:
+        floor(seconds)
     missed = []
     for name, value, goal in checks:
         print(ratio_line(name, value, "<=", goal) if judge else ratio_line(name, value))
         if judge and value > goal:
             missed.append(name)
     return missed
+
+
+def floor(seconds: dict[str, float]) -> None:
+    """The tiny-model rounds against the time goal's budget (0.4x Flower's full-size round)."""
+    tiny, bridge, budget = seconds["flower-tiny"], seconds["bridge-tiny"], 0.4 * seconds["flower"]
+    print(f"  floor: tiny-model rounds, Flower {tiny:.2f} s, the bridge {bridge:.2f} s; 0.4x "
+          f"Flower's round {budget:.2f} s")  # fmt: skip
+    print(ratio_line("flower_bridge_floor_flower_tiny", tiny / seconds["flower"]))
+    print(ratio_line("flower_bridge_floor_bridge_tiny", bridge / seconds["flower"]))
 
 
 def _spread(values: list[float]) -> str:
@@ -401,7 +440,7 @@ def run_all(
             hosts = (link, link if blocks_on_link else lab.add_host("blocks"))
             return {
                 v.name: run_variant(procs, hosts, v, settings, Path(tmp), seed)
-                for seed, v in enumerate(VARIANTS, start=1)
+                for seed, v in enumerate(variants(settings.floor_kib), start=1)
             }
         finally:
             procs.close()
@@ -422,10 +461,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the processes' logs here")
     parser.add_argument("--blocks-on-link", action="store_true",
                         help="the service behind the SuperLink host's link")  # fmt: skip
+    parser.add_argument("--floor-kib", type=int, default=0, metavar="KIB",
+                        help="also run Flower alone and the bridge with a KIB KiB model (the "
+                        "round's floor), in the same federation")  # fmt: skip
     args = parser.parse_args(argv)
-    settings = Settings(args.nodes, args.mib, args.rounds, warmup=1)
+    settings = Settings(args.nodes, args.mib, args.rounds, warmup=1, floor_kib=args.floor_kib)
     if args.quick:
-        settings = Settings(2, 2, 1, warmup=1)
+        settings = Settings(2, 2, 1, warmup=1, floor_kib=args.floor_kib)
     if args.flower_python is None:
         print("skipped: no Flower interpreter (make flower-venv, or --flower-python)")
         return 0
@@ -435,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {exc.reason}")
         return 0
     began = time.perf_counter()
+    compileall.compile_dir(SRC, quiet=1)  # each process would compile it again otherwise
     # SIGTERM (timeout, a CI's cancel) ends the run through the finally blocks below, which
     # end every process group and delete the namespaces; Python's default would skip them
     main_thread = threading.current_thread() is threading.main_thread()

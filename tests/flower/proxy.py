@@ -1,5 +1,6 @@
-"""A TCP proxy on 127.0.0.1 that cuts its first connection after some bytes from the client:
-a link (or a node in a Flower run) behind it loses its connection mid-upload once."""
+"""A TCP proxy on 127.0.0.1 that cuts one connection (the first, or the ``which``-th) after some
+bytes from the client: a link (or a node in a Flower run) behind it loses that connection
+mid-upload once."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import threading
 
 
 class CuttingProxy:
-    """Forwards 127.0.0.1:port to the service; the first connection is cut after ``cut``
-    bytes from the client, the later ones pass everything."""
+    """Forwards 127.0.0.1:port to the service; connection number ``which`` (1: the first)
+    is cut after ``cut`` bytes from the client, the others pass everything."""
 
-    def __init__(self, upstream: int, cut: int) -> None:
-        self.upstream, self.cut, self.connections = upstream, cut, 0
+    def __init__(self, upstream: int, cut: int, which: int = 1) -> None:
+        self.upstream, self.cut, self.which, self.connections = upstream, cut, which, 0
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -24,7 +25,7 @@ class CuttingProxy:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
-        limit = self.cut if self.connections == 1 else None
+        limit = self.cut if self.connections == self.which else None
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
 
         async def pipe(

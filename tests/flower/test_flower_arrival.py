@@ -24,6 +24,7 @@ from flwr.app import (  # noqa: E402
     RecordDict,
 )
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
+from proxy import CuttingProxy  # noqa: E402  (tests/flower, on sys.path: conftest)
 
 from tensorswap.errors.flower import BadReference  # noqa: E402
 from tensorswap.flower import ArrayRef, BlockLink, BlockService, BlockStrategy  # noqa: E402
@@ -152,8 +153,14 @@ def test_replies_submitted_as_they_arrive_give_the_fresh_rounds_bits(
         for reply in replies:
             ref = ArrayRef.parse("arrays", dict(reply.content["arrays"].items()))
             assert ref.submitted == opened.as_key()
+        prefetch = early.prefetch(1)
+        assert prefetch is not None and prefetch.wait(60)  # folded: fetched before asked for
+        fetched = early.link.counters.fetched_bytes
+        assert fetched >= sum(a.numpy().nbytes for a in model().values())
         got = aggregated(early, replies)
-        assert (early.streamed_rounds, early.arrival_rounds) == (1, 1)
+        assert (early.streamed_rounds, early.arrival_rounds, early.prefetched_rounds) == (1, 1, 1)
+        assert early.link.counters.fetched_bytes == fetched  # aggregate_train fetched nothing
+        assert early.prefetch(1) is None and early.link.prefetching == 0
     with BlockStrategy(fedavg(), service.address, swarm=False) as fresh:  # today's path
         want = aggregated(fresh, again)
         assert (fresh.streamed_rounds, fresh.arrival_rounds) == (1, 0)
@@ -177,9 +184,63 @@ def test_a_reply_flower_drops_is_left_out_as_flower_leaves_it(
             replies[at] = _failed(messages[at])
         else:
             del replies[at]
+        prefetch = bridged.prefetch(1)
         got = aggregated(bridged, replies)
         assert (bridged.streamed_rounds, bridged.arrival_rounds) == (1, 0)
+        assert bridged.prefetched_rounds == 0 and prefetch is not None and not prefetch.taken
+        assert prefetch.done() and bridged.link.prefetching == 0
+        again = configured(bridged)  # the link goes on: the next round's prefetch is taken
+        assert_close(aggregated(bridged, answer(service.address, again)), plain())
+        assert (bridged.arrival_rounds, bridged.prefetched_rounds) == (1, 1)
     assert_close(got, plain(dropped=frozenset({13})))
+
+
+@pytest.mark.usefixtures("task")
+def test_a_round_still_short_of_a_reply_ends_its_prefetch(service: BlockService) -> None:
+    """Node 13 never answers: the opened round waits for it, and so does its prefetch, until
+    ``aggregate_train`` aggregates the three replies afresh; the prefetch is cancelled then
+    (its connection closed). A round configured and never aggregated loses its prefetch at
+    the next ``configure_train``, and the last one at ``close``."""
+    with BlockStrategy(fedavg(), service.address, swarm=False) as bridged:
+        messages = configured(bridged)
+        replies = answer(service.address, [m for m in messages if m.metadata.dst_node_id != 13])
+        prefetch = bridged.prefetch(1)
+        assert prefetch is not None and not prefetch.done()
+        got = aggregated(bridged, replies)
+        assert (bridged.streamed_rounds, bridged.arrival_rounds) == (1, 0)
+        assert prefetch.done() and prefetch.error == "cancelled" and not prefetch.taken
+        assert bridged.link.prefetching == 0
+        configured(bridged)
+        first = bridged.prefetch(1)
+        configured(bridged)
+        assert first is not None and first.done() and bridged.link.prefetching == 1
+        last = bridged.prefetch(1)
+    assert last is not None and last.done() and bridged.link.prefetching == 0
+    assert_close(got, plain(dropped=frozenset({13})))
+
+
+@pytest.mark.usefixtures("task")
+def test_a_failed_prefetch_leaves_the_round_to_the_usual_fetch(service: BlockService) -> None:
+    """The strategy's link reaches the service through a proxy that cuts its second
+    connection at once, the prefetch's: the prefetch fails, and ``aggregate_train`` awaits
+    and fetches the opened round's aggregate on the link's own connection, as before: the
+    same bits as a fresh round over the same replies."""
+    proxy = CuttingProxy(service.port, cut=0, which=2)
+    try:
+        link = BlockLink(f"127.0.0.1:{proxy.port}")
+        with BlockStrategy(fedavg(), service.address, swarm=False, link=link) as early:
+            messages = configured(early)
+            replies = answer(service.address, messages)
+            again = [_copy(r, m) for r, m in zip(replies, messages, strict=True)]
+            prefetch = early.prefetch(1)
+            assert prefetch is not None and prefetch.wait(60) and prefetch.error is not None
+            got = aggregated(early, replies)
+            assert (early.arrival_rounds, early.prefetched_rounds) == (1, 0)
+            assert proxy.connections == 2 and link.prefetching == 0
+    finally:
+        proxy.close()
+    with BlockStrategy(fedavg(), service.address, swarm=False) as fresh:
+        assert_same_bits(got, aggregated(fresh, again))
 
 
 @pytest.mark.usefixtures("task")

@@ -63,10 +63,21 @@ class MarkedFedAvg(FedAvg):  # type: ignore[misc]
         return aggregated
 
 
-def initial_model(mib: int, tensors: int, seed: int) -> ArrayRecord:
-    """``tensors`` float32 tensors of ``mib`` MiB in all, random (no two chunks alike)."""
+class MarkedBlockStrategy(BlockStrategy):
+    """BlockStrategy marking when Flower hands it the replies (``handed``), before it takes
+    the service's aggregate (fetched then, or before by its prefetch)."""
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        self.strategy.mark("handed", server_round)
+        return super().aggregate_train(server_round, replies)
+
+
+def initial_model(nbytes: int, tensors: int, seed: int) -> ArrayRecord:
+    """``tensors`` float32 tensors of ``nbytes`` in all, random (no two chunks alike)."""
     rng = np.random.default_rng(seed)
-    floats = mib * MiB // 4 // tensors
+    floats = nbytes // 4 // tensors
     return ArrayRecord(
         {f"layer{i}": Array(rng.standard_normal(floats, np.float32)) for i in range(tensors)}
     )
@@ -85,10 +96,12 @@ def main(grid: Grid, context: Context) -> None:
     )
     address = str(config["blocks"])
     if address:
-        strategy = BlockStrategy(
+        strategy = MarkedBlockStrategy(
             strategy, address, swarm=bool(config["swarm"]), stream=bool(config["stream"])
         )
-    model = initial_model(int(config["mib"]), int(config["tensors"]), int(config["seed"]))
+    kib = int(config["kib"])  # a model of a few KiB: the round's floor (0: ``mib`` MiB)
+    nbytes = kib * 1024 if kib > 0 else int(config["mib"]) * MiB
+    model = initial_model(nbytes, int(config["tensors"]), int(config["seed"]))
     strategy.start(grid, model, num_rounds=int(config["rounds"]))
     if isinstance(strategy, BlockStrategy):
         counted = {
@@ -96,6 +109,7 @@ def main(grid: Grid, context: Context) -> None:
             "referenced": strategy.bytes.referenced,
             "streamed_rounds": strategy.streamed_rounds,
             "arrival_rounds": strategy.arrival_rounds,
+            "prefetched_rounds": getattr(strategy, "prefetched_rounds", 0),
             "fetched": strategy.link.counters.fetched_bytes,
             "sent": strategy.link.counters.sent_bytes,
         }

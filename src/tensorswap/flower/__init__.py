@@ -10,20 +10,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tensorswap.flower.errors import (
-    AggregateUnavailable,
-    ArraysUnavailable,
-    BadReference,
-    FlowerBridgeError,
-    ReferenceMismatch,
-)
-from tensorswap.flower.link import BlockLink, LinkCounters
-from tensorswap.flower.node_store import NodeStore
-from tensorswap.flower.reference import ArrayRef, is_reference
-
 if TYPE_CHECKING:
+    from tensorswap.flower.errors import (
+        AggregateUnavailable,
+        ArraysUnavailable,
+        BadReference,
+        FlowerBridgeError,
+        ReferenceMismatch,
+    )
+    from tensorswap.flower.link import BlockLink, LinkCounters
     from tensorswap.flower.mod import blocks_mod
+    from tensorswap.flower.node_store import NodeStore
     from tensorswap.flower.records import StoredArray
+    from tensorswap.flower.reference import ArrayRef, is_reference
     from tensorswap.flower.service import BlockService
     from tensorswap.flower.strategy import BlockStrategy
 
@@ -45,13 +44,25 @@ __all__ = [
 ]
 
 _LAZY = {
+    "AggregateUnavailable": "tensorswap.flower.errors",
+    "ArraysUnavailable": "tensorswap.flower.errors",
+    "BadReference": "tensorswap.flower.errors",
+    "FlowerBridgeError": "tensorswap.flower.errors",
+    "ReferenceMismatch": "tensorswap.flower.errors",
+    "ArrayRef": "tensorswap.flower.reference",
+    "is_reference": "tensorswap.flower.reference",
+    "BlockLink": "tensorswap.flower.link",
+    "LinkCounters": "tensorswap.flower.link",
+    "NodeStore": "tensorswap.flower.node_store",
     "blocks_mod": "tensorswap.flower.mod",
     "BlockService": "tensorswap.flower.service",
     "BlockStrategy": "tensorswap.flower.strategy",
     "StoredArray": "tensorswap.flower.records",
 }
-"""Names imported on first use: those that need flwr (the room imports without Flower), and
-the service (the rounds coordinator: a ClientApp process, one per message, never needs it)."""
+"""Every name is imported on first use: those that need flwr (the room imports without
+Flower), the service (the rounds coordinator), and the data plane (link, store, wire, swarm):
+a deployed ClientApp starts a process per message, which imports the app, and so this
+package, before it knows whether its message needs any of it (``mod``'s docstring)."""
 
 
 def __getattr__(name: str) -> Any:

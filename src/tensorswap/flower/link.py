@@ -22,6 +22,7 @@ from tensorswap.cid import Cid
 from tensorswap.errors import TensorSwapError
 from tensorswap.errors.flower import ArraysUnavailable
 from tensorswap.flower.node_store import NodeStore
+from tensorswap.flower.prefetch import RoundPrefetch
 from tensorswap.store import BlockStore, MemoryStore, ModelUpdate, get_update, put_update
 from tensorswap.store.gc import collect_garbage
 from tensorswap.swarm import SwarmPeer
@@ -100,6 +101,7 @@ class BlockLink:
         )
         self._thread.start()
         self._closed = False
+        self._prefetches: set[RoundPrefetch] = set()
 
     # ── synchronous API ──────────────────────────────────────────────────────
     def push(
@@ -170,25 +172,64 @@ class BlockLink:
         return self._run(call, f"submit to round {round_id.as_key()}")
 
     def round_aggregate(
-        self, round_id: RoundId, *, timeout: float = 300.0
+        self,
+        round_id: RoundId,
+        *,
+        timeout: float = 300.0,
+        prefetched: RoundPrefetch | None = None,
     ) -> tuple[Cid, dict[str, np.ndarray]]:
         """The aggregate of round ``round_id`` once it is Complete, fetched: its CID and
-        arrays. AggregateUnavailable when it fails or times out."""
+        arrays. AggregateUnavailable when it fails or times out. ``prefetched``: that
+        round's ``prefetch_round``; where it brought the aggregate (waited for, ``timeout``
+        s at most) its blocks are read from the store, else (it failed, or was for another
+        round) the round is awaited and fetched here as without it."""
         from tensorswap.flower.coordinated import await_round
 
         async def call() -> Cid:
             client = await self._connected()
             return await await_round(client, round_id, timeout=timeout, address=self.address)
 
-        cid = self._run(call, f"await round {round_id.as_key()}")
+        cid = None
+        if prefetched is not None:
+            cid = prefetched.take(timeout) if prefetched.round_id == round_id else None
+            prefetched.cancel()
+        if cid is None:
+            cid = self._run(call, f"await round {round_id.as_key()}")
         self.counters.aggregates += 1
         return cid, self.fetch(cid)
+
+    def prefetch_round(self, round_id: RoundId, *, timeout: float) -> RoundPrefetch:
+        """Start awaiting round ``round_id``'s aggregate (``timeout`` s at most) on a
+        connection of its own and, once the round is Complete, fetching it into the store
+        (through this link's connection, one call at a time with the others); returned at
+        once. Pass it to ``round_aggregate``, or ``cancel`` it (``close`` cancels those
+        still running)."""
+        if self._closed:
+            raise ArraysUnavailable(f"prefetch round {round_id.as_key()}", self.address, 0,
+                                    "the link is closed")  # fmt: skip
+        prefetch = RoundPrefetch(round_id, self._loop)
+        self._prefetches.add(prefetch)
+
+        def start() -> None:
+            task = self._loop.create_task(self._prefetch(round_id, timeout))
+            task.add_done_callback(lambda _: self._prefetches.discard(prefetch))
+            prefetch.started(task)
+
+        self._loop.call_soon_threadsafe(start)
+        return prefetch
+
+    @property
+    def prefetching(self) -> int:
+        """Prefetches (``prefetch_round``) not ended yet."""
+        return sum(1 for p in list(self._prefetches) if not p.done())
 
     def close(self) -> None:
         """Close the connection and the seeder, stop the loop thread (idempotent)."""
         if self._closed:
             return
         self._closed = True
+        for prefetch in list(self._prefetches):
+            prefetch.cancel()
         with contextlib.suppress(Exception):
             self._submit(self._aclose()).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -227,6 +268,9 @@ class BlockLink:
                     await asyncio.sleep(min(2.0, 0.05 * 2**attempt))
                 except RemoteError as exc:
                     raise ArraysUnavailable(what, self.address, attempt, str(exc)) from exc
+                except asyncio.CancelledError:  # a request may be half made: dial afresh
+                    await self._drop_client()
+                    raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _connected(self) -> BlockClient:
@@ -269,6 +313,19 @@ class BlockLink:
             self.counters.fetched_bytes += pulled.fetched_bytes
         self.counters.fetches += 1
         self._remember(root)
+
+    async def _prefetch(self, round_id: RoundId, timeout: float) -> Cid:
+        """``prefetch_round``'s work: the round awaited apart, its aggregate fetched."""
+        from tensorswap.flower.coordinated import await_round
+
+        waiting = await BlockClient.connect(
+            self.host, self.port, key=self.key, timeouts=self.timeouts
+        )
+        async with waiting:  # closed after (aborted where cancelled)
+            cid = await await_round(waiting, round_id, timeout=timeout, address=self.address)
+        if self.node is None:  # a node's fetch reads under its lock: left to the caller
+            await self._retrying(lambda: self._fetch(cid, False), f"prefetch {cid}")
+        return cid
 
     async def _swarm_peer(self) -> SwarmPeer:
         if self._peer is None:

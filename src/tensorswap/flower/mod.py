@@ -1,5 +1,12 @@
 """blocks_mod: a Flower ClientApp mod that resolves array references in incoming messages and
-sends the reply's arrays as blocks through the block service, references in their place."""
+sends the reply's arrays as blocks through the block service, references in their place.
+
+Importing it imports nothing but the standard library: a deployed ClientApp runs each message
+in a fresh ``flwr-clientapp`` process, which imports the app (and so this module) before its
+message arrives. The data plane (the link, the wire, the store, the swarm; the rounds client
+for a submit) is imported by the first message that needs it, and never by one that does
+not (a message without references, from a ServerApp without the bridge).
+"""
 
 from __future__ import annotations
 
@@ -9,23 +16,12 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+if TYPE_CHECKING:
+    from flwr.app import Context, Message, RecordDict
 
-from tensorswap.errors.flower import FlowerBridgeError
-from tensorswap.flower.link import BlockLink
-from tensorswap.flower.node_store import NodeStore
-from tensorswap.flower.records import (
-    REPLY_PLAN,
-    has_reference,
-    peer_of,
-    reference_of,
-    reply_samples,
-    swap_in,
-    swap_out,
-    take_reply_plan,
-)
-from tensorswap.flower.reference import ArrayRef, is_reference
+    from tensorswap.flower.link import BlockLink
 
 __all__ = ["blocks_mod", "shared_link", "submitted"]
 
@@ -42,6 +38,9 @@ def shared_link(
     the ClientApps a process runs share its connection, its store and its swarm seeder).
     ``store``: a directory for the node's blocks, kept across processes (``NodeStore``);
     None: in this process's memory."""
+    from tensorswap.flower.link import BlockLink
+    from tensorswap.flower.node_store import NodeStore
+
     where = None if store is None else os.fspath(store)
     with _links_lock:
         link = _links.get((address, key, where))
@@ -60,7 +59,20 @@ def _close_links() -> None:
         link.close()
 
 
-ClientAppCall = Callable[[Message, Context], Message]
+ClientAppCall = Callable[["Message", "Context"], "Message"]
+
+PLAN_KEY, REF_MARKER = "tensorswap.reply", "tensorswap.ref"
+"""``records.REPLY_PLAN`` and ``reference.MARKER`` (tests/flower/test_flower_imports.py checks
+they agree): what marks a message the bridge has to handle, told apart without importing it."""
+
+
+def _bridged(content: RecordDict) -> bool:
+    """Whether ``content`` holds a reply plan or a reference (else the mod passes it on)."""
+    from flwr.app import ConfigRecord  # the ClientApp's own import: already loaded
+
+    if PLAN_KEY in content:
+        return True
+    return any(isinstance(r, ConfigRecord) and REF_MARKER in r for r in content.values())
 
 
 def blocks_mod(
@@ -90,8 +102,18 @@ def blocks_mod(
     """
 
     def mod(message: Message, context: Context, call_next: ClientAppCall) -> Message:
-        if not message.has_content():
+        if not message.has_content() or not _bridged(message.content):
             return call_next(message, context)
+        from tensorswap.flower.records import (
+            REPLY_PLAN,
+            has_reference,
+            peer_of,
+            reply_samples,
+            swap_in,
+            swap_out,
+            take_reply_plan,
+        )
+
         planned = REPLY_PLAN in message.content
         content, plan = take_reply_plan(message.content)
         if not planned and not has_reference(content):
@@ -122,6 +144,11 @@ def submitted(
     saying so (``ArrayRef.submitted``) once the round holds exactly them. Where the submit
     is refused or fails (logged), the reference stays as it was: the strategy then has the
     service aggregate the replies Flower hands it in a round of its own, as without it."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    from tensorswap.errors.flower import FlowerBridgeError
+    from tensorswap.flower.records import reference_of
+    from tensorswap.flower.reference import ArrayRef, is_reference
     from tensorswap.rounds.core import RoundId  # the rounds model, only where it is used
 
     found = [(k, r) for k, r in content.items() if isinstance(r, ConfigRecord) and is_reference(r)]

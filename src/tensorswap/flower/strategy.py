@@ -18,6 +18,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from tensorswap.errors.flower import AggregateUnavailable, FlowerBridgeError
 from tensorswap.flower.link import BlockLink
+from tensorswap.flower.prefetch import RoundPrefetch
 from tensorswap.flower.records import has_reference, peer_of, swap_in, swap_out, with_reply_plan
 from tensorswap.flower.reference import ArrayRef, is_reference
 from tensorswap.flower.streamed import Opened, Plan, plan_round, refusal, settled
@@ -113,7 +114,11 @@ class BlockStrategy(Strategy):
         self.arrival_rounds = 0
         """Of those, the rounds aggregated in the round the nodes submitted to as they
         replied (the rest: in a round the strategy started once it had every reply)."""
+        self.prefetched_rounds = 0
+        """Of those, the rounds whose aggregate this process had fetched before
+        ``aggregate_train`` was called (``BlockLink.prefetch_round``)."""
         self._opened: dict[int, Opened] = {}
+        self._prefetches: dict[int, RoundPrefetch] = {}
         self._refused = _stream_refusal(strategy, stream)
         if self._refused is not None and stream is None:
             log.info("%s: replies aggregated in this process (%s)", type(strategy).__name__,
@@ -126,6 +131,13 @@ class BlockStrategy(Strategy):
             raise AttributeError(name)
         return getattr(self.strategy, name)
 
+    def prefetch(self, server_round: int) -> RoundPrefetch | None:
+        """The prefetch of the aggregate of the round opened for training round
+        ``server_round`` (None: none opened, or it was aggregated since): its task awaits
+        the round on a connection of its own and fetches the aggregate as soon as the last
+        sampled node's reply is folded, while Flower relays the replies."""
+        return self._prefetches.get(server_round)
+
     @property
     def stream_refusal(self) -> str | None:
         """Why this strategy's training replies are never aggregated in the block service
@@ -133,6 +145,7 @@ class BlockStrategy(Strategy):
         return self._refused
 
     def close(self) -> None:
+        self._drop_prefetches()
         self.link.close()
 
     def __enter__(self) -> BlockStrategy:
@@ -261,6 +274,7 @@ class BlockStrategy(Strategy):
         """A round on the service's coordinator for the nodes ``messages`` go to (one each),
         which their mods submit their replies to; None (logged) when the service refuses."""
         self._opened.clear()  # a round configured but never aggregated: left to its deadline
+        self._drop_prefetches()
         peers = frozenset(peer_of(m.metadata.dst_node_id) for m in messages)
         if len(peers) != len(messages):
             return None
@@ -271,6 +285,7 @@ class BlockStrategy(Strategy):
             log.info("round %d: replies not folded as they arrive: %s", server_round, exc)
             return None
         opened = self._opened[server_round] = Opened(round_id, peers)
+        self._prefetches[server_round] = self.link.prefetch_round(round_id, timeout=ARRIVAL_TIMEOUT)
         return opened
 
     def _aggregating(
@@ -297,20 +312,36 @@ class BlockStrategy(Strategy):
 
     def _arrived(self, server_round: int, plan: Plan) -> dict[str, Any] | None:
         """The aggregate of the round the nodes submitted to as they replied, where it is
-        the plan's (``Plan.unlike``); None (logged) where it is not or the service gives none."""
+        the plan's (``Plan.unlike``); None (logged) where it is not or the service gives none.
+        Its prefetch (started by ``_open``) is taken where it brought the aggregate, and
+        cancelled otherwise: the round is then awaited and fetched here, as without it."""
         opened = self._opened.pop(server_round, None)
+        prefetch = self._prefetches.pop(server_round, None)
         if opened is None:
             return None
         unlike = plan.unlike(opened)
         try:
             if unlike is None:
-                _, arrays = self.link.round_aggregate(opened.round_id, timeout=AGGREGATE_TIMEOUT)
+                _, arrays = self.link.round_aggregate(
+                    opened.round_id, timeout=AGGREGATE_TIMEOUT, prefetched=prefetch
+                )
                 self.arrival_rounds += 1
+                if prefetch is not None and prefetch.taken:
+                    self.prefetched_rounds += 1
                 return arrays
         except AggregateUnavailable as exc:
             unlike = str(exc)
+        finally:
+            if prefetch is not None:  # not taken: its wait (or fetch) ends here
+                prefetch.cancel()
         log.info("round %d: the replies handed are aggregated afresh: %s", server_round, unlike)
         return None
+
+    def _drop_prefetches(self) -> None:
+        """End the prefetches of rounds opened and not aggregated."""
+        for prefetch in self._prefetches.values():
+            prefetch.cancel()
+        self._prefetches.clear()
 
     def _aggregate(self, server_round: int, plan: Plan) -> dict[str, Any] | None:
         """The service's aggregate of the plan's replies; None (logged) when it gives none."""
