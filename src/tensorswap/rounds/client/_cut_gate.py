@@ -44,7 +44,7 @@ __all__ = ["DEFAULT_LEAD_BYTES", "MIN_LEAD", "UploadGate"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEAD_BYTES = 2 * 1024 * 1024
+DEFAULT_LEAD_BYTES = 1024 * 1024
 """How far (bytes of its own chunks) a peer may run ahead of the pieces streamed back."""
 MIN_LEAD = 2
 """Chunks a peer may always run ahead (one on the wire, one being folded and streamed)."""
