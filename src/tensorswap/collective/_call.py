@@ -16,7 +16,7 @@ from tensorswap.cid import Cid
 from tensorswap.collective._assemble import Assembly
 from tensorswap.collective._call_relay import put_to_relay, start_pulls
 from tensorswap.collective._compress import Compression, codec_for
-from tensorswap.collective._layout import chunk_bounds, flatten, slice_range, unflatten
+from tensorswap.collective._layout import chunk_bounds, fill, inputs_of, slice_range, unflatten
 from tensorswap.collective._progress import STALL_FACTOR, STALL_FLOOR, Progress
 from tensorswap.collective._reduce import SliceWork, WatchedStore, reduce_slice
 from tensorswap.collective.errors import (
@@ -141,11 +141,11 @@ class CallRun:
     async def run(self) -> dict[str, Any]:
         start = time.perf_counter()
         owner = self.owner
-        layout, flat = await asyncio.to_thread(flatten, self.tensors, owner.group)
+        layout, arrays = inputs_of(self.tensors, owner.group)
         self.layout = layout
         self.bounds = chunk_bounds(layout.total, owner.size)
         self.assembly = Assembly(owner.store, self.codec, self.bounds, layout.total)
-        self.mine = await asyncio.to_thread(self._put_inputs, flat)
+        self.mine = await asyncio.to_thread(self._put_inputs, arrays)
         commit = Commit(
             owner.group,
             self.number,
@@ -181,22 +181,26 @@ class CallRun:
         self.stats.dropped = dict(view.dropped)
         return unflatten(layout, out)
 
-    def _put_inputs(self, flat: np.ndarray) -> list[Cid]:
-        """Encode (with error feedback when lossy) and store this peer's chunks."""
+    def _put_inputs(self, arrays: list[np.ndarray]) -> list[Cid]:
+        """Flatten, encode (with error feedback when lossy) and store this peer's chunks,
+        one chunk at a time: each is hashed while its copy is still in the cache."""
         owner = self.owner
         key = f"{owner.compression}:{self.layout.digest().hex()}"
-        error = owner.errors.get(key) if owner.compression != "none" else None
-        if error is not None:
-            flat += error
+        lossy = owner.compression != "none"
+        error = owner.errors.get(key) if lossy else None
+        flat = empty(self.layout.total, np.float32)
         cids = []
-        sent = empty(flat.size, np.float32) if owner.compression != "none" else flat
+        sent = empty(flat.size, np.float32) if lossy else flat
         for start, stop in self.bounds:
+            fill(arrays, flat, start, stop)
+            if error is not None:
+                flat[start:stop] += error[start:stop]
             data = self.codec.encode(flat[start:stop])
             cid = owner.store.put(data.data, adopt=True)
             cids.append(cid)
-            if owner.compression != "none":
+            if lossy:
                 sent[start:stop] = self.codec.decode(owner.store.get(cid), stop - start)
-        if owner.compression != "none":
+        if lossy:
             residual = np.subtract(flat, sent, out=sent)
             owner.errors[key] = residual
             norm = float(np.linalg.norm(flat))
