@@ -49,6 +49,28 @@ async def test_parts_arrive_in_order_whole(pair: Pair) -> None:
     assert b.bytes_received == 100_008
 
 
+async def test_frames_of_small_parts_and_a_large_body_arrive_whole_in_order(pair: Pair) -> None:
+    """Each send is a header, a prefix and a body large enough to go to the kernel
+    directly (TCP: the small parts go with it in one sendmsg, whatever of them the kernel
+    does not take then after it); back to back, so later ones meet full socket buffers."""
+    a, b = pair
+    frames = []
+    for i in range(6):
+        body = bytes([i]) * (2 * DIRECT_SEND_BYTES + 17 * i)
+        frames.append((bytes([100 + i]) * 32, bytearray(bytes([200 + i]) * 45), body))
+    expected = b"".join(b"".join(bytes(p) for p in frame) for frame in frames)
+
+    async def send_all() -> None:
+        for frame in frames:
+            await a.send(*frame)
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(send_all())
+        got = await receive_all(b, len(expected))
+    assert got == expected
+    assert a.bytes_sent == len(expected)
+
+
 async def test_large_payload_both_ways(pair: Pair) -> None:
     a, b = pair
     big = bytes(range(256)) * (4 * DIRECT_RECEIVE_BYTES // 256 + 3)

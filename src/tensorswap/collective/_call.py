@@ -13,9 +13,10 @@ import numpy as np
 
 from tensorswap._alloc import empty
 from tensorswap.cid import Cid
+from tensorswap.collective._assemble import Assembly
 from tensorswap.collective._call_relay import put_to_relay, start_pulls
 from tensorswap.collective._compress import Compression, codec_for
-from tensorswap.collective._layout import chunk_bounds, flatten, slice_range, unflatten
+from tensorswap.collective._layout import chunk_bounds, fill, inputs_of, slice_range, unflatten
 from tensorswap.collective._progress import STALL_FACTOR, STALL_FLOOR, Progress
 from tensorswap.collective._reduce import SliceWork, WatchedStore, reduce_slice
 from tensorswap.collective.errors import (
@@ -140,10 +141,11 @@ class CallRun:
     async def run(self) -> dict[str, Any]:
         start = time.perf_counter()
         owner = self.owner
-        layout, flat = flatten(self.tensors, owner.group)
+        layout, arrays = inputs_of(self.tensors, owner.group)
         self.layout = layout
         self.bounds = chunk_bounds(layout.total, owner.size)
-        self.mine = await asyncio.to_thread(self._put_inputs, flat)
+        self.assembly = Assembly(owner.store, self.codec, self.bounds, layout.total)
+        self.mine = await asyncio.to_thread(self._put_inputs, arrays)
         commit = Commit(
             owner.group,
             self.number,
@@ -163,7 +165,10 @@ class CallRun:
             owner.note_view(answer.view)
         try:
             view = await self._drive()
-            out = await asyncio.to_thread(self._assemble, view)
+            for key, task in list(self.tasks.items()):
+                if key[0] == "place":  # a copy in a worker thread: let it end, not cancel
+                    await asyncio.wait([task])
+            out = await asyncio.to_thread(self.assembly.finish, self._published(view))
         finally:
             for work in self.works.values():
                 work.stop()
@@ -176,22 +181,26 @@ class CallRun:
         self.stats.dropped = dict(view.dropped)
         return unflatten(layout, out)
 
-    def _put_inputs(self, flat: np.ndarray) -> list[Cid]:
-        """Encode (with error feedback when lossy) and store this peer's chunks."""
+    def _put_inputs(self, arrays: list[np.ndarray]) -> list[Cid]:
+        """Flatten, encode (with error feedback when lossy) and store this peer's chunks,
+        one chunk at a time: each is hashed while its copy is still in the cache."""
         owner = self.owner
         key = f"{owner.compression}:{self.layout.digest().hex()}"
-        error = owner.errors.get(key) if owner.compression != "none" else None
-        if error is not None:
-            flat += error
+        lossy = owner.compression != "none"
+        error = owner.errors.get(key) if lossy else None
+        flat = empty(self.layout.total, np.float32)
         cids = []
-        sent = empty(flat.size, np.float32) if owner.compression != "none" else flat
+        sent = empty(flat.size, np.float32) if lossy else flat
         for start, stop in self.bounds:
+            fill(arrays, flat, start, stop)
+            if error is not None:
+                flat[start:stop] += error[start:stop]
             data = self.codec.encode(flat[start:stop])
             cid = owner.store.put(data.data, adopt=True)
             cids.append(cid)
-            if owner.compression != "none":
+            if lossy:
                 sent[start:stop] = self.codec.decode(owner.store.get(cid), stop - start)
-        if owner.compression != "none":
+        if lossy:
             residual = np.subtract(flat, sent, out=sent)
             owner.errors[key] = residual
             norm = float(np.linalg.norm(flat))
@@ -260,6 +269,23 @@ class CallRun:
                     self.gathered.add(j)  # its reducer pushed it here as it was folded
                 else:
                     self.start_task(("gather", j), self._gather, j, info, view.final, members)
+        self._place_published(view)
+
+    def _place_published(self, view: CallView) -> None:
+        """Copy each published reduced slice that is here into the result now, off the
+        loop, while the others are still in flight (``Assembly``; the seal's live set
+        decides, at the end, which copies count)."""
+        n, store = len(view.participants), self.owner.store
+        for j, info in view.reduced.items():
+            key = ("place", j, tuple(info.chunks))
+            ks = slice_range(len(self.bounds), n, j)
+            if key in self.tasks or len(info.chunks) != len(ks):
+                continue
+            pairs = list(zip(ks, map(Cid.parse, info.chunks), strict=True))
+            if all(store.has(cid) for _, cid in pairs):
+                lacking = self.assembly.lacking(pairs)
+                if lacking:
+                    self.start_task(key, asyncio.to_thread, self.assembly.place, lacking)
 
     def _accuse_forgers(self, view: CallView) -> None:
         """Accuse (of a mismatch) each live participant whose push this peer's server
@@ -416,18 +442,16 @@ class CallRun:
     def _gathered_all(self, view: CallView) -> bool:
         return all(j in self.gathered for j in range(len(view.participants)))
 
-    def _assemble(self, view: CallView) -> np.ndarray:
-        """The result: every reduced chunk decoded into one (pooled) vector."""
-        out = empty(self.layout.total, np.float32)
+    def _published(self, view: CallView) -> list[tuple[int, Cid]]:
+        """Every chunk of the result with the CID its reducer published for it."""
         n = len(view.participants)
-        for j in range(n):
+        return [
+            (k, Cid.parse(raw))
+            for j in range(n)
             for k, raw in zip(
                 slice_range(len(self.bounds), n, j), view.reduced[j].chunks, strict=True
-            ):
-                start, stop = self.bounds[k]
-                data = self.owner.store.get(Cid.parse(raw))
-                out[start:stop] = self.codec.decode(data, stop - start)
-        return out
+            )
+        ]
 
     async def _check_root(self, view: CallView) -> None:
         """Report the result root; a member that ended with another one is an error."""

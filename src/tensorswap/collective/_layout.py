@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,15 @@ def flatten(tensors: Mapping[str, Any], group: str = "") -> tuple[Layout, np.nda
     """``tensors`` (numpy or torch, any float dtype) as one fresh float32 vector, in
     sorted-name order (every peer orders alike whatever its dict's order). A large vector
     is pooled memory (``tensorswap._alloc``): a fresh one cost ~3 ms/MiB in page faults."""
+    layout, arrays = inputs_of(tensors, group)
+    flat = empty(layout.total, np.float32)
+    fill(arrays, flat, 0, layout.total)
+    return layout, flat
+
+
+def inputs_of(tensors: Mapping[str, Any], group: str = "") -> tuple[Layout, list[np.ndarray]]:
+    """The layout of ``tensors`` and their values as numpy arrays, in ``flatten``'s order
+    (nothing copied: ``fill`` copies them, a range at a time)."""
     if not tensors:
         raise GroupMismatch(group, "an all_reduce of no tensors")
     names = tuple(sorted(tensors))
@@ -78,12 +87,22 @@ def flatten(tensors: Mapping[str, Any], group: str = "") -> tuple[Layout, np.nda
     layout = Layout(names, tuple(tuple(int(d) for d in a.shape) for a in arrays), torch)
     if layout.total == 0:
         raise GroupMismatch(group, "an all_reduce of empty tensors")
-    flat = empty(layout.total, np.float32)
+    return layout, arrays
+
+
+def fill(arrays: Sequence[np.ndarray], flat: np.ndarray, start: int, stop: int) -> None:
+    """Copy values ``[start, stop)`` of the arrays laid end to end (C order each) into
+    ``flat[start:stop]``, as float32."""
     offset = 0
     for array in arrays:
-        flat[offset : offset + array.size] = array.reshape(-1)
-        offset += array.size
-    return layout, flat
+        end = offset + array.size
+        lo, hi = max(start, offset), min(stop, end)
+        if lo < hi:
+            values = array.reshape(-1) if array.flags.c_contiguous else array.flat
+            flat[lo:hi] = values[lo - offset : hi - offset]
+        offset = end
+        if offset >= stop:
+            return
 
 
 def unflatten(layout: Layout, flat: np.ndarray) -> dict[str, Any]:

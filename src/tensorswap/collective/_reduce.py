@@ -13,6 +13,7 @@ import numpy as np
 
 from tensorswap._alloc import empty
 from tensorswap.cid import Cid
+from tensorswap.collective._assemble import Assembly
 from tensorswap.collective._call_relay import put_to_relay
 from tensorswap.collective._compress import ChunkCodec
 from tensorswap.collective.messages import (
@@ -69,6 +70,7 @@ class CallRun(Protocol):
     stats: Any  # its CallStats
     bounds: list[tuple[int, int]]
     works: dict[int, SliceWork]
+    assembly: Assembly
     folded: list[Cid]
     accused: set[str]
     tasks: dict[tuple[Any, ...], asyncio.Task[None]]
@@ -196,10 +198,17 @@ def _notices_match(run: CallRun, view: CallView, j: int, chunks: range, live: li
 async def _fold(run: CallRun, view: CallView, work: SliceWork, ks: list[int]) -> None:
     """Fold chunks ``ks`` of ``work``'s slice off the loop; the drive loop wakes after."""
     owner = run.owner
+    assembly = run.assembly
+
+    def fold_and_place() -> list[Cid]:
+        cids = fold_chunks(owner.store, run.codec, run.bounds, view.commits, work.live, ks)
+        # into the result too, while the sums are in the cache (a stale live set's are
+        # copied again at the seal: the result takes only published CIDs)
+        assembly.place(list(zip(ks, cids, strict=True)))
+        return cids
+
     try:
-        cids = await asyncio.to_thread(
-            fold_chunks, owner.store, run.codec, run.bounds, view.commits, work.live, ks
-        )
+        cids = await asyncio.to_thread(fold_and_place)
     finally:
         work.folding = False
     run.folded.extend(cids)
