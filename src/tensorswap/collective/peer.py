@@ -355,7 +355,9 @@ class Collective:
         on every member; numpy out (torch out for torch in). ``members`` then names the
         peers whose inputs it holds. A peer that dies or lies is dropped and the others
         finish without it; raises PeerExcluded if this peer was dropped, TooFewPeers below
-        the quorum, ResultMismatch if members ended with different results."""
+        the quorum, ResultMismatch if members ended with different results. ``tensors``
+        must not be written until this returns: they are copied chunk by chunk while the
+        call runs (what another task wrote meanwhile may or may not be in this call)."""
         async with self._lock:
             run = CallRun(self, self.call, tensors, weight)
             try:
