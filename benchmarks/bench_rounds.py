@@ -169,17 +169,21 @@ class Coordinator:
 
 # ── 1 + 2: one round of big updates ──────────────────────────────────────────
 async def big_round(
-    port: int, peers: int, nbytes: int, rep: int = 0, deterministic: bool = False
+    port: int, peers: int, nbytes: int, rep: int = 0, deterministic: bool = False, cut: bool = True
 ) -> tuple[float, float, float]:
     """(round seconds, seconds until every submit was accepted, aggregation seconds).
 
     Round ``rep + 1`` (``RoundSpec.deterministic`` with ``deterministic``). Every update
     holds random values of its own, so every chunk is a
     distinct block and all ``peers * nbytes`` bytes cross the wire (constant values would
-    make all chunks of an update one block, sent once).
+    make all chunks of an update one block, sent once). ``cut``: the peers announce, so the
+    round cuts through and streams the aggregate back to each of them while it uploads (the
+    README's path); False: a barrier round, uploads only.
     """
     rid = RoundId(rep + 1, "bench")
     clients = [await RoundClient.connect("127.0.0.1", port, peer=f"peer-{i}") for i in range(peers)]
+    for client in clients:
+        client.cut.enabled = cut
     try:
         cids = []
         for i, client in enumerate(clients):
@@ -218,7 +222,7 @@ def run_big(tmp: Path, peers: int, size: int, reps: int) -> bool:
     """
     coord = Coordinator(tmp / "big")
     raws, rounds, ratios, accepted, aggregation, peaks = [], [], [], [], [], []
-    stored, stored_ratios = [], []
+    stored, stored_ratios, barriers = [], [], []
     try:
         base_rss, _ = coord.memory()
         for rep in range(reps):
@@ -235,6 +239,8 @@ def run_big(tmp: Path, peers: int, size: int, reps: int) -> bool:
             accepted.append(submitted)
             aggregation.append(agg)
             peaks.append((peak - base_rss) / size)
+            barrier = asyncio.run(big_round(coord.port, peers, size, 100 + rep, cut=False))
+            barriers.append(barrier[0] / stored[-1])
     finally:
         coord.stop()
     mib = size // MiB
@@ -245,7 +251,8 @@ def run_big(tmp: Path, peers: int, size: int, reps: int) -> bool:
     print(f"  round                {_spread(rounds)}")
     print(f"    all accepted       {_spread(accepted)}")
     print(f"    final aggregation  {_spread(aggregation)}")
-    print(f"  round / raw + files  {_spread(stored_ratios)}")
+    print(f"  round / raw + files  {_spread(stored_ratios)}  (the aggregate streamed back too)")
+    print(f"  barrier round / raw + files {_spread(barriers)}  (cut-through off, uploads only)")
     print(f"  round / raw          {_spread(ratios)} -> {ratio:.2f}x (goal <= 1.5x)")
     # The coordinator keeps every accepted block in its directory store (they must survive a
     # kill -9), so no round can beat moving the bytes and writing them to files, hashing aside.
