@@ -97,6 +97,7 @@ def _free_port() -> int:
 
 
 _BARRIER = "TENSORSWAP_BENCH_BARRIER"
+_LEAD = "TENSORSWAP_BENCH_UPLOAD_LEAD"  # --upload-lead-kib, for the peer processes
 
 
 # ── a peer process ───────────────────────────────────────────────────────────
@@ -107,6 +108,8 @@ async def peer(port: int, index: int, peers: int, nbytes: int) -> None:
     name = f"peer-{index}"
     async with await RoundClient.connect("127.0.0.1", port, peer=name, key=KEY) as client:
         client.cut.enabled = os.environ.get(_BARRIER) != "1"
+        if (lead := os.environ.get(_LEAD)) is not None:
+            client.cut.lead_bytes = int(lead) or None
         print("connected", flush=True)
         values = np.empty(0, np.float32)
         while (line := await asyncio.to_thread(sys.stdin.readline)).strip() not in ("", "quit"):
@@ -374,10 +377,17 @@ def main(argv: list[str] | None = None) -> int:
         "--result-chunk-kib", type=int, default=None,
         help="the coordinator's result chunk size (serve --result-chunk); peers cut so too",
     )  # fmt: skip
+    parser.add_argument(
+        "--upload-lead-kib", type=int, default=None,
+        help="how far a peer's upload may run ahead of the result pieces streamed back "
+        "(RoundClient.cut.lead_bytes; default: the library's; 0: uploads not paced)",
+    )  # fmt: skip
     parser.add_argument("--peer", nargs=4, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.barrier:
         os.environ[_BARRIER] = "1"  # the peer processes inherit it
+    if args.upload_lead_kib is not None:
+        os.environ[_LEAD] = str(args.upload_lead_kib * 1024)
     if args.peer:
         port, index, peers, nbytes = args.peer
         asyncio.run(peer(port, index, peers, nbytes))
