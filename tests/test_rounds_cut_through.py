@@ -15,7 +15,15 @@ from tensorswap.cid import Cid
 from tensorswap.rounds import Coordinator, FakeClock, RoundClient, RoundServer
 from tensorswap.rounds.core import Complete, RoundId, RoundSpec
 from tensorswap.rounds.engine.hooks import CoordinatorHooks
-from tensorswap.rounds.protocol.cut import APP_ANNOUNCE, AnnounceRequest, encode
+from tensorswap.rounds.protocol.cut import (
+    APP_ANNOUNCE,
+    APP_STREAM,
+    AnnounceRequest,
+    StreamAnswer,
+    StreamRequest,
+    decode_stream_answer,
+    encode,
+)
 from tensorswap.store import (
     DEFAULT_CHUNK_BYTES,
     MemoryStore,
@@ -410,3 +418,30 @@ async def test_fetch_result_waits_its_timeout_in_all_not_once_per_stage(
             await a.fetch_result(RID, timeout=None)
     assert asked[0] is not None and asked[0] <= 10.0 - 0.05  # what the stream left of it
     assert asked[1] is None
+
+
+async def test_a_stream_says_every_peer_announced_only_to_a_client_that_asks() -> None:
+    values = inputs(2, seed=6)
+    with coordinator() as coord:
+        async with (
+            running(RoundServer(coord)) as server,
+            await RoundClient.connect("127.0.0.1", server.port, peer="a") as a,
+            await RoundClient.connect("127.0.0.1", server.port, peer="b") as b,
+        ):
+            await a.start_round(RID, RoundSpec(2))
+            await announce_all([a, b], RID, values, [1, 1], CHUNK)  # nothing pushed yet
+
+            async def ask(ready: bool | None) -> StreamAnswer:
+                call = StreamRequest(
+                    round=RID.round, initiator=RID.initiator, peer="a", timeout=0.2, ready=ready
+                )
+                body, _ = await a.blocks.request_blocks(
+                    APP_STREAM, encode(call), a.store, lambda b: decode_stream_answer(b).sent_cids()
+                )
+                return decode_stream_answer(body)
+
+            told = await ask(False)  # a client that listens for it: told at once
+            assert told.ready and not told.chunks
+            for ready in (None, True):  # one from before it, or one told already: no such answer
+                quiet = await ask(ready)
+                assert not quiet.ready and not quiet.chunks  # the wait's empty end

@@ -108,8 +108,10 @@ class StreamRequest(_Request, frozen=True, tag="stream"):
     peer: str
     after: int = 0
     timeout: float = 30.0
-    ready: bool = False
-    """The client was told every expected peer has announced (no answer only to say so)."""
+    ready: bool | None = None
+    """Whether the client was told every expected peer has announced (True: no answer only
+    to say so); None: a client that predates ``StreamAnswer.ready``, never told (it would ask
+    again at once, and again)."""
 
     def __post_init__(self) -> None:
         self._check_round_id()

@@ -117,7 +117,7 @@ class CutService:
         if abandoned is not None:
             return _plain(StreamAnswer(abandoned=abandoned))
         if len(progress) <= call.after:
-            if not call.ready and self.cut.ready(rid):
+            if call.ready is False and self.cut.ready(rid):
                 return _plain(StreamAnswer(ready=True))  # the client's pacing may start
             return None
         new = progress[call.after : call.after + MAX_STREAM_CHUNKS]
