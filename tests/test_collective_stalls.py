@@ -4,6 +4,7 @@ publishes."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -15,6 +16,30 @@ from tensorswap.collective._state import CallState, GroupState, commit_due, publ
 from tensorswap.collective.messages import APP, CommitInfo, Member, Reduced, ReducedInfo
 from tensorswap.store import MemoryStore
 from tensorswap.wire import AppRequest, BlockServer
+
+
+def watch(
+    server: BlockServer, made: Rendezvous, seen: Callable[[Rendezvous], bool]
+) -> asyncio.Event:
+    """An event set once an answered rendezvous call leaves ``made`` where ``seen`` says."""
+    event = asyncio.Event()
+    answer = server.handlers[APP]
+
+    async def watched(request: AppRequest) -> bytes:
+        reply = await answer(request)
+        if seen(made):
+            event.set()
+        return reply
+
+    server.handlers[APP] = watched
+    return event
+
+
+async def join_three(server: BlockServer) -> list[Collective]:
+    """Three peers p0..p2 joined to group ``g`` at the rendezvous ``server``."""
+    address = f"127.0.0.1:{server.port}"
+    joining = (Collective.join(address, group="g", peer=f"p{i}", size=3, key=KEY) for i in range(3))
+    return list(await asyncio.gather(*joining))
 
 
 def test_a_peer_that_never_commits_is_dropped_once_overdue_against_the_pace() -> None:
@@ -29,26 +54,13 @@ def test_a_peer_that_never_commits_is_dropped_once_overdue_against_the_pace() ->
         server = BlockServer(MemoryStore(), key=KEY)
         made = Rendezvous(clock=lambda: now[0]).attach(server)
         await server.start("127.0.0.1", 0)
-        committed = asyncio.Event()
-        answer = server.handlers[APP]
 
-        async def watched(request: AppRequest) -> bytes:
-            reply = await answer(request)
+        def both_committed(made: Rendezvous) -> bool:
             state = made.groups["g"].calls.get(1)
-            if state is not None and {"p0", "p1"} <= set(state.commits):
-                committed.set()
-            return reply
+            return state is not None and {"p0", "p1"} <= set(state.commits)
 
-        server.handlers[APP] = watched
-        address = f"127.0.0.1:{server.port}"
-        peers = list(
-            await asyncio.gather(
-                *(
-                    Collective.join(address, group="g", peer=f"p{i}", size=3, key=KEY)
-                    for i in range(3)
-                )
-            )
-        )
+        committed = watch(server, made, both_committed)
+        peers = await join_three(server)
         try:
             await asyncio.gather(
                 *(p.all_reduce({"w": x}) for p, x in zip(peers, inputs, strict=True))
@@ -113,27 +125,14 @@ def test_a_reducer_that_never_publishes_is_dropped_once_every_push_is_in() -> No
         server = BlockServer(MemoryStore(), key=KEY)
         made = Rendezvous(clock=lambda: now[0]).attach(server)
         await server.start("127.0.0.1", 0)
-        ready = asyncio.Event()
-        answer = server.handlers[APP]
 
-        async def watched(request: AppRequest) -> bytes:
-            reply = await answer(request)
+        def pushes_taken(made: Rendezvous) -> bool:
             state = made.groups["g"].calls.get(0)
             took = {} if state is None else state.delivered.get((0, "p0"), {})
-            if state is not None and {1, 2} <= set(state.reduced) and {"p1", "p2"} <= set(took):
-                ready.set()
-            return reply
+            return state is not None and {1, 2} <= set(state.reduced) and {"p1", "p2"} <= set(took)
 
-        server.handlers[APP] = watched
-        address = f"127.0.0.1:{server.port}"
-        peers = list(
-            await asyncio.gather(
-                *(
-                    Collective.join(address, group="g", peer=f"p{i}", size=3, key=KEY)
-                    for i in range(3)
-                )
-            )
-        )
+        ready = watch(server, made, pushes_taken)
+        peers = await join_three(server)
         ask = peers[0].ask
 
         async def never_publish(message):  # type: ignore[no-untyped-def]
